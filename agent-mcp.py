@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""agent-mcp: one persistent, tool-using LLM agent behind many front doors.
+
+Loads the configuration and plugins, then serves every client_interface plugin on its own port
+(its own Starlette app and uvicorn server), all in one event loop, until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import re
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import routes
+import state
+from config import AppConfig, ConfigError, load_config
+from plugin_loader import BasePlugin
+
+logger = logging.getLogger("agent_mcp")
+
+SECRET_NAME = re.compile(r"(KEY|TOKEN|PASS|PASSWORD|SECRET)$", re.IGNORECASE)
+
+
+class StartupError(Exception):
+    """The server cannot start; the message names the plugin, the address and what to change."""
+
+
+class _RedactSecrets(logging.Filter):
+    """Replace the values of secret-looking settings in every log record with `***`."""
+
+    def __init__(self, secrets: list[str]):
+        super().__init__()
+        self.secrets = sorted((s for s in secrets if len(s) >= 6), key=len, reverse=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            message = record.getMessage()
+            redacted = message
+            for secret in self.secrets:
+                redacted = redacted.replace(secret, "***")
+            if redacted != message:
+                record.msg, record.args = redacted, None
+        return True
+
+
+def _setup_logging(level: str, env: dict[str, str]) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_RedactSecrets([v for k, v in env.items() if SECRET_NAME.search(k) and v]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("httpx", "httpx2", "httpcore", "google_genai.models"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>` (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse({"error": "unauthorized: send Authorization: Bearer <token>"}, status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to agent-mcp (one handler stops them all)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(name: str, host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only then, and without
+    # it every response on a kept-alive connection waits ~40 ms for a delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(
+            f"plugin {name} cannot listen on {host}:{port}: {exc.strerror}. Another program or plugin uses "
+            f"that port: change plugin_config.{name}.port in plugins-enabled.json"
+        ) from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def build_app(rt: state.Runtime, plugin: BasePlugin, token: str | None) -> ASGIApp:
+    """One Starlette app holding only this plugin's routes (auth-wrapped when a token is set)."""
+    app = Starlette(routes=plugin.get_routes())
+    app.state.runtime = rt
+    app.state.plugin = plugin
+    return _BearerAuth(app, token) if token else app
+
+
+def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, str]]:
+    assert rt.plugins is not None
+    prepared: list[tuple[_Server, socket.socket, str]] = []
+    try:
+        for plugin in rt.plugins.client_plugins():
+            cfg: dict[str, Any] = plugin.get_config()
+            name, host, port, token = plugin.PLUGIN_NAME, str(cfg.get("host", "127.0.0.1")), cfg.get("port"), cfg.get("token")
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise StartupError(f"plugin {name}: port {port!r} is not valid; set plugin_config.{name}.port")
+            if not _is_loopback(host) and not token:
+                raise StartupError(
+                    f"plugin {name} would listen on {host}:{port} without a token. Configure its bearer token "
+                    f"(see README) or bind it to 127.0.0.1 (plugin_config.{name}.host)"
+                )
+            sock = _bind(name, host, port)
+            config = uvicorn.Config(
+                build_app(rt, plugin, token), log_config=None, access_log=False, lifespan="off",
+                timeout_graceful_shutdown=3,
+            )
+            prepared.append((_Server(config), sock, f"{cfg.get('name', name)} ({name}) on http://{host}:{port}"))
+    except BaseException:
+        for _, sock, _ in prepared:
+            sock.close()
+        raise
+    return prepared
+
+
+async def serve(config: AppConfig) -> int:
+    """Run until a signal arrives or a server stops; returns the process exit code."""
+    rt = await routes.build_runtime(config)
+    state.set_current(rt)
+    try:
+        assert rt.plugins is not None
+        reports = await rt.plugins.load_all()
+        problems = [r for r in reports if r.status in ("invalid", "failed")]
+        prepared = _prepare_servers(rt)
+        if not prepared:
+            raise StartupError("no client interface plugin is running, so there is nothing to serve; "
+                               "enable plugin_client_shellpy in plugins-enabled.json")
+        servers = [s for s, _, _ in prepared]
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            for s in servers:
+                s.should_exit = True
+            if rt.stopping is not None:
+                rt.stopping.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        rt.stopping = anyio.Event()
+        tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock, _ in prepared]
+        for _, _, where in prepared:
+            logger.info("listening: %s", where)
+        logger.info("agent-mcp ready: %d plugin(s) loaded, %d with problems, default model %s",
+                    len(rt.plugins.loaded), len(problems), config.default_model)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stop()  # one server stopped (or a signal came): stop the rest
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return 0
+    finally:
+        await routes.close_runtime(rt)
+        state.set_current(None)
+        logger.info("agent-mcp stopped")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agent-mcp.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "Config files (read from --config-dir, falling back to the shipped copies):\n"
+            "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  .system_prompt/\n"
+            "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
+            "  AGENT_SHELL_TOKEN (bearer token of the shell.py endpoint), API keys named in llm-models.json."
+        ),
+    )
+    p.add_argument("--config-dir", default=None, help="directory with the config files (default: next to this file)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config_dir)
+    except ConfigError as exc:
+        print(f"agent-mcp: configuration error: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(args.log_level, config.env)
+    try:
+        return asyncio.run(serve(config))
+    except (StartupError, ConfigError) as exc:
+        logger.error("%s", exc)
+        print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Added time per turn through the shell.py endpoint, against the same fake backend called directly.
+
+Both paths run in the same process run, interleaved round by round, against one instant fake
+OpenAI backend (32 tokens per answer):
+
+  direct: `ChatOpenAI.astream` (the same LangChain client the server uses) → fake backend
+  server: POST /submit → agent-mcp (subprocess) → ChatOpenAI.astream → fake → SSE `tok` … `done`
+
+It reports median and p95 of time to first token and of the whole turn (submit → done) for both,
+the added time (server − direct) and the ratio, plus the server's CPU time per turn. Only
+127.0.0.1 is used. When the machine has two or more cores, the server is pinned to core 1 and the
+client and fake to core 0 so that they do not steal each other's time.
+
+    python bench/turn_overhead.py [--turns 200] [--rounds 10] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from prompt import PromptTree  # noqa: E402
+from tests.conftest import AgentServer, ConfigDir, openai_model  # noqa: E402
+from tests.fakes.backend import tokens  # noqa: E402
+from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def direct_turn(llm: ChatOpenAI, system: str, i: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    first = None
+    async for chunk in llm.astream([SystemMessage(system), HumanMessage(f"question {i}")]):
+        if first is None and chunk.content:
+            first = time.perf_counter() - start
+    return first or 0.0, time.perf_counter() - start
+
+
+class ServerPath:
+    """One long-lived SSE stream per bench client; each turn is POST /submit then read until `done`."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.http = httpx.AsyncClient(timeout=30)
+        self.lines: asyncio.Queue[str] = asyncio.Queue()
+        self.reader: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        ready = asyncio.Event()
+
+        async def pump() -> None:
+            async with self.http.stream("GET", f"{self.url}/stream", params={"client_id": "bench"}) as resp:
+                ready.set()
+                async for line in resp.aiter_lines():
+                    if line.startswith("event:"):
+                        self.lines.put_nowait(line[6:].strip())
+
+        self.reader = asyncio.create_task(pump())
+        await ready.wait()
+
+    async def turn(self, i: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        first = None
+        resp = await self.http.post(f"{self.url}/submit", json={"client_id": "bench", "text": f"question {i}"})
+        resp.raise_for_status()
+        while True:
+            event = await self.lines.get()
+            if event == "tok" and first is None:
+                first = time.perf_counter() - start
+            elif event == "done":
+                return first or 0.0, time.perf_counter() - start
+
+    async def close(self) -> None:
+        if self.reader:
+            self.reader.cancel()
+        await self.http.aclose()
+
+
+def row(name: str, direct: list[float], server: list[float]) -> str:
+    d50, s50, d95, s95 = (statistics.median(direct), statistics.median(server), pct(direct, 0.95), pct(server, 0.95))
+    return (f"| {name} | {d50 * 1e3:.2f} | {s50 * 1e3:.2f} | **+{(s50 - d50) * 1e3:.2f}** | {s50 / d50:.2f}× "
+            f"| {d95 * 1e3:.2f} | {s95 * 1e3:.2f} | **+{(s95 - d95) * 1e3:.2f}** |")
+
+
+async def run(args: argparse.Namespace) -> None:
+    pinned = (os.cpu_count() or 1) >= 2
+    if pinned:
+        os.sched_setaffinity(0, {0})
+    with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
+        cfg = ConfigDir(Path(tmp))
+        cfg.models = {"fake": openai_model(backend, max_context=2)}
+        cfg.env = {"SESSION_STORE": "sqlite"}
+        server = AgentServer(cfg.write()).start()
+        assert server.proc is not None
+        if pinned:
+            os.sched_setaffinity(server.proc.pid, {1})
+        llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
+        system = PromptTree(ROOT / ".system_prompt").load().assemble()
+        path = ServerPath(server.url)
+        await path.open()
+        per_round = max(1, args.turns // args.rounds)
+        for i in range(args.warmup):  # connections, imports, caches
+            await direct_turn(llm, system, i)
+            await path.turn(i)
+        direct: list[tuple[float, float]] = []
+        through: list[tuple[float, float]] = []
+        cpu = 0.0
+        for r in range(args.rounds):
+            for i in range(per_round):
+                direct.append(await direct_turn(llm, system, r * per_round + i))
+            before = cpu_seconds(server.proc.pid)
+            for i in range(per_round):
+                through.append(await path.turn(r * per_round + i))
+            cpu += cpu_seconds(server.proc.pid) - before
+        await path.close()
+        server.stop()
+    n = len(through)
+    print(f"\n{n} turns per path, {args.rounds} interleaved rounds, {args.tokens} tokens per answer, "
+          f"{'server pinned to core 1, client and fake to core 0' if pinned else 'no pinning (1 core)'}\n")
+    print("| metric (ms) | direct p50 | server p50 | added p50 | ratio p50 | direct p95 | server p95 | added p95 |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(row("time to first token", [d[0] for d in direct], [s[0] for s in through]))
+    print(row("whole turn (submit → done)", [d[1] for d in direct], [s[1] for s in through]))
+    print(f"\nserver CPU per turn: {cpu / n * 1e3:.2f} ms ({cpu / n / args.tokens * 1e6:.0f} µs per token)")
+    print(json.dumps({"turns": n, "tokens": args.tokens, "cpu_ms_per_turn": round(cpu / n * 1e3, 3)}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--turns", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=20)
+    asyncio.run(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Configuration: `.env`, `llm-models.json`, `plugin-manifest.json`, `plugins-enabled.json`.
+
+Every file is loaded into pydantic models; a malformed file or field stops start-up with a
+`ConfigError` that names the file and the field. Files are looked up in the config directory
+first and fall back to the copies shipped next to the code, so a fresh checkout runs as is and a
+second instance only needs the files it changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from dotenv import dotenv_values
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+logger = logging.getLogger("agent_mcp.config")
+
+CODE_DIR = Path(__file__).resolve().parent
+MODELS_FILE = "llm-models.json"
+MANIFEST_FILE = "plugin-manifest.json"
+ENABLED_FILE = "plugins-enabled.json"
+MAX_TOOL_ITERATIONS = 10
+
+
+class ConfigError(Exception):
+    """A configuration file is missing, not JSON, or has an invalid field; the message says which."""
+
+
+class _Model(BaseModel):
+    # Unknown fields are kept (agentctl and newer versions may add some) but reported.
+    model_config = ConfigDict(extra="allow")
+
+
+class ModelConfig(_Model):
+    """One entry of `llm-models.json`."""
+
+    model_id: str = Field(min_length=1)
+    type: Literal["OPENAI", "GEMINI"]
+    host: str | None = None
+    env_key: str | None = None
+    max_context: int = Field(default=50, ge=2)
+    enabled: bool = True
+    tool_call_available: bool = False
+    llm_call_timeout: float = Field(default=60, gt=0)
+    description: str = ""
+    llm_tools: Literal["all"] | list[str] = "all"
+    max_retries: int = Field(default=2, ge=0, le=10)
+    router: bool = False
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https:// (or be null)")
+        return v
+
+
+class ManifestEntry(_Model):
+    """One plugin of `plugin-manifest.json`: what exists and what it needs."""
+
+    type: Literal["data_tool", "client_interface"]
+    file: str = Field(min_length=1)
+    description: str = ""
+    dependencies: list[str] = []
+    env_vars: list[str] = []
+    config_files: list[str] = []
+    priority: int = 500
+    tools: list[str] = []
+    default_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class RateLimit(_Model):
+    """A rate-limit window for one tool type."""
+
+    calls: int = Field(ge=0)
+    window_seconds: float = Field(ge=0)
+    auto_disable: bool = False
+
+
+class EnabledConfig(_Model):
+    """`plugins-enabled.json`: the operator's control panel."""
+
+    version: str = "1.0.0"
+    default_model: str
+    enabled_plugins: list[str] = []
+    plugin_config: dict[str, dict[str, Any]] = {}
+    rate_limits: dict[str, RateLimit] = {}
+
+
+class Manifest(_Model):
+    """`plugin-manifest.json`."""
+
+    version: str = "1.0.0"
+    plugins: dict[str, ManifestEntry]
+
+
+class ModelsFile(_Model):
+    """`llm-models.json`."""
+
+    version: str = "1.0.0"
+    models: dict[str, ModelConfig]
+
+
+class AppConfig(BaseModel):
+    """Everything the server reads at start, with disabled models already removed."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    config_dir: Path
+    env: dict[str, str]
+    models: dict[str, ModelConfig]
+    manifest: Manifest
+    enabled: EnabledConfig
+
+    @property
+    def default_model(self) -> str:
+        return self.enabled.default_model
+
+    def plugin_config(self, name: str) -> dict[str, Any]:
+        return dict(self.enabled.plugin_config.get(name, {}))
+
+    def data_dir(self) -> Path:
+        return Path(self.env.get("AGENT_DATA_DIR") or self.config_dir / "data")
+
+    def path(self, name: str) -> Path:
+        """A config-relative file: the config dir's copy, else the one shipped with the code."""
+        return config_path(self.config_dir, name)
+
+
+def config_path(config_dir: Path, name: str) -> Path:
+    """Where a config file is read from: `config_dir/name` if present, else the shipped default."""
+    own = Path(config_dir) / name
+    return own if own.exists() or Path(config_dir) == CODE_DIR else CODE_DIR / name
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file, turning every failure into a ConfigError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+
+
+def _validate(model: type[BaseModel], data: Any, path: Path) -> Any:
+    try:
+        obj = model.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  field '{where}': {err['msg']}")
+        raise ConfigError(f"{path}: invalid configuration\n" + "\n".join(lines)) from None
+    _warn_unknown(obj, path, "")
+    return obj
+
+
+def _warn_unknown(obj: Any, path: Path, prefix: str) -> None:
+    if isinstance(obj, BaseModel):
+        for key in obj.model_extra or {}:
+            if key != "metadata":
+                logger.warning("%s: unknown field '%s%s' ignored", path, prefix, key)
+        for name in type(obj).model_fields:
+            _warn_unknown(getattr(obj, name), path, f"{prefix}{name}.")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _warn_unknown(value, path, f"{prefix}{key}.")
+
+
+def load_env(config_dir: Path) -> dict[str, str]:
+    """`.env` of the config dir under the process environment (the environment wins)."""
+    env_file = Path(config_dir) / ".env"
+    values = {k: v for k, v in dotenv_values(env_file).items() if v is not None} if env_file.exists() else {}
+    return {**values, **os.environ}
+
+
+def load_models(config_dir: Path) -> dict[str, ModelConfig]:
+    """Enabled models of `llm-models.json`, by key."""
+    path = config_path(config_dir, MODELS_FILE)
+    models = _validate(ModelsFile, read_json(path), path).models
+    return {key: m for key, m in models.items() if m.enabled}
+
+
+def load_manifest(config_dir: Path) -> Manifest:
+    path = config_path(config_dir, MANIFEST_FILE)
+    return _validate(Manifest, read_json(path), path)
+
+
+def load_enabled(config_dir: Path) -> EnabledConfig:
+    path = config_path(config_dir, ENABLED_FILE)
+    return _validate(EnabledConfig, read_json(path), path)
+
+
+def load_config(config_dir: str | Path | None = None) -> AppConfig:
+    """Load and cross-check every config file; raise ConfigError naming the file and field."""
+    cdir = Path(config_dir).resolve() if config_dir else CODE_DIR
+    if not cdir.is_dir():
+        raise ConfigError(f"{cdir}: config directory does not exist")
+    env = load_env(cdir)
+    models = load_models(cdir)
+    manifest = load_manifest(cdir)
+    enabled = load_enabled(cdir)
+    enabled_path = config_path(cdir, ENABLED_FILE)
+    if not models:
+        raise ConfigError(f"{config_path(cdir, MODELS_FILE)}: no enabled model; enable at least one")
+    if enabled.default_model not in models:
+        raise ConfigError(
+            f"{enabled_path}: field 'default_model': '{enabled.default_model}' is not an enabled model "
+            f"of {MODELS_FILE} (enabled: {', '.join(models)})"
+        )
+    return AppConfig(config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled)
+
+
+def resolve_api_key(model: ModelConfig, env: dict[str, str]) -> str | None:
+    """The API key for a model, or None when its `env_key` is set but empty in the environment."""
+    if model.env_key:
+        return env.get(model.env_key) or None
+    return "no-key-required"

@@ -1,0 +1,287 @@
+"""Plugins: the `BasePlugin` contract and the loader that validates, imports and starts them.
+
+Plugins are declared in `plugin-manifest.json` and switched on in `plugins-enabled.json`. The
+loader starts them in manifest `priority` order; a plugin that is misconfigured, fails to import
+or fails to init is reported with its reason and skipped, and the server starts without it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import sys
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+import state
+from config import CODE_DIR
+
+logger = logging.getLogger("agent_mcp.plugins")
+
+PLUGIN_TYPES = ("data_tool", "client_interface")
+
+
+class BasePlugin(ABC):
+    """What every plugin is. Subclass it in `plugins/plugin_<type>_<name>.py`.
+
+    Before `init()` the loader sets `self.runtime` to the server's `state.Runtime`.
+    """
+
+    PLUGIN_NAME: str = ""
+    PLUGIN_VERSION: str = "0.0.0"
+    PLUGIN_TYPE: str = ""  # "data_tool" or "client_interface"
+    DESCRIPTION: str = ""
+    DEPENDENCIES: list[str] = []
+    ENV_VARS: list[str] = []
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.runtime: state.Runtime | None = None
+
+    @abstractmethod
+    def init(self, config: dict[str, Any]) -> bool:
+        """Start with this plugin's `plugin_config` block; return False to be skipped. May be async."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Close connections and stop background work. May be async."""
+
+    def get_tools(self) -> dict[str, Any]:
+        """data_tool: `{"lc": [StructuredTool, ...]}`."""
+        return {"lc": []}
+
+    def get_gate_tools(self) -> dict[str, Any]:
+        """data_tool: `{"tool_name": {"type": "search" | "drive" | ..., ...}}`."""
+        return {}
+
+    def get_routes(self) -> list[Any]:
+        """client_interface: Starlette routes served on this plugin's own port."""
+        return []
+
+    def get_config(self) -> dict[str, Any]:
+        """client_interface: `{"port": int, "host": str, "name": str, "token": str | None}`."""
+        return {}
+
+    def get_commands(self) -> dict[str, Any]:
+        """Optional `!command` handlers: name → `async def handler(args: str) -> str`."""
+        return {}
+
+    def get_help(self) -> str:
+        """Optional section for `!help`."""
+        return ""
+
+
+@dataclass
+class PluginReport:
+    """What happened to one plugin at start: loaded, disabled, invalid or failed, and why."""
+
+    name: str
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    priority: int = 0
+
+    def line(self) -> str:
+        why = f": {'; '.join(self.reasons)}" if self.reasons else ""
+        return f"{self.name} [{self.status}]{why}"
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def dependency_problem(requirement: str) -> str | None:
+    """Why a pip requirement such as `slack-sdk>=3.30` is not satisfied, or None."""
+    try:
+        req = Requirement(requirement)
+    except InvalidRequirement:
+        return f"dependency '{requirement}' is not a valid requirement string"
+    try:
+        version = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        return f"dependency '{req.name}' is not installed (pip install '{requirement}')"
+    if req.specifier and not req.specifier.contains(version, prereleases=True):
+        return f"dependency '{req.name}' is {version}, needs {req.specifier} (pip install '{requirement}')"
+    return None
+
+
+def _describe_import_error(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" ({Path(frame.filename).name}, line {frame.lineno})" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+class PluginLoader:
+    """Loads the enabled plugins of one runtime and shuts them down in reverse order."""
+
+    def __init__(self, rt: state.Runtime):
+        self.rt = rt
+        self.loaded: list[BasePlugin] = []
+        self.reports: dict[str, PluginReport] = {}
+
+    # ── discovery and validation ──
+
+    def plugin_file(self, name: str) -> Path | None:
+        """The plugin's file: `plugins/<file>` in the config dir first, then next to the code."""
+        entry = self.rt.config.manifest.plugins.get(name)
+        if entry is None:
+            return None
+        for base in (self.rt.config.config_dir, CODE_DIR):
+            candidate = base / "plugins" / entry.file
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def is_enabled(self, name: str) -> bool:
+        enabled = self.rt.config.enabled
+        return name in enabled.enabled_plugins and enabled.plugin_config.get(name, {}).get("enabled", True) is not False
+
+    def validate(self, name: str) -> list[str]:
+        """Every reason the plugin cannot start (empty when it can)."""
+        cfg = self.rt.config
+        entry = cfg.manifest.plugins.get(name)
+        if entry is None:
+            return [f"not declared in plugin-manifest.json (add an entry for '{name}')"]
+        problems = []
+        if self.plugin_file(name) is None:
+            problems.append(f"file plugins/{entry.file} not found")
+        missing = [v for v in entry.env_vars if not cfg.env.get(v)]
+        if missing:
+            problems.append(f"environment variable(s) not set: {', '.join(missing)} (add them to .env)")
+        for f in entry.config_files:
+            if not (cfg.config_dir / f).exists():
+                problems.append(f"config file {f} not found in {cfg.config_dir}")
+        problems += [p for p in map(dependency_problem, entry.dependencies) if p]
+        return problems
+
+    # ── loading ──
+
+    def _import(self, name: str, path: Path) -> type[BasePlugin]:
+        module_name = f"agent_mcp_plugin_{name}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module: ModuleType = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(module_name, None)
+            raise
+        classes = [
+            obj for obj in vars(module).values()
+            if isinstance(obj, type) and issubclass(obj, BasePlugin) and obj is not BasePlugin
+            and obj.__module__ == module_name and not inspect.isabstract(obj)
+        ]
+        if not classes:
+            raise ImportError(f"{path.name} defines no concrete BasePlugin subclass")
+        named = [c for c in classes if c.PLUGIN_NAME == name]
+        return (named or classes)[0]
+
+    def _check_interface(self, name: str, plugin: BasePlugin) -> list[str]:
+        expected = self.rt.config.manifest.plugins[name].type
+        problems = []
+        if plugin.PLUGIN_TYPE != expected:
+            problems.append(f"PLUGIN_TYPE is {plugin.PLUGIN_TYPE!r} but the manifest says {expected!r}")
+        if plugin.PLUGIN_NAME and plugin.PLUGIN_NAME != name:
+            problems.append(f"PLUGIN_NAME is {plugin.PLUGIN_NAME!r}, manifest key is {name!r}")
+        if expected == "client_interface" and type(plugin).get_routes is BasePlugin.get_routes:
+            problems.append("client_interface plugins must implement get_routes()")
+        if expected == "data_tool" and type(plugin).get_tools is BasePlugin.get_tools:
+            problems.append("data_tool plugins must implement get_tools()")
+        return problems
+
+    async def load(self, name: str) -> PluginReport:
+        """Validate, import, init and register one plugin; never raises."""
+        entry = self.rt.config.manifest.plugins.get(name)
+        report = PluginReport(name, "loaded", priority=entry.priority if entry else 0)
+        self.reports[name] = report
+        if not self.is_enabled(name):
+            report.status, report.reasons = "disabled", ["enabled: false in plugins-enabled.json"]
+            return report
+        problems = self.validate(name)
+        if problems:
+            report.status, report.reasons = "invalid", problems
+            return report
+        path = self.plugin_file(name)
+        assert path is not None
+        try:
+            plugin = self._import(name, path)()
+        except Exception as exc:
+            report.status, report.reasons = "failed", [f'Error importing plugin "{name}": {_describe_import_error(exc)}']
+            return report
+        problems = self._check_interface(name, plugin)
+        if problems:
+            report.status, report.reasons = "invalid", problems
+            return report
+        plugin.runtime = self.rt
+        try:
+            ok = await _maybe_await(plugin.init(self.rt.config.plugin_config(name)))
+        except Exception as exc:
+            report.status, report.reasons = "failed", [f"init raised {_describe_import_error(exc)}"]
+            return report
+        if ok is False:
+            report.status, report.reasons = "failed", ["init returned False (see the log lines above)"]
+            return report
+        try:
+            self._register(name, plugin)
+        except Exception as exc:
+            self.rt.tools.unregister_owner(name)
+            for cmd in [c for c, spec in self.rt.commands.items() if spec.owner == name]:
+                del self.rt.commands[cmd]
+            await self._shutdown_one(plugin)
+            report.status, report.reasons = "failed", [str(exc)]
+            return report
+        plugin.enabled = True
+        self.loaded.append(plugin)
+        return report
+
+    def _register(self, name: str, plugin: BasePlugin) -> None:
+        if plugin.PLUGIN_TYPE == "data_tool":
+            self.rt.tools.register_plugin_tools(name, plugin.get_tools())
+            self.rt.tools.register_gate_tools(name, plugin.get_gate_tools())
+        commands = plugin.get_commands() or {}
+        for cmd, handler in commands.items():
+            key = str(cmd).lower().lstrip("!")
+            if not key.isidentifier() or not inspect.iscoroutinefunction(handler):
+                raise TypeError(f"get_commands(): '{cmd}' needs a name like 'mycmd' and an async handler")
+            other = self.rt.commands.get(key)
+            if other is not None:
+                raise ValueError(f"get_commands(): !{key} is already provided by {other.owner}")
+        for cmd, handler in commands.items():
+            self.rt.commands[str(cmd).lower().lstrip("!")] = state.Command(handler, owner=name)
+
+    async def load_all(self) -> list[PluginReport]:
+        """Load every plugin named in `enabled_plugins`, lowest manifest priority first."""
+        manifest = self.rt.config.manifest.plugins
+        names = list(dict.fromkeys(self.rt.config.enabled.enabled_plugins))
+        names.sort(key=lambda n: manifest[n].priority if n in manifest else 10**9)
+        reports = [await self.load(n) for n in names]
+        for r in reports:
+            log = logger.info if r.status in ("loaded", "disabled") else logger.error
+            log("plugin %s", r.line())
+        return reports
+
+    def client_plugins(self) -> list[BasePlugin]:
+        return [p for p in self.loaded if p.PLUGIN_TYPE == "client_interface"]
+
+    async def _shutdown_one(self, plugin: BasePlugin) -> None:
+        try:
+            await _maybe_await(plugin.shutdown())
+        except Exception:
+            logger.exception("plugin %s: shutdown failed", plugin.PLUGIN_NAME)
+        plugin.enabled = False
+
+    async def shutdown_all(self) -> None:
+        """Call every loaded plugin's `shutdown()`, last loaded first."""
+        while self.loaded:
+            await self._shutdown_one(self.loaded.pop())

@@ -1,0 +1,156 @@
+"""The shell.py endpoint: submit, the session event stream, gate answers, sessions, health.
+
+Wire contract (DESIGN.md): `POST /submit`, `GET /stream?client_id=X` (SSE with ids, replay after
+`Last-Event-ID`), `POST /gate_response`, `GET /health`, `GET /sessions`, `DELETE /session/{id}`.
+Binds 127.0.0.1:8765 by default; with `AGENT_SHELL_TOKEN` set every endpoint needs that bearer token.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import routes
+import state
+from plugin_loader import BasePlugin
+
+CLIENT_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+MAX_TEXT = 200_000
+DECISIONS = ("allow", "allow_session", "reject")
+
+
+class _SubmitBody(BaseModel):
+    client_id: str = Field(pattern=CLIENT_ID.pattern)
+    text: str = Field(max_length=MAX_TEXT)
+    default_model: str | None = None
+
+
+class _GateBody(BaseModel):
+    gate_id: str = Field(min_length=1, max_length=128)
+    decision: str
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+async def _json_body(request: Request, model: type[BaseModel]) -> Any:
+    """The request body validated by `model`, or a 400 response that says what is wrong."""
+    try:
+        raw = await request.json()
+    except ValueError:
+        return _error(400, "request body must be JSON")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        return _error(400, f"invalid request: {problems}")
+
+
+def _session_row(s: state.Session) -> dict[str, Any]:
+    return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history)}
+
+
+class ShellpyPlugin(BasePlugin):
+    """Serves shell.py (and anything speaking its small JSON/SSE contract)."""
+
+    PLUGIN_NAME = "plugin_client_shellpy"
+    PLUGIN_VERSION = "1.0.0"
+    PLUGIN_TYPE = "client_interface"
+    DESCRIPTION = "SSE endpoint for the shell.py terminal client"
+    DEPENDENCIES = ["sse-starlette"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._config: dict[str, Any] = {}
+
+    def init(self, config: dict[str, Any]) -> bool:
+        self._config = config
+        return True
+
+    def shutdown(self) -> None:
+        self._config = {}
+
+    def get_config(self) -> dict[str, Any]:
+        env = self.runtime.config.env if self.runtime else {}
+        return {
+            "host": self._config.get("host", "127.0.0.1"),
+            "port": int(self._config.get("port", 8765)),
+            "name": "shell.py endpoint",
+            "token": env.get(self._config.get("token_env", "AGENT_SHELL_TOKEN")) or None,
+        }
+
+    def get_routes(self) -> list[Route]:
+        return [
+            Route("/submit", self.submit, methods=["POST"]),
+            Route("/stream", self.stream, methods=["GET"]),
+            Route("/gate_response", self.gate_response, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/sessions", self.sessions, methods=["GET"]),
+            Route("/session/{sid}", self.delete_session, methods=["DELETE"]),
+        ]
+
+    @property
+    def rt(self) -> state.Runtime:
+        assert self.runtime is not None
+        return self.runtime
+
+    async def submit(self, request: Request) -> JSONResponse:
+        body = await _json_body(request, _SubmitBody)
+        if isinstance(body, JSONResponse):
+            return body
+        await routes.submit(self.rt, body.client_id, body.text, {"default_model": body.default_model})
+        return JSONResponse({"status": "OK"})
+
+    async def stream(self, request: Request) -> Any:
+        client_id = request.query_params.get("client_id", "")
+        if not CLIENT_ID.match(client_id):
+            return _error(400, "missing or invalid client_id query parameter")
+        return routes.event_stream(self.rt, client_id, routes.last_event_id(request))
+
+    async def gate_response(self, request: Request) -> JSONResponse:
+        body = await _json_body(request, _GateBody)
+        if isinstance(body, JSONResponse):
+            return body
+        if body.decision not in DECISIONS:
+            return _error(400, f"decision must be one of: {', '.join(DECISIONS)}")
+        future = self.rt.pending_gates.get(body.gate_id)
+        if future is None or future.done():
+            return _error(404, f"unknown or already answered gate '{body.gate_id}'")
+        future.set_result(body.decision)
+        return JSONResponse({"status": "OK"})
+
+    async def health(self, request: Request) -> JSONResponse:
+        rt = self.rt
+        reports = rt.plugins.reports.values() if rt.plugins else []
+        plugins = {r.name: {"status": r.status, "reasons": r.reasons} for r in reports}
+        return JSONResponse({
+            "status": "healthy",
+            "models": list(rt.config.models),
+            "default_model": rt.config.default_model,
+            "sessions": len(rt.sessions.all()),
+            "plugins": plugins,
+        })
+
+    async def sessions(self, request: Request) -> JSONResponse:
+        wanted = request.query_params.get("client_id")
+        if wanted is None:
+            return JSONResponse({"sessions": [_session_row(s) for s in self.rt.sessions.all()]})
+        client_id = self.rt.sessions.resolve(wanted)
+        session = self.rt.sessions.get(client_id) if client_id else None
+        return JSONResponse({"sessions": [_session_row(session)] if session else []})
+
+    async def delete_session(self, request: Request) -> JSONResponse:
+        rt = self.rt
+        client_id = rt.sessions.resolve(request.path_params["sid"])
+        if client_id is None:
+            return _error(404, f"session '{request.path_params['sid']}' not found")
+        await routes.cancel_active_task(rt, client_id)
+        await rt.sessions.delete(client_id)
+        rt.hub.drop(client_id)
+        return JSONResponse({"status": "OK", "deleted": client_id})

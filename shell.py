@@ -1,0 +1,1240 @@
+"""Interactive terminal client for agent-mcp's shell endpoint (``plugin_client_shellpy``, port 8765).
+
+Three layers, each usable on its own:
+
+- ``ShellClient``: async HTTP/SSE client, no terminal. Server tests drive this class.
+- ``ShellUI``: draws stream events on a rich Console and turns single keys into gate decisions;
+  it never reads the terminal, so tests feed it events and keys directly.
+- ``Shell`` + ``Terminal``: the prompt loop. Local ``!``-commands are ``cmd_<name>`` methods whose
+  docstrings are the help text; everything else is POSTed to ``/submit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.keys import Keys
+from prompt_toolkit.patch_stdout import patch_stdout
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.panel import Panel
+from rich.segment import Segment
+from rich.table import Table
+from rich.text import Text
+
+DEFAULT_URL = "http://127.0.0.1:8765"
+DEFAULT_PORT = 8765
+SESSION_FILE = ".aiops_session_id"
+HISTORY_FILE = "~/.agent_mcp_shell_history"
+DEFAULT_GATE_PREVIEW = 200
+DECISIONS = ("allow", "allow_session", "reject")
+TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ShellError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+
+class ServerOffline(ShellError):
+    """The server could not be reached (refused, reset or timed out); try again later."""
+
+
+class AuthRequired(ShellError):
+    """The server answered 401/403: start the shell with --token or set AGENT_SHELL_TOKEN."""
+
+
+class RequestRejected(ShellError):
+    """The server refused a request; ``status`` is the HTTP status, ``message`` its ``error`` text."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class SessionNotFound(ShellError):
+    """No session matches the id given to attach(); `!session` lists the sessions the server has."""
+
+
+class PromptInterrupted(Exception):
+    """The prompt was closed because an event needs the user's keys; ``text`` is what had been typed."""
+
+    def __init__(self, text: str = "") -> None:
+        super().__init__("prompt interrupted")
+        self.text = text
+
+
+# --------------------------------------------------------------------------- session file
+
+
+def save_client_id(path: Path, client_id: str) -> None:
+    """Write ``client_id`` to the session file ``path``."""
+    Path(path).write_text(client_id + "\n", encoding="utf-8")
+
+
+def load_or_create_client_id(path: Path) -> str:
+    """Return the client id stored in ``path``; if it is missing or empty, save a new uuid4 and return it."""
+    try:
+        client_id = Path(path).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        client_id = ""
+    if not client_id:
+        client_id = str(uuid.uuid4())
+        save_client_id(path, client_id)
+    return client_id
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+@dataclass(frozen=True)
+class SSEMessage:
+    """One dispatched server-sent event, before its data is decoded."""
+
+    event: str
+    data: str
+    id: str | None
+
+
+class SSEParser:
+    """Incremental ``text/event-stream`` parser: feed() it raw chunks, get the complete messages back.
+
+    WHATWG rules: lines end in CRLF, LF or CR (also when split across chunks), lines starting with
+    ``:`` are comments, one space after the field colon is dropped, ``data`` lines are joined with
+    ``\\n``, a blank line dispatches, the last ``id`` persists. One leniency: a message that has an
+    ``event`` line but no ``data`` line is still dispatched (with data ``""``).
+    """
+
+    _LINE_END = re.compile(r"\r\n|\r|\n")
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buffer = ""
+        self._skip_lf = False  # the previous chunk ended in CR: a leading LF belongs to it
+        self._started = False
+        self._event = ""
+        self._data: list[str] = []
+        self.last_id: str | None = None
+        self.retry: int | None = None
+
+    def feed(self, chunk: bytes | str) -> list[SSEMessage]:
+        """Consume one chunk of the stream; return the messages it completed, in order."""
+        text = self._decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        if not text:
+            return []
+        if not self._started:
+            self._started = True
+            text = text.removeprefix("\ufeff")
+        if self._skip_lf:
+            self._skip_lf = False
+            text = text.removeprefix("\n")
+        buffer = self._buffer + text
+        messages: list[SSEMessage] = []
+        pos = 0
+        for match in self._LINE_END.finditer(buffer):
+            line = buffer[pos : match.start()]
+            pos = match.end()
+            if match.group() == "\r" and pos == len(buffer):
+                self._skip_lf = True
+            message = self._line(line)
+            if message is not None:
+                messages.append(message)
+        self._buffer = buffer[pos:]
+        return messages
+
+    def _line(self, line: str) -> SSEMessage | None:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id":
+            if "\0" not in value:
+                self.last_id = value
+        elif name == "retry" and value.isascii() and value.isdigit():
+            self.retry = int(value)
+        return None
+
+    def _dispatch(self) -> SSEMessage | None:
+        if not self._data and not self._event:
+            return None
+        message = SSEMessage(self._event or "message", "\n".join(self._data), self.last_id)
+        self._event, self._data = "", []
+        return message
+
+
+@dataclass(frozen=True)
+class ShellEvent:
+    """One event of a session's stream: ``name`` is tok|status|gate|done|error, ``data`` its JSON object."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    @property
+    def text(self) -> str:
+        """The ``text`` of a tok/status event (``message`` of an error), or ""."""
+        value = self.data.get("text", self.data.get("message", ""))
+        return value if isinstance(value, str) else str(value)
+
+    @classmethod
+    def from_sse(cls, message: SSEMessage) -> ShellEvent:
+        """Decode a raw message; data that is not a JSON object is kept as ``{"text": data}``."""
+        try:
+            data = json.loads(message.data) if message.data.strip() else {}
+        except ValueError:
+            data = {"text": message.data}
+        if not isinstance(data, dict):
+            data = {"text": data if isinstance(data, str) else json.dumps(data)}
+        event_id = int(message.id) if message.id and message.id.strip().isdigit() else None
+        return cls(message.event, data, event_id)
+
+
+# --------------------------------------------------------------------------- client
+
+_CLOSED = object()
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+class ShellClient:
+    """Async client of the shell endpoint: plain requests plus one self-healing SSE stream.
+
+    ::
+
+        async with ShellClient("http://127.0.0.1:8765", session_file=Path(".aiops_session_id")) as c:
+            await c.connect()            # open the stream first, so no event of the turn is missed
+            await c.submit("hello")
+            async for ev in c.events():  # ShellEvent(name="tok"|"status"|"gate"|"done"|"error", ...)
+                if ev.name == "done":
+                    break
+
+    The stream reconnects by itself after a drop, sending ``Last-Event-ID`` so the server replays
+    what was missed. ``state`` is "idle", "connected", "reconnecting", "offline" or "unauthorized";
+    ``on_state(state, detail)`` is called on every change. ``events()`` is meant for one consumer.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        client_id: str | None = None,
+        *,
+        session_file: Path | str | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        on_state: Callable[[str, str], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session_file = Path(session_file) if session_file else None
+        if client_id is None:
+            client_id = (
+                load_or_create_client_id(self.session_file) if self.session_file else str(uuid.uuid4())
+            )
+        self._client_id = client_id
+        self._has_token = bool(token)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+        )
+        self._timeout = timeout
+        # No keepalive for read_timeout seconds means a dead connection: reconnect, losing nothing.
+        self._stream_timeout = httpx.Timeout(timeout, read=read_timeout)
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self.on_state = on_state
+        self.state = "idle"
+        self.last_event_id: int | None = None
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._generation = 0
+        self._pump: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._fatal: AuthRequired | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"ShellClient({self.base_url!r}, client_id={self._client_id!r})"
+
+    async def __aenter__(self) -> ShellClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def client_id(self) -> str:
+        """The session this client submits to and streams from."""
+        return self._client_id
+
+    # ---- requests
+
+    async def health(self) -> dict[str, Any]:
+        """GET /health: ``{"status", "models", "default_model"}``."""
+        return await self._request("GET", "/health")
+
+    async def sessions(self, client_id: str | None = None) -> list[dict[str, Any]]:
+        """GET /sessions, filtered by a full client id or a shorthand such as "101"."""
+        params = {"client_id": str(client_id)} if client_id is not None else None
+        body = await self._request("GET", "/sessions", params=params)
+        return list(body.get("sessions", [])) if isinstance(body, dict) else []
+
+    async def submit(self, text: str, default_model: str | None = None) -> dict[str, Any]:
+        """POST /submit: start a turn (or a server command); its output arrives on events()."""
+        payload: dict[str, Any] = {"client_id": self._client_id, "text": text}
+        if default_model:
+            payload["default_model"] = default_model
+        return await self._request("POST", "/submit", json=payload)
+
+    async def gate_response(self, gate_id: str, decision: str) -> dict[str, Any]:
+        """POST /gate_response with decision "allow", "allow_session" or "reject"."""
+        if decision not in DECISIONS:
+            raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
+        return await self._request("POST", "/gate_response", json={"gate_id": gate_id, "decision": decision})
+
+    async def attach(self, session_id: str) -> dict[str, Any]:
+        """Switch to an existing session (full id or shorthand) at once; return its /sessions entry.
+
+        Writes the session file and moves a running events() iterator to the new session's stream
+        before returning (waiting up to ``timeout`` for it to open). Raises SessionNotFound.
+        """
+        found = await self.sessions(str(session_id))
+        if not found:
+            raise SessionNotFound(f"no session {session_id!r} on the server: `!session` lists them")
+        info = found[0]
+        await self._switch(str(info["client_id"]))
+        return info
+
+    async def new_session(self) -> str:
+        """Switch to a fresh uuid4 client id (saved like attach()) and return it."""
+        client_id = str(uuid.uuid4())
+        await self._switch(client_id)
+        return client_id
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerOffline(f"server offline ({self.base_url}): {_describe(exc)}") from exc
+        if response.status_code in (401, 403):
+            raise AuthRequired(self._auth_message())
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code >= 400:
+            message = body.get("error") if isinstance(body, dict) else None
+            raise RequestRejected(
+                response.status_code, str(message or response.text[:200] or response.reason_phrase)
+            )
+        return body
+
+    def _auth_message(self) -> str:
+        if self._has_token:
+            return f"the server at {self.base_url} rejected the token: check --token / AGENT_SHELL_TOKEN"
+        return f"the server at {self.base_url} requires a token: {TOKEN_HINT}"
+
+    # ---- stream
+
+    async def connect(self, max_wait: float | None = None) -> bool:
+        """Open the event stream if needed and wait until it is open; False if ``max_wait`` seconds passed first."""
+        self._ensure_stream()
+        return await self._wait_connected(max_wait)
+
+    async def events(self) -> AsyncIterator[ShellEvent]:
+        """Yield the current session's events in order until aclose(); raises AuthRequired.
+
+        Survives drops (reconnecting with Last-Event-ID) and attach() (switching streams at once;
+        events of the old session still queued are dropped).
+        """
+        self._ensure_stream()
+        while True:
+            generation, item = await self._queue.get()
+            if item is _CLOSED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if generation == self._generation:
+                yield item
+
+    async def aclose(self) -> None:
+        """Stop the stream, end events() and close the HTTP client."""
+        self._closed = True
+        await self._stop_pump()
+        self._queue.put_nowait((self._generation, _CLOSED))
+        self._set_state(self._generation, "idle", "closed")
+        await self._http.aclose()
+
+    def _ensure_stream(self) -> None:
+        if self._closed:
+            raise ShellError("this ShellClient is closed")
+        if self._pump is None or self._pump.done():
+            self._fatal = None
+            self._pump = asyncio.create_task(self._run_stream(self._generation))
+
+    async def _stop_pump(self) -> None:
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.cancel()
+            await asyncio.wait([pump])
+
+    async def _switch(self, client_id: str) -> None:
+        if self.session_file:
+            save_client_id(self.session_file, client_id)
+        if client_id == self._client_id:
+            return
+        self._client_id = client_id
+        self.last_event_id = None
+        self._generation += 1
+        self._connected.clear()
+        if self._pump is not None:
+            await self._stop_pump()
+            self._ensure_stream()
+            await self._wait_connected(self._timeout)
+
+    async def _wait_connected(self, max_wait: float | None) -> bool:
+        assert self._pump is not None
+        waiter = asyncio.create_task(self._connected.wait())
+        try:
+            await asyncio.wait({waiter, self._pump}, timeout=max_wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if self._fatal is not None:
+            raise self._fatal
+        return self._connected.is_set()
+
+    def _set_state(self, generation: int, state: str, detail: str = "") -> None:
+        if generation != self._generation or state == self.state:
+            return
+        self.state = state
+        if self.on_state is not None:
+            self.on_state(state, detail)
+
+    async def _run_stream(self, generation: int) -> None:
+        delay = self._retry_initial
+        while True:
+            try:
+                await self._stream_once(generation)
+                detail = "the server closed the stream"
+            except AuthRequired as exc:
+                self._fatal = exc
+                self._set_state(generation, "unauthorized", str(exc))
+                self._queue.put_nowait((generation, exc))
+                return
+            except (httpx.TransportError, RequestRejected) as exc:
+                detail = _describe(exc)
+            if self._connected.is_set():
+                delay = self._retry_initial
+                self._connected.clear()
+                self._set_state(generation, "reconnecting", detail)
+            else:
+                self._set_state(generation, "offline", detail)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._retry_max)
+
+    async def _stream_once(self, generation: int) -> None:
+        headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+        if self.last_event_id is not None:
+            headers["Last-Event-ID"] = str(self.last_event_id)
+        params = {"client_id": self._client_id}
+        async with self._http.stream(
+            "GET", "/stream", params=params, headers=headers, timeout=self._stream_timeout
+        ) as response:
+            if response.status_code in (401, 403):
+                raise AuthRequired(self._auth_message())
+            if response.status_code != 200:
+                await response.aread()
+                raise RequestRejected(response.status_code, response.text[:200] or "stream refused")
+            self._connected.set()
+            self._set_state(generation, "connected")
+            parser = SSEParser()
+            async for chunk in response.aiter_bytes():
+                for message in parser.feed(chunk):
+                    event = ShellEvent.from_sse(message)
+                    if event.id is not None:
+                        self.last_event_id = event.id
+                    self._queue.put_nowait((generation, event))
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def format_gate_args(tool_args: Any) -> str:
+    """The tool arguments of a gate as ``key: value`` lines, without ``operation_type``."""
+    if not isinstance(tool_args, dict):
+        return str(tool_args)
+    lines = []
+    for key, value in tool_args.items():
+        if key == "operation_type":
+            continue
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        lines.append(f"{key}: {shown}")
+    return "\n".join(lines)
+
+
+def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | None = None) -> Panel:
+    """The panel asking the user about one gate; arguments cut to ``preview_length`` characters."""
+    tool_args = gate.get("tool_args") or {}
+    operation = (
+        str(tool_args.get("operation_type") or "unknown") if isinstance(tool_args, dict) else "unknown"
+    )
+    tables = [str(t) for t in gate.get("tables") or []]
+    shown_tables = ", ".join("(metadata: SHOW/DESCRIBE)" if t == "__meta__" else t for t in tables)
+    args = format_gate_args(tool_args)
+    truncated = len(args) > preview_length
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("Tool", Text(str(gate.get("tool_name", "?")), style="bold cyan"))
+    grid.add_row("Operation", Text(operation, style="bold red" if operation == "write" else "green"))
+    grid.add_row("Tables", Text(shown_tables or "—"))
+    grid.add_row("Arguments", Text((args[:preview_length] + "…") if truncated else (args or "(none)")))
+    if truncated:
+        note = f"(first {preview_length} of {len(args)} characters — press v to show all)"
+        grid.add_row("", Text(note, style="dim"))
+    if seconds_left is not None:
+        grid.add_row(
+            "Time left", Text(f"{math.ceil(seconds_left)} s, then the server rejects it", style="yellow")
+        )
+    keys = Text.assemble(
+        ("[a]", "bold green"),
+        " allow once   ",
+        ("[s]", "bold green"),
+        " allow for this session   ",
+        ("[r]", "bold red"),
+        " reject",
+        *((("   "), ("[v]", "bold"), " show all arguments") if truncated else ()),
+    )
+    return Panel(
+        Group(grid, Text(""), keys),
+        title="⚠ the agent asks to run a tool",
+        title_align="left",
+        border_style="yellow",
+        expand=False,
+    )
+
+
+class _LiveAnswer:
+    """The answer so far as Markdown, cut to its last lines so the newest text stays in view."""
+
+    def __init__(self, parts: list[str]) -> None:
+        self.parts = parts
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        lines = console.render_lines(Markdown("".join(self.parts)), options.update(height=None), pad=False)
+        keep = max(1, console.size.height - 2)
+        for line in lines[-keep:]:
+            yield from line
+            yield Segment.line()
+
+
+class _Countdown:
+    """One line showing how long a gate still waits."""
+
+    def __init__(self, deadline: float, tool: str) -> None:
+        self.deadline, self.tool = deadline, tool
+
+    def __rich__(self) -> Text:
+        left = max(0, math.ceil(self.deadline - time.monotonic()))
+        return Text(f"⏳ {left} s left to answer {self.tool}: a / s / r", style="yellow")
+
+
+_GATE_KEYS = {"a": "allow", "s": "allow_session", "r": "reject"}
+_DECISION_LINES = {
+    "allow": ("✓ allowed once — {tool} proceeds", "green"),
+    "allow_session": ("✓ allowed for this session — {tool} proceeds", "green"),
+    "reject": ("✗ rejected — {tool} is blocked", "red"),
+}
+
+
+class ShellUI:
+    """Draws stream events on a rich Console and turns single keys into gate decisions.
+
+    Feed it events with handle_event() and keys with handle_key() ("a", "s", "r", "v", "c-c");
+    it never reads the terminal. Call begin_turn() before submitting: the turn's answer then
+    streams live (on a terminal console) until its ``done``. Events that arrive outside a turn are
+    printed when complete. ``busy`` is true while a turn runs or a gate waits for its key;
+    ``on_attention()`` is called when a gate (or a fatal error) arrives while no turn is active.
+    """
+
+    def __init__(
+        self,
+        console: Console,
+        client: ShellClient,
+        *,
+        gate_preview_length: int = DEFAULT_GATE_PREVIEW,
+        on_attention: Callable[[], None] | None = None,
+    ) -> None:
+        self.console = console
+        self.client = client
+        self.gate_preview_length = gate_preview_length
+        self.on_attention = on_attention
+        self.pending_gates: list[dict[str, Any]] = []
+        self.fatal: str | None = None
+        self._turn = False
+        self._parts: list[str] = []
+        self._live: Live | None = None
+        self._live_kind = ""
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._deadlines: dict[str, float] = {}
+        self._hinted = False
+        self._connection = "idle"
+
+    @property
+    def busy(self) -> bool:
+        """True while a turn is active or a gate is waiting for a decision."""
+        return self.fatal is None and (self._turn or bool(self.pending_gates))
+
+    async def wait_idle(self) -> None:
+        """Return once ``busy`` is false."""
+        await self._idle.wait()
+
+    def begin_turn(self) -> None:
+        """Mark the start of a turn the user submitted: its answer streams live until ``done``."""
+        self._flush()
+        self._turn = True
+        self._update_idle()
+
+    def end_turn(self) -> None:
+        """Mark the turn as over without a ``done`` (the submit failed)."""
+        self._flush()
+        self._turn = False
+        self._update_idle()
+
+    def note(self, message: str, style: str = "dim") -> None:
+        """Print one line of the shell's own (never markup-interpreted)."""
+        self._flush()
+        self.console.print(Text(message, style=style))
+
+    async def handle_event(self, event: ShellEvent) -> None:
+        """Draw one stream event; unknown event names are ignored."""
+        handler = getattr(self, f"_on_{event.name}", None)
+        if handler is not None:
+            handler(event.data)
+
+    async def handle_key(self, key: str) -> None:
+        """React to one key while busy: a/s/r answer the oldest gate, v shows its arguments, c-c stops."""
+        if key == "c-c":
+            await self.interrupt()
+            return
+        if not self.pending_gates:
+            return
+        lowered = key.lower()
+        if lowered == "v":
+            self._show_full_args(self.pending_gates[0])
+        elif lowered in _GATE_KEYS:
+            await self.answer_gate(_GATE_KEYS[lowered])
+        elif not self._hinted:
+            self._hinted = True
+            self.console.print(
+                Text("waiting for a gate decision: a / s / r (v shows all arguments)", style="yellow")
+            )
+
+    async def answer_gate(self, decision: str) -> None:
+        """Send ``decision`` for the oldest pending gate and say so."""
+        if not self.pending_gates:
+            return
+        gate = self.pending_gates.pop(0)
+        gate_id = str(gate.get("gate_id", ""))
+        self._stop_countdown()
+        self._forget_timer(gate_id)
+        template, style = _DECISION_LINES[decision]
+        try:
+            await self.client.gate_response(gate_id, decision)
+        except RequestRejected as exc:
+            self.note(f"the gate is no longer pending ({exc.message})", "yellow")
+        except ServerOffline as exc:
+            self.pending_gates.insert(0, gate)
+            self.note(f"could not send the decision: {exc} — press the key again", "red")
+            return
+        else:
+            self.note(template.format(tool=gate.get("tool_name", "the tool")), style)
+        self._hinted = False
+        self._next_gate()
+        self._update_idle()
+
+    async def interrupt(self) -> None:
+        """Ctrl-C: stop waiting for the current answer; pending gates are rejected so the turn can end."""
+        self._flush()
+        for _ in range(len(self.pending_gates)):
+            await self.answer_gate("reject")
+        if self._turn:
+            self._turn = False
+            self.note("stopped waiting — the rest of this answer is printed when it ends")
+        self._update_idle()
+
+    def connection_changed(self, state: str, detail: str) -> None:
+        """ShellClient.on_state hook: report the stream going offline, coming back or refusing us."""
+        previous, self._connection = self._connection, state
+        if state == "offline" and previous != "offline":
+            self.note(f"server offline — retrying ({detail})", "yellow")
+        elif state == "connected" and previous == "offline":
+            self.note("server back online", "green")
+        elif state == "unauthorized":
+            self.fatal = detail
+            self.note(detail, "bold red")
+            self._update_idle()
+            if self.on_attention is not None:
+                self.on_attention()
+
+    # ---- event handlers
+
+    def _on_tok(self, data: dict[str, Any]) -> None:
+        text = data.get("text", "")
+        if not isinstance(text, str) or not text:
+            return
+        self._parts.append(text)
+        if self._turn and self.console.is_terminal and self._live_kind != "answer":
+            self._stop_countdown()
+            self._start_live("answer", _LiveAnswer(self._parts), fps=12)
+
+    def _on_status(self, data: dict[str, Any]) -> None:
+        self.note(str(data.get("text", "")), "dim")
+
+    def _on_error(self, data: dict[str, Any]) -> None:
+        self.note(f"error: {data.get('message') or data.get('text') or 'the turn failed'}", "bold red")
+
+    def _on_done(self, data: dict[str, Any]) -> None:
+        self._flush()
+        self._turn = False
+        self._update_idle()
+
+    def _on_gate(self, data: dict[str, Any]) -> None:
+        self._flush()
+        gate = dict(data)
+        gate_id = str(gate.get("gate_id", ""))
+        timeout = gate.get("timeout_seconds")
+        seconds_left = None
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+            seconds_left = float(timeout)
+            self._deadlines[gate_id] = time.monotonic() + seconds_left
+            self._timers[gate_id] = asyncio.get_running_loop().call_later(seconds_left, self._expire, gate_id)
+        self.pending_gates.append(gate)
+        self.console.print(gate_panel(gate, self.gate_preview_length, seconds_left))
+        if len(self.pending_gates) == 1:
+            self._start_countdown(gate)
+        self._update_idle()
+        if not self._turn and self.on_attention is not None:
+            self.on_attention()
+
+    # ---- helpers
+
+    def _show_full_args(self, gate: dict[str, Any]) -> None:
+        self._stop_countdown()
+        self.console.print(Text(f"all arguments of {gate.get('tool_name', 'the tool')}:", style="bold"))
+        self.console.print(Text(format_gate_args(gate.get("tool_args") or {}) or "(none)"), soft_wrap=True)
+        self.console.print(Text("a allow once / s allow for this session / r reject", style="yellow"))
+        self._start_countdown(gate)
+
+    def _next_gate(self) -> None:
+        if self.pending_gates:
+            gate = self.pending_gates[0]
+            self.console.print(Text(f"next gate: {gate.get('tool_name', '?')} — a / s / r", style="yellow"))
+            self._start_countdown(gate)
+
+    def _expire(self, gate_id: str) -> None:
+        self._timers.pop(gate_id, None)
+        for index, gate in enumerate(self.pending_gates):
+            if str(gate.get("gate_id", "")) == gate_id:
+                del self.pending_gates[index]
+                if index == 0:
+                    self._stop_countdown()
+                self.note(
+                    f"⌛ the gate for {gate.get('tool_name', 'the tool')} timed out (rejected)", "yellow"
+                )
+                if index == 0:
+                    self._next_gate()
+                break
+        self._update_idle()
+
+    def _forget_timer(self, gate_id: str) -> None:
+        timer = self._timers.pop(gate_id, None)
+        if timer is not None:
+            timer.cancel()
+        self._deadlines.pop(gate_id, None)
+
+    def _start_countdown(self, gate: dict[str, Any]) -> None:
+        deadline = self._deadlines.get(str(gate.get("gate_id", "")))
+        if deadline is not None and self.console.is_terminal and self._live is None:
+            self._start_live("countdown", _Countdown(deadline, str(gate.get("tool_name", "the tool"))), fps=2)
+
+    def _stop_countdown(self) -> None:
+        if self._live is not None and self._live_kind == "countdown":
+            self._live.stop()
+            self._live, self._live_kind = None, ""
+
+    def _start_live(self, kind: str, renderable: Any, fps: float) -> None:
+        self._live = Live(
+            renderable,
+            console=self.console,
+            refresh_per_second=fps,
+            transient=kind == "countdown",
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        self._live_kind = kind
+        self._live.start(refresh=True)
+
+    def _flush(self) -> None:
+        """Put the text streamed so far on screen for good (the final Markdown render)."""
+        text = "".join(self._parts)
+        self._parts.clear()
+        live, kind = self._live, self._live_kind
+        self._live, self._live_kind = None, ""
+        if live is not None and kind == "answer":
+            # A non-transient Live re-renders in full (overflow "visible") when stopped.
+            live.update(Markdown(text))
+            live.stop()
+            return
+        if live is not None:
+            live.stop()
+        if text.strip():
+            self.console.print(Markdown(text))
+
+    def _update_idle(self) -> None:
+        if self.busy:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+
+# --------------------------------------------------------------------------- terminal
+
+
+def _prompt_bindings() -> KeyBindings:
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _enter(event: Any) -> None:
+        # Keys already queued behind this Enter mean a paste without bracketed-paste support:
+        # keep it one message by inserting the newline instead of submitting.
+        queued = event.app.key_processor.input_queue
+        if any(press.key != Keys.CPRResponse for press in queued):
+            event.current_buffer.insert_text("\n")
+        else:
+            event.current_buffer.validate_and_handle()
+
+    @bindings.add("escape", "enter")
+    def _newline(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    @bindings.add("c-c")
+    def _clear_or_exit(event: Any) -> None:
+        if event.current_buffer.text:
+            event.current_buffer.reset()
+        else:
+            # EOFError, not KeyboardInterrupt: a KeyboardInterrupt escaping a task stops the event loop.
+            event.app.exit(exception=EOFError())
+
+    return bindings
+
+
+class Terminal:
+    """The real terminal: prompt-toolkit reads lines and keys, a rich Console writes.
+
+    Shell needs only: ``console``, ``await prompt(default, toolbar, should_abort)`` (raises
+    EOFError on Ctrl-D or Ctrl-C at an empty prompt, PromptInterrupted after interrupt_prompt()),
+    ``interrupt_prompt()``, and ``key_mode()`` (async context manager giving an asyncio.Queue of
+    key names such as "a" or "c-c" while the terminal is in raw mode). Tests substitute a fake.
+    """
+
+    def __init__(self, history_path: Path | None = None, console: Console | None = None) -> None:
+        self.console = console or Console(highlight=False)
+        history = FileHistory(str(history_path)) if history_path else InMemoryHistory()
+        self._session: PromptSession[str] = PromptSession(
+            history=history,
+            multiline=False,  # Enter submits; Esc-Enter / Alt-Enter and pastes insert newlines
+            key_bindings=_prompt_bindings(),
+            prompt_continuation=lambda width, line_number, wrap_count: " " * width,
+            refresh_interval=2.0,
+        )
+
+    async def prompt(
+        self,
+        default: str = "",
+        toolbar: Callable[[], str] | None = None,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> str:
+        """Read one (possibly multi-line) message; events print above it meanwhile.
+
+        ``should_abort`` is checked once the prompt runs, closing the race with interrupt_prompt().
+        """
+
+        def pre_run() -> None:
+            if should_abort is not None and should_abort():
+                self.interrupt_prompt()
+
+        with patch_stdout(raw=True):
+            try:
+                return await self._session.prompt_async(
+                    [("ansicyan bold", "› ")], default=default, bottom_toolbar=toolbar, pre_run=pre_run
+                )
+            except KeyboardInterrupt:  # prompt-toolkit's own SIGINT handling
+                raise EOFError from None
+
+    def interrupt_prompt(self) -> None:
+        """Close a running prompt with PromptInterrupted, keeping what was typed."""
+        app = self._session.app
+        if app.is_running and not app.is_done:
+            app.exit(exception=PromptInterrupted(self._session.default_buffer.text))
+
+    @contextlib.asynccontextmanager
+    async def key_mode(self) -> AsyncIterator[asyncio.Queue[str]]:
+        """Raw mode: single keys (Ctrl-C included) arrive as names on the yielded queue."""
+        keys: asyncio.Queue[str] = asyncio.Queue()
+        terminal_input = self._session.input
+
+        def on_ready() -> None:
+            for press in terminal_input.read_keys():
+                if press.key != Keys.CPRResponse:
+                    keys.put_nowait(press.key.value if isinstance(press.key, Keys) else press.key)
+
+        with terminal_input.raw_mode(), terminal_input.attach(on_ready):
+            yield keys
+
+
+# --------------------------------------------------------------------------- the shell
+
+
+class Shell:
+    """The interactive loop: banner, prompt, local ``!`` commands, submit, wait for the turn's end."""
+
+    def __init__(
+        self,
+        client: ShellClient,
+        terminal: Any,
+        *,
+        server_url: str | None = None,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+    ) -> None:
+        self.client = client
+        self.terminal = terminal
+        self.console: Console = terminal.console
+        self.server_url = server_url or client.base_url
+        self.ui = ShellUI(self.console, client, on_attention=terminal.interrupt_prompt)
+        client.on_state = self.ui.connection_changed
+        self._retry_initial, self._retry_max = retry_initial, retry_max
+        self._running = True
+        self._draft = ""
+        self._switch_after_turn = False
+
+    async def run(self) -> int:
+        """Connect, show the banner and serve the prompt until !exit or Ctrl-D; return the exit code."""
+        health = await self._wait_for_server()
+        if health is None:
+            return 2
+        await self._banner(health)
+        consumer = asyncio.create_task(self._consume())
+        try:
+            with contextlib.suppress(ShellError):
+                await self.client.connect(max_wait=5.0)
+            while self._running:
+                if self.ui.fatal:
+                    return 2
+                if self.ui.busy:
+                    await self._wait_turn()
+                    continue
+                if self._switch_after_turn:
+                    await self._replace_deleted_session()
+                    continue
+                try:
+                    text = await self.terminal.prompt(
+                        default=self._draft,
+                        toolbar=self._toolbar,
+                        should_abort=lambda: self.ui.busy or bool(self.ui.fatal),
+                    )
+                except PromptInterrupted as exc:
+                    self._draft = exc.text
+                    continue
+                except EOFError:
+                    break
+                self._draft = ""
+                await self.handle_line(text)
+            return 0
+        finally:
+            consumer.cancel()
+            await asyncio.wait([consumer])
+
+    async def handle_line(self, text: str) -> None:
+        """Run a local ``!`` command, or submit the text (commands included) to the server."""
+        stripped = text.strip()
+        if not stripped:
+            return
+        if stripped.startswith("!") and "\n" not in stripped:
+            name, _, arg = stripped[1:].partition(" ")
+            handler = getattr(self, f"cmd_{name.lower()}", None)
+            if handler is not None and await handler(arg.strip()):
+                return
+        await self._submit(text.strip("\n"))
+
+    # ---- local commands: return True when handled here, False to send the line to the server
+
+    async def cmd_exit(self, arg: str) -> bool:
+        """!exit — leave the shell (also !quit, Ctrl-D, or Ctrl-C on an empty prompt)."""
+        self._running = False
+        return True
+
+    async def cmd_quit(self, arg: str) -> bool:
+        """!quit — same as !exit."""
+        return await self.cmd_exit(arg)
+
+    async def cmd_session(self, arg: str) -> bool:
+        """!session <ID> attach — switch this shell to session ID (full id or shorthand like 101) at once."""
+        parts = arg.split()
+        if len(parts) == 1 or (len(parts) == 2 and parts[1].lower() == "attach"):
+            await self._attach(parts[0])
+            return True
+        if len(parts) == 2 and parts[1].lower() == "delete":
+            self._switch_after_turn = await self._is_current(parts[0])
+        return False
+
+    async def cmd_gate_preview_length(self, arg: str) -> bool:
+        """!gate_preview_length [N] — show or set how many characters of gate arguments are shown (200)."""
+        if arg:
+            if not arg.isdigit() or int(arg) < 1:
+                self.ui.note("usage: !gate_preview_length [N]  (N >= 1)", "red")
+                return True
+            self.ui.gate_preview_length = int(arg)
+        self.ui.note(f"gate preview length: {self.ui.gate_preview_length} characters", "")
+        return True
+
+    async def cmd_clear(self, arg: str) -> bool:
+        """!clear — clear the screen."""
+        self.console.clear()
+        return True
+
+    async def cmd_help(self, arg: str) -> bool:
+        """!help — list these client commands, then ask the server for its own."""
+        self.console.print(Text("Client commands (handled by this shell):", style="bold"))
+        for name in sorted(n for n in dir(self) if n.startswith("cmd_")):
+            doc = (getattr(self, name).__doc__ or "").strip().splitlines()
+            self.console.print(Text("  " + (doc[0] if doc else "!" + name[4:])))
+        self.console.print(
+            Text("Keys: Enter send · Esc-Enter newline · Ctrl-C stop waiting · Ctrl-D quit", style="dim")
+        )
+        return False
+
+    # ---- helpers
+
+    async def _attach(self, session_id: str) -> None:
+        try:
+            info = await self.client.attach(session_id)
+        except ShellError as exc:
+            self.ui.note(f"cannot attach: {exc}", "red")
+            return
+        self.ui.note(
+            f"attached to session {_short(info['client_id'])} {_shorthand(info)}— model {info.get('model', '?')}, "
+            f"{info.get('history_length', 0)} messages",
+            "green",
+        )
+
+    async def _is_current(self, session_id: str) -> bool:
+        if session_id == self.client.client_id:
+            return True
+        try:
+            found = await self.client.sessions(session_id)
+        except ShellError:
+            return False
+        return bool(found) and found[0].get("client_id") == self.client.client_id
+
+    async def _replace_deleted_session(self) -> None:
+        self._switch_after_turn = False
+        with contextlib.suppress(ShellError):
+            new_id = await self.client.new_session()
+            self.ui.note(f"this session was deleted — now using a new session {_short(new_id)}", "green")
+
+    async def _submit(self, text: str) -> None:
+        self.ui.begin_turn()
+        try:
+            await self.client.submit(text)
+        except AuthRequired as exc:
+            self.ui.end_turn()
+            self.ui.fatal = str(exc)
+            self.ui.note(str(exc), "bold red")
+        except ServerOffline:
+            self.ui.end_turn()
+            self._draft = text
+            self.ui.note("server offline — not sent; your text is back in the prompt", "yellow")
+        except RequestRejected as exc:
+            self.ui.end_turn()
+            self.ui.note(f"the server refused the message: {exc.message}", "red")
+
+    async def _wait_turn(self) -> None:
+        async with self.terminal.key_mode() as keys:
+            while self.ui.busy:
+                key_task = asyncio.ensure_future(keys.get())
+                idle_task = asyncio.ensure_future(self.ui.wait_idle())
+                done, pending = await asyncio.wait({key_task, idle_task}, return_when=asyncio.FIRST_COMPLETED)
+                for task in pending:
+                    task.cancel()
+                if key_task in done:
+                    await self.ui.handle_key(key_task.result())
+
+    async def _consume(self) -> None:
+        try:
+            async for event in self.client.events():
+                await self.ui.handle_event(event)
+        except AuthRequired as exc:
+            if not self.ui.fatal:
+                self.ui.connection_changed("unauthorized", str(exc))
+
+    async def _wait_for_server(self) -> dict[str, Any] | None:
+        delay = self._retry_initial
+        while True:
+            try:
+                return await self.client.health()
+            except ServerOffline:
+                self.ui.note(f"server offline — retrying in {delay:g} s ({self.server_url})", "yellow")
+            except AuthRequired as exc:
+                self.ui.note(str(exc), "bold red")
+                return None
+            except RequestRejected as exc:
+                self.ui.note(
+                    f"{self.server_url} is not an agent-mcp shell endpoint? /health said {exc}", "red"
+                )
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._retry_max)
+
+    async def _banner(self, health: dict[str, Any]) -> None:
+        try:
+            found = await self.client.sessions(self.client.client_id)
+        except ShellError:
+            found = []
+        info = found[0] if found else {}
+        model = info.get("model") or health.get("default_model") or "?"
+        models = ", ".join(str(m) for m in health.get("models") or [])
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        grid.add_row("Server", Text(self.server_url))
+        grid.add_row(
+            "Session", Text(f"{_short(self.client.client_id)} {_shorthand(info) or '(new)'}".rstrip())
+        )
+        grid.add_row("Model", Text(f"{model}" + (f"   (available: {models})" if models else "")))
+        hints = Text(
+            "Enter send · Esc-Enter newline · !help commands · !exit quit · Ctrl-C stop waiting", style="dim"
+        )
+        self.console.print(
+            Panel(Group(grid, hints), title="agent-mcp shell", title_align="left", expand=False)
+        )
+
+    def _toolbar(self) -> str:
+        state = {"connected": "online", "reconnecting": "reconnecting…", "offline": "offline — retrying"}
+        return (
+            f" {self.server_url} · session {_short(self.client.client_id)} · "
+            f"{state.get(self.client.state, self.client.state)} · Esc-Enter newline · Ctrl-D quit"
+        )
+
+
+def _short(client_id: str) -> str:
+    return client_id[:8] + "…" if len(client_id) > 8 else client_id
+
+
+def _shorthand(info: dict[str, Any]) -> str:
+    return f"(#{info['shorthand_id']}) " if info.get("shorthand_id") is not None else ""
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def resolve_base_url(url: str | None, host: str | None, port: int | None, env: dict[str, str]) -> str:
+    """--url, else AGENT_SHELL_URL, else the default; --host / --port then replace those parts."""
+    base = httpx.URL(url or env.get("AGENT_SHELL_URL") or DEFAULT_URL)
+    if base.scheme not in ("http", "https") or not base.host:
+        raise ValueError(f"not an http(s) URL: {base}")
+    if host:
+        base = base.copy_with(host=host)
+    if port:
+        base = base.copy_with(port=port)
+    return str(base).rstrip("/")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of shell.py."""
+    parser = argparse.ArgumentParser(
+        prog="shell.py", description="Terminal client for the agent-mcp shell endpoint."
+    )
+    parser.add_argument("--url", help=f"server base URL (env AGENT_SHELL_URL, default {DEFAULT_URL})")
+    parser.add_argument("--host", help="server host (default: the host of AGENT_SHELL_URL, else 127.0.0.1)")
+    parser.add_argument("--port", type=int, help=f"server port (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--session-file",
+        default=SESSION_FILE,
+        help=f"file holding this shell's client id (default ./{SESSION_FILE})",
+    )
+    parser.add_argument("--token", default=None, help="bearer token for the server (env AGENT_SHELL_TOKEN)")
+    return parser
+
+
+def _history_path(session_file: Path) -> Path:
+    home_file = Path(os.path.expanduser(HISTORY_FILE))
+    if home_file.parent.is_dir() and os.access(home_file.parent, os.W_OK):
+        return home_file
+    return session_file.resolve().parent / ".shell_history"
+
+
+async def _run(base_url: str, token: str | None, session_file: Path) -> int:
+    terminal = Terminal(_history_path(session_file))
+    async with ShellClient(base_url, session_file=session_file, token=token) as client:
+        return await Shell(client, terminal, server_url=base_url).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the shell; return the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        base_url = resolve_base_url(args.url, args.host, args.port, dict(os.environ))
+    except ValueError as exc:
+        print(f"shell.py: {exc}", file=sys.stderr)
+        return 2
+    token = args.token or os.environ.get("AGENT_SHELL_TOKEN") or None
+    session_file = Path(args.session_file)
+    try:
+        load_or_create_client_id(session_file)
+    except OSError as exc:
+        print(f"shell.py: cannot use the session file {session_file}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run(base_url, token, session_file))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""Server state: sessions (persisted in a SessionStore), the per-session event hub, the runtime.
+
+One `Runtime` per server instance owns every mutable object; it is built once (see
+`routes.build_runtime`) and passed in. The module-level functions the plugin contract names
+(`push_tok`, `push_done`, ...) are thin facades over the runtime that `set_current()` installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiosqlite
+
+if TYPE_CHECKING:
+    from config import AppConfig
+    from plugin_loader import PluginLoader
+    from prompt import PromptTree
+    from tools import ToolRegistry
+
+logger = logging.getLogger("agent_mcp.state")
+
+FIRST_SHORTHAND = 101
+DEFAULT_TOOL_PREVIEW = 500
+EVENT_BUFFER = 2000
+
+#: The client whose request is being processed (set around each turn and tool call).
+current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
+
+
+class SessionError(Exception):
+    """A session cannot be found or changed; the message says which and why."""
+
+
+# ── Sessions ────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Session:
+    """One conversation, keyed by client id. `history` holds OpenAI-style message dicts."""
+
+    client_id: str
+    shorthand: int
+    model: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+    tool_preview_length: int = DEFAULT_TOOL_PREVIEW
+    settings: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    # Only during a turn: set by the `@model` prefix, never persisted.
+    temp_model_active: bool = False
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "history": self.history,
+            "tool_preview_length": self.tool_preview_length,
+            "settings": self.settings,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_record(cls, client_id: str, shorthand: int, record: dict[str, Any]) -> Session:
+        return cls(
+            client_id=client_id,
+            shorthand=shorthand,
+            model=record["model"],
+            history=list(record.get("history", [])),
+            tool_preview_length=int(record.get("tool_preview_length", DEFAULT_TOOL_PREVIEW)),
+            settings=dict(record.get("settings", {})),
+            created=float(record.get("created", time.time())),
+        )
+
+
+class SessionStore:
+    """Where sessions persist. The memory store keeps nothing across restarts (tests)."""
+
+    async def open(self) -> None:
+        """Prepare the store (create tables)."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+    async def load(self) -> tuple[list[Session], int]:
+        """Every stored session and the last shorthand id handed out (0 if none)."""
+        return [], 0
+
+    async def save(self, session: Session, last_shorthand: int) -> None:
+        """Insert or replace one session and record the shorthand counter."""
+
+    async def delete(self, client_id: str) -> None:
+        """Forget one session (its shorthand id is never reused)."""
+
+
+class MemoryStore(SessionStore):
+    """Sessions live only as long as the process."""
+
+
+class SqliteStore(SessionStore):
+    """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = await aiosqlite.connect(self.path)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute(
+            "CREATE TABLE IF NOT EXISTS sessions ("
+            " client_id TEXT PRIMARY KEY, shorthand INTEGER UNIQUE NOT NULL,"
+            " record TEXT NOT NULL, updated REAL NOT NULL)"
+        )
+        await self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        await self._db.commit()
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    def _conn(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise SessionError(f"session store {self.path} is not open")
+        return self._db
+
+    async def load(self) -> tuple[list[Session], int]:
+        db = self._conn()
+        sessions = []
+        async with db.execute("SELECT client_id, shorthand, record FROM sessions ORDER BY shorthand") as cur:
+            async for client_id, shorthand, record in cur:
+                try:
+                    sessions.append(Session.from_record(client_id, shorthand, json.loads(record)))
+                except (ValueError, KeyError, TypeError) as exc:
+                    # One damaged row must not take the others down; it stays in the file.
+                    logger.error("session %s in %s is damaged and was skipped: %s", client_id, self.path, exc)
+        async with db.execute("SELECT value FROM meta WHERE key = 'last_shorthand'") as cur:
+            row = await cur.fetchone()
+        last = max([int(row[0]) if row else 0, *(s.shorthand for s in sessions)])
+        return sessions, last
+
+    async def save(self, session: Session, last_shorthand: int) -> None:
+        db = self._conn()
+        await db.execute(
+            "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
+            (session.client_id, session.shorthand, json.dumps(session.to_record()), time.time()),
+        )
+        await db.execute(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
+        )
+        await db.commit()
+
+    async def delete(self, client_id: str) -> None:
+        db = self._conn()
+        await db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
+        await db.commit()
+
+
+def open_store(url: str | None, data_dir: Path) -> SessionStore:
+    """A store from a `SESSION_STORE` setting: `sqlite` (default), `sqlite:///path`, or `memory`."""
+    url = (url or "sqlite").strip()
+    if url == "memory":
+        return MemoryStore()
+    if url == "sqlite":
+        return SqliteStore(data_dir / "sessions.sqlite3")
+    if url.startswith("sqlite:///"):
+        return SqliteStore(Path(url.removeprefix("sqlite:///")))
+    raise SessionError(f"SESSION_STORE={url!r} is not supported; use 'sqlite', 'sqlite:///<path>' or 'memory'")
+
+
+class SessionManager:
+    """The live sessions, their shorthand ids, and write-through persistence."""
+
+    def __init__(self, store: SessionStore):
+        self.store = store
+        self._sessions: dict[str, Session] = {}
+        self._by_short: dict[int, str] = {}
+        self._last_short = FIRST_SHORTHAND - 1
+
+    async def open(self) -> None:
+        await self.store.open()
+        sessions, last = await self.store.load()
+        for s in sessions:
+            self._sessions[s.client_id] = s
+            self._by_short[s.shorthand] = s.client_id
+        self._last_short = max(last, FIRST_SHORTHAND - 1)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    def get(self, client_id: str) -> Session | None:
+        return self._sessions.get(client_id)
+
+    def all(self) -> list[Session]:
+        return sorted(self._sessions.values(), key=lambda s: s.shorthand)
+
+    async def get_or_create(self, client_id: str, model: str) -> Session:
+        session = self._sessions.get(client_id)
+        if session is None:
+            self._last_short += 1
+            session = Session(client_id=client_id, shorthand=self._last_short, model=model)
+            self._sessions[client_id] = session
+            self._by_short[session.shorthand] = client_id
+            await self.save(session)
+        return session
+
+    def resolve(self, ident: str) -> str | None:
+        """A full client id for a full id or a shorthand id ("101"), or None."""
+        ident = ident.strip()
+        if ident in self._sessions:
+            return ident
+        if ident.isdigit():
+            return self._by_short.get(int(ident))
+        return None
+
+    async def save(self, session: Session) -> None:
+        if self._sessions.get(session.client_id) is session:
+            await self.store.save(session, self._last_short)
+
+    async def delete(self, ident: str) -> Session:
+        client_id = self.resolve(ident)
+        if client_id is None:
+            raise SessionError(f"no session '{ident}'; use !session to list sessions")
+        session = self._sessions.pop(client_id)
+        self._by_short.pop(session.shorthand, None)
+        await self.store.delete(client_id)
+        return session
+
+
+# ── Events ──────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One output event of a session: `tok`, `status`, `gate`, `done` or `error`."""
+
+    id: int
+    name: str
+    data: dict[str, Any]
+
+
+class _Channel:
+    """A bounded, replayable event sequence of one session with broadcast wake-ups."""
+
+    __slots__ = ("_wake", "events", "last_id", "seen")
+
+    def __init__(self) -> None:
+        # Ids start at the current time in microseconds so that they keep increasing across
+        # restarts: a client that reconnects with an old Last-Event-ID gets everything new.
+        self.last_id = time.time_ns() // 1000
+        self.seen = self.last_id  # highest id handed to any subscriber
+        self.events: deque[Event] = deque(maxlen=EVENT_BUFFER)
+        self._wake = asyncio.Event()
+
+    def publish(self, name: str, data: dict[str, Any]) -> Event:
+        self.last_id += 1
+        event = Event(self.last_id, name, data)
+        self.events.append(event)
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+        return event
+
+    def after(self, cursor: int) -> Event | None:
+        """The first buffered event with an id above `cursor` (skipping what fell out of the buffer)."""
+        if cursor >= self.last_id or not self.events:
+            return None
+        index = max(0, cursor + 1 - self.events[0].id)
+        return self.events[index]
+
+
+class EventHub:
+    """Per-session output events. Every subscriber sees every event; reconnects replay by id."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, _Channel] = {}
+
+    def _channel(self, client_id: str) -> _Channel:
+        ch = self._channels.get(client_id)
+        if ch is None:
+            ch = self._channels[client_id] = _Channel()
+        return ch
+
+    def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> Event:
+        return self._channel(client_id).publish(name, data or {})
+
+    def last_id(self, client_id: str) -> int:
+        return self._channel(client_id).last_id
+
+    def drop(self, client_id: str) -> None:
+        ch = self._channels.pop(client_id, None)
+        if ch is not None:
+            ch._wake.set()  # wake its subscribers so they move to the session's next channel
+
+    async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[Event]:
+        """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live."""
+        ch = self._channel(client_id)
+        cursor = ch.seen if last_event_id is None else last_event_id
+        while True:
+            if self._channels.get(client_id) is not ch:  # session deleted: start over on a new channel
+                ch = self._channel(client_id)
+                cursor = ch.seen
+            event = ch.after(cursor)
+            if event is None:
+                await ch._wake.wait()
+                continue
+            cursor = event.id
+            if cursor > ch.seen:
+                ch.seen = cursor
+            yield event
+
+    # Typed helpers, one per event kind of the wire contract.
+    def tok(self, client_id: str, text: str) -> None:
+        if text:
+            self.publish(client_id, "tok", {"text": text})
+
+    def status(self, client_id: str, text: str) -> None:
+        self.publish(client_id, "status", {"text": text})
+
+    def gate(self, client_id: str, payload: dict[str, Any]) -> None:
+        self.publish(client_id, "gate", payload)
+
+    def done(self, client_id: str) -> None:
+        self.publish(client_id, "done", {})
+
+    def error(self, client_id: str, message: str) -> None:
+        self.publish(client_id, "error", {"message": message})
+
+
+@dataclass
+class Command:
+    """A `!command`: core handlers take (rt, session, args), plugin handlers take (args)."""
+
+    handler: Any
+    owner: str = "core"
+    usage: str = ""
+
+
+# ── Runtime ─────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Runtime:
+    """Everything one server instance owns. Built once, passed to every module that needs it."""
+
+    config: AppConfig
+    sessions: SessionManager
+    hub: EventHub
+    tools: ToolRegistry
+    prompt: PromptTree
+    plugins: PluginLoader | None = None
+    #: `!command` name (lower case, no `!`) → Command.
+    commands: dict[str, Command] = field(default_factory=dict)
+    #: model key → LangChain chat model, built once and reused.
+    llms: dict[str, Any] = field(default_factory=dict)
+    active_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    #: Checks run by execute_tool before the executor (rate limit, gate): async (rt, client_id,
+    #: tool_name, args) → None to go on, or a message that becomes the tool result.
+    tool_checks: list[Any] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    #: Gate decisions awaited by running tool calls: gate id → future of the decision string.
+    pending_gates: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    #: Set when the server stops, so endless event streams end (an anyio.Event).
+    stopping: Any = None
+
+
+_current: Runtime | None = None
+
+
+def set_current(rt: Runtime | None) -> None:
+    """Install the runtime the facade functions below act on."""
+    global _current
+    _current = rt
+
+
+def current() -> Runtime:
+    if _current is None:
+        raise RuntimeError("no agent-mcp runtime is running")
+    return _current
+
+
+def push_tok(client_id: str, text: str) -> None:
+    """Send answer text to every subscriber of the session."""
+    current().hub.tok(client_id, text)
+
+
+def push_status(client_id: str, text: str) -> None:
+    current().hub.status(client_id, text)
+
+
+def push_done(client_id: str) -> None:
+    current().hub.done(client_id)
+
+
+def push_error(client_id: str, message: str) -> None:
+    """Report a failed turn; a `done` follows so clients give the prompt back."""
+    hub = current().hub
+    hub.error(client_id, message)
+    hub.done(client_id)
+
+
+def push_gate(client_id: str, payload: dict[str, Any]) -> None:
+    current().hub.gate(client_id, payload)

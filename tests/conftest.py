@@ -1,0 +1,165 @@
+"""Shared fixtures: free ports, temporary config dirs, agent-mcp servers as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fakes.gemini_backend import FakeGemini
+from tests.fakes.openai_backend import FakeOpenAI
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def openai_model(backend: FakeOpenAI, **extra: Any) -> dict[str, Any]:
+    return {"model_id": "fake-gpt", "type": "OPENAI", "host": backend.base_url, "env_key": None,
+            "max_retries": 0, "llm_call_timeout": 10, **extra}
+
+
+def gemini_model(backend: FakeGemini, **extra: Any) -> dict[str, Any]:
+    return {"model_id": "gemini-fake", "type": "GEMINI", "host": backend.base_url, "env_key": "FAKE_GEMINI_KEY",
+            "max_retries": 0, "llm_call_timeout": 10, **extra}
+
+
+class ConfigDir:
+    """A temporary --config-dir: writes the JSON files a test needs; the rest fall back to the shipped ones."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.port = free_port()
+        self.models: dict[str, Any] = {}
+        self.default_model = ""
+        self.plugins: list[str] = ["plugin_client_shellpy"]
+        self.plugin_config: dict[str, Any] = {}
+        self.manifest_extra: dict[str, Any] = {}
+        self.env: dict[str, str] = {}
+
+    def add_plugin(self, name: str, source: str, *, type_: str = "data_tool", enabled: bool = True,
+                   priority: int = 300, **manifest: Any) -> None:
+        """Drop a plugin file into <dir>/plugins and declare it; nothing in the code base changes."""
+        (self.path / "plugins").mkdir(exist_ok=True)
+        (self.path / "plugins" / f"{name}.py").write_text(source)
+        self.manifest_extra[name] = {"type": type_, "file": f"{name}.py", "priority": priority, **manifest}
+        self.plugins.append(name)
+        if not enabled:
+            self.plugin_config[name] = {"enabled": False}
+
+    def write(self) -> ConfigDir:
+        shell_cfg = {"port": self.port, **self.plugin_config.get("plugin_client_shellpy", {})}
+        enabled = {
+            "default_model": self.default_model or next(iter(self.models)),
+            "enabled_plugins": self.plugins,
+            "plugin_config": {**self.plugin_config, "plugin_client_shellpy": shell_cfg},
+        }
+        (self.path / "plugins-enabled.json").write_text(json.dumps(enabled, indent=2))
+        (self.path / "llm-models.json").write_text(json.dumps({"models": self.models}, indent=2))
+        if self.manifest_extra:
+            shipped = json.loads((ROOT / "plugin-manifest.json").read_text())
+            shipped["plugins"].update(self.manifest_extra)
+            (self.path / "plugin-manifest.json").write_text(json.dumps(shipped, indent=2))
+        (self.path / ".env").write_text("".join(f"{k}={v}\n" for k, v in self.env.items()))
+        return self
+
+
+class AgentServer:
+    """agent-mcp.py as a subprocess on free ports; `url` is its shell.py endpoint."""
+
+    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None):
+        self.cfg = cfg
+        self.url = f"http://127.0.0.1:{cfg.port}"
+        self.env = env or {}
+        self.proc: subprocess.Popen[str] | None = None
+        self.output = ""
+
+    def start(self, wait: bool = True) -> AgentServer:
+        env = {k: v for k, v in os.environ.items() if not k.endswith("_PROXY") and not k.endswith("_proxy")}
+        env.update({"PYTHONUNBUFFERED": "1", **self.env})
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "agent-mcp.py"), "--config-dir", str(self.cfg.path)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                raise RuntimeError(f"agent-mcp exited with {self.proc.returncode}:\n{self.stop()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code < 500:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise TimeoutError(f"agent-mcp did not answer on {self.url}:\n{self.stop()}")
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def stop(self) -> str:
+        """SIGTERM, wait, and return everything the server printed."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                out, _ = self.proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, _ = self.proc.communicate()
+            self.output += out or ""
+            self.proc = None
+        return self.output
+
+
+@pytest.fixture
+def fake_openai() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as backend:
+        yield backend
+
+
+@pytest.fixture
+def fake_gemini() -> Iterator[FakeGemini]:
+    with FakeGemini() as backend:
+        yield backend
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> ConfigDir:
+    return ConfigDir(tmp_path)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[AgentServer]]:
+    """Collects servers a test starts and stops them all afterwards."""
+    started: list[AgentServer] = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def start_server(servers: list[AgentServer]):
+    def _start(cfg: ConfigDir, env: dict[str, str] | None = None, wait: bool = True) -> AgentServer:
+        server = AgentServer(cfg.write(), env)
+        servers.append(server)
+        return server.start(wait)
+
+    return _start

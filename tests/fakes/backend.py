@@ -1,0 +1,435 @@
+"""Shared machinery for the fake LLM backends: scripted replies, request recording, a threaded server.
+
+A fake is a real HTTP server on 127.0.0.1 (uvicorn + Starlette in a background thread with its own event
+loop), so unmodified client libraries reach it through a base URL. Tests script the next replies with
+`backend.script(...)` and inspect `backend.requests` afterwards; with an empty script the fake echoes the last
+user message, which keeps manual demos and benchmarks working without any script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute
+
+# ---------------------------------------------------------------------------------------------------------
+# Scripted replies
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the fake model makes; `id` None lets each protocol pick its own default."""
+
+    name: str
+    args: dict[str, Any]
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class TextReply:
+    """A text answer: streamed as `chunks`, non-streamed as their concatenation."""
+
+    chunks: tuple[str, ...]
+    delay: float = 0.0
+    hold: threading.Event | None = field(default=None, compare=False)
+
+    @property
+    def content(self) -> str:
+        """The whole answer text."""
+        return "".join(self.chunks)
+
+
+@dataclass(frozen=True)
+class ToolCallsReply:
+    """One or more (parallel) function calls, optionally preceded by some text."""
+
+    calls: tuple[ToolCall, ...]
+    text_before: str | None = None
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An HTTP error with the provider's JSON error body, sent instead of any output."""
+
+    status: int
+    message: str
+
+
+@dataclass(frozen=True)
+class HangReply:
+    """Accept the request, send nothing for `seconds` (or until the backend stops), then send the default reply."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MalformedReply:
+    """A stream that sends one valid text chunk, then a line of invalid JSON, then ends."""
+
+
+Reply = TextReply | ToolCallsReply | ErrorReply | HangReply | MalformedReply
+"""Any scripted reply; build one with the constructors below."""
+
+
+def text(*chunks: str, delay: float = 0.0, hold: threading.Event | None = None) -> TextReply:
+    """A text reply streamed as `chunks` (sleeping `delay` s between them); with `hold`, the stream sends the
+    first chunk and then waits until the test sets the event before sending the rest."""
+    if not chunks:
+        raise ValueError("text() needs at least one chunk")
+    if hold is not None and len(chunks) < 2:
+        raise ValueError("text(hold=...) needs at least two chunks: the hold comes after the first")
+    return TextReply(tuple(chunks), delay, hold)
+
+
+def tokens(count: int, token: str = "tok ") -> TextReply:
+    """A text reply of `count` identical chunks with no delay (benchmark load)."""
+    return TextReply((token,) * count)
+
+
+def tool_call(
+    name: str, args: dict[str, Any], call_id: str | None = None, text_before: str | None = None
+) -> ToolCallsReply:
+    """A reply making a single function call `name(**args)`."""
+    return ToolCallsReply((ToolCall(name, args, call_id),), text_before)
+
+
+def tool_calls(
+    calls: Iterable[ToolCall | tuple[str, dict[str, Any]]], text_before: str | None = None
+) -> ToolCallsReply:
+    """A reply making parallel function calls, given as `ToolCall`s or `(name, args)` pairs."""
+    built = tuple(c if isinstance(c, ToolCall) else ToolCall(*c) for c in calls)
+    if not built:
+        raise ValueError("tool_calls() needs at least one call")
+    return ToolCallsReply(built, text_before)
+
+
+def error(status: int, message: str) -> ErrorReply:
+    """An HTTP `status` error response carrying `message` in the provider's error shape."""
+    return ErrorReply(status, message)
+
+
+def hang(seconds: float) -> HangReply:
+    """A reply that sends nothing for `seconds` (to trigger client timeouts)."""
+    return HangReply(seconds)
+
+
+def malformed() -> MalformedReply:
+    """A stream that breaks after one valid chunk (non-streamed: a 200 with an invalid JSON body)."""
+    return MalformedReply()
+
+
+def words(sentence: str) -> list[str]:
+    """Split `sentence` into word chunks that keep their trailing whitespace ("a b" -> ["a ", "b"])."""
+    return re.findall(r"\S+\s*|\s+", sentence) or [""]
+
+
+def new_id(prefix: str) -> str:
+    """A short random identifier such as `call_1f2e3d4c5b6a`."""
+    return f"{prefix}{uuid.uuid4().hex[:12]}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request the fake received; `json` is None when the body was not valid JSON."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    json: Any
+    last_user_text: str
+
+
+ReplyFactory = Callable[[RecordedRequest], Reply]
+"""Builds the reply for a request when the script is empty."""
+
+
+def echo_reply(request: RecordedRequest) -> Reply:
+    """The default reply: "echo: <last user message>" streamed word by word."""
+    return text(*words("echo: " + request.last_user_text))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Server
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that reports readiness and stops on an event instead of polling a flag."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: asyncio.Event | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        await super().startup(sockets)
+        self.ready.set()
+
+    async def main_loop(self) -> None:
+        assert self.stopping is not None
+        await self.on_tick(0)  # sets the Date header once
+        await self.stopping.wait()
+
+    def request_stop(self) -> None:
+        """Thread-safe: make `main_loop` return, which starts uvicorn's graceful shutdown."""
+        if self.loop is not None and self.stopping is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self.loop.call_soon_threadsafe(self.stopping.set)
+
+
+class FakeBackend:
+    """Base of the fake LLM servers: a FIFO reply script, recorded requests and a background uvicorn thread.
+
+    Subclasses provide `routes()`, `extract_last_user_text()`, `wants_stream()`, `render_json()`,
+    `render_stream()` and `error_body()`; their chat routes point at `handle()`.
+    """
+
+    def __init__(self, port: int = 0, default_reply: ReplyFactory = echo_reply) -> None:
+        self.default_reply = default_reply
+        self._requested_port = port
+        self._lock = threading.Lock()
+        self._script: deque[Reply] = deque()
+        self._requests: list[RecordedRequest] = []
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
+        self._port: int | None = None
+
+    # -- test-facing API ----------------------------------------------------------------------------------
+
+    def script(self, *replies: Reply) -> Self:
+        """Queue `replies`; each request consumes the oldest one (FIFO)."""
+        with self._lock:
+            self._script.extend(replies)
+        return self
+
+    @property
+    def pending(self) -> int:
+        """How many scripted replies have not been consumed yet."""
+        with self._lock:
+            return len(self._script)
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """A snapshot of the requests received so far, oldest first."""
+        with self._lock:
+            return list(self._requests)
+
+    def reset(self) -> None:
+        """Forget the remaining script and the recorded requests."""
+        with self._lock:
+            self._script.clear()
+            self._requests.clear()
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on (only while started)."""
+        if self._port is None:
+            raise RuntimeError("backend not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """The server root, e.g. `http://127.0.0.1:40123`."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The base URL to give the provider's client library."""
+        return self.url
+
+    def start(self) -> Self:
+        """Start serving in a background thread; returns once the port accepts connections."""
+        if self._thread is not None:
+            raise RuntimeError("backend already started")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, see agent-mcp.py
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", self._requested_port))
+        except OSError:
+            sock.close()
+            raise
+        config = uvicorn.Config(
+            Starlette(routes=self.routes()),
+            loop="asyncio",
+            http="h11",
+            ws="none",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        server = _Server(config)
+
+        def run() -> None:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                server.ready.set()  # never leave start() waiting, even if startup failed
+
+        self._socket, self._server, self._port = sock, server, sock.getsockname()[1]
+        self._thread = threading.Thread(target=run, name=f"{type(self).__name__}-server", daemon=True)
+        self._thread.start()
+        server.ready.wait()
+        if not server.started:
+            self.stop()
+            raise RuntimeError(f"{type(self).__name__} failed to start")
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (ending held or hanging responses) and wait for its thread to finish."""
+        if self._server is not None:
+            self._server.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._socket is not None:
+            self._socket.close()
+        self._server = self._thread = self._socket = self._port = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- protocol hooks (subclasses) ----------------------------------------------------------------------
+
+    def routes(self) -> Sequence[BaseRoute]:
+        """The Starlette routes of this protocol."""
+        raise NotImplementedError
+
+    def extract_last_user_text(self, body: Any) -> str:
+        """The text of the last user message in a request body ("" if none)."""
+        raise NotImplementedError
+
+    def wants_stream(self, request: RecordedRequest) -> bool:
+        """Whether `request` asks for a streamed (SSE) answer."""
+        raise NotImplementedError
+
+    def error_body(self, reply: ErrorReply) -> dict[str, Any]:
+        """The provider's JSON error body for `reply`."""
+        raise NotImplementedError
+
+    def render_json(self, reply: TextReply | ToolCallsReply, request: RecordedRequest) -> dict[str, Any]:
+        """The non-streamed response body for `reply`."""
+        raise NotImplementedError
+
+    def render_stream(
+        self, reply: TextReply | ToolCallsReply, request: RecordedRequest
+    ) -> AsyncIterator[str]:
+        """The SSE `data:` payloads (already serialised) for a streamed `reply`."""
+        raise NotImplementedError
+
+    # -- shared request handling --------------------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Response:
+        """Record `request`, take the next reply and answer it as JSON or as an SSE stream."""
+        recorded = await self._record(request)
+        with self._lock:
+            reply = self._script.popleft() if self._script else None
+        if reply is None:
+            reply = self.default_reply(recorded)
+        if isinstance(reply, HangReply):
+            await self._wait_stop(reply.seconds)
+            reply = self.default_reply(recorded)
+        if isinstance(reply, ErrorReply):
+            return JSONResponse(self.error_body(reply), status_code=reply.status)
+        if self.wants_stream(recorded):
+            return StreamingResponse(self._sse(reply, recorded), media_type="text/event-stream")
+        if isinstance(reply, MalformedReply):
+            return Response('{"this is": not json', media_type="application/json")
+        return JSONResponse(self.render_json(reply, recorded))
+
+    async def pace(self, reply: TextReply, index: int) -> None:
+        """Wait before sending chunk `index` of `reply`: the `hold` after the first chunk, then `delay`."""
+        if index == 1 and reply.hold is not None:
+            await self._wait_hold(reply.hold)
+        if index > 0 and reply.delay:
+            await self._wait_stop(reply.delay)
+
+    async def _sse(self, reply: Reply, recorded: RecordedRequest) -> AsyncIterator[str]:
+        if isinstance(reply, MalformedReply):
+            events = self.render_stream(text("partial ", "answer"), recorded)
+            yield f"data: {await anext(events)}\n\n"
+            await events.aclose()
+            yield "data: {this is not json\n\n"
+            return
+        assert isinstance(reply, TextReply | ToolCallsReply)
+        async for payload in self.render_stream(reply, recorded):
+            yield f"data: {payload}\n\n"
+
+    async def _record(self, request: Request) -> RecordedRequest:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        recorded = RecordedRequest(
+            method=request.method,
+            path=request.url.path,
+            query=dict(request.query_params),
+            headers=dict(request.headers),
+            json=body,
+            last_user_text=self.extract_last_user_text(body) if isinstance(body, dict) else "",
+        )
+        with self._lock:
+            self._requests.append(recorded)
+        return recorded
+
+    def _stopping(self) -> asyncio.Event:
+        assert self._server is not None and self._server.stopping is not None
+        return self._server.stopping
+
+    async def _wait_stop(self, seconds: float) -> None:
+        """Sleep `seconds`, returning early if the backend is stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping().wait(), seconds)
+
+    async def _wait_hold(self, hold: threading.Event) -> None:
+        """Wait for a thread-side event in a worker thread (the loop stays free); give up on stop.
+
+        The short timeout only bounds how long a cancelled or stopping wait keeps its worker thread.
+        """
+        stopping = self._stopping()
+        while not stopping.is_set():
+            if await asyncio.to_thread(hold.wait, 0.1):
+                return
+
+
+def run_cli(backend_class: type[FakeBackend], argv: Sequence[str] | None = None) -> None:
+    """Run `backend_class` in the foreground in echo mode until Ctrl-C (for manual demos)."""
+    parser = argparse.ArgumentParser(description=f"Run {backend_class.__name__} (echo mode) on 127.0.0.1.")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    args = parser.parse_args(argv)
+    with backend_class(port=args.port) as backend:
+        print(
+            f"{backend_class.__name__} listening; base URL: {backend.base_url}  (Ctrl-C to stop)", flush=True
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()

@@ -1,0 +1,182 @@
+"""routes.py + agents.py in-process: commands, batches, @model, errors, cancellation, history."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import routes
+import state
+from config import load_config
+from tests.conftest import ConfigDir, gemini_model, openai_model
+from tests.fakes.backend import error, hang, malformed, text, tool_call
+
+
+@pytest.fixture
+async def rt(tmp_path, fake_openai, fake_gemini):
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {
+        "fake": openai_model(fake_openai, max_context=6, llm_call_timeout=1),
+        "gem": gemini_model(fake_gemini),
+        "nokey": {"model_id": "x", "type": "OPENAI", "host": fake_openai.base_url, "env_key": "NOT_SET_ANYWHERE_KEY"},
+    }
+    cfg.env = {"FAKE_GEMINI_KEY": "k"}
+    runtime = await routes.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    state.set_current(runtime)
+    yield runtime
+    await routes.close_runtime(runtime)
+    for llm in runtime.llms.values():
+        if hasattr(llm, "aclose"):
+            await llm.aclose()
+        elif getattr(llm, "async_client", None) is not None:
+            await llm.root_async_client.close()
+    state.set_current(None)
+
+
+async def turn(rt: state.Runtime, text_: str, client_id: str = "c1") -> tuple[str, list[state.Event]]:
+    """Submit and collect this client's events up to the turn's `done`: (answer text, events)."""
+    sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+    await routes.submit(rt, client_id, text_)
+    events = []
+    async for ev in sub:
+        events.append(ev)
+        if ev.name == "done":
+            break
+    return "".join(e.data.get("text", "") for e in events if e.name == "tok"), events
+
+
+async def test_unknown_command_never_reaches_the_model(rt, fake_openai):
+    out, events = await turn(rt, "!frobnicate now")
+    assert out.startswith("Unknown command: !frobnicate") and "!help" in out
+    assert fake_openai.requests == [] and [e.name for e in events][-1] == "done"
+
+
+async def test_model_command_and_reset(rt, fake_openai):
+    out, _ = await turn(rt, "!model")
+    assert "fake" in out and "(current)" in out
+    out, _ = await turn(rt, "!model nope")
+    assert "ERROR: Unknown model 'nope'" in out
+    out, _ = await turn(rt, "!model gem")
+    assert out == "Model set to 'gem'." and rt.sessions.get("c1").model == "gem"
+    await turn(rt, "hello")
+    out, _ = await turn(rt, "!reset")
+    assert out == "Conversation history cleared (2 messages removed)."
+
+
+async def test_batch_runs_each_command_then_sends_the_rest(rt, fake_openai):
+    out, events = await turn(rt, "!tool_preview_length 7\n!model\nsay hi")
+    assert "Tool preview length set to 7 chars." in out and "Available models:" in out
+    assert out.endswith("echo: say hi")
+    assert [e.name for e in events].count("done") == 1
+    assert fake_openai.requests[0].last_user_text == "say hi"
+
+
+async def test_session_commands(rt):
+    await turn(rt, "!help", client_id="a")
+    await turn(rt, "!help", client_id="b")
+    out, _ = await turn(rt, "!session", client_id="a")
+    assert "ID [101] a:" in out and "(current)" in out and "ID [102] b:" in out
+    out, _ = await turn(rt, "!session 102 delete", client_id="a")
+    assert out == "Deleted session ID [102]: b"
+    out, _ = await turn(rt, "!session 102 delete", client_id="a")
+    assert out.startswith("Session not found: 102")
+    out, _ = await turn(rt, "!session b attach", client_id="a")
+    assert "Session not found" in out
+
+
+async def test_at_model_switches_for_one_turn_and_restores(rt, fake_openai, fake_gemini):
+    fake_gemini.script(text("from ", "gemini"))
+    out, _ = await turn(rt, "@gem who are you")
+    assert out == "from gemini" and fake_gemini.requests[-1].last_user_text == "who are you"
+    session = rt.sessions.get("c1")
+    assert session.model == "fake" and not session.temp_model_active
+    out, _ = await turn(rt, "@nosuch hi")
+    assert out.startswith("ERROR: Unknown model '@nosuch'")
+    # Restored even when the turn fails.
+    fake_gemini.script(error(500, "boom"))
+    _, events = await turn(rt, "@gem fail please")
+    assert any(e.name == "error" for e in events) and session.model == "fake"
+
+
+@pytest.mark.parametrize(("reply", "expect"), [
+    (error(500, "backend exploded"), "HTTP 500"),
+    (hang(5), "no answer within 1"),
+    (malformed(), "malformed response"),
+])
+async def test_backend_failures_become_error_events_and_history_survives(rt, fake_openai, reply, expect):
+    await turn(rt, "first question")
+    before = list(rt.sessions.get("c1").history)
+    fake_openai.script(reply)
+    _, events = await turn(rt, "second question")
+    errors = [e.data["message"] for e in events if e.name == "error"]
+    assert len(errors) == 1 and expect in errors[0] and "fake" in errors[0], errors
+    assert [e.name for e in events][-1] == "done"
+    assert rt.sessions.get("c1").history == before
+    out, _ = await turn(rt, "third question")
+    assert out == "echo: third question"
+    sent = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "user"]
+    assert sent == ["first question", "third question"]
+
+
+async def test_missing_api_key_names_the_variable(rt):
+    await turn(rt, "!model nokey")
+    _, events = await turn(rt, "hello")
+    (msg,) = [e.data["message"] for e in events if e.name == "error"]
+    assert "NOT_SET_ANYWHERE_KEY" in msg and ".env" in msg
+
+
+async def test_tool_calls_and_results_are_kept_and_trimmed_together(rt, fake_openai):
+    fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("done reading"))
+    out, events = await turn(rt, "read your prompt")
+    assert out == "done reading"
+    assert any(e.name == "status" and "read_system_prompt ▶" in e.data["text"] for e in events)
+    roles = [m["role"] for m in rt.sessions.get("c1").history]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    # max_context is 6: the next turn's context drops the first turn whole, never half a tool exchange.
+    await turn(rt, "two")
+    await turn(rt, "three")
+    sent = fake_openai.requests[-1].json["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert all(m["role"] != "tool" for m in sent)
+
+
+async def test_bad_tool_arguments_and_unknown_tools_are_results(rt, fake_openai):
+    fake_openai.script(tool_call("read_system_prompt", {"section": 5}), tool_call("nonexistent", {}), text("ok"))
+    out, _ = await turn(rt, "go")
+    tool_results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
+    assert tool_results[0].startswith("ERROR: invalid arguments for read_system_prompt: section")
+    assert tool_results[1].startswith("ERROR: unknown tool 'nonexistent'")
+    assert out == "ok"
+
+
+async def test_new_submit_cancels_the_running_turn_cleanly(rt, fake_openai):
+    hold = threading.Event()
+    fake_openai.script(text("partial ", "never finished", hold=hold))
+    sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
+    await routes.submit(rt, "c1", "slow question")
+    assert (await anext(sub)).data["text"] == "partial "
+    out, events = await turn(rt, "quick question")
+    hold.set()
+    assert out == "echo: quick question"
+    # The replaced turn says so and sends no `done` of its own: exactly one `done`, the new turn's.
+    assert events[0].name == "status" and events[0].data["text"] == "[cancelled]"
+    assert [e.name for e in events].count("done") == 1
+    history = rt.sessions.get("c1").history
+    assert [m["content"] for m in history] == ["quick question", "echo: quick question"]
+
+
+async def test_empty_message_gets_a_hint(rt, fake_openai):
+    _, events = await turn(rt, "   ")
+    assert "empty message" in events[0].data["message"] and fake_openai.requests == []
+
+
+async def test_plugin_command_signature_and_conflicts(rt):
+    async def hello(args: str) -> str:
+        return f"hello {state.current_client_id.get()} {args}"
+
+    rt.commands["hello"] = state.Command(hello, owner="plugin_x")
+    out, _ = await turn(rt, "!HELLO there")
+    assert out == "hello c1 there"
+    await asyncio.sleep(0)

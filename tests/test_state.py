@@ -1,0 +1,89 @@
+"""state.py: the event hub (broadcast, replay, bounds) and the session stores."""
+
+import asyncio
+
+import pytest
+
+import state
+from agents import trim_history
+
+
+async def take(it, n):
+    return [await anext(it) for _ in range(n)]
+
+
+async def test_every_subscriber_gets_every_event():
+    hub = state.EventHub()
+    a, b = hub.subscribe("s"), hub.subscribe("s")
+    first_a, first_b = asyncio.ensure_future(take(a, 3)), asyncio.ensure_future(take(b, 3))
+    await asyncio.sleep(0)
+    hub.tok("s", "x"), hub.tok("s", "y"), hub.done("s")
+    ea, eb = await first_a, await first_b
+    assert [e.name for e in ea] == ["tok", "tok", "done"] and ea == eb
+    assert ea[0].id < ea[1].id < ea[2].id
+
+
+async def test_replay_after_last_event_id_is_exact():
+    hub = state.EventHub()
+    ids = [hub.publish("s", "tok", {"text": str(i)}).id for i in range(5)]
+    got = await take(hub.subscribe("s", ids[1]), 3)
+    assert [e.data["text"] for e in got] == ["2", "3", "4"]
+
+
+async def test_without_last_event_id_unseen_events_are_delivered_once():
+    hub = state.EventHub()
+    hub.tok("s", "before anyone listened")
+    sub = hub.subscribe("s")
+    assert (await anext(sub)).data["text"] == "before anyone listened"
+    # A later subscriber starts after what was already delivered.
+    late = hub.subscribe("s")
+    hub.tok("s", "new")
+    assert (await anext(late)).data["text"] == "new"
+
+
+async def test_buffer_is_bounded():
+    hub = state.EventHub()
+    for i in range(state.EVENT_BUFFER + 50):
+        hub.tok("s", str(i))
+    got = await anext(hub.subscribe("s", 0))
+    assert got.data["text"] == "50"
+
+
+async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
+    path = tmp_path / "s.db"
+    m = state.SessionManager(state.SqliteStore(path))
+    await m.open()
+    a = await m.get_or_create("alice", "m1")
+    b = await m.get_or_create("bob", "m2")
+    a.history.append({"role": "user", "content": "hi"})
+    await m.save(a)
+    await m.delete("102")
+    await m.close()
+    m2 = state.SessionManager(state.SqliteStore(path))
+    await m2.open()
+    assert [(s.client_id, s.shorthand, s.model) for s in m2.all()] == [("alice", 101, "m1")]
+    assert m2.get("alice").history == [{"role": "user", "content": "hi"}]
+    c = await m2.get_or_create("carol", "m1")
+    assert c.shorthand == 103  # never reuses bob's 102
+    assert b.shorthand == 102 and m2.resolve("101") == "alice" and m2.resolve("102") is None
+    await m2.close()
+
+
+def test_store_setting():
+    assert isinstance(state.open_store("memory", None), state.MemoryStore)
+    with pytest.raises(state.SessionError, match="SESSION_STORE='postgres://x' is not supported"):
+        state.open_store("postgres://x", None)
+
+
+def test_trim_never_separates_tool_call_from_result():
+    h = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "name": "t", "args": {}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "r"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert trim_history(h, 10) == h
+    assert trim_history(h, 4) == h[4:]  # would start at the tool result: moves to the next user message
+    assert trim_history(h[:4], 2) == h[:4]  # one turn longer than the limit stays whole

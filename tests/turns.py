@@ -1,0 +1,33 @@
+"""Drive a turn through shell.py's own client code, as a user's terminal would."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shell import ShellClient, ShellEvent
+
+
+async def collect_turn(client: ShellClient, text: str) -> list[ShellEvent]:
+    """Submit on an already-open stream and gather events up to the turn's `done`."""
+    await client.connect(max_wait=10)
+    await client.submit(text)
+    events: list[ShellEvent] = []
+    async for ev in client.events():
+        events.append(ev)
+        if ev.name == "done":
+            return events
+    return events
+
+
+def run_turn(url: str, client_id: str, text: str, token: str | None = None) -> list[ShellEvent]:
+    """One whole turn from a fresh client (sync, for tests that drive a subprocess server)."""
+
+    async def _go() -> list[ShellEvent]:
+        async with ShellClient(url, client_id, token=token) as client:
+            return await asyncio.wait_for(collect_turn(client, text), 30)
+
+    return asyncio.run(_go())
+
+
+def answer(events: list[ShellEvent]) -> str:
+    return "".join(e.text for e in events if e.name == "tok")
