@@ -219,7 +219,7 @@ async def run_command(rt: state.Runtime, session: state.Session, line: str) -> N
 
 def _models_list(rt: state.Runtime, current: str | None) -> str:
     rows = [
-        f"  {key:<12} {m.model_id:<34} {m.description}{'  (current)' if key == current else ''}"
+        f"  {key:<12} {m.model_id}{' (current)' if key == current else ''}" + (f"\n  {'':<12} {m.description}" if m.description else "")
         for key, m in rt.config.models.items()
     ]
     return "Available models:\n" + "\n".join(rows)

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import codecs
 import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import uuid
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource, ServerSentEvent
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
@@ -110,88 +109,6 @@ def load_or_create_client_id(path: Path) -> str:
 
 
 @dataclass(frozen=True)
-class SSEMessage:
-    """One dispatched server-sent event, before its data is decoded."""
-
-    event: str
-    data: str
-    id: str | None
-
-
-class SSEParser:
-    """Incremental ``text/event-stream`` parser: feed() it raw chunks, get the complete messages back.
-
-    WHATWG rules: lines end in CRLF, LF or CR (also when split across chunks), lines starting with
-    ``:`` are comments, one space after the field colon is dropped, ``data`` lines are joined with
-    ``\\n``, a blank line dispatches, the last ``id`` persists. One leniency: a message that has an
-    ``event`` line but no ``data`` line is still dispatched (with data ``""``).
-    """
-
-    _LINE_END = re.compile(r"\r\n|\r|\n")
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buffer = ""
-        self._skip_lf = False  # the previous chunk ended in CR: a leading LF belongs to it
-        self._started = False
-        self._event = ""
-        self._data: list[str] = []
-        self.last_id: str | None = None
-        self.retry: int | None = None
-
-    def feed(self, chunk: bytes | str) -> list[SSEMessage]:
-        """Consume one chunk of the stream; return the messages it completed, in order."""
-        text = self._decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
-        if not text:
-            return []
-        if not self._started:
-            self._started = True
-            text = text.removeprefix("\ufeff")
-        if self._skip_lf:
-            self._skip_lf = False
-            text = text.removeprefix("\n")
-        buffer = self._buffer + text
-        messages: list[SSEMessage] = []
-        pos = 0
-        for match in self._LINE_END.finditer(buffer):
-            line = buffer[pos : match.start()]
-            pos = match.end()
-            if match.group() == "\r" and pos == len(buffer):
-                self._skip_lf = True
-            message = self._line(line)
-            if message is not None:
-                messages.append(message)
-        self._buffer = buffer[pos:]
-        return messages
-
-    def _line(self, line: str) -> SSEMessage | None:
-        if not line:
-            return self._dispatch()
-        if line.startswith(":"):
-            return None
-        name, colon, value = line.partition(":")
-        if colon and value.startswith(" "):
-            value = value[1:]
-        if name == "event":
-            self._event = value
-        elif name == "data":
-            self._data.append(value)
-        elif name == "id":
-            if "\0" not in value:
-                self.last_id = value
-        elif name == "retry" and value.isascii() and value.isdigit():
-            self.retry = int(value)
-        return None
-
-    def _dispatch(self) -> SSEMessage | None:
-        if not self._data and not self._event:
-            return None
-        message = SSEMessage(self._event or "message", "\n".join(self._data), self.last_id)
-        self._event, self._data = "", []
-        return message
-
-
-@dataclass(frozen=True)
 class ShellEvent:
     """One event of a session's stream: ``name`` is tok|status|gate|done|error, ``data`` its JSON object."""
 
@@ -206,7 +123,7 @@ class ShellEvent:
         return value if isinstance(value, str) else str(value)
 
     @classmethod
-    def from_sse(cls, message: SSEMessage) -> ShellEvent:
+    def from_sse(cls, message: ServerSentEvent) -> ShellEvent:
         """Decode a raw message; data that is not a JSON object is kept as ``{"text": data}``."""
         try:
             data = json.loads(message.data) if message.data.strip() else {}
@@ -479,13 +396,11 @@ class ShellClient:
                 raise RequestRejected(response.status_code, response.text[:200] or "stream refused")
             self._connected.set()
             self._set_state(generation, "connected")
-            parser = SSEParser()
-            async for chunk in response.aiter_bytes():
-                for message in parser.feed(chunk):
-                    event = ShellEvent.from_sse(message)
-                    if event.id is not None:
-                        self.last_event_id = event.id
-                    self._queue.put_nowait((generation, event))
+            async for message in EventSource(response).aiter_sse():
+                event = ShellEvent.from_sse(message)
+                if event.id is not None:
+                    self.last_event_id = event.id
+                self._queue.put_nowait((generation, event))
 
 
 # --------------------------------------------------------------------------- rendering
@@ -546,14 +461,21 @@ def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | 
     )
 
 
-class _LiveAnswer:
-    """The answer so far as Markdown, cut to its last lines so the newest text stays in view."""
+def _render_answer(text: str, plain: bool) -> Text | Markdown:
+    """Model answers are Markdown; command output is shown as it is (line breaks, `<ID>` and all)."""
+    return Text(text) if plain else Markdown(text)
 
-    def __init__(self, parts: list[str]) -> None:
-        self.parts = parts
+
+class _LiveAnswer:
+    """The answer so far, cut to its last lines so the newest text stays in view."""
+
+    def __init__(self, parts: list[str], plain: bool) -> None:
+        self.parts, self.plain = parts, plain
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        lines = console.render_lines(Markdown("".join(self.parts)), options.update(height=None), pad=False)
+        lines = console.render_lines(
+            _render_answer("".join(self.parts), self.plain), options.update(height=None), pad=False
+        )
         keep = max(1, console.size.height - 2)
         for line in lines[-keep:]:
             yield from line
@@ -604,6 +526,7 @@ class ShellUI:
         self.pending_gates: list[dict[str, Any]] = []
         self.fatal: str | None = None
         self._turn = False
+        self._plain = False
         self._parts: list[str] = []
         self._live: Live | None = None
         self._live_kind = ""
@@ -623,10 +546,14 @@ class ShellUI:
         """Return once ``busy`` is false."""
         await self._idle.wait()
 
-    def begin_turn(self) -> None:
-        """Mark the start of a turn the user submitted: its answer streams live until ``done``."""
+    def begin_turn(self, plain: bool = False) -> None:
+        """Mark the start of a turn the user submitted: its answer streams live until ``done``.
+
+        ``plain`` shows the output as it is instead of as Markdown (for ``!command`` output).
+        """
         self._flush()
         self._turn = True
+        self._plain = plain
         self._update_idle()
 
     def end_turn(self) -> None:
@@ -720,7 +647,7 @@ class ShellUI:
         self._parts.append(text)
         if self._turn and self.console.is_terminal and self._live_kind != "answer":
             self._stop_countdown()
-            self._start_live("answer", _LiveAnswer(self._parts), fps=12)
+            self._start_live("answer", _LiveAnswer(self._parts, self._plain), fps=12)
 
     def _on_status(self, data: dict[str, Any]) -> None:
         self.note(str(data.get("text", "")), "dim")
@@ -817,13 +744,13 @@ class ShellUI:
         self._live, self._live_kind = None, ""
         if live is not None and kind == "answer":
             # A non-transient Live re-renders in full (overflow "visible") when stopped.
-            live.update(Markdown(text))
+            live.update(_render_answer(text, self._plain))
             live.stop()
             return
         if live is not None:
             live.stop()
         if text.strip():
-            self.console.print(Markdown(text))
+            self.console.print(_render_answer(text, self._plain))
 
     def _update_idle(self) -> None:
         if self.busy:
@@ -1079,7 +1006,7 @@ class Shell:
             self.ui.note(f"this session was deleted — now using a new session {_short(new_id)}", "green")
 
     async def _submit(self, text: str) -> None:
-        self.ui.begin_turn()
+        self.ui.begin_turn(plain=text.lstrip().startswith("!"))
         try:
             await self.client.submit(text)
         except AuthRequired as exc:

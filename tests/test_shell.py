@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from httpx_sse import ServerSentEvent
 from prompt_toolkit.application import create_app_session
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
@@ -35,7 +36,6 @@ from shell import (
     ShellClient,
     ShellEvent,
     ShellUI,
-    SSEParser,
     Terminal,
     load_or_create_client_id,
     resolve_base_url,
@@ -260,41 +260,14 @@ async def until_done(events: AsyncIterator[ShellEvent]) -> list[ShellEvent]:
     return seen
 
 
-# --------------------------------------------------------------------------- SSE parser
-
-
-def test_parser_handles_every_line_ending_even_split_byte_by_byte() -> None:
-    raw = (
-        ": comment\r\n\r\n"
-        'id: 7\revent: tok\rdata: {"text": "a"}\r\r'
-        "id:8\nevent:status\ndata:first\ndata: second\n\n"
-        "event: done\r\ndata\r\n\r\n"
-        'event: gate\ndata: {"text": "line\u2028sep"}\n\n'
-    ).encode()
-    whole = SSEParser().feed(raw)
-    parser = SSEParser()
-    split = [m for i in range(len(raw)) for m in parser.feed(raw[i : i + 1])]
-    assert whole == split
-    assert [(m.event, m.data, m.id) for m in whole] == [
-        ("tok", '{"text": "a"}', "7"),
-        ("status", "first\nsecond", "8"),
-        ("done", "", "8"),
-        ("gate", '{"text": "line\u2028sep"}', "8"),
-    ]
-
-
-def test_parser_keeps_incomplete_event_until_blank_line_and_reads_retry() -> None:
-    parser = SSEParser()
-    assert parser.feed(b"retry: 1500\nevent: tok\ndata: x") == []
-    assert parser.retry == 1500
-    assert [m.data for m in parser.feed(b"\n\n")] == ["x"]
+# --------------------------------------------------------------------------- SSE decoding
 
 
 def test_shell_event_decodes_json_and_tolerates_plain_text() -> None:
-    message = SSEParser().feed(b'id: 3\nevent: tok\ndata: {"text": "a\\nb"}\n\n')[0]
+    message = ServerSentEvent(event="tok", data='{"text": "a\\nb"}', id="3")
     assert ShellEvent.from_sse(message) == ShellEvent("tok", {"text": "a\nb"}, 3)
-    plain = SSEParser().feed(b"event: status\ndata: not json\n\n")[0]
-    assert ShellEvent.from_sse(plain).text == "not json"
+    assert ShellEvent.from_sse(ServerSentEvent(event="status", data="not json")).text == "not json"
+    assert ShellEvent.from_sse(ServerSentEvent(event="done", data="")) == ShellEvent("done", {}, None)
 
 
 # --------------------------------------------------------------------------- ShellClient
@@ -501,6 +474,14 @@ async def test_ui_renders_answer_status_and_error_in_order(client: ShellClient) 
     assert "error: model timed out" in text
     order = [text.index(s) for s in ("Plan", "[db ▶]", "• first", "error: model")]
     assert order == sorted(order)
+
+
+async def test_ui_shows_command_output_as_is(client: ShellClient) -> None:
+    console, out = _console()
+    ui = ShellUI(console, client)
+    ui.begin_turn(plain=True)
+    await _feed(ui, ("tok", {"text": "Commands:\n  !session [<ID> [delete]]\n  !reset"}), ("done", {}))
+    assert "Commands:\n  !session [<ID> [delete]]\n  !reset" in out.getvalue()
 
 
 async def test_ui_live_answer_keeps_the_whole_final_render(client: ShellClient) -> None:
