@@ -23,6 +23,7 @@ CODE_DIR = Path(__file__).resolve().parent
 MODELS_FILE = "llm-models.json"
 MANIFEST_FILE = "plugin-manifest.json"
 ENABLED_FILE = "plugins-enabled.json"
+GATE_DEFAULTS_FILE = "gate-defaults.json"
 MAX_TOOL_ITERATIONS = 10
 
 
@@ -105,6 +106,25 @@ class ModelsFile(_Model):
     models: dict[str, ModelConfig]
 
 
+class GatePermission(_Model):
+    """Whether reads / writes run without asking (True = auto-allow, gate off)."""
+
+    read: bool = False
+    write: bool = False
+
+
+class GateDefaults(_Model):
+    """`gate-defaults.json`: the gate state every session starts from (absent = gated).
+
+    `db` is keyed by table name, `*` (every table without its own entry) and `__meta__`
+    (statements that touch no table: SHOW, DESCRIBE, …); `tools` by tool name and `*`.
+    """
+
+    version: str = "1.0.0"
+    db: dict[str, GatePermission] = {}
+    tools: dict[str, GatePermission] = {}
+
+
 class AppConfig(BaseModel):
     """Everything the server reads at start, with disabled models already removed."""
 
@@ -115,6 +135,7 @@ class AppConfig(BaseModel):
     models: dict[str, ModelConfig]
     manifest: Manifest
     enabled: EnabledConfig
+    gates: GateDefaults = GateDefaults()
 
     @property
     def default_model(self) -> str:
@@ -200,6 +221,12 @@ def load_enabled(config_dir: Path) -> EnabledConfig:
     return _validate(EnabledConfig, read_json(path), path)
 
 
+def load_gate_defaults(config_dir: Path) -> GateDefaults:
+    """`gate-defaults.json`; without the file every gate is on."""
+    path = config_path(config_dir, GATE_DEFAULTS_FILE)
+    return _validate(GateDefaults, read_json(path), path) if path.exists() else GateDefaults()
+
+
 def load_config(config_dir: str | Path | None = None) -> AppConfig:
     """Load and cross-check every config file; raise ConfigError naming the file and field."""
     cdir = Path(config_dir).resolve() if config_dir else CODE_DIR
@@ -217,7 +244,9 @@ def load_config(config_dir: str | Path | None = None) -> AppConfig:
             f"{enabled_path}: field 'default_model': '{enabled.default_model}' is not an enabled model "
             f"of {MODELS_FILE} (enabled: {', '.join(models)})"
         )
-    return AppConfig(config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled)
+    return AppConfig(
+        config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled, gates=load_gate_defaults(cdir)
+    )
 
 
 def resolve_api_key(model: ModelConfig, env: dict[str, str]) -> str | None:

@@ -9,10 +9,11 @@ cancelled by a newer one from the same client, which ends with a `[cancelled]` s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -54,7 +55,7 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
 
 async def close_runtime(rt: state.Runtime) -> None:
     """Stop running turns, shut plugins down (reverse order) and close the session store."""
-    tasks = [t for t in rt.active_tasks.values() if not t.done()]
+    tasks = [t for group in rt.active_tasks.values() for t in group if not t.done()]
     for t in tasks:
         t.cancel()
     if tasks:
@@ -67,58 +68,127 @@ async def close_runtime(rt: state.Runtime) -> None:
 # ── Submitting ──────────────────────────────────────────────────────────────────────────────
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A submitted request: its id (carried by every event it produces) and its task."""
+
+    id: str
+    task: asyncio.Task[None]
+
+
 async def cancel_active_task(rt: state.Runtime, client_id: str) -> None:
-    """Cancel the client's running request (if any) and wait until it has cleaned up."""
-    task = rt.active_tasks.get(client_id)
-    if task is None or task.done() or task is asyncio.current_task():
-        return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-        await asyncio.wait_for(asyncio.shield(task), CANCEL_GRACE_SECONDS)
+    """Cancel the client's running and waiting requests and wait until they have cleaned up."""
+    tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done() and t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
 
-async def submit(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None = None) -> asyncio.Task[None]:
-    """Start a request as a task; a request already running for this client is cancelled first."""
-    await cancel_active_task(rt, client_id)
-    task = asyncio.create_task(process_request(client_id, text, payload, rt=rt), name=f"request:{client_id}")
-    rt.active_tasks[client_id] = task
+async def submit(
+    rt: state.Runtime,
+    client_id: str,
+    text: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    cancel_running: bool = True,
+) -> Turn:
+    """Start a request as a task and return it.
+
+    With `cancel_running` (what shell.py and the API do) the client's running request is
+    cancelled first; without it the new request waits until the session is free, so several
+    requests on one session are answered one after another, each with its own events.
+    """
+    if cancel_running:
+        await cancel_active_task(rt, client_id)
+    turn_id = uuid.uuid4().hex[:16]
+    task = asyncio.create_task(
+        process_request(client_id, text, payload, rt=rt, turn_id=turn_id), name=f"request:{client_id}:{turn_id}"
+    )
+    group = rt.active_tasks.setdefault(client_id, set())
+    group.add(task)
 
     def _forget(t: asyncio.Task[None]) -> None:
-        if rt.active_tasks.get(client_id) is t:
+        group.discard(t)
+        if not group and rt.active_tasks.get(client_id) is group:
             del rt.active_tasks[client_id]
 
     task.add_done_callback(_forget)
-    return task
+    return Turn(turn_id, task)
+
+
+async def run_turn(
+    rt: state.Runtime,
+    client_id: str,
+    text: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    cancel_running: bool = False,
+) -> AsyncIterator[state.Event]:
+    """Submit `text` and yield the events of this request only, ending with its `done`.
+
+    For client plugins that answer one request per HTTP call or message (proxy, Slack, API
+    `wait`, MCP). If the caller stops iterating early (its client went away), the request is
+    cancelled. A request cancelled by a newer one ends with a `status` event whose data has
+    `"cancelled": true`.
+    """
+    events = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+    turn = await submit(rt, client_id, text, payload, cancel_running=cancel_running)
+    finished = False
+    try:
+        async for ev in events:
+            if ev.turn != turn.id:
+                continue
+            finished = ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
+            yield ev
+            if finished:
+                return
+    finally:
+        await events.aclose()
+        if not finished and not turn.task.done():
+            turn.task.cancel()
 
 
 async def process_request(
-    client_id: str, text: str, payload: dict[str, Any] | None = None, *, rt: state.Runtime | None = None
+    client_id: str,
+    text: str,
+    payload: dict[str, Any] | None = None,
+    *,
+    rt: state.Runtime | None = None,
+    turn_id: str | None = None,
 ) -> None:
-    """Handle one message of a client: commands, a command batch, or an LLM turn; then `done`."""
+    """Handle one message of a client: commands, a command batch, or an LLM turn; then `done`.
+
+    Requests on one session run one at a time, in the order they were submitted.
+    """
     rt = rt or state.current()
     payload = payload or {}
     wanted = payload.get("default_model")
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
-    session = await rt.sessions.get_or_create(client_id, model)
+    turn_token = state.current_turn.set(turn_id or uuid.uuid4().hex[:16])
     token = state.current_client_id.set(client_id)
+    session: state.Session | None = None
     cancelled = False
     try:
-        await _process(rt, session, text)
+        session = await rt.sessions.get_or_create(client_id, model)
+        async with session.lock:
+            await _process(rt, session, text)
     except asyncio.CancelledError:
         # No `done`: the request that replaced this one sends its own, and a client must not
         # mistake this turn's end for the end of the newer one.
         cancelled = True
-        rt.hub.status(client_id, "[cancelled]")
+        rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
         raise
     except Exception as exc:
         logger.exception("request of %s failed", client_id)
         rt.hub.error(client_id, f"internal error: {type(exc).__name__}: {exc}")
     finally:
         state.current_client_id.reset(token)
-        if rt.sessions.get(client_id) is session:
+        if session is not None and rt.sessions.get(client_id) is session:
             await rt.sessions.save(session)
         if not cancelled:
             rt.hub.done(client_id)
+        state.current_turn.reset(turn_token)
 
 
 async def _process(rt: state.Runtime, session: state.Session, text: str) -> None:

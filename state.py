@@ -34,6 +34,8 @@ EVENT_BUFFER = 2000
 
 #: The client whose request is being processed (set around each turn and tool call).
 current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
+#: The request (turn) being processed; every event published meanwhile carries it.
+current_turn: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_turn", default=None)
 
 
 class SessionError(Exception):
@@ -56,6 +58,8 @@ class Session:
     created: float = field(default_factory=time.time)
     # Only during a turn: set by the `@model` prefix, never persisted.
     temp_model_active: bool = False
+    # Held by the request running on this session; later requests wait their turn.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -240,11 +244,15 @@ class SessionManager:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One output event of a session: `tok`, `status`, `gate`, `done` or `error`."""
+    """One output event of a session: `tok`, `status`, `gate`, `done` or `error`.
+
+    `turn` is the id of the request that produced it (None outside a request).
+    """
 
     id: int
     name: str
     data: dict[str, Any]
+    turn: str | None = None
 
 
 class _Channel:
@@ -262,7 +270,7 @@ class _Channel:
 
     def publish(self, name: str, data: dict[str, Any]) -> Event:
         self.last_id += 1
-        event = Event(self.last_id, name, data)
+        event = Event(self.last_id, name, data, current_turn.get())
         self.events.append(event)
         wake, self._wake = self._wake, asyncio.Event()
         wake.set()
@@ -360,7 +368,8 @@ class Runtime:
     commands: dict[str, Command] = field(default_factory=dict)
     #: model key → LangChain chat model, built once and reused.
     llms: dict[str, Any] = field(default_factory=dict)
-    active_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    #: client id → its requests that are running or waiting for the session.
+    active_tasks: dict[str, set[asyncio.Task[None]]] = field(default_factory=dict)
     #: Checks run by execute_tool before the executor (rate limit, gate): async (rt, client_id,
     #: tool_name, args) → None to go on, or a message that becomes the tool result.
     tool_checks: list[Any] = field(default_factory=list)

@@ -107,3 +107,13 @@ def test_api_key_resolution():
     assert config.resolve_api_key(m, {}) is None
     keyless = config.ModelConfig(model_id="x", type="OPENAI", env_key=None)
     assert config.resolve_api_key(keyless, {}) == "no-key-required"
+
+
+def test_gate_defaults_are_loaded_and_validated(cdir):
+    assert load_config(cdir).gates.tools["*"].read is False  # the shipped file: everything gated
+    (cdir / "gate-defaults.json").write_text('{"db": {"users": {"read": true}}, "tools": {"ddgs_search": {"read": true}}}')
+    gates = load_config(cdir).gates
+    assert gates.db["users"].read and not gates.db["users"].write and gates.tools["ddgs_search"].read
+    (cdir / "gate-defaults.json").write_text('{"tools": {"x": {"read": "maybe"}}}')
+    with pytest.raises(ConfigError, match=r"(?s)gate-defaults.json.*tools\.x\.read"):
+        load_config(cdir)

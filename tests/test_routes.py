@@ -180,3 +180,47 @@ async def test_plugin_command_signature_and_conflicts(rt):
     out, _ = await turn(rt, "!HELLO there")
     assert out == "hello c1 there"
     await asyncio.sleep(0)
+
+
+async def _collect(events) -> tuple[str, list[state.Event]]:
+    got = [ev async for ev in events]
+    return "".join(e.data.get("text", "") for e in got if e.name == "tok"), got
+
+
+async def test_run_turn_queues_requests_on_one_session_each_with_its_own_answer(rt, fake_openai):
+    hold = threading.Event()
+    fake_openai.script(text("first ", "answer", hold=hold))
+    first = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "one")))
+    second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "two")))
+    await asyncio.sleep(0.2)
+    assert len(fake_openai.requests) == 1  # the second waits for the session, it does not cancel the first
+    hold.set()
+    (out1, ev1), (out2, ev2) = await asyncio.gather(first, second)
+    assert (out1, out2) == ("first answer", "echo: two")
+    assert len({e.turn for e in ev1}) == 1 and len({e.turn for e in ev2}) == 1 and ev1[0].turn != ev2[0].turn
+    assert ev1[-1].name == ev2[-1].name == "done"
+    assert [m["content"] for m in rt.sessions.get("c1").history] == ["one", "first answer", "two", "echo: two"]
+
+
+async def test_run_turn_cancels_its_request_when_the_caller_leaves(rt, fake_openai):
+    hold = threading.Event()
+    fake_openai.script(text("partial ", "rest", hold=hold))
+    events = routes.run_turn(rt, "c1", "slow")
+    assert (await anext(events)).data["text"] == "partial "
+    await events.aclose()
+    hold.set()
+    await asyncio.sleep(0.1)
+    assert "c1" not in rt.active_tasks and rt.sessions.get("c1").history == []
+    out, _ = await turn(rt, "next")
+    assert out == "echo: next"
+
+
+async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
+    hold = threading.Event()
+    fake_openai.script(text("partial ", "rest", hold=hold))
+    events = routes.run_turn(rt, "c1", "slow")
+    assert (await anext(events)).data["text"] == "partial "
+    await routes.submit(rt, "c1", "replacement")
+    last = [ev async for ev in events][-1]
+    hold.set()
+    assert last.name == "status" and last.data == {"text": "[cancelled]", "cancelled": True}
