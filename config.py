@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -247,6 +248,39 @@ def load_config(config_dir: str | Path | None = None) -> AppConfig:
     return AppConfig(
         config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled, gates=load_gate_defaults(cdir)
     )
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace a file's content all at once (a crash leaves the old or the new file, never half)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_model_fields(config_dir: Path, changes: dict[str, dict[str, Any]]) -> Path:
+    """Write `{model key: {field: value}}` into the config dir's `llm-models.json`; return its path.
+
+    The file in use (the config dir's, else the shipped one) is read whole, so disabled models
+    and unknown fields are kept; the result always goes to the config dir.
+    """
+    source = config_path(config_dir, MODELS_FILE)
+    data = read_json(source)
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        raise ConfigError(f"{source}: no 'models' object to update")
+    for key, fields in changes.items():
+        if not isinstance(models.get(key), dict):
+            raise ConfigError(f"{source}: model '{key}' not found")
+        models[key].update(fields)
+    target = Path(config_dir) / MODELS_FILE
+    atomic_write(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return target
 
 
 def resolve_api_key(model: ModelConfig, env: dict[str, str]) -> str | None:

@@ -9,10 +9,10 @@ with an editable body. Circular references and names used twice are reported, ne
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from config import atomic_write as _atomic_write
 
 logger = logging.getLogger("agent_mcp.prompt")
 
@@ -61,17 +61,6 @@ def _split_marker(text: str) -> tuple[str, list[tuple[str, str]]] | None:
         if line.strip() == MARKER:
             return "\n".join(lines[:i]).strip(), _parse_section_list(lines[i + 1 :])
     return None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class PromptTree:
