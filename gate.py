@@ -1,6 +1,6 @@
 """Human approval gates, the per-session rate limiter, client classes and SQL classification.
 
-Every tool call passes `RateLimiter.check` and then `GateKeeper.check` (both installed in
+Every tool call passes `check_rate_limit` and then `check_human_gate` (both installed in
 `Runtime.tool_checks`, in that order) before its executor runs. A tool's gate comes from its
 declaration (`get_gate_tools()` of its plugin, or the core tools' own): `{"type": <gate type>,
 "operation": "read" | "write" | callable(args) -> "read" | "write"}`. The `db` type classifies
@@ -372,7 +372,17 @@ class GateKeeper:
                 decision = "timeout"
         finally:
             rt.pending_gates.pop(gate_id, None)
-        return (decision if decision in DECISIONS else "reject"), gate_id
+        return (decision if decision in (*DECISIONS, "timeout") else "reject"), gate_id
+
+
+async def check_human_gate(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+    """The gate tool check (see `GateKeeper.check`) of the runtime's current gate keeper."""
+    return await rt.gate.check(rt, client_id, tool_name, args)
+
+
+async def check_rate_limit(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+    """The rate-limit tool check (see `RateLimiter.check`) of the runtime's current rate limiter."""
+    return await rt.rate_limiter.check(rt, client_id, tool_name, args)
 
 
 def resolve_gate(rt: state.Runtime, gate_id: str, decision: str) -> bool:

@@ -51,7 +51,7 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
     rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
-    rt.tool_checks += [rt.rate_limiter.check, rt.gate.check]  # rate limit first, then the human
+    rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
     rt.commands.update(CORE_COMMANDS)
     rt.plugins = PluginLoader(rt)
     return rt
