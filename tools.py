@@ -249,8 +249,9 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         if cfg is None:
             return error
         try:
+            llm = agents._build_lc_llm(rt, model)
             async with asyncio.timeout(cfg.llm_call_timeout):
-                reply = await agents._build_lc_llm(rt, model).ainvoke([HumanMessage(prompt)])
+                reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
