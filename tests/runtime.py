@@ -33,10 +33,9 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     cfg = ConfigDir(path)
     cfg.models = models
     cfg.env = env or {}
+    cfg.gates = gates
     cfg.write()
     shutil.copytree(ROOT / ".system_prompt", path / ".system_prompt")
-    if gates is not None:
-        (path / "gate-defaults.json").write_text(json.dumps(gates))
     if rate_limits is not None:
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
