@@ -589,59 +589,53 @@ async def _set_model_field(rt: state.Runtime, keys: list[str], field: str, value
     return f"Changes persisted to {path}."
 
 
-def _model_args(rt: state.Runtime, parts: list[str]) -> tuple[list[str], str] | str:
-    """(model keys, value word) from `[model] value`, or an error message."""
-    if len(parts) == 1:
-        return list(rt.config.models), parts[0]
-    if len(parts) == 2 and parts[0] in rt.config.models:
-        return [parts[0]], parts[1]
-    if len(parts) == 2:
-        return f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(rt.config.models)}"
-    return "ERROR: Invalid arguments"
+def _positive_seconds(word: str) -> float | None:
+    try:
+        value = float(word)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
+
+
+async def _change_models(rt: state.Runtime, args: str, command: str, field: str, parse: Any, shown: Any,
+                         usage: str) -> tuple[str, Any]:
+    """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
+    parts = args.split()
+    if len(parts) == 2 and parts[0] not in rt.config.models:
+        return f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(rt.config.models)}\nUsage: {usage}", None
+    value = parse(parts[-1]) if len(parts) in (1, 2) else None
+    if value is None:
+        return f"ERROR: Invalid arguments\nUsage: {usage}", None
+    if not gate.may_administer():
+        return gate.refusal(command), None
+    keys = list(rt.config.models) if len(parts) == 1 else [parts[0]]
+    note = await _set_model_field(rt, keys, field, value)
+    who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
+    return f"{field}={shown(value)} set for {who}\n{note}", value
 
 
 async def cmd_llm_call(rt: state.Runtime, session: state.Session, args: str) -> str:
     """!llm_call [model] [bool] — which models llm_clean_text / llm_clean_tool may delegate to."""
-    parts = args.split()
-    if not parts:
+    if not args:
         return "LLM tool_call_available status:\n" + "\n".join(
             f"  {k:<14} tool_call={'YES' if m.tool_call_available else 'NO'}  timeout={m.llm_call_timeout:g}s  "
             f"{m.description}" for k, m in sorted(rt.config.models.items()))
-    parsed = _model_args(rt, parts)
-    value = _bool(parsed[1]) if isinstance(parsed, tuple) else None
-    if isinstance(parsed, str) or value is None:
-        return f"{parsed if isinstance(parsed, str) else 'ERROR: Invalid arguments'}\nUsage: !llm_call [model] <true|false>"
-    if not gate.may_administer():
-        return gate.refusal("!llm_call")
-    keys = parsed[0]
-    note = await _set_model_field(rt, keys, "tool_call_available", value)
+    reply, value = await _change_models(rt, args, "!llm_call", "tool_call_available", _bool,
+                                        lambda v: "enabled" if v else "disabled", "!llm_call [model] <true|false>")
     if value:
         rt.rate_limiter.enable(session.client_id, "llm_call")
-    who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
-    return f"tool_call_available={'enabled' if value else 'disabled'} set for {who}\n{note}"
+    return reply
 
 
 async def cmd_llm_timeout(rt: state.Runtime, session: state.Session, args: str) -> str:
     """!llm_timeout [model] [secs] — delegation timeouts (llm_call_timeout)."""
-    parts = args.split()
-    if not parts:
+    if not args:
         return "LLM delegation timeouts:\n" + "\n".join(
             f"  {k:<14} timeout={m.llm_call_timeout:g}s  tool_call={'YES' if m.tool_call_available else 'NO'}"
             for k, m in sorted(rt.config.models.items()))
-    parsed = _model_args(rt, parts)
-    try:
-        seconds = float(parsed[1]) if isinstance(parsed, tuple) else 0.0
-    except ValueError:
-        seconds = 0.0
-    if isinstance(parsed, str) or not 0 < seconds < float("inf"):
-        return f"{parsed if isinstance(parsed, str) else 'ERROR: the timeout must be a positive number of seconds'}" \
-               "\nUsage: !llm_timeout [model] <seconds>"
-    if not gate.may_administer():
-        return gate.refusal("!llm_timeout")
-    keys = parsed[0]
-    note = await _set_model_field(rt, keys, "llm_call_timeout", seconds)
-    who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
-    return f"llm_call_timeout={seconds:g}s set for {who} (delegation calls use it at once)\n{note}"
+    reply, _ = await _change_models(rt, args, "!llm_timeout", "llm_call_timeout", _positive_seconds,
+                                    lambda v: f"{v:g}s", "!llm_timeout [model] <seconds> (a positive number)")
+    return reply
 
 
 CORE_COMMANDS: dict[str, state.Command] = {

@@ -324,46 +324,36 @@ async def test_at_model_bypasses_gates_only_for_the_shell(grt, fake_openai) -> N
 # ── Commands that change gates ──────────────────────────────────────────────────────────────
 
 
+GATE_COMMANDS = [  # in order, on one session: (command, a line or text its output must contain)
+    ("!autoAIdb", "audit: read=auto-allow, write=gated"),
+    ("!autoAIdb users read true", "autoAIdb users read: auto-allow (gate OFF) for this session."),
+    ("!autoAIdb write true", "every table (* and __meta__) write: auto-allow"),
+    ("!autoAIdb orders false", "orders read+write: gated (gate ON)"),
+    ("!autoaidb status", "users: read=auto-allow (this session), write=auto-allow"),
+    ("!autoaidb status", "orders: read=gated (this session), write=gated (this session)"),
+    ("!autoAIdb users maybe", "ERROR: Invalid arguments\nUsage:"),
+    ("!autogate search true", "autogate search (web_search) read+write: auto-allow (gate OFF) for this session."),
+    ("!autogate read true", "autogate DEFAULT (*) read: auto-allow"),
+    ("!autogate web_search write false", "web_search write: gated"),
+    ("!autogate", "DEFAULT (*): read=auto-allow (this session), write=gated"),
+    ("!autogate", "web_search: read=auto-allow (this session), write=gated (this session)"),
+    ("!autogate", "db:  (gated per table: see !autoAIdb)"),
+    ("!autogate search", "search:\n    web_search: read=auto-allow"),
+    ("!autogate nosuch true", "ERROR: Unknown tool or gate type 'nosuch'\nGate types: db, llm_call, search, system"),
+    ("!autogate db true", "ERROR: database tools are gated per table: use !autoAIdb"),
+    # reads are open through `!autogate read true` above
+    ("!autoAISysPrompt", "autoAISysPrompt read:  OFF (auto-allow)\nautoAISysPrompt write: ON (human gates)"),
+    ("!autoAISysPrompt true", "autoAISysPrompt write (update_system_prompt): auto-allow"),
+    ("!autoAISysPrompt read", "ERROR: Missing boolean value"),
+    ("!autoAISysPrompt", "write: OFF (auto-allow)"),
+]
+
+
 async def test_gate_commands_from_the_shell(grt) -> None:
-    out, _ = await turn(grt, "!autoAIdb")
-    assert "audit: read=auto-allow, write=gated" in out and "__meta__" in out
-    out, _ = await turn(grt, "!autoAIdb users read true")
-    assert out == "autoAIdb users read: auto-allow (gate OFF) for this session."
-    out, _ = await turn(grt, "!autoAIdb write true")
-    assert "every table (* and __meta__) write: auto-allow" in out
-    out, _ = await turn(grt, "!autoAIdb orders false")
-    assert "orders read+write: gated (gate ON)" in out
-    out, _ = await turn(grt, "!autoaidb status")
-    assert "users: read=auto-allow (this session), write=auto-allow" in out
-    assert "orders: read=gated (this session), write=gated (this session)" in out
-    out, _ = await turn(grt, "!autoAIdb users maybe")
-    assert out.startswith("ERROR: Invalid arguments") and "Usage:" in out
-    session = grt.sessions.get("c1")
-    assert session.settings["gates"]["db"]["users"] == {"read": True}
-
-    out, _ = await turn(grt, "!autogate search true")
-    assert out == "autogate search (web_search) read+write: auto-allow (gate OFF) for this session."
-    out, _ = await turn(grt, "!autogate read true")
-    assert "DEFAULT (*) read: auto-allow" in out
-    out, _ = await turn(grt, "!autogate web_search write false")
-    assert "web_search write: gated" in out
-    out, _ = await turn(grt, "!autogate")
-    assert "DEFAULT (*): read=auto-allow (this session), write=gated" in out
-    assert "web_search: read=auto-allow (this session), write=gated (this session)" in out
-    assert "db:  (gated per table: see !autoAIdb)" in out
-    out, _ = await turn(grt, "!autogate nosuch true")
-    assert out.startswith("ERROR: Unknown tool or gate type 'nosuch'") and "search" in out
-    out, _ = await turn(grt, "!autogate db true")
-    assert "!autoAIdb" in out
-
-    out, _ = await turn(grt, "!autoAISysPrompt")  # reads are open through `!autogate read true` above
-    assert out == "autoAISysPrompt read:  OFF (auto-allow)\nautoAISysPrompt write: ON (human gates)"
-    out, _ = await turn(grt, "!autoAISysPrompt true")
-    assert "write (update_system_prompt): auto-allow" in out
-    out, _ = await turn(grt, "!autoAISysPrompt read")
-    assert out.startswith("ERROR: Missing boolean value")
-    out, _ = await turn(grt, "!autoAISysPrompt")
-    assert out.endswith("write: OFF (auto-allow)")
+    for command, expected in GATE_COMMANDS:
+        out, _ = await turn(grt, command)
+        assert expected in out, (command, out)
+    assert grt.sessions.get("c1").settings["gates"]["db"]["users"] == {"read": True}
     # The changed gates really apply: the search runs without asking now.
     result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "web_search", {"query": "q"}))
     assert result.startswith("ok") and not [e for e in events if e.name == "gate"]
