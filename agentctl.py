@@ -421,6 +421,11 @@ class AgentCtl:
         conf["enabled"] = enabled
         self.files.save(ENABLED_FILE, raw)
 
+    def _model_setter(self, args: list[str], handler: Callable[..., Any], field: str) -> None:
+        """`<command> <name> <value>`: one field of one model, checked by ModelConfig."""
+        name, text = self._args(args, handler, 2)
+        self._set_model_field(name, field, model_value(field, text))
+
     def _set_model_field(self, name: str, field: str, value: Any) -> None:
         raw = self.files.raw(MODELS_FILE)
         raw["models"][self._model(name)][field] = value
@@ -766,8 +771,7 @@ class AgentCtl:
 
     def cmd_model_context(self, args: list[str]) -> None:
         """model-context <name> <n>: how many history messages the model is sent (max_context)."""
-        name, text = self._args(args, self.cmd_model_context, 2)
-        self._set_model_field(name, "max_context", model_value("max_context", text))
+        self._model_setter(args, self.cmd_model_context, "max_context")
 
     def cmd_model_desc(self, args: list[str]) -> None:
         """model-desc <name> <text...>: set the model's description (shown by !model and models)."""
@@ -777,28 +781,23 @@ class AgentCtl:
 
     def cmd_model_host(self, args: list[str]) -> None:
         """model-host <name> <url|null>: the API base URL (http:// or https://; null = the type's own endpoint)."""
-        name, text = self._args(args, self.cmd_model_host, 2)
-        self._set_model_field(name, "host", model_value("host", text))
+        self._model_setter(args, self.cmd_model_host, "host")
 
     def cmd_model_llmcall(self, args: list[str]) -> None:
         """model-llmcall <name> <true|false>: whether the model may be called as a tool (tool_call_available)."""
-        name, text = self._args(args, self.cmd_model_llmcall, 2)
-        self._set_model_field(name, "tool_call_available", model_value("tool_call_available", text))
+        self._model_setter(args, self.cmd_model_llmcall, "tool_call_available")
 
     def cmd_model_timeout(self, args: list[str]) -> None:
         """model-timeout <name> <seconds>: the time limit of one call to the model (llm_call_timeout)."""
-        name, text = self._args(args, self.cmd_model_timeout, 2)
-        self._set_model_field(name, "llm_call_timeout", model_value("llm_call_timeout", text))
+        self._model_setter(args, self.cmd_model_timeout, "llm_call_timeout")
 
     def cmd_model_tools(self, args: list[str]) -> None:
         """model-tools <name> <all|tool1,tool2>: the tools the model may call (llm_tools)."""
-        name, text = self._args(args, self.cmd_model_tools, 2)
-        self._set_model_field(name, "llm_tools", model_value("llm_tools", text))
+        self._model_setter(args, self.cmd_model_tools, "llm_tools")
 
     def cmd_model_router(self, args: list[str]) -> None:
         """model-router <name> <true|false>: ask the model first whether this turn needs tools (router step)."""
-        name, text = self._args(args, self.cmd_model_router, 2)
-        self._set_model_field(name, "router", model_value("router", text))
+        self._model_setter(args, self.cmd_model_router, "router")
 
     # ── rate limits ──
 

@@ -220,6 +220,8 @@ def test_model_add_with_flags_and_every_setter(cdir):
     assert entry == {**entry, "max_context": 300, "description": "A better model", "host": None,
                      "tool_call_available": True, "llm_call_timeout": 2.5, "llm_tools": "all", "router": True,
                      "enabled": False}
+    refused = ctl(cdir, "model", "mine")
+    assert refused.returncode == 1 and "mine is disabled; enable it first: agentctl model-enable mine" in refused.stderr
     ok(cdir, "model-enable", "mine")
     out = ok(cdir, "model", "mine")
     assert "default model: mine" in out and read(cdir, config.ENABLED_FILE)["default_model"] == "mine"
@@ -313,6 +315,8 @@ INVALID = [
     (("model-host", "local", "ftp://x"), "must start with http:// or https://"),
     (("model-timeout", "local", "0"), "invalid llm_call_timeout '0'"),
     (("model-llmcall", "local", "maybe"), "invalid tool_call_available 'maybe'"),
+    (("model-router", "local", "2"), "invalid router '2'"),
+    (("model-tools", "nope", "all"), "unknown model 'nope'"),
     (("model-add", "local", "--model-id", "x", "--type", "OPENAI"), "model 'local' already exists"),
     (("model-add", "new", "--model-id", "x", "--type", "CLAUDE"), "invalid type 'CLAUDE'"),
     (("model-add", "new", "--model-id", "x"), "model-add needs --type"),
