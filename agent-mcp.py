@@ -32,6 +32,7 @@ from plugin_loader import BasePlugin
 
 logger = logging.getLogger("agent_mcp")
 
+
 class StartupError(Exception):
     """The server cannot start; the message names the plugin, the address and what to change."""
 
