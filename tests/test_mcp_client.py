@@ -1,0 +1,347 @@
+"""plugin_mcp_client: tools of real MCP servers (the SDK test server over stdio and Streamable HTTP).
+
+In-process tests drive the plugin inside a runtime; the end-to-end test drives a real agent-mcp
+subprocess through shell.py's client code with the fake OpenAI backend making the tool calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import agents
+import routes
+import state
+from config import ConfigError, load_config
+from tests.conftest import ROOT, ConfigDir, free_port, openai_model
+from tests.fakes.backend import text, tool_call
+from tests.turns import answer, run_turn
+
+PLUGIN = "plugin_mcp_client"
+TOKEN = "mcp-test-token-4242"
+
+
+def stdio_server(**extra: Any) -> dict[str, Any]:
+    """An mcp-servers.json entry that starts the SDK test server over stdio."""
+    return {"command": sys.executable, "args": ["-m", "tests.fakes.mcp_server", "stdio"], "cwd": str(ROOT), **extra}
+
+
+@pytest.fixture
+def http_server() -> Iterator[str]:
+    """The SDK test server over Streamable HTTP on 127.0.0.1, requiring `Bearer TOKEN`; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes.mcp_server", "http", "--port", str(port), "--token-env", "MCP_TEST_TOKEN"],
+        cwd=ROOT, env={**os.environ, "MCP_TEST_TOKEN": TOKEN}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the MCP test HTTP server did not start") from None
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def write_config(cfg: ConfigDir, servers: dict[str, Any]) -> ConfigDir:
+    cfg.plugins.append(PLUGIN)
+    cfg.plugin_config[PLUGIN] = {"enabled": True}
+    (cfg.path / "mcp-servers.json").write_text(json.dumps({"servers": servers}, indent=2))
+    return cfg.write()
+
+
+@pytest.fixture
+async def make_rt(tmp_path, fake_openai):
+    """Build a runtime with plugin_mcp_client serving the given servers; everything is closed afterwards."""
+    built: list[state.Runtime] = []
+
+    async def _make(servers: dict[str, Any], env: dict[str, str] | None = None) -> state.Runtime:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(fake_openai)}
+        cfg.env = env or {}
+        rt = await routes.build_runtime(load_config(write_config(cfg, servers).path), store=state.MemoryStore())
+        built.append(rt)
+        assert rt.plugins is not None
+        await rt.plugins.load_all()
+        return rt
+
+    yield _make
+    for rt in built:
+        await routes.close_runtime(rt)
+        for llm in rt.llms.values():
+            await llm.root_async_client.close()
+
+
+def plugin(rt: state.Runtime) -> Any:
+    assert rt.plugins is not None
+    (found,) = [p for p in rt.plugins.loaded if p.PLUGIN_NAME == PLUGIN]
+    return found
+
+
+async def until(rt: state.Runtime, predicate: Callable[[], bool], what: str) -> None:
+    """Wait (up to 15 s) until a server change the plugin announces makes `predicate` true."""
+    try:
+        async with asyncio.timeout(15):
+            while True:
+                changed = plugin(rt).changed
+                if predicate():
+                    return
+                await changed.wait()
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+# ── configuration ──
+
+
+def test_bad_config_names_the_file_and_each_field(tmp_path):
+    from plugins.plugin_mcp_client import load_servers
+
+    path = tmp_path / "mcp-servers.json"
+    path.write_text(json.dumps({"servers": {
+        "both": {"command": "x", "url": "http://127.0.0.1/mcp"},
+        "neither": {"args": []},
+        "typo": {"comand": "x", "command": "y"},
+        "envs": {"command": "x", "env": ["OK_NAME", "not valid"]},
+        "web": {"url": "ftp://example.com"},
+        "bad-name": {"command": "x"},
+    }}))
+    with pytest.raises(ConfigError) as err:
+        load_servers(path)
+    msg = str(err.value)
+    assert str(path) in msg
+    for field, why in [("servers.both", "either 'command' (stdio) or 'url'"), ("servers.neither", "either"),
+                       ("servers.typo.comand", "Extra inputs are not permitted"),
+                       ("servers.envs.env.not valid", "'not valid' is not an environment variable name"),
+                       ("servers.web.url", "must be an http:// or https:// URL"),
+                       ("servers.bad-name", "server name 'bad-name': use up to 32 letters")]:
+        assert f"field '{field}" in msg and why in msg, (field, msg)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_servers(path)
+
+
+# ── tools, schemas, gates, results ──
+
+
+async def test_stdio_tools_become_registry_tools_with_the_servers_schema_and_gates(make_rt, fake_openai):
+    rt = await make_rt({"local": stdio_server(trusted=True), "other": stdio_server()})
+    names = rt.tools.names()
+    assert {"local_add", "local_shout", "local_fail", "local_whoami", "local_grow", "local_dotted_name_tool",
+            "other_add"} <= set(names)
+    # Gates: `read` only where a trusted server marks the tool read-only.
+    assert rt.tools.entry("local_add").gate == {"type": "mcp", "operation": "read"}
+    assert rt.tools.entry("local_shout").gate == {"type": "mcp", "operation": "write"}
+    assert rt.tools.entry("other_add").gate == {"type": "mcp", "operation": "write"}
+    # The model sees the server's input schema, as the server wrote it.
+    schemas = {s["function"]["name"]: s["function"] for s in rt.tools.openai_schemas()}
+    add = schemas["local_add"]
+    assert add["parameters"]["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    assert add["parameters"]["required"] == ["a", "b"] and add["description"].startswith("Add two integers.")
+    assert schemas["local_shout"]["parameters"]["properties"]["times"] == {"default": 1, "type": "integer"}
+
+    fake_openai.script(
+        tool_call("local_add", {"a": 2, "b": 3}),
+        tool_call("local_shout", {"text": "hi", "times": 2}),
+        tool_call("local_fail", {"reason": "no disk"}),
+        tool_call("local_add", {"a": "two"}),
+        tool_call("local_dotted_name_tool", {"x": "y"}),
+        tool_call("local_whoami", {"names": []}),
+        text("all done"),
+    )
+    sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
+    await routes.submit(rt, "c1", "use the tools")
+    async for ev in sub:
+        if ev.name == "done":
+            break
+    results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
+    assert results[0] == "5"
+    assert results[1] == "HI HI"
+    assert results[2] == "ERROR: local_fail reported an error: Error executing tool fail: failed on purpose: no disk"
+    assert results[3].startswith("ERROR: invalid arguments for local_add:")
+    assert "'two' is not of type 'integer'" in results[3] and "'b' is a required property" in results[3]
+    assert results[4] == "dotted:y"
+    assert json.loads(results[5])["env"] == {} and isinstance(json.loads(results[5])["pid"], int)
+    assert rt.sessions.get("c1").history[-1] == {"role": "assistant", "content": "all done"}
+
+
+async def test_only_named_environment_variables_reach_a_stdio_server(make_rt, monkeypatch):
+    monkeypatch.setenv("MCP_TEST_PROCESS_SECRET", "from-the-process")
+    rt = await make_rt(
+        {"named": stdio_server(env=["MCP_TEST_VISIBLE"]), "mapped": stdio_server(env={"RENAMED": "MCP_TEST_SOURCE"})},
+        env={"MCP_TEST_VISIBLE": "v1", "MCP_TEST_SOURCE": "s1", "MCP_TEST_DOTENV_SECRET": "hidden"},
+    )
+    names = ["MCP_TEST_VISIBLE", "RENAMED", "MCP_TEST_SOURCE", "MCP_TEST_DOTENV_SECRET", "MCP_TEST_PROCESS_SECRET"]
+    seen = json.loads(await agents.execute_tool(rt, "c1", "named_whoami", {"names": names}))["env"]
+    assert seen == dict.fromkeys(names) | {"MCP_TEST_VISIBLE": "v1"}
+    seen = json.loads(await agents.execute_tool(rt, "c1", "mapped_whoami", {"names": names}))["env"]
+    assert seen == dict.fromkeys(names) | {"RENAMED": "s1"}
+
+
+async def test_streamable_http_server_with_a_token_from_the_environment(make_rt, http_server):
+    rt = await make_rt(
+        {"remote": {"url": http_server, "token_env": "MCP_REMOTE_TOKEN", "trusted": True},
+         "notoken": {"url": http_server},
+         "wrongtoken": {"url": http_server, "headers_env": {"Authorization": "MCP_WRONG_AUTH"}}},
+        env={"MCP_REMOTE_TOKEN": TOKEN, "MCP_WRONG_AUTH": "Bearer nope"},
+    )
+    assert await agents.execute_tool(rt, "c1", "remote_shout", {"text": "over http"}) == "OVER HTTP"
+    assert rt.tools.entry("remote_add").gate["operation"] == "read"
+    servers = plugin(rt).servers
+    for name in ("notoken", "wrongtoken"):
+        assert servers[name].status == "failed" and "HTTP 401" in servers[name].error
+        assert not any(n.startswith(f"{name}_") for n in rt.tools.names())
+    assert TOKEN not in (await routes_command(rt, "!mcp")) and "nope" not in (await routes_command(rt, "!mcp"))
+
+
+async def routes_command(rt: state.Runtime, line: str) -> str:
+    events = [ev async for ev in routes.run_turn(rt, "c1", line)]
+    return "".join(e.data.get("text", "") for e in events if e.name == "tok")
+
+
+# ── list changes, reconnection, failures, shutdown ──
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy"])
+async def test_tool_list_changes_replace_the_servers_tools(make_rt, http_server, protocol):
+    rt = await make_rt({
+        "local": stdio_server(protocol=protocol),
+        "remote": {"url": http_server, "token_env": "MCP_REMOTE_TOKEN", "protocol": protocol},
+    }, env={"MCP_REMOTE_TOKEN": TOKEN})
+    conns = plugin(rt).servers
+    assert conns["local"].protocol == ("2026-07-28" if protocol == "auto" else "2025-11-25")
+    for server in ("local", "remote"):
+        assert rt.tools.get(f"{server}_extra") is None
+        assert await agents.execute_tool(rt, "c1", f"{server}_grow", {}) == "grown"
+        await until(rt, lambda s=server: rt.tools.get(f"{s}_extra") is not None, f"{server}_extra to be registered")
+        assert await agents.execute_tool(rt, "c1", f"{server}_extra", {}) == "extra!"
+        assert rt.tools.entry(f"{server}_extra").gate == {"type": "mcp", "operation": "write"}
+    assert "local_extra" in await routes_command(rt, "!mcp")
+
+
+async def test_a_killed_stdio_server_is_restarted_on_the_next_call(make_rt):
+    rt = await make_rt({"local": stdio_server()})
+    conn = plugin(rt).servers["local"]
+    first = json.loads(await agents.execute_tool(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    os.kill(first, signal.SIGKILL)
+    await until(rt, lambda: conn.status == "disconnected", "the plugin to notice the dead server")
+    status = await routes_command(rt, "!mcp")
+    assert "local [disconnected]" in status and "restarted on the next call" in status
+    second = json.loads(await agents.execute_tool(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    assert second != first and conn.status == "connected" and conn.starts == 2
+    assert await agents.execute_tool(rt, "c1", "local_add", {"a": 1, "b": 1}) == "2"
+
+
+async def test_servers_that_cannot_start_are_reported_and_skipped(make_rt):
+    crash = "import sys; sys.stderr.write('boom: config file missing\\n'); sys.exit(3)"
+    rt = await make_rt({
+        "good": stdio_server(),
+        "nocommand": {"command": "definitely-not-an-mcp-server-xyz"},
+        "crashes": {"command": sys.executable, "args": ["-c", crash]},
+        "hangs": {"command": sys.executable, "args": ["-c", "import time; time.sleep(60)"], "connect_timeout": 1},
+        "needsenv": stdio_server(env=["MCP_TEST_UNSET_VARIABLE"]),
+        "off": stdio_server(enabled=False),
+    })
+    report = rt.plugins.reports[PLUGIN]
+    assert report.status == "loaded"
+    why = "\n".join(report.reasons)
+    assert "'nocommand' failed: command not found: definitely-not-an-mcp-server-xyz" in why
+    assert "'crashes' failed:" in why and "boom: config file missing" in why
+    assert "'hangs' failed: no answer within 1 s (connect_timeout)" in why
+    assert "'needsenv' failed: environment variable MCP_TEST_UNSET_VARIABLE" in why and ".env" in why
+    assert "off" not in plugin(rt).servers
+    assert [n for n in rt.tools.names() if not n.startswith(("good_", "get_", "read_"))] == []
+    assert await agents.execute_tool(rt, "c1", "good_add", {"a": 20, "b": 22}) == "42"
+    status = await routes_command(rt, "!mcp")
+    assert "good [connected]" in status and "nocommand [failed]" in status and "why: command not found" in status
+    retry = await routes_command(rt, "!mcp reconnect crashes")
+    assert retry.startswith("MCP server 'crashes' failed:") and "boom" in retry
+
+
+async def test_shutdown_closes_every_session_and_child_process(tmp_path, fake_openai):
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"fake": openai_model(fake_openai)}
+    rt = await routes.build_runtime(load_config(write_config(cfg, {"a": stdio_server(), "b": stdio_server()}).path),
+                                    store=state.MemoryStore())
+    await rt.plugins.load_all()
+    pids = [json.loads(await agents.execute_tool(rt, "c1", f"{s}_whoami", {"names": []}))["pid"] for s in "ab"]
+    conns = list(plugin(rt).servers.values())
+    await routes.close_runtime(rt)
+    assert [c.status for c in conns] == ["stopped", "stopped"]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# ── through a real agent-mcp process ──
+
+
+def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_openai, start_server, http_server):
+    config_dir.models = {"gpt": openai_model(fake_openai)}
+    config_dir.env = {"MCP_REMOTE_TOKEN": TOKEN}
+    write_config(config_dir, {
+        "local": stdio_server(trusted=True),
+        "remote": {"url": http_server, "token_env": "MCP_REMOTE_TOKEN"},
+        "broken": {"command": "definitely-not-an-mcp-server-xyz"},
+    })
+    server = start_server(config_dir)
+
+    # A server that cannot start: agent-mcp runs, and /health and !mcp say why.
+    health = server.health()["plugins"][PLUGIN]
+    assert health["status"] == "loaded"
+    assert any("'broken' failed: command not found" in r for r in health["reasons"])
+    status = answer(run_turn(server.url, "c1", "!mcp"))
+    assert "local [connected]" in status and "remote [connected]" in status and "broken [failed]" in status
+    assert "local_add" in status and "remote_shout" in status
+
+    fake_openai.script(
+        tool_call("local_add", {"a": 40, "b": 2}),
+        tool_call("remote_shout", {"text": "hello"}),
+        tool_call("local_whoami", {"names": []}),
+        text("The answer ", "is 42."),
+    )
+    assert answer(run_turn(server.url, "c1", "add and shout")) == "The answer is 42."
+    offered = {t["function"]["name"]: t["function"] for t in fake_openai.requests[0].json["tools"]}
+    assert offered["local_add"]["parameters"]["required"] == ["a", "b"]
+    assert "remote_shout" in offered and not any(n.startswith("broken_") for n in offered)
+    results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
+    assert results[:2] == ["42", "HELLO"]
+    pid = json.loads(results[2])["pid"]
+
+    # Kill the stdio server: the next call starts it again.
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while "local [disconnected]" not in answer(run_turn(server.url, "c1", "!mcp")):
+        assert time.monotonic() < deadline, "agent-mcp did not notice the killed MCP server"
+        time.sleep(0.05)
+    fake_openai.script(tool_call("local_whoami", {"names": []}), text("again"))
+    assert answer(run_turn(server.url, "c1", "who are you now")) == "again"
+    new_pid = json.loads([m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"][-1])["pid"]
+    assert new_pid != pid
+    assert "local [connected]" in answer(run_turn(server.url, "c1", "!mcp"))
+
+    out = server.stop()
+    assert "MCP server broken" in out and "command not found" in out
+    with pytest.raises(ProcessLookupError):
+        os.kill(new_pid, 0)
+
