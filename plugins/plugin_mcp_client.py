@@ -35,6 +35,7 @@ import mcp_types as types
 from langchain_core.tools import StructuredTool
 from mcp import Client, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.client.subscriptions import SubscriptionLost
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import (
@@ -403,6 +404,10 @@ class Connection:
         self._scope: anyio.CancelScope | None = None
         self._lock = asyncio.Lock()
         self._http_status: str | None = None
+        #: The last session ended because the server could not be reached (so no call got through).
+        self._unreachable = False
+        #: The HTTP server answered 404 to our session id: it no longer knows the session.
+        self._session_gone = False
         self._stderr: _StderrTap | None = None
 
     # ── describing ──
@@ -455,6 +460,10 @@ class Connection:
             headers["Authorization"] = f"Bearer {self._env_value(spec.token_env, 'token_env')}"
 
         async def note_refusal(response: httpx2.Response) -> None:
+            if response.status_code == 404 and "mcp-session-id" in response.request.headers:
+                self._session_gone = True  # the server forgot our session (it restarted): start a new one
+            if self.status != "connecting":  # later 4xx (a 405 for the optional GET stream) explain nothing
+                return
             if response.status_code in (401, 403):
                 self._http_status = (f"HTTP {response.status_code} from the server: check the token "
                                      "(token_env / headers_env in mcp-servers.json)")
@@ -462,7 +471,7 @@ class Connection:
                 self._http_status = f"HTTP {response.status_code} from {_safe_url(spec.url)}"
 
         http = await stack.enter_async_context(httpx2.AsyncClient(
-            headers=headers, timeout=httpx2.Timeout(30, read=spec.call_timeout + 30),
+            headers=headers, timeout=httpx2.Timeout(30, read=max(300, spec.call_timeout + 30)),
             event_hooks={"response": [note_refusal]},
         ))
         return streamable_http_client(spec.url, http_client=http)
@@ -483,6 +492,7 @@ class Connection:
                 return True
             await self._close_session()
             self.status, self.error, self._http_status, self.protocol = "connecting", None, None, None
+            self._unreachable = self._session_gone = False
             self.starts += 1
             ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._stop = asyncio.Event()
@@ -500,6 +510,12 @@ class Connection:
                 self._set("failed", str(exc))
             else:
                 self._set("connected", None)
+            finally:
+                # Cancelled while waiting (the caller's turn was replaced): the runner must not report
+                # to nobody; the next connect() or close() stops it.
+                ready.cancel()
+                if not ready.cancelled():
+                    ready.exception()  # mark as retrieved
             return self.status == "connected"
 
     async def close(self) -> None:
@@ -510,7 +526,7 @@ class Connection:
 
     async def _close_session(self, cancel: bool = False) -> None:
         """Stop the session task: politely (the SDK closes the session, then the process), else by force."""
-        task, self._task = self._task, None
+        task = self._task
         if task is None:
             return
         self._stop.set()
@@ -523,7 +539,7 @@ class Connection:
             else:
                 task.cancel()
             await asyncio.wait([task], timeout=CLOSE_GRACE_SECONDS)
-        self.client = None
+        self._task, self.client = None, None
 
     def _set(self, status: str, error: str | None) -> None:
         self.status, self.error = status, error
@@ -556,16 +572,20 @@ class Connection:
         try:
             with anyio.CancelScope() as self._scope:
                 async with contextlib.AsyncExitStack() as stack:
-                    transport = _watched(await self._transport(stack), lambda: self._lost("the server closed the connection"))
+                    ended = ("the server process exited" if isinstance(self.spec, StdioServer)
+                             else "the server closed the connection")
+                    transport = _watched(await self._transport(stack), lambda: self._lost(ended))
                     client = Client(transport, mode=self.spec.protocol, message_handler=on_message, cache=None,
                                     read_timeout_seconds=self.spec.connect_timeout,
                                     client_info=types.Implementation(name="agent-mcp", version="0.1.0"))
+                    if self._stderr:
+                        # Read stderr from the start: a child that fills the pipe during the handshake blocks.
+                        pump = asyncio.create_task(self._stderr.pump(), name=f"mcp-stderr:{self.name}")
                     try:
                         await stack.enter_async_context(client)
                     finally:
                         if self._stderr:
                             self._stderr.spawned()
-                            pump = asyncio.create_task(self._stderr.pump(), name=f"mcp-stderr:{self.name}")
                     self.tools = await self._list_tools(client)
                     self.client, self.protocol = client, client.protocol_version
                     async with anyio.create_task_group() as tg:
@@ -580,6 +600,7 @@ class Connection:
                         tg.cancel_scope.cancel()
         except Exception as exc:
             await _drain(pump)
+            self._unreachable = any(isinstance(e, httpx2.ConnectError) for e in _leaves(exc))
             reason = self._explain(exc)
             if not ready.done():
                 ready.set_exception(ConnectError(reason))
@@ -618,12 +639,19 @@ class Connection:
             self._on_change(self)
 
     async def _listen(self, client: Client, changed: asyncio.Event) -> None:
-        try:
-            async with client.listen(tools_list_changed=True) as subscription:
-                async for _event in subscription:
-                    changed.set()
-        except Exception as exc:
-            logger.info("MCP server %s: no tool-list subscription (%s)", self.name, self._explain(exc))
+        """Keep a `subscriptions/listen` stream open for tool-list changes (2026-07-28 servers)."""
+        while True:
+            try:
+                async with client.listen(tools_list_changed=True) as subscription:
+                    async for _event in subscription:
+                        changed.set()
+                return  # the server ended the stream on purpose
+            except SubscriptionLost:
+                changed.set()  # a change may have been missed: re-list, then listen again
+                await anyio.sleep(1)
+            except Exception as exc:
+                logger.info("MCP server %s: no tool-list subscription (%s)", self.name, self._explain(exc))
+                return
 
     # ── calls ──
 
@@ -644,12 +672,16 @@ class Connection:
             if not isinstance(result, MCPError):
                 return format_result(exposed, result)
             code, message = result.error.code, result.error.message
-            if code == types.INVALID_REQUEST and message == "Session terminated" and attempt == 1:
+            if self._session_gone and attempt == 1:
                 # HTTP 404 for our session id: the server restarted and never saw this call.
-                self._lost("the server ended the session")
+                self._lost("the server no longer knows the session")
                 continue
             if code == types.CONNECTION_CLOSED:
+                if self._task is not None:  # let the ending session record why it ended
+                    await asyncio.wait([self._task], timeout=3)
                 self._lost("the connection was lost during a call")
+                if self._unreachable:
+                    return f"ERROR: MCP server '{self.name}' cannot be reached, so {exposed} did not run: {self.error}"
                 return (f"ERROR: the connection to MCP server '{self.name}' was lost while {exposed} ran; "
                         "it may or may not have completed. The server is restarted on the next call.")
             if code == types.REQUEST_TIMEOUT:

@@ -36,31 +36,53 @@ def stdio_server(**extra: Any) -> dict[str, Any]:
     return {"command": sys.executable, "args": ["-m", "tests.fakes.mcp_server", "stdio"], "cwd": str(ROOT), **extra}
 
 
+class HttpMcpServer:
+    """The SDK test server over Streamable HTTP on 127.0.0.1 (a subprocess), requiring `Bearer TOKEN`."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> HttpMcpServer:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes.mcp_server", "http", "--port", str(self.port),
+             "--token-env", "MCP_TEST_TOKEN"],
+            cwd=ROOT, env={**os.environ, "MCP_TEST_TOKEN": TOKEN}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the MCP test HTTP server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
 @pytest.fixture
-def http_server() -> Iterator[str]:
-    """The SDK test server over Streamable HTTP on 127.0.0.1, requiring `Bearer TOKEN`; yields its URL."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.mcp_server", "http", "--port", str(port), "--token-env", "MCP_TEST_TOKEN"],
-        cwd=ROOT, env={**os.environ, "MCP_TEST_TOKEN": TOKEN}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the MCP test HTTP server did not start") from None
-            time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/mcp"
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def http_mcp() -> Iterator[HttpMcpServer]:
+    server = HttpMcpServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def http_server(http_mcp: HttpMcpServer) -> str:
+    """The URL of a running HttpMcpServer."""
+    return http_mcp.url
 
 
 def write_config(cfg: ConfigDir, servers: dict[str, Any]) -> ConfigDir:
@@ -250,6 +272,24 @@ async def test_a_killed_stdio_server_is_restarted_on_the_next_call(make_rt):
     second = json.loads(await agents.execute_tool(rt, "c1", "local_whoami", {"names": []}))["pid"]
     assert second != first and conn.status == "connected" and conn.starts == 2
     assert await agents.execute_tool(rt, "c1", "local_add", {"a": 1, "b": 1}) == "2"
+
+
+async def test_a_restarted_http_server_gets_a_new_session_on_the_next_call(make_rt, http_mcp):
+    rt = await make_rt({"remote": {"url": http_mcp.url, "token_env": "MCP_REMOTE_TOKEN", "protocol": "legacy"}},
+                       env={"MCP_REMOTE_TOKEN": TOKEN})
+    first = json.loads(await agents.execute_tool(rt, "c1", "remote_whoami", {"names": []}))["pid"]
+    http_mcp.stop()
+    down = await agents.execute_tool(rt, "c1", "remote_add", {"a": 1, "b": 2})
+    assert down.startswith("ERROR: MCP server 'remote' cannot be reached, so remote_add did not run")
+    http_mcp.start()
+    second = json.loads(await agents.execute_tool(rt, "c1", "remote_whoami", {"names": []}))["pid"]
+    conn = plugin(rt).servers["remote"]
+    assert second != first and conn.status == "connected" and conn.starts == 2
+    # Restarted between two calls: the old session id gets HTTP 404, the call goes to a new session.
+    http_mcp.stop()
+    http_mcp.start()
+    third = json.loads(await agents.execute_tool(rt, "c1", "remote_whoami", {"names": []}))["pid"]
+    assert third != second and conn.status == "connected" and conn.starts == 3
 
 
 async def test_servers_that_cannot_start_are_reported_and_skipped(make_rt):
