@@ -210,7 +210,7 @@ def _args_model(exposed: str, schema: dict[str, Any]) -> type[BaseModel]:
         validator = None
 
     class Arguments(BaseModel):
-        model_config = ConfigDict(extra="allow")
+        model_config = ConfigDict(extra="allow", title=f"{exposed}_arguments")
 
         @model_validator(mode="before")
         @classmethod
