@@ -64,6 +64,8 @@ STDERR_LINES_KEPT = 20
 CLOSE_GRACE_SECONDS = 10
 
 
+# ── Configuration ───────────────────────────────────────────────────────────────────────────
+
 
 def _env_name(v: str) -> str:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
@@ -80,9 +82,6 @@ def _server_name(v: str) -> str:
 
 EnvName = Annotated[str, AfterValidator(_env_name)]
 ServerName = Annotated[str, AfterValidator(_server_name)]
-
-
-# ── Configuration ───────────────────────────────────────────────────────────────────────────
 
 
 class _ServerConfig(BaseModel):
@@ -147,7 +146,7 @@ ServerConfig = Annotated[
     Discriminator(
         _server_kind,
         custom_error_type="server_kind",
-        custom_error_message="a server needs either 'command' (stdio) or 'url' (Streamable HTTP), not both",
+        custom_error_message="a server needs exactly one of 'command' (stdio) and 'url' (Streamable HTTP)",
     ),
 ]
 
@@ -369,15 +368,14 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-async def _drain(pump: asyncio.Task[None] | None) -> None:
+async def _drain(pump: asyncio.Task[None]) -> None:
     """Let the stderr reader take the child's last lines (they explain crashes), then stop it."""
-    if pump is None:
-        return
-    done, _ = await asyncio.wait([pump], timeout=1)
-    if not done:
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump
+    with anyio.CancelScope(shield=True):  # also when the session is being cancelled
+        done, _ = await asyncio.wait([pump], timeout=1)
+        if not done:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
 
 
 def _safe_url(url: str) -> str:
@@ -424,8 +422,10 @@ class Connection:
             if isinstance(e, FileNotFoundError):
                 reasons.append(f"command not found: {e.filename or getattr(self.spec, 'command', '?')} "
                                "(install it or fix 'command' in mcp-servers.json)")
-            elif isinstance(e, ConnectError | TimeoutError):
+            elif isinstance(e, ConnectError):
                 reasons.append(str(e))
+            elif isinstance(e, TimeoutError):
+                reasons.append("the server did not answer in time")
             elif isinstance(e, MCPError):
                 reasons.append(f"{e.error.message} (MCP error {e.error.code})")
             elif isinstance(e, httpx2.TransportError):
@@ -451,9 +451,10 @@ class Connection:
         if isinstance(spec, StdioServer):
             env = {child: self._env_value(src, "env") for child, src in spec.env.items()}
             cwd = self._config_dir / spec.cwd if spec.cwd else self._config_dir
-            self._stderr = _StderrTap(self.name)
+            self._stderr = tap = _StderrTap(self.name)
+            stack.callback(tap.close)
             params = StdioServerParameters(command=spec.command, args=spec.args, env=env, cwd=cwd)
-            return stdio_client(params, errlog=self._stderr.child_end)
+            return stdio_client(params, errlog=tap.child_end)
         headers = dict(spec.headers)
         headers.update({h: self._env_value(v, "headers_env") for h, v in spec.headers_env.items()})
         if spec.token_env:
@@ -560,7 +561,6 @@ class Connection:
     async def _run(self, ready: asyncio.Future[None], stop: asyncio.Event) -> None:
         """Own the session: open it, list tools, follow tool-list changes, close it when told to."""
         changed = asyncio.Event()
-        pump: asyncio.Task[None] | None = None
 
         async def on_message(message: Any) -> None:
             if isinstance(message, types.ToolListChangedNotification):
@@ -569,23 +569,26 @@ class Connection:
                 logger.warning("MCP server %s sent something unreadable: %s", self.name, message)
 
         self._stderr = None
+        client: Client | None = None
         try:
             with anyio.CancelScope() as self._scope:
                 async with contextlib.AsyncExitStack() as stack:
                     ended = ("the server process exited" if isinstance(self.spec, StdioServer)
                              else "the server closed the connection")
                     transport = _watched(await self._transport(stack), lambda: self._lost(ended))
+                    tap = self._stderr
+                    if tap:
+                        # Read stderr from the start: a child that fills the pipe during the handshake blocks.
+                        pump = asyncio.create_task(tap.pump(), name=f"mcp-stderr:{self.name}")
+                        stack.push_async_callback(_drain, pump)  # after the child has stopped (LIFO)
                     client = Client(transport, mode=self.spec.protocol, message_handler=on_message, cache=None,
                                     read_timeout_seconds=self.spec.connect_timeout,
                                     client_info=types.Implementation(name="agent-mcp", version="0.1.0"))
-                    if self._stderr:
-                        # Read stderr from the start: a child that fills the pipe during the handshake blocks.
-                        pump = asyncio.create_task(self._stderr.pump(), name=f"mcp-stderr:{self.name}")
                     try:
                         await stack.enter_async_context(client)
                     finally:
-                        if self._stderr:
-                            self._stderr.spawned()
+                        if tap:
+                            tap.spawned()
                     self.tools = await self._list_tools(client)
                     self.client, self.protocol = client, client.protocol_version
                     async with anyio.create_task_group() as tg:
@@ -599,7 +602,6 @@ class Connection:
                         await stop.wait()
                         tg.cancel_scope.cancel()
         except Exception as exc:
-            await _drain(pump)
             self._unreachable = any(isinstance(e, httpx2.ConnectError) for e in _leaves(exc))
             reason = self._explain(exc)
             if not ready.done():
@@ -607,10 +609,8 @@ class Connection:
             else:
                 self._lost(reason)
         finally:
-            self.client = None
-            await _drain(pump)
-            if self._stderr:
-                self._stderr.close()
+            if client is not None and self.client is client:
+                self.client = None
             if not ready.done():
                 ready.set_exception(ConnectError(self._explain(ConnectError("stopped before it was ready"))))
 

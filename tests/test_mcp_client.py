@@ -152,7 +152,7 @@ def test_bad_config_names_the_file_and_each_field(tmp_path):
         load_servers(path)
     msg = str(err.value)
     assert str(path) in msg
-    for field, why in [("servers.both", "either 'command' (stdio) or 'url'"), ("servers.neither", "either"),
+    for field, why in [("servers.both", "exactly one of 'command' (stdio) and 'url'"), ("servers.neither", "exactly one"),
                        ("servers.typo.comand", "Extra inputs are not permitted"),
                        ("servers.envs.env.not valid", "'not valid' is not an environment variable name"),
                        ("servers.web.url", "must be an http:// or https:// URL"),
@@ -161,6 +161,43 @@ def test_bad_config_names_the_file_and_each_field(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_servers(path)
+
+
+async def test_a_bad_config_fails_the_plugin_with_the_reason_and_the_server_runs_on(make_rt):
+    rt = await make_rt({"files": {"comand": "npx"}})
+    report = rt.plugins.reports[PLUGIN]
+    assert report.status == "failed"
+    assert "mcp-servers.json" in report.reasons[0] and "servers.files" in report.reasons[0]
+    assert (await routes_command(rt, "!mcp")).startswith("Unknown command: !mcp")
+    assert "get_system_info" in rt.tools.names()
+
+
+def test_results_become_readable_text():
+    import mcp_types as types
+
+    from plugins.plugin_mcp_client import format_result
+
+    def result(*content: Any, structured: dict[str, Any] | None = None, error: bool = False) -> Any:
+        return types.CallToolResult(content=list(content), structured_content=structured, is_error=error)
+
+    text_ = types.TextContent(type="text", text="hello")
+    assert format_result("s_t", result(text_)) == "hello"
+    # Structured content once: skipped when a text block already carries it, added when not.
+    assert format_result("s_t", result(types.TextContent(type="text", text='{"a": 1}'), structured={"a": 1})) == '{"a": 1}'
+    assert format_result("s_t", result(types.TextContent(type="text", text="7"), structured={"result": 7})) == "7"
+    assert format_result("s_t", result(text_, structured={"rows": [1, 2]})) == 'hello\n{"rows": [1, 2]}'
+    assert format_result("s_t", result(structured={"ok": True})) == '{"ok": true}'
+    assert format_result("s_t", result()) == "(no output)"
+    assert format_result("s_t", result(text_, error=True)) == "ERROR: s_t reported an error: hello"
+    media = format_result("s_t", result(
+        types.ImageContent(type="image", data="QUJDRA==", mime_type="image/png"),
+        types.ResourceLink(type="resource_link", name="report", uri="file:///r.txt", description="the report"),
+        types.EmbeddedResource(type="resource", resource=types.TextResourceContents(uri="mem://a", text="inside")),
+        types.EmbeddedResource(type="resource", resource=types.BlobResourceContents(uri="mem://b", blob="QUJD",
+                                                                                     mime_type="application/zip")),
+    ))
+    assert media.splitlines() == ["[image image/png, 6 bytes]", "[resource link: report file:///r.txt] the report",
+                                  "[resource mem://a]", "inside", "[resource mem://b application/zip, 3 bytes]"]
 
 
 # ── tools, schemas, gates, results ──
