@@ -422,3 +422,32 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
     with pytest.raises(ProcessLookupError):
         os.kill(new_pid, 0)
 
+
+
+def test_registry_replaces_a_plugins_tools_all_or_nothing():
+    from langchain_core.tools import StructuredTool
+    from pydantic import BaseModel
+
+    from tools import ToolRegistrationError, ToolRegistry
+
+    class NoArgs(BaseModel):
+        pass
+
+    def make(name: str) -> StructuredTool:
+        async def run() -> str:
+            return name
+
+        return StructuredTool.from_function(coroutine=run, name=name, description=name, args_schema=NoArgs)
+
+    reg = ToolRegistry()
+    reg.register(make("core_tool"))
+    reg.register_plugin_tools("p", {"lc": [make("p_a"), make("p_b")]})
+    reg.register_gate_tools("p", {"p_a": {"type": "mcp", "operation": "read"}})
+    assert reg.replace_plugin_tools("p", {"lc": [make("p_b"), make("p_c")]}, {"p_c": {"type": "mcp"}}) == ["p_b", "p_c"]
+    assert reg.names() == ["core_tool", "p_b", "p_c"] and reg.entry("p_c").gate == {"type": "mcp"}
+    with pytest.raises(ToolRegistrationError, match="core_tool"):
+        reg.replace_plugin_tools("p", {"lc": [make("p_d"), make("core_tool")]}, {})
+    assert sorted(reg.names()) == ["core_tool", "p_b", "p_c"] and reg.entry("p_c").gate == {"type": "mcp"}
+    with pytest.raises(ToolRegistrationError, match="p_zzz"):
+        reg.replace_plugin_tools("p", {"lc": [make("p_e")]}, {"p_zzz": {"type": "mcp"}})
+    assert sorted(reg.names()) == ["core_tool", "p_b", "p_c"] and reg.entry("core_tool").owner == "core"
