@@ -715,7 +715,7 @@ class McpClientPlugin(BasePlugin):
     async def init(self, config: dict[str, Any]) -> bool:
         assert self.runtime is not None
         app = self.runtime.config
-        self.config_file = app.path(config.get("servers_file", MCP_SERVERS_FILE))
+        self.config_file = app.path(MCP_SERVERS_FILE)
         servers = load_servers(self.config_file)
         for name, spec in servers.servers.items():
             if spec.enabled:
