@@ -263,11 +263,11 @@ def test_ratelimit_commands(cdir):
     assert limits["llm_call"] == {"calls": 3, "window_seconds": 20, "auto_disable": True}
     ok(cdir, "ratelimit-set", "search", "7", "12.5")
     ok(cdir, "ratelimit-autodisable", "search", "yes")
-    result = ctl(cdir, "ratelimit-set", "mcp", "4", "30")
+    result = ctl(cdir, "ratelimit-set", "weather", "4", "30")
     assert result.returncode == 0 and "not a type of the spec" in result.stderr
     limits = read(cdir, config.ENABLED_FILE)["rate_limits"]
     assert limits["search"] == {"calls": 7, "window_seconds": 12.5, "auto_disable": True}
-    assert limits["mcp"] == {"auto_disable": False, "calls": 4, "window_seconds": 30}
+    assert limits["weather"] == {"auto_disable": False, "calls": 4, "window_seconds": 30}
     assert "12.5" in ok(cdir, "ratelimit-list")
 
 
