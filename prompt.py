@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import atomic_write as _atomic_write
+from config import atomic_write
 
 logger = logging.getLogger("agent_mcp.prompt")
 
@@ -79,7 +79,7 @@ class PromptTree:
         root = self.directory / ROOT_FILE
         if not root.exists():
             self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(root, DEFAULT_ROOT)
+            atomic_write(root, DEFAULT_ROOT)
         split = _split_marker(root.read_text(encoding="utf-8"))
         self.main, children = split if split else (root.read_text(encoding="utf-8").strip(), [])
         seen: set[str] = set()
@@ -190,7 +190,7 @@ class PromptTree:
             body = content
         else:
             raise PromptError(f"unknown operation '{operation}'; valid: {', '.join(OPERATIONS)}")
-        _atomic_write(self.directory / f"{SECTION_PREFIX}{s.name}", f"## {s.name}: {s.description}\n{body}\n")
+        atomic_write(self.directory / f"{SECTION_PREFIX}{s.name}", f"## {s.name}: {s.description}\n{body}\n")
         s.body = body.strip("\n")
         self._assembled = None
         return f"Section '{s.name}' updated ({operation}); {len(s.body)} characters."
