@@ -40,6 +40,7 @@ logger = logging.getLogger("agent_mcp.proxy")
 OLLAMA_API_VERSION = "0.12.3"
 DEFAULT_PORT = 11435  # 11434 is Ollama's own port, where the shipped `local` model lives
 MAX_PROMPT = 200_000
+TASK_PREFIX = "### Task:"  # how every open-webui background-task prompt template starts
 SSE_PING_SECONDS = 15
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 #: open-webui's forwarded headers (ENABLE_FORWARD_USER_INFO_HEADERS): one session per chat, else per user.
@@ -67,6 +68,9 @@ class ProxyConfig(BaseModel):
     status_lines: Literal["quote", "thinking", "off"] = "quote"
     #: One session per open-webui chat (or user) when its forwarded headers are present.
     session_per_chat: bool = True
+    #: open-webui's background tasks (titles, tags, follow-ups: prompts starting with `### Task:`)
+    #: run in a throwaway session, so they never enter the chat's history.
+    task_sessions: bool = True
 
 
 class ProxyError(Exception):
@@ -286,7 +290,7 @@ class _Ollama:
     def whole(self, out: _Output) -> JSONResponse:
         return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
 
-    def stream(self, out: _Output, first: state.Event, events: AsyncIterator[state.Event]) -> Response:
+    def stream(self, out: _Output, first: tuple[str, str], events: AsyncIterator[state.Event]) -> Response:
         async def body() -> AsyncIterator[str]:
             async for content, thinking in _pieces(out, first, events):
                 if out.error is not None:
@@ -334,7 +338,7 @@ class _OpenAI:
             obj["usage"] = None  # the spec: null on every chunk but the last
         return _sse(obj)
 
-    def stream(self, out: _Output, first: state.Event, events: AsyncIterator[state.Event]) -> Response:
+    def stream(self, out: _Output, first: tuple[str, str], events: AsyncIterator[state.Event]) -> Response:
         async def body() -> AsyncIterator[ServerSentEvent]:
             yield self.chunk({"role": "assistant", "content": ""})
             async for content, thinking in _pieces(out, first, events):
@@ -351,15 +355,14 @@ class _OpenAI:
         return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
 
 
-async def _pieces(out: _Output, first: state.Event, events: AsyncIterator[state.Event]) -> AsyncIterator[tuple[str, str]]:
-    """Feed the turn's events to `out`, yielding what a stream must write: text, then the end or the error.
-
-    After an error the rest of the turn (its `done`) is read without writing anything.
+async def _pieces(out: _Output, first: tuple[str, str], events: AsyncIterator[state.Event]
+                  ) -> AsyncIterator[tuple[str, str]]:
+    """What a stream must write: `first` (already fed to `out`), then each later event's text, then
+    the end or the error. After an error the rest of the turn (its `done`) is read without writing.
     """
     try:
-        ev: state.Event | None = first
-        while ev is not None:
-            content, thinking = out.feed(ev)
+        content, thinking = first
+        while True:
             if out.error is not None:
                 yield "", ""
                 async for _ in events:
@@ -370,6 +373,9 @@ async def _pieces(out: _Output, first: state.Event, events: AsyncIterator[state.
             if out.finished:
                 return
             ev = await anext(events, None)
+            if ev is None:
+                return
+            content, thinking = out.feed(ev)
     finally:
         await events.aclose()  # the client went away: cancel the turn
 
@@ -575,6 +581,18 @@ class LlamaProxyPlugin(BasePlugin):
                     return f"{base}-{kind}-{safe}"
         return base
 
+    async def _then_forget(self, events: AsyncIterator[state.Event], client_id: str) -> AsyncIterator[state.Event]:
+        """`events`; then, once the request has ended, the throwaway session is deleted."""
+        try:
+            async for ev in events:
+                yield ev
+        finally:
+            await events.aclose()
+            await routes.cancel_active_task(self.rt, client_id)  # a request cut short: wait for its cleanup
+            if self.rt.sessions.get(client_id) is not None:
+                await self.rt.sessions.delete(client_id)
+            self.rt.hub.drop(client_id)
+
     async def _answer(self, request: Request, fmt: _Ollama | _OpenAI, text: str, key: str | None,
                       stream: bool) -> Response:
         """Run the prompt as one turn and answer in `fmt`, streamed or whole."""
@@ -583,7 +601,13 @@ class LlamaProxyPlugin(BasePlugin):
         if len(text) > MAX_PROMPT:
             raise ProxyError(413, f"the message is {len(text)} characters; the limit is {MAX_PROMPT}")
         out = _Output(self.cfg.status_lines, text)
-        events = routes.run_turn(self.rt, self.client_id(request), text, {"model": key} if key else None)
+        client_id = self.client_id(request)
+        payload = {"model": key} if key else None
+        if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
+            client_id = f"{client_id}-task-{uuid.uuid4().hex[:12]}"
+            events = self._then_forget(routes.run_turn(self.rt, client_id, text, payload), client_id)
+        else:
+            events = routes.run_turn(self.rt, client_id, text, payload)
         if not stream:
             async def collect() -> bool:
                 async with contextlib.aclosing(events):
@@ -599,8 +623,9 @@ class LlamaProxyPlugin(BasePlugin):
         first = await _unless_gone(request, anext(events))
         if first is None:
             return Response(status_code=499)
-        if first.name == "error":
+        piece = out.feed(first)
+        if out.error is not None:
             async for _ in events:
                 pass
-            return fmt.error_response(500, str(first.data.get("message", "error")))
-        return fmt.stream(out, first, events)
+            return fmt.error_response(500, out.error)
+        return fmt.stream(out, piece, events)

@@ -552,6 +552,21 @@ async def test_concurrent_requests_on_one_session_are_answered_in_turn(proxy, ch
     assert [m["content"] for m in proxy.gpt.requests[-1].json["messages"][1:]][:2] == ["one", "first answer"]
 
 
+def test_open_webui_task_prompts_stay_out_of_the_chat_history(proxy, chat, oai):
+    oai.chat.completions.create(model=AGENT, messages=HI)
+    task = "### Task:\nGenerate a concise title summarizing the chat history.\n<chat_history>USER: hi</chat_history>"
+    for stream in (False, True):
+        got = oai.chat.completions.create(model=AGENT, messages=[*HI, {"role": "user", "content": task}],
+                                          stream=stream)
+        text_ = "".join(c.choices[0].delta.content or "" for c in got) if stream else got.choices[0].message.content
+        assert text_ == f"echo: {task}"
+        sent = proxy.gpt.requests[-1].json["messages"]
+        assert [m["role"] for m in sent] == ["system", "user"]  # no chat history, no earlier task
+    sessions = proxy.sessions()
+    assert sessions[f"llama-127.0.0.1-chat-{chat['X-OpenWebUI-Chat-Id']}"]["history_length"] == 2
+    assert not [s for s in sessions if "-task-" in s]
+
+
 def test_session_per_client_ip_without_chat_headers(proxy):
     with _openai(proxy.url) as client:
         client.chat.completions.create(model=AGENT, messages=HI)
