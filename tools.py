@@ -93,6 +93,24 @@ class ToolRegistry:
                 raise ToolRegistrationError(f"{plugin_name}: gate of '{name}' needs a 'type' string")
             entry.gate = dict(spec)
 
+    def replace_plugin_tools(self, plugin_name: str, tools: dict[str, Any], gates: dict[str, Any]) -> list[str]:
+        """Swap every tool of a running plugin for a new set with its gates; all or nothing.
+
+        For plugins whose tools change while the server runs (an MCP server's tool list). On any
+        problem the old tools stay registered and ToolRegistrationError says why.
+        """
+        old = {n: t for n, t in self._tools.items() if t.owner == plugin_name}
+        for name in old:
+            del self._tools[name]
+        try:
+            names = self.register_plugin_tools(plugin_name, tools)
+            self.register_gate_tools(plugin_name, gates)
+        except ToolRegistrationError:
+            self.unregister_owner(plugin_name)
+            self._tools.update(old)
+            raise
+        return names
+
     def unregister_owner(self, owner: str) -> None:
         for name in [n for n, t in self._tools.items() if t.owner == owner]:
             del self._tools[name]
