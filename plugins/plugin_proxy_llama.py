@@ -377,7 +377,7 @@ async def _pieces(out: _Output, first: tuple[str, str], events: AsyncIterator[st
                 return
             content, thinking = out.feed(ev)
     finally:
-        await events.aclose()  # the client went away: cancel the turn
+        await events.aclose()  # cancels the turn if the client went away before its end
 
 
 # ── The plugin ──────────────────────────────────────────────────────────────────────────────
