@@ -573,13 +573,13 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
     raise LLMError(f"model '{key}' kept calling tools for {MAX_TOOL_ITERATIONS} rounds; stopped. Ask again more narrowly.")
 
 
-async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str) -> None:
-    """Run one LLM turn of `text` for the session's (possibly temporary) model.
+async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
+    """Run one LLM turn of `text` on `model` (default: the session's, possibly temporary, model).
 
     On failure the history is rolled back to how it was before the turn (the user message
     included) and the client gets an `error` event; cancellation rolls back too and propagates.
     """
-    key = session.model
+    key = model or session.model
     mark = len(session.history)
     session.history.append({"role": "user", "content": text})
     try:

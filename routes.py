@@ -163,12 +163,15 @@ async def process_request(
 ) -> None:
     """Handle one message of a client: commands, a command batch, or an LLM turn; then `done`.
 
-    Requests on one session run one at a time, in the order they were submitted.
+    Requests on one session run one at a time, in the order they were submitted. Payload keys:
+    `default_model` (the model of a session created now), `model` (answer this request's LLM
+    turn with that registry model; the session keeps its own model).
     """
     rt = rt or state.current()
     payload = payload or {}
     wanted = payload.get("default_model")
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
+    turn_model = payload.get("model") or None
     turn_token = state.current_turn.set(turn_id or uuid.uuid4().hex[:16])
     token = state.current_client_id.set(client_id)
     admin_token = state.current_admin.set(payload.get("admin") is True)
@@ -177,7 +180,10 @@ async def process_request(
     try:
         session = await rt.sessions.get_or_create(client_id, model)
         async with session.lock:
-            await _process(rt, session, text)
+            if turn_model is not None and turn_model not in rt.config.models:
+                rt.hub.error(client_id, f"unknown model '{turn_model}'; available: {', '.join(rt.config.models)}")
+            else:
+                await _process(rt, session, text, turn_model)
     except asyncio.CancelledError:
         # No `done`: the request that replaced this one sends its own, and a client must not
         # mistake this turn's end for the end of the newer one.
@@ -197,7 +203,7 @@ async def process_request(
         state.current_turn.reset(turn_token)
 
 
-async def _process(rt: state.Runtime, session: state.Session, text: str) -> None:
+async def _process(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
     stripped = text.strip()
     lines = text.split("\n")
     command_lines = [line.strip() for line in lines if line.lstrip().startswith("!")]
@@ -208,7 +214,7 @@ async def _process(rt: state.Runtime, session: state.Session, text: str) -> None
             rt.hub.tok(session.client_id, "\n")
         rest = "\n".join(line for line in lines if not line.lstrip().startswith("!")).strip()
         if rest:
-            await _llm_turn(rt, session, rest)
+            await _llm_turn(rt, session, rest, model)
         return
     if stripped.startswith("!"):
         await run_command(rt, session, stripped)
@@ -216,13 +222,13 @@ async def _process(rt: state.Runtime, session: state.Session, text: str) -> None
     if not stripped:
         rt.hub.error(session.client_id, "empty message: type a question or !help")
         return
-    await _llm_turn(rt, session, stripped)
+    await _llm_turn(rt, session, stripped, model)
 
 
-async def _llm_turn(rt: state.Runtime, session: state.Session, text: str) -> None:
-    """An LLM turn, honouring a leading `@model` (that model for this turn only)."""
+async def _llm_turn(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
+    """An LLM turn on `model` (default: the session's), or on a leading `@model` for this turn only."""
     if not text.startswith("@"):
-        await agents.dispatch_llm(rt, session, text)
+        await agents.dispatch_llm(rt, session, text, model)
         return
     first, _, rest = text.partition(" ")
     key = first[1:]

@@ -224,3 +224,18 @@ async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
     last = [ev async for ev in events][-1]
     hold.set()
     assert last.name == "status" and last.data == {"text": "[cancelled]", "cancelled": True}
+
+
+async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fake_openai, fake_gemini):
+    fake_gemini.script(text("from ", "gemini"))
+    out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "gem"}))
+    assert out == "from gemini" and fake_gemini.requests[-1].last_user_text == "hi" and fake_openai.requests == []
+    session = rt.sessions.get("c1")
+    assert session.model == "fake" and not session.temp_model_active  # no gate bypass either
+    # Commands still act on the session itself, and the next turn is back on the session's model.
+    out, _ = await _collect(routes.run_turn(rt, "c1", "!model", {"model": "gem"}))
+    assert [line.split()[0] for line in out.splitlines() if "(current)" in line] == ["fake"]
+    out, _ = await _collect(routes.run_turn(rt, "c1", "again"))
+    assert out == "echo: again" and [m["content"] for m in session.history][:2] == ["hi", "from gemini"]
+    out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "nosuch"}))
+    assert [e.name for e in events] == ["error", "done"] and "unknown model 'nosuch'" in events[0].data["message"]
