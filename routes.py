@@ -165,7 +165,8 @@ async def process_request(
 
     Requests on one session run one at a time, in the order they were submitted. Payload keys:
     `default_model` (the model of a session created now), `model` (answer this request's LLM
-    turn with that registry model; the session keeps its own model).
+    turn with that registry model; the session keeps its own model), `admin` (True only when the
+    client plugin authenticated an administrator; see `gate.may_administer`).
     """
     rt = rt or state.current()
     payload = payload or {}
