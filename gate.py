@@ -187,11 +187,19 @@ def classify_sql(sql: Any) -> tuple[str, frozenset[str]]:
     """
     if not isinstance(sql, str) or not sql.strip():
         return WRITE, frozenset({ANY_TABLE})
+    try:
+        return _classify(sql)
+    except Exception:  # a parser bug must not open a gate (nor crash the turn)
+        logger.warning("SQL classification failed; treating it as a write on any table", exc_info=True)
+        return WRITE, frozenset({ANY_TABLE})
+
+
+def _classify(sql: str) -> tuple[str, frozenset[str]]:
     if _EXECUTABLE_COMMENT.search(sql):
         return WRITE, frozenset(_guess_tables(sql) | {ANY_TABLE})
     try:
         statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
-    except (SqlglotError, RecursionError, ValueError):
+    except (SqlglotError, RecursionError, ValueError):  # does not parse: fail closed
         statements = []
         unknown = True
     else:

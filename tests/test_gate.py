@@ -104,6 +104,11 @@ def test_sql_classification(sql: str, operation: str, tables: set[str]) -> None:
     assert gate.classify_sql(sql) == (operation, frozenset(tables))
 
 
+def test_sql_too_deep_to_parse_fails_closed() -> None:
+    assert gate.classify_sql("SELECT " + "(" * 3000 + "1" + ")" * 3000 + " FROM users") == (
+        "write", frozenset({"*", "users"}))
+
+
 @pytest.mark.parametrize("value", [None, 42, ["SELECT 1"]])
 def test_sql_that_is_not_text_is_a_write_on_any_table(value: Any) -> None:
     assert gate.classify_sql(value) == ("write", frozenset({"*"}))
