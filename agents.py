@@ -417,22 +417,21 @@ class TextCallFilter:
     """
 
     def __init__(self) -> None:
-        self.text = ""
-        self.sent = 0
+        self.chunks: list[str] = []
+        self.pending = ""  # received, not shown yet (a possible opener, or leading whitespace)
+        self.sent = 0  # characters shown so far
         self.holding = False
 
     def feed(self, chunk: str) -> str:
         """Add streamed text; return what can be shown now."""
-        self.text += chunk
+        self.chunks.append(chunk)
         if self.holding:
             return ""
-        body = self.text[self.sent:]
-        if not self.text[: self.sent].strip():
+        body = self.pending + chunk
+        if self.sent == 0:
             lead = body.lstrip()
-            if not lead:
-                return ""  # only whitespace so far: it may still become a JSON reply
-            if lead[0] in "{[":
-                self.holding = True
+            if not lead or lead[0] in "{[":  # whitespace so far, or a reply that may be all JSON
+                self.pending, self.holding = body, bool(lead)
                 return ""
         hits = [i for i in (body.find(o) for o in _OPENERS) if i >= 0]
         if hits:
@@ -443,18 +442,20 @@ class TextCallFilter:
                          if any(o.startswith(body[-k:]) for o in _OPENERS)), 0)
             cut = len(body) - keep
         self.sent += cut
+        self.pending = body[cut:]
         return body[:cut]
 
     def finish(self, spans: list[tuple[int, int]]) -> str:
         """The rest of the reply to show, without the spans that were tool calls."""
+        text = "".join(self.chunks)
         out, pos = [], self.sent
         for start, end in sorted(spans):
             if end <= pos:
                 continue
-            out.append(self.text[pos:max(pos, start)])
+            out.append(text[pos:max(pos, start)])
             pos = max(pos, end)
-        out.append(self.text[pos:])
-        self.sent = len(self.text)
+        out.append(text[pos:])
+        self.sent, self.pending = len(text), ""
         rest = "".join(out)
         return rest.strip() if spans else rest
 
