@@ -281,6 +281,27 @@ def config_problems(config_dir: Path, models: dict[str, ModelConfig], enabled: E
     return []
 
 
+def save_model_fields(config_dir: Path, changes: dict[str, dict[str, Any]]) -> Path:
+    """Write `{model key: {field: value}}` into the config dir's `llm-models.json`; return its path.
+
+    The file in use (the config dir's, else the shipped one) is read whole, so disabled models
+    and unknown fields are kept; the result always goes to the config dir.
+    """
+    source = config_path(config_dir, MODELS_FILE)
+    data = read_json(source)
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        raise ConfigError(f"{source}: no 'models' object to update")
+    for key, fields in changes.items():
+        if not isinstance(models.get(key), dict):
+            raise ConfigError(f"{source}: model '{key}' not found")
+        models[key].update(fields)
+    target = Path(config_dir) / MODELS_FILE
+    atomic_write(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                 check=lambda tmp: validate_data(ModelsFile, read_json(tmp), target))
+    return target
+
+
 def resolve_api_key(model: ModelConfig, env: dict[str, str]) -> str | None:
     """The API key for a model, or None when its `env_key` is set but empty in the environment."""
     if model.env_key:

@@ -280,7 +280,9 @@ def test_gate_commands(cdir):
     gates = read(cdir, config.GATE_DEFAULTS_FILE)
     assert gates["db"] == {"*": {"read": True, "write": False}, "__meta__": {"read": True, "write": False},
                            "users": {"read": False, "write": True}}
-    assert gates["tools"] == {"*": {"read": False, "write": False}, "ddgs_search": {"read": True, "write": False}}
+    shipped = json.loads((ROOT / config.GATE_DEFAULTS_FILE).read_text())
+    assert gates["tools"] == {**shipped["tools"], "*": {"read": False, "write": False},
+                              "ddgs_search": {"read": True, "write": False}}
     assert as_json(cdir, "gate-list") == {"db": gates["db"], "tools": gates["tools"]}
     assert "auto-allow" in ok(cdir, "gate-list")
 
@@ -288,7 +290,7 @@ def test_gate_commands(cdir):
     assert "users" not in read(cdir, config.GATE_DEFAULTS_FILE)["db"]
     ok(cdir, "gate-reset", "ddgs_search")
     ok(cdir, "gate-reset")
-    assert read(cdir, config.GATE_DEFAULTS_FILE) == json.loads((ROOT / config.GATE_DEFAULTS_FILE).read_text())
+    assert read(cdir, config.GATE_DEFAULTS_FILE) == {**shipped, **agentctl.ALL_GATED}
 
 
 def test_gate_set_without_own_gate_defaults_starts_from_the_shipped_file(tmp_path):

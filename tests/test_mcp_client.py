@@ -88,6 +88,7 @@ def http_server(http_mcp: HttpMcpServer) -> str:
 def write_config(cfg: ConfigDir, servers: dict[str, Any]) -> ConfigDir:
     cfg.plugins.append(PLUGIN)
     cfg.plugin_config[PLUGIN] = {"enabled": True}
+    cfg.gates = {"tools": {"*": {"read": True, "write": True}}}  # MCP tools are gated by default; not tested here
     (cfg.path / "mcp-servers.json").write_text(json.dumps({"servers": servers}, indent=2))
     return cfg.write()
 
@@ -347,7 +348,7 @@ async def test_servers_that_cannot_start_are_reported_and_skipped(make_rt):
     assert "'hangs' failed: no answer within 1 s (connect_timeout)" in why
     assert "'needsenv' failed: environment variable MCP_TEST_UNSET_VARIABLE" in why and ".env" in why
     assert "off" not in plugin(rt).servers
-    assert [n for n in rt.tools.names() if not n.startswith(("good_", "get_", "read_"))] == []
+    assert [n for n in rt.tools.names() if rt.tools.entry(n).owner == PLUGIN and not n.startswith("good_")] == []
     assert await agents.execute_tool(rt, "c1", "good_add", {"a": 20, "b": 22}) == "42"
     status = await routes_command(rt, "!mcp")
     assert "good [connected]" in status and "nocommand [failed]" in status and "why: command not found" in status
