@@ -28,7 +28,7 @@ import state
 from config import AppConfig, ConfigError, save_model_fields
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptError, PromptTree
-from tools import CORE_GATES, ToolRegistry, make_core_tools
+from tools import AGENT_CALL_STREAM, CORE_GATES, ToolRegistry, make_core_tools
 
 logger = logging.getLogger("agent_mcp.routes")
 
@@ -737,6 +737,21 @@ async def cmd_llm_timeout(rt: state.Runtime, session: state.Session, args: str) 
     return reply
 
 
+async def cmd_stream(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!stream [on|off] — whether agent_call shows the other agent's answer live in this session."""
+    if not args:
+        on = session.settings.get(AGENT_CALL_STREAM, True) is not False
+        return f"agent_call streaming: {'enabled' if on else 'disabled'}"
+    value = _bool(args)
+    if value is None:
+        return "ERROR: Invalid arguments\nUsage: !stream [on|off]"
+    session.settings[AGENT_CALL_STREAM] = value
+    await rt.sessions.save(session)
+    if value:
+        return "agent_call streaming enabled — the other agent's answer and progress are relayed live."
+    return "agent_call streaming disabled — only the final result of agent_call is shown (as a tool result)."
+
+
 CORE_COMMANDS: dict[str, state.Command] = {
     "help": state.Command(cmd_help, usage="!help                       this help"),
     "model": state.Command(cmd_model, usage="!model [key]                list models / switch this session's model"),
@@ -767,4 +782,5 @@ CORE_COMMANDS: dict[str, state.Command] = {
     "llm_timeout": state.Command(
         cmd_llm_timeout, usage="!llm_timeout [model] [secs]  delegation timeouts (llm_call_timeout)"
     ),
+    "stream": state.Command(cmd_stream, usage="!stream [on|off]            agent_call: relay the other agent's answer live"),
 }
