@@ -103,6 +103,7 @@ class AgentEvent:
 
     @classmethod
     def from_sse(cls, raw: _RawEvent) -> AgentEvent:
+        """Decode a raw message; data that is not a JSON object is kept as `{"text": data}`."""
         try:
             data = json.loads(raw.data) if raw.data.strip() else {}
         except ValueError:
@@ -110,7 +111,8 @@ class AgentEvent:
         if not isinstance(data, dict):
             data = {"text": data if isinstance(data, str) else json.dumps(data)}
         event_id = int(raw.id) if raw.id and raw.id.strip().isdigit() else None
-        return cls(raw.event or "tok", data, event_id)
+        # An event without a name ("message") is answer text, as servers without names send it.
+        return cls("tok" if raw.event in ("", "message") else raw.event, data, event_id)
 
 
 def gate_decision(policy: GatePolicy, gate: Mapping[str, Any]) -> bool:

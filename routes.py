@@ -339,8 +339,12 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise BadRequest(400, f"invalid request: {problems}") from None
+        raise BadRequest(400, f"invalid request: {validation_problems(exc)}") from None
+
+
+def validation_problems(exc: ValidationError, whole: str = "body") -> str:
+    """Every problem of a pydantic error on one line: `field.path: message; …` (`whole` when no field)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

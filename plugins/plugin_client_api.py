@@ -129,7 +129,7 @@ class ApiPlugin(BasePlugin):
         try:
             self.cfg = ApiConfig.model_validate(config)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            problems = routes.validation_problems(exc, "plugin_config")
             logger.error("plugin_config.plugin_client_api in plugins-enabled.json is invalid: %s", problems)
             return False
         admin = self._admin_token()
