@@ -115,7 +115,10 @@ class _Mrkdwn(SlackifyMarkdown):
         return f"`{escape(tokens[idx].content)}`"
 
     def fence(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
-        return f"{FENCE}\n{escape(tokens[idx].content)}{FENCE}\n"
+        code = escape(tokens[idx].content)
+        if code and not code.endswith("\n"):
+            code += "\n"  # an unclosed block at the end of an answer: the closing fence needs its own line
+        return f"{FENCE}\n{code}{FENCE}\n"
 
     code_block = fence
 
