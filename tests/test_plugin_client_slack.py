@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import state
 from config import load_config
 from plugin_loader import BasePlugin
 from plugins.plugin_client_slack import split_message, to_mrkdwn
-from tests.conftest import ConfigDir, free_port, openai_model
+from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.fakes.slack import APP_TOKEN, BOT_ID, BOT_TOKEN, BOT_USER_ID, FakeSlack, Message
@@ -401,3 +402,34 @@ async def test_unreachable_slack_at_start_is_retried_in_the_background(tmp_path,
         assert "cannot reach Slack" in health.json()["detail"]
     finally:
         await stop_slack(rt)
+
+
+# ── the real server ─────────────────────────────────────────────────────────────────────────
+
+
+def test_the_server_answers_slack_and_serves_health_on_the_plugin_port(config_dir, fake_openai, fake_slack,
+                                                                        start_server):
+    port = free_port()
+    config_dir.models = {"gpt": openai_model(fake_openai)}
+    config_dir.plugins.append("plugin_client_slack")
+    config_dir.plugin_config["plugin_client_slack"] = {"api_base_url": fake_slack.base_url, "port": port}
+    config_dir.env = {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
+    server = start_server(config_dir)
+    assert server.health()["plugins"]["plugin_client_slack"]["status"] == "loaded"
+    fake_slack.wait_for(lambda: fake_slack.connections >= 1, 20)
+    root = "1600000000.000001"
+    fake_slack.push_event(mention("hello server", root))
+    fake_slack.wait_for(lambda: [m.text for m in fake_slack.thread("C1", root)] == ["echo: hello server"], 20)
+    health = httpx.get(f"http://127.0.0.1:{port}/slack/health", timeout=5)
+    assert health.status_code == 200 and health.json()["status"] == "healthy"
+    assert health.json()["active_sessions"] == 1
+    # Only the plugin's own routes are on its port.
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 404
+    out = server.stop()
+    assert BOT_TOKEN not in out and APP_TOKEN not in out
+
+
+def test_the_shipped_configuration_has_the_slack_bot_switched_off():
+    shipped = json.loads((ROOT / "plugins-enabled.json").read_text())
+    assert "plugin_client_slack" in shipped["enabled_plugins"]
+    assert shipped["plugin_config"]["plugin_client_slack"]["enabled"] is False
