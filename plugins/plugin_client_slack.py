@@ -58,6 +58,7 @@ SLACK_CLIENT_ID = re.compile(r"^slack-(?P<channel>[A-Z0-9]+)-(?P<thread_ts>\d+\.
 TOOL_STATUS = re.compile(r"^\[(?P<tool>[^\]\s]+) (?P<mark>[▶◀✗])\]\s*(?P<rest>.*)$", re.DOTALL)
 FENCE = "```"
 SEEN_MEMORY = 4096
+SHUTDOWN_GRACE = 3
 
 
 # ── Settings ────────────────────────────────────────────────────────────────────────────────
@@ -335,7 +336,7 @@ class _Reply:
     def _tool_status(self, text: str) -> None:
         m = TOOL_STATUS.match(text)
         if m is None:
-            self.status = text.strip().splitlines()[0][:150] if text.strip() else ""
+            self.status = text.strip().splitlines()[0][:100] if text.strip() else ""
             return
         tool, mark = m["tool"], m["mark"]
         if mark == "▶":
@@ -360,15 +361,13 @@ class _Reply:
         return "".join(self.parts).strip()
 
     def _preview(self) -> str:
-        room = self.settings.max_message_chars - 200
-        answer = self.answer()
-        text = ""
-        if answer:
-            chunks = split_message(to_mrkdwn(answer), room)
-            text = chunks[0] + ("\n…" if len(chunks) > 1 else "")
         # The last line always says the answer is still coming (a tool running, or just working).
         status = f"_{self.status}_" if self.status else WORKING
-        return f"{text}\n{status}" if text else status
+        answer = self.answer()
+        if not answer:
+            return status
+        chunks = split_message(to_mrkdwn(answer), self.settings.max_message_chars - len(status) - 3)
+        return chunks[0] + ("\n…" if len(chunks) > 1 else "") + f"\n{status}"
 
     def final_messages(self) -> list[str]:
         """The messages of the finished answer, first one first."""
@@ -377,7 +376,11 @@ class _Reply:
         errors = [f"⚠️ {escape(e)}"[:limit] for e in self.errors]
         messages = split_message(to_mrkdwn(answer), limit) if answer else []
         if self.cancelled:
-            messages.append("_(cancelled)_")
+            ending = "_(cancelled)_"
+            if messages and len(messages[-1]) + len(ending) < limit:
+                messages[-1] += f"\n{ending}"
+            else:
+                messages.append(ending)
         messages += errors
         return messages or ["_(no answer)_"]
 
@@ -484,6 +487,7 @@ class SlackPlugin(BasePlugin):
         #: client id → the latest answer of that thread; the next one waits for it.
         self._latest: dict[str, asyncio.Task[None]] = {}
         self._users: OrderedDict[str, str] = OrderedDict()
+        self._stopping = False
 
     @property
     def rt(self) -> state.Runtime:
@@ -568,11 +572,16 @@ class SlackPlugin(BasePlugin):
             return
 
     async def shutdown(self) -> None:
+        self._stopping = True
+        # Answers whose request the server just cancelled still post their "(cancelled)" ending.
+        answers = [t for t in self._tasks if not t.done()]
+        if answers:
+            await asyncio.wait(answers, timeout=SHUTDOWN_GRACE)
         tasks = [t for t in (*self._tasks, self._connecting) if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=5)
+            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
         if self.socket is not None:
             await self.socket.close()
             sdk_tasks = [t for t in (self.socket.message_processor, self.socket.current_session_monitor,
@@ -658,7 +667,8 @@ class SlackPlugin(BasePlugin):
         """Answer one message in its thread, after the thread's previous answer is complete."""
         if previous is not None:
             await asyncio.wait([previous])
-        assert self.web is not None
+        if self._stopping or self.web is None:
+            return
         reply = _Reply(self.web, self.settings, msg.channel, msg.thread_ts)
         poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
         payload = {"default_model": self.settings.default_model, "channel_id": msg.channel,

@@ -272,6 +272,31 @@ async def test_a_long_answer_with_a_code_block_is_split_without_breaking_the_cod
     assert all(c.args["thread_ts"] == root for c in bot.slack.calls_of("chat.postMessage"))
 
 
+async def test_rate_limited_slack_calls_are_retried_after_retry_after(bot):
+    bot.slack.fail_next("chat.update", "ratelimited", status=429, retry_after=0)
+    root = bot.ts()
+    bot.slack.push_event(mention("busy workspace", root))
+    [reply] = await bot.final("C1", root)
+    assert reply.text == "echo: busy workspace"
+    assert len(bot.slack.calls_of("chat.update")) >= 2  # the refused edit was sent again
+
+
+async def test_an_answer_cut_short_by_a_server_stop_says_so(tmp_path, fake_openai, fake_slack):
+    rt, _ = await start_slack(tmp_path, fake_openai, fake_slack)
+    hold = threading.Event()
+    try:
+        await fake_slack.until(lambda: fake_slack.connections >= 1)
+        fake_openai.script(text("Half ", "an answer.", hold=hold))
+        root = "1600000002.000001"
+        fake_slack.push_event(mention("tell me", root))
+        await fake_slack.until(lambda: any(m.text.startswith("Half") for m in fake_slack.thread("C1", root)))
+    finally:
+        await stop_slack(rt)
+        hold.set()
+    [reply] = fake_slack.thread("C1", root)
+    assert reply.text == "Half\n_(cancelled)_"
+
+
 async def test_a_backend_error_is_reported_in_the_thread(bot):
     bot.llm.script(error(500, "the GPU caught fire"))
     root = bot.ts()
