@@ -9,6 +9,11 @@ API (`SLACK_BOT_TOKEN`, `xoxb-…`): a placeholder is posted in the thread at on
 final answer in Slack mrkdwn, split into several messages at `max_message_chars` without breaking
 code blocks. `api_base_url` points both clients elsewhere (a proxy, or the fake Slack in tests).
 `/slack/health` and `/slack/status` are served on the plugin's own port (127.0.0.1:8766).
+
+slack-sdk's asyncio clients all need aiohttp, and with aiohttp installed google-genai moves its own
+async transport to aiohttp; so this plugin uses slack-sdk's dependency-free clients instead: the
+builtin Socket Mode client (its own threads; listeners ack from there and hand the event to the
+event loop) and `WebClient`, called through `asyncio.to_thread`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import ipaddress
 import logging
 import re
+import socket
 import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -25,18 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 from markdown_it.token import Token
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from slack_sdk.errors import SlackApiError
-from slack_sdk.http_retry.builtin_async_handlers import (
-    AsyncConnectionErrorRetryHandler,
-    AsyncRateLimitErrorRetryHandler,
-)
-from slack_sdk.socket_mode.aiohttp import SocketModeClient
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackClientError
+from slack_sdk.http_retry.builtin_handlers import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
+from slack_sdk.socket_mode.builtin import SocketModeClient
 from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.socket_mode.response import SocketModeResponse
-from slack_sdk.web.async_client import AsyncWebClient
 from slackify_markdown.slackify import SlackifyMarkdown
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -304,7 +306,7 @@ class _Reply:
     of the answer in order, so a slow or rate-limited Slack never holds up the agent's stream.
     """
 
-    def __init__(self, web: AsyncWebClient, settings: SlackSettings, channel: str, thread_ts: str):
+    def __init__(self, web: WebClient, settings: SlackSettings, channel: str, thread_ts: str):
         self.web, self.settings = web, settings
         self.channel, self.thread_ts = channel, thread_ts
         self.ts: str | None = None
@@ -410,10 +412,11 @@ class _Reply:
 
     async def _post(self, text: str) -> str | None:
         try:
-            resp = await self.web.chat_postMessage(
-                channel=self.channel, thread_ts=self.thread_ts, text=text, unfurl_links=False, unfurl_media=False
+            resp = await asyncio.to_thread(
+                self.web.chat_postMessage,
+                channel=self.channel, thread_ts=self.thread_ts, text=text, unfurl_links=False, unfurl_media=False,
             )
-        except (SlackApiError, aiohttp.ClientError, TimeoutError) as exc:
+        except (SlackApiError, OSError) as exc:
             logger.warning("chat.postMessage in %s failed: %s", self.channel, _describe(exc))
             return None
         self.posted += 1
@@ -425,8 +428,8 @@ class _Reply:
         if text == self._shown:
             return True
         try:
-            await self.web.chat_update(channel=self.channel, ts=self.ts, text=text)
-        except (SlackApiError, aiohttp.ClientError, TimeoutError) as exc:
+            await asyncio.to_thread(self.web.chat_update, channel=self.channel, ts=self.ts, text=text)
+        except (SlackApiError, OSError) as exc:
             logger.warning("chat.update in %s failed: %s", self.channel, _describe(exc))
             return False
         self._shown = text
@@ -459,6 +462,31 @@ def proxy_for(url: str) -> str | None:
     return proxies.get("https") or proxies.get("http") or None
 
 
+def _close_socket_mode(client: SocketModeClient) -> None:
+    """Close slack-sdk's Socket Mode client and join its threads. Blocking.
+
+    Its reader thread sits in recv() for up to 3 s holding the lock that close() needs, and its
+    message thread polls a queue every second: shutting the socket down and queueing a wake-up
+    first lets close() return at once.
+    """
+    client.closed = True
+    client.auto_reconnect_enabled = False
+    client.current_session_state.terminated = True
+    session = client.current_session
+    if session is not None and session.sock is not None:
+        with contextlib.suppress(OSError):
+            session.sock.shutdown(socket.SHUT_RDWR)
+    client.message_queue.put(None)
+    try:
+        client.close()
+        # A `disconnect` frame handled meanwhile may have opened (and switched to) a new connection.
+        client.auto_reconnect_enabled = False
+        client.current_app_monitor.shutdown()
+        client.disconnect()
+    except Exception:  # slack-sdk's reconnect and close race on its connection objects
+        logger.debug("closing the Socket Mode client raced with a reconnect", exc_info=True)
+
+
 # ── The plugin ──────────────────────────────────────────────────────────────────────────────
 
 
@@ -469,20 +497,21 @@ class SlackPlugin(BasePlugin):
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
     DESCRIPTION = "Slack thread bot: Socket Mode in, chat.postMessage out"
-    DEPENDENCIES = ["slack-sdk>=3.30", "aiohttp>=3.10", "slackify-markdown>=0.2.4"]
+    DEPENDENCIES = ["slack-sdk>=3.30", "slackify-markdown>=0.2.4"]
     ENV_VARS = ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"]
 
     def __init__(self) -> None:
         super().__init__()
         self.settings = SlackSettings()
-        self.web: AsyncWebClient | None = None
+        self.web: WebClient | None = None
         self.socket: SocketModeClient | None = None
         self.filter: EventFilter | None = None
         self.problem = "not started"
         self.stats: Counter[str] = Counter()
         self.ignored: Counter[str] = Counter()
-        self._http: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Task[None] | None = None
+        self._thread_call: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: client id → the latest answer of that thread; the next one waits for it.
         self._latest: dict[str, asyncio.Task[None]] = {}
@@ -513,63 +542,75 @@ class SlackPlugin(BasePlugin):
             logger.error("plugin_client_slack: SLACK_APP_TOKEN must be an app-level token (xapp-…) with the "
                          "connections:write scope, from Basic Information of the Slack app")
             return False
+        self._loop = asyncio.get_running_loop()
         base_url = self.settings.api_base_url
         proxy = proxy_for(base_url)
-        self._http = aiohttp.ClientSession()
-        self.web = AsyncWebClient(
-            token=bot_token, base_url=base_url, session=self._http, timeout=30, proxy=proxy,
-            retry_handlers=[AsyncConnectionErrorRetryHandler(), AsyncRateLimitErrorRetryHandler(max_retry_count=3)],
+        self.web = WebClient(
+            token=bot_token, base_url=base_url, timeout=30, proxy=proxy,
+            retry_handlers=[ConnectionErrorRetryHandler(), RateLimitErrorRetryHandler(max_retry_count=3)],
         )
         self.web.proxy = proxy  # the constructor falls back to HTTPS_PROXY when given None
+        # One listener thread: envelopes reach the event loop in the order they arrived (a listener
+        # only acks and hands over, so one thread keeps up).
         self.socket = SocketModeClient(
-            app_token=app_token, web_client=self.web, ping_interval=self.settings.ping_interval,
-            logger=logging.getLogger("agent_mcp.slack.socket"),
+            app_token=app_token, web_client=self.web, ping_interval=self.settings.ping_interval, concurrency=1,
+            proxy=proxy, logger=logging.getLogger("agent_mcp.slack.socket"),
         )
         self.socket.proxy = proxy
         self.socket.message_listeners.append(self._on_frame)
         self.socket.socket_mode_request_listeners.append(self._on_request)
         try:
-            await self._identify()
+            await asyncio.to_thread(self._identify)
         except SlackApiError as exc:
             logger.error("plugin_client_slack: Slack refused the tokens (%s); check SLACK_BOT_TOKEN and "
                          "SLACK_APP_TOKEN in .env", exc.response.get("error"))
             await self.shutdown()
             return False
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except OSError as exc:
             logger.warning("plugin_client_slack: cannot reach Slack at %s (%s); retrying in the background",
                            base_url, _describe(exc))
             self.problem = f"cannot reach Slack: {_describe(exc)}"
             self._connecting = asyncio.create_task(self._connect_with_retries(), name="slack:connect")
             return True
-        self._connecting = asyncio.create_task(self.socket.connect(), name="slack:connect")
+        self._connecting = asyncio.create_task(self._connect_with_retries(first=True), name="slack:connect")
         return True
 
-    async def _identify(self) -> None:
-        """Who the bot is (auth.test, for self-filtering) and a Socket Mode URL."""
+    def _identify(self) -> None:
+        """Who the bot is (auth.test, for self-filtering) and a Socket Mode URL. Blocking."""
         assert self.web is not None and self.socket is not None
-        auth = await self.web.auth_test()
-        bot_user_id = str(auth["user_id"])
-        self.filter = EventFilter(bot_user_id, auth.get("bot_id"), self._is_bot_thread)
-        self.socket.wss_uri = await self.socket.issue_new_wss_url()
+        auth = self.web.auth_test()
+        self.filter = EventFilter(str(auth["user_id"]), auth.get("bot_id"), self._is_bot_thread)
+        self.socket.wss_uri = self.socket.issue_new_wss_url()
         self.problem = "connecting"
 
-    async def _connect_with_retries(self) -> None:
+    async def _connect_with_retries(self, first: bool = False) -> None:
+        """Open the Socket Mode connection, retrying while Slack cannot be reached.
+
+        Once connected, slack-sdk's client replaces lost connections itself.
+        """
         assert self.socket is not None
         delay = 1.0
         while True:
-            await asyncio.sleep(delay)
             try:
-                await self._identify()
+                if not first:
+                    await self._in_thread(self._identify)
+                await self._in_thread(self.socket.connect)
+                return
             except SlackApiError as exc:
                 self.problem = f"Slack refused the tokens ({exc.response.get('error')})"
                 logger.error("plugin_client_slack: %s; fix .env and restart", self.problem)
                 return
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            except (OSError, SlackClientError) as exc:
                 self.problem = f"cannot reach Slack: {_describe(exc)}"
-                delay = min(delay * 2, 60)
-                continue
-            await self.socket.connect()
-            return
+            first = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60)
+
+    async def _in_thread(self, fn: Callable[[], None]) -> None:
+        # Shielded: a blocking connect keeps running when its task is cancelled, and shutdown
+        # waits for it so that no connection is opened after the client is closed.
+        self._thread_call = asyncio.ensure_future(asyncio.to_thread(fn))
+        await asyncio.shield(self._thread_call)
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -582,14 +623,11 @@ class SlackPlugin(BasePlugin):
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
+        if self._thread_call is not None and not self._thread_call.done():
+            await asyncio.wait([self._thread_call], timeout=SHUTDOWN_GRACE)
         if self.socket is not None:
-            await self.socket.close()
-            sdk_tasks = [t for t in (self.socket.message_processor, self.socket.current_session_monitor,
-                                     self.socket.message_receiver) if t is not None]
-            await asyncio.gather(*sdk_tasks, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
-        self.socket = self.web = self._http = self._connecting = None
+            await asyncio.to_thread(_close_socket_mode, self.socket)
+        self.socket = self.web = self._connecting = None
         self.problem = "stopped"
 
     def get_config(self) -> dict[str, Any]:
@@ -613,23 +651,37 @@ class SlackPlugin(BasePlugin):
 
     # ── inbound ──
 
-    async def _on_frame(self, client: Any, message: dict[str, Any], raw: str | None) -> None:
+    def _on_frame(self, client: Any, message: dict[str, Any], raw: str | None) -> None:
+        # A Socket Mode thread: hand over to the event loop.
         if message.get("type") == "hello":
-            self.stats["connections"] += 1
-            self.problem = ""
+            self._call_in_loop(self._connected_once)
 
-    async def _on_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
-        """Ack the envelope first (Slack redelivers what is not acked within 3 s), then dispatch."""
-        if req.type == "slash_commands":
-            text = "Slash commands are not supported: mention the bot or send it a direct message."
-            await client.send_socket_mode_response(SocketModeResponse(req.envelope_id, payload={"text": text}))
-        else:
-            await client.send_socket_mode_response(SocketModeResponse(req.envelope_id))
+    def _connected_once(self) -> None:
+        self.stats["connections"] += 1
+        self.problem = ""
+
+    def _on_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
+        """A Socket Mode thread: ack the envelope at once (Slack redelivers what is not acked in 3 s)."""
+        text = "Slash commands are not supported: mention the bot or send it a direct message."
+        payload = {"text": text} if req.type == "slash_commands" else None
+        try:
+            client.send_socket_mode_response(SocketModeResponse(req.envelope_id, payload=payload))
+        except Exception as exc:  # the connection is being replaced: Slack delivers the event again
+            logger.warning("slack: could not acknowledge an envelope (%s); it will be redelivered", _describe(exc))
+        self._call_in_loop(self._dispatch, req.type, req.payload)
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None and not self._stopping:
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                self._loop.call_soon_threadsafe(fn, *args)
+
+    def _dispatch(self, kind: str, payload: dict[str, Any]) -> None:
+        """In the event loop: filter the acknowledged envelope and start its answer."""
         self.stats["envelopes"] += 1
-        if req.type != "events_api" or self.filter is None:
-            self._ignore(f"{req.type} envelope")
+        if kind != "events_api" or self.filter is None:
+            self._ignore(f"{kind} envelope")
             return
-        accepted = self.filter.accept(req.payload)
+        accepted = self.filter.accept(payload)
         if isinstance(accepted, str):
             self._ignore(accepted)
             return
@@ -695,11 +747,11 @@ class SlackPlugin(BasePlugin):
     def _sessions(self) -> list[state.Session]:
         return [s for s in self.rt.sessions.all() if s.client_id.startswith("slack-")]
 
-    async def _connected(self) -> bool:
-        return self.socket is not None and await self.socket.is_connected()
+    def _connected(self) -> bool:
+        return self.socket is not None and self.socket.is_connected()
 
     async def health(self, request: Request) -> JSONResponse:
-        connected = await self._connected()
+        connected = self._connected()
         body = {
             "status": "healthy" if connected else "disconnected",
             "plugin": self.PLUGIN_NAME,
@@ -721,7 +773,7 @@ class SlackPlugin(BasePlugin):
                          "user_id": self._users.get(s.client_id), "history_length": len(s.history)})
         return JSONResponse({
             "plugin": self.PLUGIN_NAME,
-            "connected": await self._connected(),
+            "connected": self._connected(),
             "bot_user_id": self.filter.bot_user_id if self.filter else None,
             "connections": self.stats["connections"],
             "envelopes": self.stats["envelopes"],

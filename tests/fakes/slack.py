@@ -7,8 +7,9 @@ acks). `auth.test`, `chat.postMessage` and `chat.update` behave like Slack's (sa
 error codes); every call is recorded. Test controls: `push_event`, `send_disconnect`,
 `drop_socket`, `fail_next`; `wait_for` / `until` wait for a condition instead of sleeping.
 
-The server runs on its own event loop in a background thread, so it serves a plugin running in
-the test's loop as well as a server subprocess. State is guarded by one condition variable.
+The server (Starlette on uvicorn, like the fake LLM backends) runs on its own event loop in a
+background thread, so it serves a plugin in the test's process as well as a server subprocess.
+State is guarded by one condition variable.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import socket
 import threading
 import time
 import uuid
@@ -25,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
 from urllib.parse import parse_qsl
 
-from aiohttp import WSMsgType, web
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from tests.fakes.backend import _Server
 
 T = TypeVar("T")
 
@@ -94,13 +103,13 @@ class FakeSlack:
         self.opens = 0
         self.connections = 0
         self.unknown_frames: list[str] = []
-        self._sockets: list[web.WebSocketResponse] = []
+        self._sockets: list[WebSocket] = []
         self._tickets: set[str] = set()
         self._failures: dict[str, list[_Failure]] = {}
         self._ts = itertools.count(1)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
         self.port = 0
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────────────
@@ -111,29 +120,43 @@ class FakeSlack:
         return f"http://127.0.0.1:{self.port}/api/"
 
     def start(self) -> Self:
-        ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
+        """Serve in a background thread; returns once the port accepts connections."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        app = Starlette(routes=[Route("/api/{method}", self._api, methods=["POST"]),
+                                WebSocketRoute("/link/", self._link)])
+        config = uvicorn.Config(app, loop="asyncio", http="h11", ws="websockets-sansio", lifespan="off",
+                                log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+        server = _Server(config)
 
         def run() -> None:
-            assert self._loop is not None
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._start_server())
-            ready.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._stop_server())
-            self._loop.close()
+            try:
+                server.run(sockets=[sock])
+            finally:
+                server.ready.set()
 
+        self._socket, self._server, self.port = sock, server, sock.getsockname()[1]
         self._thread = threading.Thread(target=run, name="FakeSlack", daemon=True)
         self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("FakeSlack did not start")
+        server.ready.wait()
+        if not server.started:
+            self.stop()
+            raise RuntimeError("FakeSlack failed to start")
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """Close the Socket Mode connections, stop the server and wait for its thread."""
+        if self._server is not None and self._server.loop is not None and self._server.started:
+            for ws in list(self._sockets):
+                with contextlib.suppress(Exception):
+                    self._run(ws.close())
+            self._server.request_stop()
+        if self._thread is not None:
             self._thread.join(10)
-        self._loop = self._thread = None
+        if self._socket is not None:
+            self._socket.close()
+        self._server = self._thread = self._socket = None
 
     def __enter__(self) -> Self:
         return self.start()
@@ -141,27 +164,11 @@ class FakeSlack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    async def _start_server(self) -> None:
-        app = web.Application()
-        app.router.add_post("/api/{method}", self._api)
-        app.router.add_get("/link/", self._link)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-
-    async def _stop_server(self) -> None:
-        for ws in list(self._sockets):
-            await ws.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-
     # ── test controls (thread-safe; called from the test's thread) ─────────────────────────
 
     def _run(self, coro: Any) -> Any:
-        assert self._loop is not None, "FakeSlack is not started"
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+        assert self._server is not None and self._server.loop is not None, "FakeSlack is not started"
+        return asyncio.run_coroutine_threadsafe(coro, self._server.loop).result(10)
 
     def push_event(
         self, event: dict[str, Any], *, event_id: str | None = None, retry_attempt: int = 0, retry_reason: str = ""
@@ -216,6 +223,12 @@ class FakeSlack:
         with self._cond:
             return [m for m in self.messages.values() if m.channel == channel and m.thread_ts == thread_ts]
 
+    @property
+    def live(self) -> int:
+        """Socket Mode connections open now."""
+        with self._cond:
+            return len(self._sockets)
+
     def acked(self, envelope: Envelope) -> bool:
         with self._cond:
             return envelope.ack is not None
@@ -239,15 +252,16 @@ class FakeSlack:
 
     # ── Web API ────────────────────────────────────────────────────────────────────────────
 
-    async def _api(self, request: web.Request) -> web.Response:
-        method = request.match_info["method"]
-        if request.content_type == "application/json":
+    async def _api(self, request: Request) -> JSONResponse:
+        method = request.path_params["method"]
+        raw = (await request.body()).decode()
+        if request.headers.get("content-type", "").startswith("application/json"):
             try:
-                args = await request.json()
+                args = json.loads(raw or "{}")
             except ValueError:
                 return _error("invalid_json")
         else:
-            args = dict(parse_qsl(await request.text()))
+            args = dict(parse_qsl(raw))
         auth = request.headers.get("Authorization", "")
         token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
         with self._cond:
@@ -272,16 +286,16 @@ class FakeSlack:
             return _error("invalid_auth")
         return await handler(args)
 
-    async def _connections_open(self, args: dict[str, Any]) -> web.Response:
+    async def _connections_open(self, args: dict[str, Any]) -> JSONResponse:
         with self._cond:
             self.opens += 1
             ticket = f"t{self.opens}-{uuid.uuid4().hex[:8]}"
             self._tickets.add(ticket)
             self._cond.notify_all()
-        return web.json_response({"ok": True, "url": f"ws://127.0.0.1:{self.port}/link/?ticket={ticket}&app_id={APP_ID}"})
+        return JSONResponse({"ok": True, "url": f"ws://127.0.0.1:{self.port}/link/?ticket={ticket}&app_id={APP_ID}"})
 
-    async def _auth_test(self, args: dict[str, Any]) -> web.Response:
-        return web.json_response({
+    async def _auth_test(self, args: dict[str, Any]) -> JSONResponse:
+        return JSONResponse({
             "ok": True, "url": "https://fake.slack.com/", "team": "Fake", "user": "agent", "team_id": TEAM_ID,
             "user_id": BOT_USER_ID, "bot_id": BOT_ID, "is_enterprise_install": False,
         })
@@ -290,7 +304,7 @@ class FakeSlack:
         n = next(self._ts)
         return f"{1_700_000_100 + n}.{n:06d}"
 
-    async def _post_message(self, args: dict[str, Any]) -> web.Response:
+    async def _post_message(self, args: dict[str, Any]) -> JSONResponse:
         channel, text, thread_ts = args.get("channel"), args.get("text"), args.get("thread_ts")
         if not channel:
             return _error("channel_not_found")
@@ -306,9 +320,9 @@ class FakeSlack:
                    **({"thread_ts": thread_ts} if thread_ts else {})}
         if self.echo_bot_messages:
             await self._echo({**message, "channel": channel, "channel_type": _channel_type(channel), "event_ts": ts})
-        return web.json_response({"ok": True, "channel": channel, "ts": ts, "message": message})
+        return JSONResponse({"ok": True, "channel": channel, "ts": ts, "message": message})
 
-    async def _update(self, args: dict[str, Any]) -> web.Response:
+    async def _update(self, args: dict[str, Any]) -> JSONResponse:
         channel, ts, text = args.get("channel"), args.get("ts"), args.get("text")
         if not text:
             return _error("no_text")
@@ -324,7 +338,7 @@ class FakeSlack:
             edited = {"type": "message", "text": text, "user": BOT_USER_ID, "bot_id": BOT_ID, "ts": ts}
             await self._echo({"type": "message", "subtype": "message_changed", "hidden": True, "channel": channel,
                               "channel_type": _channel_type(channel), "ts": self._next_ts(), "message": edited})
-        return web.json_response({"ok": True, "channel": channel, "ts": ts, "text": text})
+        return JSONResponse({"ok": True, "channel": channel, "ts": ts, "text": text})
 
     async def _echo(self, event: dict[str, Any]) -> None:
         event_id = f"Ev{uuid.uuid4().hex[:10].upper()}"
@@ -337,33 +351,33 @@ class FakeSlack:
 
     # ── Socket Mode ────────────────────────────────────────────────────────────────────────
 
-    async def _link(self, request: web.Request) -> web.StreamResponse:
-        ticket = request.query.get("ticket", "")
+    async def _link(self, ws: WebSocket) -> None:
+        ticket = ws.query_params.get("ticket", "")
         with self._cond:
             valid = ticket in self._tickets
             self._tickets.discard(ticket)  # a ticket opens one connection only
         if not valid:
-            return web.json_response({"ok": False, "error": "invalid_ticket"}, status=401)
-        ws = web.WebSocketResponse(autoping=True)
-        await ws.prepare(request)
+            await ws.close(code=1008)  # refuses the handshake (HTTP 403)
+            return
+        await ws.accept()
         with self._cond:
             self._sockets.append(ws)
-            self.connections += 1
             count = len(self._sockets)
         await ws.send_json({"type": "hello", "num_connections": count, "debug_info": {"host": "applink-fake"},
                             "connection_info": {"app_id": APP_ID}})
         with self._cond:
-            self._cond.notify_all()  # `connections` counts sockets that got their hello
+            self.connections += 1  # counts sockets that got their hello
+            self._cond.notify_all()
         try:
-            async for msg in ws:
-                if msg.type == WSMsgType.TEXT:
-                    self._record_frame(msg.data)
+            while True:
+                self._record_frame(await ws.receive_text())
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the client went away, or the fake closed the socket
         finally:
             with self._cond:
                 if ws in self._sockets:
                     self._sockets.remove(ws)
                 self._cond.notify_all()
-        return ws
 
     def _record_frame(self, data: str) -> None:
         try:
@@ -380,9 +394,9 @@ class FakeSlack:
                 envelope.ack, envelope.acked = frame, time.monotonic()
             self._cond.notify_all()
 
-    def _newest_socket(self) -> web.WebSocketResponse:
+    def _newest_socket(self) -> WebSocket:
         with self._cond:
-            live = [ws for ws in self._sockets if not ws.closed]
+            live = list(self._sockets)
         if not live:
             raise ConnectionError("FakeSlack: no Socket Mode client is connected")
         return live[-1]
@@ -398,13 +412,16 @@ class FakeSlack:
         return envelope
 
     async def _drop(self) -> None:
-        await self._newest_socket().close()
+        ws = self._newest_socket()
+        with self._cond:
+            self._sockets.remove(ws)
+        await ws.close()
 
 
 def _channel_type(channel: str) -> str:
     return "im" if channel.startswith("D") else "channel"
 
 
-def _error(error: str, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+def _error(error: str, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
     """Slack's error shape: HTTP 200 (or 429 when rate limited) with `ok: false`."""
-    return web.json_response({"ok": False, "error": error}, status=status, headers=headers)
+    return JSONResponse({"ok": False, "error": error}, status_code=status, headers=headers)
