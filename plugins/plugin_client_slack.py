@@ -56,8 +56,11 @@ USER_SUBTYPES = (None, "file_share", "thread_broadcast")
 CHANNEL_ID = re.compile(r"^[A-Z0-9]{2,32}$")
 SLACK_TS = re.compile(r"^\d{1,12}\.\d{1,9}$")
 SLACK_CLIENT_ID = re.compile(r"^slack-(?P<channel>[A-Z0-9]+)-(?P<thread_ts>\d+\.\d+)$")
-#: Status lines of agents.execute_tool: `[tool ▶] args`, `[tool ◀] result`, `[tool ✗] why not run`.
-TOOL_STATUS = re.compile(r"^\[(?P<tool>[^\]\s]+) (?P<mark>[▶◀✗])\]\s*(?P<rest>.*)$", re.DOTALL)
+#: Status lines: `[tool ▶] args` / `[tool ◀] result` / `[tool ↺] …` (the tool loop), `[gate ✗] tool …`
+#: and `[gate ✓] tool …` (gates), `[RATE LIMITED] tool …` (rate limits), `[tool ✗] why` (a refused call).
+STATUS_LINE = re.compile(r"^\[(?P<tag>[^\]]+)\]\s*(?P<rest>.*)$", re.DOTALL)
+GATE_HINT = ("_Tools that need approval cannot be approved from Slack: ask from shell.py, "
+             "or an operator can allow the tool there or in gate-defaults.json._")
 FENCE = "```"
 SEEN_MEMORY = 4096
 SHUTDOWN_GRACE = 3
@@ -336,23 +339,29 @@ class _Reply:
         self._changed.set()
 
     def _tool_status(self, text: str) -> None:
-        m = TOOL_STATUS.match(text)
+        """Show what a tool is doing in the placeholder; a refused or rate-limited call gets a note."""
+        m = STATUS_LINE.match(text.strip())
         if m is None:
             self.status = text.strip().splitlines()[0][:100] if text.strip() else ""
             return
-        tool, mark = m["tool"], m["mark"]
-        if mark == "▶":
-            self.status = f"⚙️ running `{escape(tool)}`…"
+        tag, rest = m["tag"], " ".join(m["rest"].split())
+        tool = rest.split(" ", 1)[0].rstrip(":")
+        if tag.endswith(" ▶"):
+            self.status = f"⚙️ running `{escape(tag[:-2])}`…"
             return
         self.status = ""
-        if mark == "✗" and tool not in self._refused:
+        if tag == "gate ✗":
+            self._note(tool, f"⛔ Not run: {escape(rest[:300])}\n{GATE_HINT}")
+        elif tag == "RATE LIMITED":
+            self._note(tool, f"⏳ Not run: {escape(rest[:300])}")
+        elif tag.endswith(" ✗"):
+            self._note(tag[:-2], f"⛔ Not run: `{escape(tag[:-2])}`: {escape(rest[:300])}\n{GATE_HINT}")
+
+    def _note(self, tool: str, text: str) -> None:
+        # One note per tool and answer: a model that retries a refused call does not flood the thread.
+        if tool not in self._refused:
             self._refused.add(tool)
-            reason = " ".join(m["rest"].split())[:300]
-            self.notes.append(
-                f"⛔ The agent wanted to use `{escape(tool)}`, but it was not run: {escape(reason)}\n"
-                "_Tools that need approval are refused in Slack, where nobody can approve them; "
-                "use shell.py for those requests._"
-            )
+            self.notes.append(text)
 
     def finish(self) -> None:
         """The request ended: post the final text now."""

@@ -310,18 +310,35 @@ async def test_a_backend_error_is_reported_in_the_thread(bot):
     assert replies[1].text == "echo: again"
 
 
-async def test_a_refused_tool_call_gets_a_clear_note_and_the_answer_still_comes(bot):
-    async def refuse(rt, client_id, tool_name, args):
-        return f"ERROR: {tool_name} needs approval and {client_id} cannot approve (auto-rejected)"
+async def test_a_refused_tool_call_gets_one_clear_note_and_the_answer_still_comes(bot):
+    async def gate(rt, client_id, tool_name, args):  # what gate.py does for Slack clients
+        rt.hub.status(client_id, f"[gate ✗] {tool_name} (read) needs approval, which Slack cannot give — rejected")
+        return f"TOOL CALL REJECTED: {tool_name} needs human approval"
 
-    bot.rt.tool_checks.append(refuse)
-    bot.llm.script(tool_call("get_system_info", {}), text("I could not look it up."))
+    bot.rt.tool_checks.append(gate)
+    bot.llm.script(tool_call("get_system_info", {}), tool_call("get_system_info", {}), text("I could not look."))
     root = bot.ts()
     bot.slack.push_event(mention("what machine is this?", root))
     replies = await bot.final("C1", root, count=2)
-    assert replies[0].text == "I could not look it up."
+    assert replies[0].text == "I could not look."
     note = replies[1].text
-    assert "`get_system_info`" in note and "not run" in note and "needs approval" in note and "shell.py" in note
+    assert note.startswith("⛔ Not run: get_system_info (read) needs approval, which Slack cannot give")
+    assert "shell.py" in note
+    assert len(bot.slack.thread("C1", root)) == 2  # the retried call did not add a second note
+
+
+async def test_a_rate_limited_tool_call_gets_a_note(bot):
+    async def limit(rt, client_id, tool_name, args):  # what the rate limiter does
+        rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} (system): 5 calls per 10 s; try again in 4 s")
+        return "RATE LIMITED"
+
+    bot.rt.tool_checks.append(limit)
+    bot.llm.script(tool_call("get_system_info", {}), text("Later, then."))
+    root = bot.ts()
+    bot.slack.push_event(mention("what machine is this?", root))
+    replies = await bot.final("C1", root, count=2)
+    assert [m.text for m in replies] == [
+        "Later, then.", "⏳ Not run: get_system_info (system): 5 calls per 10 s; try again in 4 s"]
 
 
 async def test_tool_progress_is_shown_in_the_placeholder_not_as_new_messages(bot):
