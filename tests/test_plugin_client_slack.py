@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 
 import routes
 import state
-from config import load_config
+from config import GatePermission, load_config
 from plugin_loader import BasePlugin
 from plugins.plugin_client_slack import split_message, to_mrkdwn
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
@@ -350,6 +350,7 @@ async def test_tool_progress_is_shown_in_the_placeholder_not_as_new_messages(bot
 
     bot.rt.tools.register(StructuredTool.from_function(
         coroutine=slow_lookup, name="slow_lookup", description="Looks something up, slowly.", args_schema=NoArgs))
+    bot.rt.config.gates.tools["slow_lookup"] = GatePermission(read=True)  # runs without asking
     bot.llm.script(tool_call("slow_lookup", {}), text("Linux ", "it is."))
     root = bot.ts()
     bot.slack.push_event(mention("what machine is this?", root))
