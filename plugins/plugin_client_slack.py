@@ -425,7 +425,7 @@ class _Reply:
                 self.web.chat_postMessage,
                 channel=self.channel, thread_ts=self.thread_ts, text=text, unfurl_links=False, unfurl_media=False,
             )
-        except (SlackApiError, OSError) as exc:
+        except (SlackClientError, OSError) as exc:
             logger.warning("chat.postMessage in %s failed: %s", self.channel, _describe(exc))
             return None
         self.posted += 1
@@ -438,7 +438,7 @@ class _Reply:
             return True
         try:
             await asyncio.to_thread(self.web.chat_update, channel=self.channel, ts=self.ts, text=text)
-        except (SlackApiError, OSError) as exc:
+        except (SlackClientError, OSError) as exc:
             logger.warning("chat.update in %s failed: %s", self.channel, _describe(exc))
             return False
         self._shown = text
@@ -581,6 +581,9 @@ class SlackPlugin(BasePlugin):
             self.problem = f"cannot reach Slack: {_describe(exc)}"
             self._connecting = asyncio.create_task(self._connect_with_retries(), name="slack:connect")
             return True
+        except Exception:
+            await self.shutdown()  # the Socket Mode client already runs threads
+            raise
         self._connecting = asyncio.create_task(self._connect_with_retries(first=True), name="slack:connect")
         return True
 
