@@ -111,6 +111,8 @@ def load_credentials(config_dir: Path, subject: str | None) -> Any:
             )
         info = _read_json(path)
     kind = info.get("type") if isinstance(info, dict) else None
+    if kind is None and isinstance(info, dict) and "refresh_token" in info:
+        kind = "authorized_user"  # what google-auth's Credentials.to_json() writes: no "type" field
     try:
         if kind == "service_account":
             creds = service_account.Credentials.from_service_account_info(info, scopes=SCOPES)

@@ -268,7 +268,8 @@ async def test_credential_problems_stop_the_plugin_with_a_reason(tmp_path, drive
         no_token = report(rt, NAME)
     assert no_token.status == "failed" and "is an OAuth client file" in no_token.reasons[0]
     assert "token.json" in no_token.reasons[0]
-    (tmp_path / "cfg" / "token.json").write_text(json.dumps(USER_TOKEN))
+    # token.json as google-auth's Credentials.to_json() writes it: no "type" field
+    (tmp_path / "cfg" / "token.json").write_text(json.dumps({k: v for k, v in USER_TOKEN.items() if k != "type"}))
     async with drive_runtime(tmp_path, drive, credentials=client_file) as rt:  # token.json next to it is used
         assert (await drive_op(rt, "read", file_id="NOTES")).endswith("line one")
     async with drive_runtime(tmp_path, drive, credentials={"type": "external_account"}) as rt:
