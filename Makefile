@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-proxy clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,17 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/turn_overhead.py
+
+# LiteLLM needs openai<3 (the agent uses 3.x), so it gets a venv of its own inside .venv.
+LITELLM := $(VENV)/litellm/bin/litellm
+$(LITELLM): bench/litellm-requirements.txt | $(PY)
+	$(PYTHON) -m venv $(VENV)/litellm
+	$(VENV)/litellm/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/litellm/bin/python -m pip install --quiet -r bench/litellm-requirements.txt
+	touch $(LITELLM)
+
+bench-proxy: $(STAMP) $(LITELLM)
+	$(PY) bench/proxy_overhead.py --litellm $(LITELLM)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

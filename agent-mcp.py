@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import ipaddress
 import logging
-import re
 import signal
 import socket
 import sys
@@ -28,12 +27,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import routes
 import state
-from config import AppConfig, ConfigError, load_config
+from config import SECRET_NAME, AppConfig, ConfigError, load_config
 from plugin_loader import BasePlugin
 
 logger = logging.getLogger("agent_mcp")
-
-SECRET_NAME = re.compile(r"(KEY|TOKEN|PASS|PASSWORD|SECRET)$", re.IGNORECASE)
 
 
 class StartupError(Exception):

@@ -8,9 +8,11 @@ model, up to `MAX_TOOL_ITERATIONS` rounds. Every failure becomes an `error` even
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -24,10 +26,12 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.tools import StructuredTool
 from pydantic import ValidationError
 
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, resolve_api_key
+from tools import _lc_tool_to_openai_dict
 
 logger = logging.getLogger("agent_mcp.agents")
 
@@ -139,17 +143,22 @@ def _short(text: str, limit: int = 300) -> str:
 # ── History ─────────────────────────────────────────────────────────────────────────────────
 
 
+def _starts_turn(msg: dict[str, Any]) -> bool:
+    # Results of text tool calls are user messages too, but they belong to the turn before them.
+    return msg.get("role") == "user" and not msg.get("tool_results")
+
+
 def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[str, Any]]:
     """The last `max_messages` messages, starting at a user message so no tool result loses its call."""
     if len(history) <= max_messages:
         return history
     kept = history[-max_messages:]
     for i, msg in enumerate(kept):
-        if msg.get("role") == "user":
+        if _starts_turn(msg):
             return kept[i:]
     # A single turn longer than the limit: keep it whole from its user message.
     for i in range(len(history) - 1, -1, -1):
-        if history[i].get("role") == "user":
+        if _starts_turn(history[i]):
             return history[i:]
     return []
 
@@ -184,7 +193,7 @@ def _preview(text: str, limit: int) -> str:
 
 
 async def execute_tool(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any]) -> str:
-    """Run one tool call: runtime checks (rate limit, gate) → argument validation → executor.
+    """Run one tool call: argument validation → runtime checks (rate limit, gate) → executor.
 
     Every failure is returned as a result string the model can read; only cancellation escapes.
     """
@@ -193,19 +202,19 @@ async def execute_tool(rt: state.Runtime, client_id: str, name: str, args: dict[
         tool = rt.tools.get(name)
         if tool is None:
             return f"ERROR: unknown tool '{name}'. Available tools: {', '.join(rt.tools.names()) or 'none'}"
-        for check in rt.tool_checks:
-            verdict = await check(rt, client_id, name, args)
-            if verdict is not None:
-                rt.hub.status(client_id, f"[{name} ✗] {_short(verdict, 200)}")
-                return verdict
         try:
             parsed = tool.args_schema.model_validate(args or {})
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors())
             return f"ERROR: invalid arguments for {name}: {problems}. Fix them and call again."
+        args = parsed.model_dump()
+        for check in rt.tool_checks:
+            verdict = await check(rt, client_id, name, args)
+            if verdict is not None:
+                return verdict
         rt.hub.status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
         try:
-            result = await tool.coroutine(**parsed.model_dump())
+            result = await tool.coroutine(**args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -220,42 +229,354 @@ async def execute_tool(rt: state.Runtime, client_id: str, name: str, args: dict[
         state.current_client_id.reset(token)
 
 
+# ── Text tool calls ─────────────────────────────────────────────────────────────────────────
+#
+# Local models often write their tool calls as text instead of using the tool-calling API. Only
+# explicit call syntax is recognised (tags, fenced blocks, a reply that is nothing but JSON), only
+# names of tools bound for this turn run, and prose is never taken for SQL.
+
+_OPENERS = ("<tool_call>", "<tool_code>", "<function=", "<|python_tag|>", "```json", "```tool")
+_BLOCKS = re.compile(
+    r"<tool_call>(?P<tool_call>.*?)(?:</tool_call>|\Z)"
+    r"|<tool_code>(?P<tool_code>.*?)(?:</tool_code>|\Z)"
+    r"|(?P<function><function=[^>\s]+>.*?(?:</function>|\Z))"
+    r"|```(?P<lang>[\w-]*)[ \t]*\n(?P<fenced>.*?)```",
+    re.DOTALL,
+)
+_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_ARG_KEYS = ("arguments", "parameters", "input", "args")
+_PY_CALL_LANGS = ("tool_code", "tool_call", "tool")
+PYTHON_TAG = "<|python_tag|>"
+
+
+def _json_values(body: str) -> list[Any] | None:
+    """Every JSON value in `body` (one after another, whitespace between), or None if anything else is there.
+
+    Retried with `{{`/`}}` collapsed, an artefact of some chat templates.
+    """
+    for candidate in (body, body.replace("{{", "{").replace("}}", "}")):
+        decoder, values, pos, text = json.JSONDecoder(), [], 0, candidate.strip()
+        try:
+            while pos < len(text):
+                value, pos = decoder.raw_decode(text, pos)
+                values.append(value)
+                while pos < len(text) and text[pos] in " \t\r\n,;":
+                    pos += 1
+        except ValueError:
+            continue
+        if values:
+            return values
+    return None
+
+
+def _call_from_json(obj: Any) -> tuple[str, dict[str, Any]] | None:
+    """(name, args) of one JSON call in any of the usual shapes, or None if it is not one."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("function"), dict):  # {"type": "function", "function": {"name", "arguments"}}
+        obj = obj["function"]
+    name = obj.get("name", obj.get("tool_name"))
+    args: Any = next((obj[k] for k in _ARG_KEYS if k in obj), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not isinstance(args, dict):
+        return None
+    return name, args
+
+
+def _python_calls(body: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """Gemma-style `name(key=value)` calls (literal keyword arguments only), or None if not exactly that."""
+    try:
+        tree = ast.parse(body.strip())
+    except SyntaxError:
+        return None
+    calls = []
+    for stmt in tree.body:
+        if not isinstance(stmt, ast.Expr):
+            return None
+        items = stmt.value.elts if isinstance(stmt.value, ast.List | ast.Tuple) else [stmt.value]
+        for item in items:
+            if isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.func.id == "print" \
+                    and len(item.args) == 1:
+                item = item.args[0]
+            if not isinstance(item, ast.Call) or item.args or any(k.arg is None for k in item.keywords):
+                return None
+            func = item.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name is None:
+                return None
+            try:
+                calls.append((name, {str(k.arg): ast.literal_eval(k.value) for k in item.keywords}))
+            except (ValueError, SyntaxError):
+                return None
+    return calls or None
+
+
+def _function_calls(body: str) -> list[tuple[str, dict[str, Any], bool]]:
+    """`<function=name>` calls: XML `<parameter=…>` values (strings, typed later) or a JSON body."""
+    calls = []
+    for name, inner in _FUNCTION.findall(body):
+        params = _PARAMETER.findall(inner)
+        if params:
+            calls.append((name, dict(params), True))
+        elif not inner.strip():
+            calls.append((name, {}, False))
+        else:
+            values = _json_values(inner)
+            if values and len(values) == 1 and isinstance(values[0], dict):
+                calls.append((name, values[0], False))
+    return calls
+
+
+def _typed_xml_args(tool: StructuredTool, args: dict[str, str]) -> dict[str, Any]:
+    """XML parameter values are text: decode JSON for the parameters whose schema is not a string."""
+    props = tool.args_schema.model_json_schema().get("properties", {}) if tool.args_schema else {}
+    typed: dict[str, Any] = {}
+    for key, value in args.items():
+        kinds = {props.get(key, {}).get("type")} | {a.get("type") for a in props.get(key, {}).get("anyOf", [])}
+        if "string" in kinds or not kinds - {None}:
+            typed[key] = value
+            continue
+        try:
+            typed[key] = json.loads(value)
+        except ValueError:
+            typed[key] = value
+    return typed
+
+
+def _block_calls(match: re.Match[str]) -> list[tuple[str, dict[str, Any], bool]]:
+    body = next(g for g in (match["tool_call"], match["tool_code"], match["function"], match["fenced"]) if g is not None)
+    if "<function=" in body:
+        return _function_calls(body)
+    values = _json_values(body.strip().removeprefix(PYTHON_TAG))
+    if values is not None:
+        flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+        found = [_call_from_json(v) for v in flat]
+        return [(c[0], c[1], False) for c in found if c is not None] if all(found) else []
+    if match["tool_code"] is not None or (match["lang"] or "").lower() in _PY_CALL_LANGS:
+        return [(n, a, False) for n, a in _python_calls(body) or []]
+    return []
+
+
+def try_force_tool_calls(
+    text: str, tools: dict[str, StructuredTool]
+) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
+    """Tool calls written as text, validated against `tools`: (calls, spans of the text they came from).
+
+    Recognised: `<tool_call>{json}</tool_call>` (Qwen, Hermes), `<tool_code>{"tool_name",
+    "arguments"}</tool_code>` (seed 004) or Gemma's `name(key=value)`, `<function=name>` with
+    `<parameter=…>` XML or a JSON body, fenced ```json / ```tool_code blocks, and a reply that is
+    only JSON (Llama's `{"name", "parameters"}`, optionally after `<|python_tag|>`). Calls of
+    unknown tools, with non-object arguments or positional arguments are dropped, and so are
+    duplicates.
+    """
+    found: list[tuple[str, dict[str, Any], bool]] = []
+    spans: list[tuple[int, int]] = []
+    for match in _BLOCKS.finditer(text):
+        calls = _block_calls(match)
+        if any(name in tools for name, _, _ in calls):
+            found += calls
+            spans.append(match.span())
+    if not found:
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        values = _json_values(body) if body.startswith(("{", "[")) else None
+        if values is not None:
+            flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+            calls = [_call_from_json(v) for v in flat]
+            if all(calls) and any(c[0] in tools for c in calls if c):
+                found = [(c[0], c[1], False) for c in calls if c]
+                spans = [(0, len(text))]
+    result, seen = [], set()
+    for name, args, xml in found:
+        tool = tools.get(name)
+        if tool is None:
+            continue
+        if xml:
+            args = _typed_xml_args(tool, args)
+        signature = call_signature(name, args)
+        if signature in seen:
+            continue
+        seen.add(signature)
+        result.append({"id": f"text-{uuid.uuid4().hex[:8]}", "name": name, "args": args})
+    return result, spans
+
+
+def call_signature(name: str, args: dict[str, Any]) -> str:
+    """Identity of a call: the same tool with the same arguments gives the same signature."""
+    return name + json.dumps(args, sort_keys=True, ensure_ascii=False, default=str)
+
+
+class TextCallFilter:
+    """Holds streamed text back from the first sign of a text tool call until the reply is complete.
+
+    Text before a call streams as usual; call syntax is never shown; if the held text turns out
+    not to be a call, it is sent whole at the end.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[str] = []
+        self.pending = ""  # received, not shown yet (a possible opener, or leading whitespace)
+        self.sent = 0  # characters shown so far
+        self.holding = False
+
+    def feed(self, chunk: str) -> str:
+        """Add streamed text; return what can be shown now."""
+        self.chunks.append(chunk)
+        if self.holding:
+            return ""
+        body = self.pending + chunk
+        if self.sent == 0:
+            lead = body.lstrip()
+            if not lead or lead[0] in "{[":  # whitespace so far, or a reply that may be all JSON
+                self.pending, self.holding = body, bool(lead)
+                return ""
+        hits = [i for i in (body.find(o) for o in _OPENERS) if i >= 0]
+        if hits:
+            self.holding = True
+            cut = min(hits)
+        else:
+            keep = next((k for k in range(min(len(body), max(map(len, _OPENERS))), 0, -1)
+                         if any(o.startswith(body[-k:]) for o in _OPENERS)), 0)
+            cut = len(body) - keep
+        self.sent += cut
+        self.pending = body[cut:]
+        return body[:cut]
+
+    def finish(self, spans: list[tuple[int, int]]) -> str:
+        """The rest of the reply to show, without the spans that were tool calls."""
+        text = "".join(self.chunks)
+        out, pos = [], self.sent
+        for start, end in sorted(spans):
+            if end <= pos:
+                continue
+            out.append(text[pos:max(pos, start)])
+            pos = max(pos, end)
+        out.append(text[pos:])
+        self.sent, self.pending = len(text), ""
+        rest = "".join(out)
+        return rest.strip() if spans else rest
+
+
+# ── Router step (seed 004) ──────────────────────────────────────────────────────────────────
+
+ROUTER_PROMPT = (
+    "You are a router. Decide whether answering the user's message needs one of these tools:\n{tools}\n"
+    "Reply with one word only: yes or no."
+)
+
+
+async def router_wants_tools(llm: Any, cfg: ModelConfig, question: str, tools: list[StructuredTool]) -> bool:
+    """One short yes/no call: does this message need tools? Anything but a clear "no" (a failure too) is yes."""
+    listing = "\n".join(f"- {t.name}: {(t.description or '').splitlines()[0] if t.description else ''}" for t in tools)
+    try:
+        async with asyncio.timeout(cfg.llm_call_timeout):
+            reply = await llm.ainvoke([SystemMessage(ROUTER_PROMPT.format(tools=listing)), HumanMessage(question)])
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.warning("router call failed (%s); tools stay bound", describe_llm_error(exc, cfg.model_id, cfg))
+        return True
+    answer = re.match(r"\W*(yes|no)\b", _content_to_str(reply.content).strip().lower())
+    return not (answer and answer.group(1) == "no")
+
+
+TEXT_TOOLS_PROMPT = """\
+## Tools
+You can call these tools. To call one, reply with exactly one block and nothing after it:
+<tool_code>{{"tool_name": "<name>", "arguments": {{<arguments as JSON>}}}}</tool_code>
+The result comes back in the next message; then answer the user, or call another tool.
+Answer without a block when no tool is needed.
+
+{manifest}"""
+
+
+def tool_manifest(tools: list[StructuredTool]) -> str:
+    """The system-prompt part that describes tools to a model in `text` tool mode (seed 004)."""
+    entries = []
+    for tool in tools:
+        params = _lc_tool_to_openai_dict(tool)["function"].get("parameters", {})
+        entries.append(f"- {tool.name}: {tool.description}\n  arguments: {json.dumps(params, ensure_ascii=False)}")
+    return TEXT_TOOLS_PROMPT.format(manifest="\n".join(entries))
+
+
 # ── The loop ────────────────────────────────────────────────────────────────────────────────
 
 
-async def _stream_once(rt: state.Runtime, llm: Any, context: list[BaseMessage], client_id: str) -> AIMessageChunk:
-    """One model call, streaming its text to the session as it arrives."""
+async def _stream_once(
+    rt: state.Runtime, llm: Any, context: list[BaseMessage], client_id: str, hold: TextCallFilter | None = None
+) -> AIMessageChunk:
+    """One model call, streaming its text to the session as it arrives (through `hold`, if given)."""
     full: AIMessageChunk | None = None
     async for chunk in llm.astream(context):
         text = _content_to_str(chunk.content)
         if text:
-            rt.hub.tok(client_id, text)
+            rt.hub.tok(client_id, hold.feed(text) if hold else text)
         full = chunk if full is None else full + chunk
     if full is None:
         raise LLMError("the backend closed the stream without sending anything")
     return full
 
 
+async def _run_call(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any], done: dict[str, str]) -> str:
+    """execute_tool, except that a call identical to an earlier one of this turn is not run again."""
+    signature = call_signature(name, args)
+    if signature in done:
+        rt.hub.status(client_id, f"[{name} ↺] identical call already made in this turn; not run again")
+        return (f"NOTE: you already called {name} with exactly these arguments in this turn; its result is above. "
+                "Use that result instead of calling again.")
+    done[signature] = result = await execute_tool(rt, client_id, name, args)
+    return result
+
+
+def _last_user_text(history: list[dict[str, Any]]) -> str:
+    return next((str(m.get("content") or "") for m in reversed(history)
+                 if m.get("role") == "user" and not m.get("tool_results")), "")
+
+
 async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str:
     """Run the tool-calling loop for one turn on model `key`; return the final answer text.
 
     Messages of the turn (assistant tool calls, tool results, the answer) are appended to
-    `session.history` as they happen; the caller rolls them back if the turn fails.
+    `session.history` as they happen; the caller rolls them back if the turn fails. With the
+    model's `router` option on, a short yes/no call first decides whether tools are bound.
     """
     cfg = rt.config.models[key]
     client_id = session.client_id
     llm = _build_lc_llm(rt, key)
     tools = rt.tools.for_model(cfg)
-    bound = llm.bind_tools(tools) if tools else llm
+    if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
+        tools = []
+    native = cfg.tool_mode == "native"
+    bound = llm.bind_tools(tools) if tools and native else llm
+    system = rt.prompt.assemble() + ("\n" + tool_manifest(tools) if tools and not native else "")
+    by_name = {t.name: t for t in tools}
+    done: dict[str, str] = {}
     for _ in range(MAX_TOOL_ITERATIONS):
-        context = [SystemMessage(rt.prompt.assemble()), *to_lc_messages(trim_history(session.history, cfg.max_context))]
-        reply = await _stream_once(rt, bound, context, client_id)
+        context = [SystemMessage(system), *to_lc_messages(trim_history(session.history, cfg.max_context))]
+        hold = TextCallFilter() if tools else None
+        reply = await _stream_once(rt, bound, context, client_id, hold)
         text = _content_to_str(reply.content)
         calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c["name"], "args": c["args"]}
                  for c in reply.tool_calls]
         broken = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c.get("name") or "unknown",
                    "args": {}, "error": c.get("error") or "arguments were not valid JSON"}
                   for c in reply.invalid_tool_calls]
+        if not calls and not broken and hold is not None:
+            forced, spans = try_force_tool_calls(text, by_name)
+            rt.hub.tok(client_id, hold.finish(spans if forced else []))
+            if forced:
+                # Fed back as a user message: every chat template accepts that (Gemma's has no tool role).
+                session.history.append({"role": "assistant", "content": text})
+                results = [f"[Tool result for {c['name']}]:\n{await _run_call(rt, client_id, c['name'], c['args'], done)}"
+                           for c in forced]
+                session.history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
+                continue
+        elif hold is not None:
+            rt.hub.tok(client_id, hold.finish([]))
         if not calls and not broken:
             session.history.append({"role": "assistant", "content": text})
             return text
@@ -265,7 +586,7 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
             "tool_calls": [{k: c[k] for k in ("id", "name", "args")} for c in calls + broken],
         })
         for call in calls:
-            result = await execute_tool(rt, client_id, call["name"], call["args"])
+            result = await _run_call(rt, client_id, call["name"], call["args"], done)
             session.history.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": result})
         for call in broken:
             session.history.append({
@@ -275,13 +596,13 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
     raise LLMError(f"model '{key}' kept calling tools for {MAX_TOOL_ITERATIONS} rounds; stopped. Ask again more narrowly.")
 
 
-async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str) -> None:
-    """Run one LLM turn of `text` for the session's (possibly temporary) model.
+async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
+    """Run one LLM turn of `text` on `model` (default: the session's, possibly temporary, model).
 
     On failure the history is rolled back to how it was before the turn (the user message
     included) and the client gets an `error` event; cancellation rolls back too and propagates.
     """
-    key = session.model
+    key = model or session.model
     mark = len(session.history)
     session.history.append({"role": "user", "content": text})
     try:

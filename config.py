@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +29,8 @@ MANIFEST_FILE = "plugin-manifest.json"
 ENABLED_FILE = "plugins-enabled.json"
 GATE_DEFAULTS_FILE = "gate-defaults.json"
 MAX_TOOL_ITERATIONS = 10
+#: Settings whose values are secrets: never logged, never shown.
+SECRET_NAME = re.compile(r"(KEY|TOKEN|PASS|PASSWORD|SECRET)$", re.IGNORECASE)
 
 
 class ConfigError(Exception):
@@ -51,6 +57,9 @@ class ModelConfig(_Model):
     llm_tools: Literal["all"] | list[str] = "all"
     max_retries: int = Field(default=2, ge=0, le=10)
     router: bool = False
+    #: "native": tools go through the API's tool calling; "text": they are described in the system
+    #: prompt and the model answers with `<tool_code>` blocks (servers without tool calling).
+    tool_mode: Literal["native", "text"] = "native"
 
     @field_validator("host")
     @classmethod
@@ -172,7 +181,26 @@ def read_json(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
 
 
-def _validate(model: type[BaseModel], data: Any, path: Path) -> Any:
+def atomic_write(path: Path, text: str, check: Callable[[Path], None] | None = None) -> None:
+    """Replace `path` with `text` all at once; `check(tmp)` may inspect the written copy and raise to abort."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkstemp creates 0600; keep the mode the file had (a server under another user may read it).
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644)
+        if check is not None:
+            check(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def validate_data(model: type[BaseModel], data: Any, path: Path) -> Any:
+    """`data` (parsed JSON of `path`) as `model`; a ConfigError lists every invalid field by name."""
     try:
         obj = model.model_validate(data)
     except ValidationError as exc:
@@ -207,24 +235,24 @@ def load_env(config_dir: Path) -> dict[str, str]:
 def load_models(config_dir: Path) -> dict[str, ModelConfig]:
     """Enabled models of `llm-models.json`, by key."""
     path = config_path(config_dir, MODELS_FILE)
-    models = _validate(ModelsFile, read_json(path), path).models
+    models = validate_data(ModelsFile, read_json(path), path).models
     return {key: m for key, m in models.items() if m.enabled}
 
 
 def load_manifest(config_dir: Path) -> Manifest:
     path = config_path(config_dir, MANIFEST_FILE)
-    return _validate(Manifest, read_json(path), path)
+    return validate_data(Manifest, read_json(path), path)
 
 
 def load_enabled(config_dir: Path) -> EnabledConfig:
     path = config_path(config_dir, ENABLED_FILE)
-    return _validate(EnabledConfig, read_json(path), path)
+    return validate_data(EnabledConfig, read_json(path), path)
 
 
 def load_gate_defaults(config_dir: Path) -> GateDefaults:
     """`gate-defaults.json`; without the file every gate is on."""
     path = config_path(config_dir, GATE_DEFAULTS_FILE)
-    return _validate(GateDefaults, read_json(path), path) if path.exists() else GateDefaults()
+    return validate_data(GateDefaults, read_json(path), path) if path.exists() else GateDefaults()
 
 
 def load_config(config_dir: str | Path | None = None) -> AppConfig:
@@ -236,17 +264,45 @@ def load_config(config_dir: str | Path | None = None) -> AppConfig:
     models = load_models(cdir)
     manifest = load_manifest(cdir)
     enabled = load_enabled(cdir)
-    enabled_path = config_path(cdir, ENABLED_FILE)
-    if not models:
-        raise ConfigError(f"{config_path(cdir, MODELS_FILE)}: no enabled model; enable at least one")
-    if enabled.default_model not in models:
-        raise ConfigError(
-            f"{enabled_path}: field 'default_model': '{enabled.default_model}' is not an enabled model "
-            f"of {MODELS_FILE} (enabled: {', '.join(models)})"
-        )
+    problems = config_problems(cdir, models, enabled)
+    if problems:
+        raise ConfigError(problems[0])
     return AppConfig(
         config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled, gates=load_gate_defaults(cdir)
     )
+
+
+def config_problems(config_dir: Path, models: dict[str, ModelConfig], enabled: EnabledConfig) -> list[str]:
+    """What keeps files that are each valid from working together (`models`: the enabled ones)."""
+    if not models:
+        return [f"{config_path(config_dir, MODELS_FILE)}: no enabled model; enable at least one"]
+    if enabled.default_model not in models:
+        return [
+            f"{config_path(config_dir, ENABLED_FILE)}: field 'default_model': '{enabled.default_model}' is not an "
+            f"enabled model of {MODELS_FILE} (enabled: {', '.join(models)})"
+        ]
+    return []
+
+
+def save_model_fields(config_dir: Path, changes: dict[str, dict[str, Any]]) -> Path:
+    """Write `{model key: {field: value}}` into the config dir's `llm-models.json`; return its path.
+
+    The file in use (the config dir's, else the shipped one) is read whole, so disabled models
+    and unknown fields are kept; the result always goes to the config dir.
+    """
+    source = config_path(config_dir, MODELS_FILE)
+    data = read_json(source)
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict):
+        raise ConfigError(f"{source}: no 'models' object to update")
+    for key, fields in changes.items():
+        if not isinstance(models.get(key), dict):
+            raise ConfigError(f"{source}: model '{key}' not found")
+        models[key].update(fields)
+    target = Path(config_dir) / MODELS_FILE
+    atomic_write(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                 check=lambda tmp: validate_data(ModelsFile, read_json(tmp), target))
+    return target
 
 
 def resolve_api_key(model: ModelConfig, env: dict[str, str]) -> str | None:

@@ -23,7 +23,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 import state
-from config import CODE_DIR
+from config import CODE_DIR, AppConfig, EnabledConfig
 
 logger = logging.getLogger("agent_mcp.plugins")
 
@@ -146,6 +146,47 @@ def dependency_problem(requirement: str) -> str | None:
     return None
 
 
+@dataclass
+class PluginCheck:
+    """One requirement of a plugin (`kind`: manifest, file, env_var, config_file, dependency) and its problem."""
+
+    kind: str
+    item: str
+    problem: str | None = None
+
+
+def plugin_file(cfg: AppConfig, name: str) -> Path | None:
+    """The plugin's file: `plugins/<file>` in the config dir first, then next to the code."""
+    entry = cfg.manifest.plugins.get(name)
+    if entry is None:
+        return None
+    for base in (cfg.config_dir, CODE_DIR):
+        candidate = base / "plugins" / entry.file
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def is_enabled(enabled: EnabledConfig, name: str) -> bool:
+    """Listed in `enabled_plugins` and not switched off with `"enabled": false` in its plugin_config."""
+    return name in enabled.enabled_plugins and enabled.plugin_config.get(name, {}).get("enabled", True) is not False
+
+
+def check_plugin(cfg: AppConfig, name: str) -> list[PluginCheck]:
+    """Each thing the plugin needs before it can start, with the problem (if any) and what to do."""
+    entry = cfg.manifest.plugins.get(name)
+    if entry is None:
+        return [PluginCheck("manifest", name, f"not declared in plugin-manifest.json (add an entry for '{name}')")]
+    checks = [PluginCheck("file", f"plugins/{entry.file}",
+                          None if plugin_file(cfg, name) else f"file plugins/{entry.file} not found")]
+    checks += [PluginCheck("env_var", v, None if cfg.env.get(v) else f"environment variable {v} is not set (add it to .env)")
+               for v in entry.env_vars]
+    checks += [PluginCheck("config_file", f, None if (cfg.config_dir / f).exists()
+                           else f"config file {f} not found in {cfg.config_dir}") for f in entry.config_files]
+    checks += [PluginCheck("dependency", d, dependency_problem(d)) for d in entry.dependencies]
+    return checks
+
+
 def _describe_import_error(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
@@ -165,37 +206,14 @@ class PluginLoader:
     # ── discovery and validation ──
 
     def plugin_file(self, name: str) -> Path | None:
-        """The plugin's file: `plugins/<file>` in the config dir first, then next to the code."""
-        entry = self.rt.config.manifest.plugins.get(name)
-        if entry is None:
-            return None
-        for base in (self.rt.config.config_dir, CODE_DIR):
-            candidate = base / "plugins" / entry.file
-            if candidate.is_file():
-                return candidate
-        return None
+        return plugin_file(self.rt.config, name)
 
     def is_enabled(self, name: str) -> bool:
-        enabled = self.rt.config.enabled
-        return name in enabled.enabled_plugins and enabled.plugin_config.get(name, {}).get("enabled", True) is not False
+        return is_enabled(self.rt.config.enabled, name)
 
     def validate(self, name: str) -> list[str]:
         """Every reason the plugin cannot start (empty when it can)."""
-        cfg = self.rt.config
-        entry = cfg.manifest.plugins.get(name)
-        if entry is None:
-            return [f"not declared in plugin-manifest.json (add an entry for '{name}')"]
-        problems = []
-        if self.plugin_file(name) is None:
-            problems.append(f"file plugins/{entry.file} not found")
-        missing = [v for v in entry.env_vars if not cfg.env.get(v)]
-        if missing:
-            problems.append(f"environment variable(s) not set: {', '.join(missing)} (add them to .env)")
-        for f in entry.config_files:
-            if not (cfg.config_dir / f).exists():
-                problems.append(f"config file {f} not found in {cfg.config_dir}")
-        problems += [p for p in map(dependency_problem, entry.dependencies) if p]
-        return problems
+        return [c.problem for c in check_plugin(self.rt.config, name) if c.problem]
 
     # ── loading ──
 

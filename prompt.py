@@ -9,10 +9,10 @@ with an editable body. Circular references and names used twice are reported, ne
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from config import atomic_write
 
 logger = logging.getLogger("agent_mcp.prompt")
 
@@ -63,17 +63,6 @@ def _split_marker(text: str) -> tuple[str, list[tuple[str, str]]] | None:
     return None
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class PromptTree:
     """Loads, assembles, addresses and edits the section tree of one prompt directory."""
 
@@ -90,7 +79,7 @@ class PromptTree:
         root = self.directory / ROOT_FILE
         if not root.exists():
             self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(root, DEFAULT_ROOT)
+            atomic_write(root, DEFAULT_ROOT)
         split = _split_marker(root.read_text(encoding="utf-8"))
         self.main, children = split if split else (root.read_text(encoding="utf-8").strip(), [])
         seen: set[str] = set()
@@ -201,7 +190,7 @@ class PromptTree:
             body = content
         else:
             raise PromptError(f"unknown operation '{operation}'; valid: {', '.join(OPERATIONS)}")
-        _atomic_write(self.directory / f"{SECTION_PREFIX}{s.name}", f"## {s.name}: {s.description}\n{body}\n")
+        atomic_write(self.directory / f"{SECTION_PREFIX}{s.name}", f"## {s.name}: {s.description}\n{body}\n")
         s.body = body.strip("\n")
         self._assembled = None
         return f"Section '{s.name}' updated ({operation}); {len(s.body)} characters."

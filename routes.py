@@ -21,11 +21,12 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
 import agents
+import gate
 import state
-from config import AppConfig
+from config import AppConfig, ConfigError, save_model_fields
 from plugin_loader import PluginLoader
-from prompt import PROMPT_DIR, PromptTree
-from tools import ToolRegistry, make_core_tools
+from prompt import PROMPT_DIR, PromptError, PromptTree
+from tools import CORE_GATES, ToolRegistry, make_core_tools
 
 logger = logging.getLogger("agent_mcp.routes")
 
@@ -47,7 +48,10 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),
     )
     for tool in make_core_tools(rt):
-        rt.tools.register(tool)
+        rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
+    rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
+    rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
     rt.commands.update(CORE_COMMANDS)
     rt.plugins = PluginLoader(rt)
     return rt
@@ -159,20 +163,28 @@ async def process_request(
 ) -> None:
     """Handle one message of a client: commands, a command batch, or an LLM turn; then `done`.
 
-    Requests on one session run one at a time, in the order they were submitted.
+    Requests on one session run one at a time, in the order they were submitted. Payload keys:
+    `default_model` (the model of a session created now), `model` (answer this request's LLM
+    turn with that registry model; the session keeps its own model), `admin` (True only when the
+    client plugin authenticated an administrator; see `gate.may_administer`).
     """
     rt = rt or state.current()
     payload = payload or {}
     wanted = payload.get("default_model")
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
+    turn_model = payload.get("model") or None
     turn_token = state.current_turn.set(turn_id or uuid.uuid4().hex[:16])
     token = state.current_client_id.set(client_id)
+    admin_token = state.current_admin.set(payload.get("admin") is True)
     session: state.Session | None = None
     cancelled = False
     try:
         session = await rt.sessions.get_or_create(client_id, model)
         async with session.lock:
-            await _process(rt, session, text)
+            if turn_model is not None and turn_model not in rt.config.models:
+                rt.hub.error(client_id, f"unknown model '{turn_model}'; available: {', '.join(rt.config.models)}")
+            else:
+                await _process(rt, session, text, turn_model)
     except asyncio.CancelledError:
         # No `done`: the request that replaced this one sends its own, and a client must not
         # mistake this turn's end for the end of the newer one.
@@ -184,6 +196,7 @@ async def process_request(
         rt.hub.error(client_id, f"internal error: {type(exc).__name__}: {exc}")
     finally:
         state.current_client_id.reset(token)
+        state.current_admin.reset(admin_token)
         if session is not None and rt.sessions.get(client_id) is session:
             await rt.sessions.save(session)
         if not cancelled:
@@ -191,7 +204,7 @@ async def process_request(
         state.current_turn.reset(turn_token)
 
 
-async def _process(rt: state.Runtime, session: state.Session, text: str) -> None:
+async def _process(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
     stripped = text.strip()
     lines = text.split("\n")
     command_lines = [line.strip() for line in lines if line.lstrip().startswith("!")]
@@ -202,7 +215,7 @@ async def _process(rt: state.Runtime, session: state.Session, text: str) -> None
             rt.hub.tok(session.client_id, "\n")
         rest = "\n".join(line for line in lines if not line.lstrip().startswith("!")).strip()
         if rest:
-            await _llm_turn(rt, session, rest)
+            await _llm_turn(rt, session, rest, model)
         return
     if stripped.startswith("!"):
         await run_command(rt, session, stripped)
@@ -210,13 +223,13 @@ async def _process(rt: state.Runtime, session: state.Session, text: str) -> None
     if not stripped:
         rt.hub.error(session.client_id, "empty message: type a question or !help")
         return
-    await _llm_turn(rt, session, stripped)
+    await _llm_turn(rt, session, stripped, model)
 
 
-async def _llm_turn(rt: state.Runtime, session: state.Session, text: str) -> None:
-    """An LLM turn, honouring a leading `@model` (that model for this turn only)."""
+async def _llm_turn(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
+    """An LLM turn on `model` (default: the session's), or on a leading `@model` for this turn only."""
     if not text.startswith("@"):
-        await agents.dispatch_llm(rt, session, text)
+        await agents.dispatch_llm(rt, session, text, model)
         return
     first, _, rest = text.partition(" ")
     key = first[1:]
@@ -303,8 +316,15 @@ async def cmd_help(rt: state.Runtime, session: state.Session, args: str) -> str:
             lines.append(f"  {cmd.usage or '!' + name}")
     lines += [
         "",
-        "Prefix a message with @<model> to answer that one message with another model.",
+        "Prefix a message with @<model> to answer that one message with another model",
+        "(in the shell, that turn's tool calls run without gates).",
         "In shell.py also: !session <ID> attach, !gate_preview_length [n], !exit",
+        "",
+        "Gates: risky tool calls wait for a human (shell: a allow once, s allow for this session, r reject;",
+        f"no answer within {rt.gate.timeout:g} s rejects; API clients have {rt.gate.api_timeout:g} s; the chat proxy,",
+        "Slack and swarm calls are rejected). Types: db (per table, read/write), search, extract, drive,",
+        "system, llm_call and the plugins' own. Only the shell or an admin API client may change gates;",
+        "changes apply to this session, gate-defaults.json to every session. true = auto-allow (gate OFF).",
     ]
     if rt.plugins:
         for plugin in rt.plugins.loaded:
@@ -315,7 +335,7 @@ async def cmd_help(rt: state.Runtime, session: state.Session, args: str) -> str:
         if idle:
             lines += ["", "Plugins not loaded:"] + [f"  {r.line()}" for r in idle]
     lines += ["", "Tools:"]
-    lines += [f"  {e.tool.name:<24} {e.tool.description.splitlines()[0] if e.tool.description else ''}"
+    lines += [f"  {e.tool.name:<24} [{gate.gate_type(e)}] {e.tool.description.splitlines()[0] if e.tool.description else ''}"
               for e in rt.tools.entries()]
     return "\n".join(lines) + "\n"
 
@@ -341,24 +361,30 @@ async def cmd_reset(rt: state.Runtime, session: state.Session, args: str) -> str
 
 
 async def cmd_session(rt: state.Runtime, session: state.Session, args: str) -> str:
-    """!session [<ID> [delete]] — list sessions, show one, or delete one (full or shorthand id)."""
+    """!session [<ID> [delete]] — list sessions, show one, or delete one (full or shorthand id).
+
+    Other people's sessions are visible only to the shell and admin requests: a proxy, Slack or
+    API user sees and deletes only their own.
+    """
     parts = args.split()
+    everyone = gate.may_administer(session.client_id)
     if not parts:
         rows = [
             f"  ID [{s.shorthand}] {s.client_id}: model={s.model}, history={len(s.history)} messages"
             f"{' (current)' if s is session else ''}"
-            for s in rt.sessions.all()
+            for s in rt.sessions.all() if everyone or s is session
         ]
         return "Active sessions:\n" + "\n".join(rows) if rows else "No active sessions."
     ident, action = parts[0], (parts[1].lower() if len(parts) > 1 else "")
     client_id = rt.sessions.resolve(ident)
-    if client_id is None:
+    if client_id is None or (client_id != session.client_id and not everyone):
         return f"Session not found: {ident}\nUse !session to list sessions."
     if action == "delete":
         if client_id != session.client_id:
             await cancel_active_task(rt, client_id)
             rt.hub.drop(client_id)
         deleted = await rt.sessions.delete(client_id)
+        rt.rate_limiter.forget(client_id)
         return f"Deleted session ID [{deleted.shorthand}]: {client_id}"
     if action == "attach":
         return "!session <ID> attach is a shell.py command: it switches the terminal to that session."
@@ -385,6 +411,248 @@ async def cmd_tool_preview_length(rt: state.Runtime, session: state.Session, arg
     return f"Tool preview length set to {show(value)}."
 
 
+# ── Gate, prompt and delegation commands ────────────────────────────────────────────────────
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _bool(word: str) -> bool | None:
+    word = word.lower()
+    return True if word in _TRUE else False if word in _FALSE else None
+
+
+def _state_word(allowed: bool) -> str:
+    return "auto-allow (gate OFF)" if allowed else "gated (gate ON)"
+
+
+def _perm_line(rt: state.Runtime, session: state.Session, section: str, key: str) -> str:
+    parts = []
+    for op in gate.OPERATIONS:
+        own = op in session.settings.get("gates", {}).get(section, {}).get(key, {})
+        parts.append(f"{op}={'auto-allow' if rt.gate.allowed(session, section, key, op) else 'gated'}"
+                     + (" (this session)" if own else ""))
+    return ", ".join(parts)
+
+
+_DB_LABELS = {gate.ANY_TABLE: "* (every table without its own entry)",
+              gate.META: "__meta__ (statements on no table: SHOW, DESCRIBE, SELECT 1)"}
+_AUTOAIDB_USAGE = (
+    "Usage:\n  !autoAIdb status\n  !autoAIdb <table> <read|write> <true|false>\n"
+    "  !autoAIdb <read|write> <true|false>     (every table: * and __meta__)\n"
+    "  !autoAIdb <table> <true|false>          (read and write)\n"
+    "Examples: !autoAIdb users read true   !autoAIdb write false   !autoAIdb __meta__ true"
+)
+
+
+async def cmd_autoaidb(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!autoAIdb — show or change this session's database gates (per table, read/write)."""
+    parts = args.lower().split()
+    if not parts or parts == ["status"]:
+        rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(rt, session, 'db', k)}" for k in rt.gate.keys("db", session)]
+        return ("Database gates of this session (gate-defaults.json, then this session's changes):\n"
+                + "\n".join(rows or ["  (no entries: every table is gated)"]))
+    if not gate.may_administer():
+        return gate.refusal("!autoAIdb")
+    value = _bool(parts[-1])
+    if value is None or len(parts) > 3:
+        return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
+    if len(parts) == 2 and parts[0] in gate.OPERATIONS:
+        keys, ops = [gate.ANY_TABLE, gate.META], [parts[0]]
+    elif len(parts) == 3 and parts[1] in gate.OPERATIONS:
+        keys, ops = [parts[0]], [parts[1]]
+    elif len(parts) == 2:
+        keys, ops = [parts[0]], list(gate.OPERATIONS)
+    else:
+        return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
+    for key in keys:
+        for op in ops:
+            rt.gate.set_override(session, "db", key, op, value)
+    await rt.sessions.save(session)
+    what = "every table (* and __meta__)" if len(keys) > 1 else keys[0]
+    return f"autoAIdb {what} {'+'.join(ops)}: {_state_word(value)} for this session."
+
+
+_AUTOGATE_USAGE = (
+    "Usage:\n  !autogate [status]                       all tool gates of this session\n"
+    "  !autogate <type|tool>                    one group or tool\n"
+    "  !autogate <type|tool> [read|write] <true|false>\n"
+    "  !autogate <read|write> <true|false>      the default (*) for tools without their own entry\n"
+    "Examples: !autogate search true   !autogate drive write false   !autogate read true"
+)
+
+
+def _tool_groups(rt: state.Runtime) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for entry in rt.tools.entries():
+        groups.setdefault(gate.gate_type(entry), []).append(entry.tool.name)
+    return groups
+
+
+def _autogate_status(rt: state.Runtime, session: state.Session, groups: dict[str, list[str]]) -> str:
+    lines = ["Tool gates of this session (gate-defaults.json, then this session's changes):",
+             f"  DEFAULT (*): {_perm_line(rt, session, 'tools', gate.ANY_TABLE)}"]
+    for kind in sorted(groups):
+        lines.append(f"  {kind}:" + ("  (gated per table: see !autoAIdb)" if kind == "db" else ""))
+        if kind != "db":
+            lines += [f"    {name}: {_perm_line(rt, session, 'tools', name)}" for name in sorted(groups[kind])]
+    return "\n".join(lines)
+
+
+async def cmd_autogate(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!autogate — show or change this session's tool gates (per tool or per gate type)."""
+    parts = args.split()
+    groups = _tool_groups(rt)
+    if not parts or parts == ["status"]:
+        return _autogate_status(rt, session, groups)
+    name = parts[0]
+    if len(parts) == 1:
+        if name.lower() in groups:
+            return _autogate_status(rt, session, {name.lower(): groups[name.lower()]})
+        if name in rt.tools.names():
+            return f"{name}: {_perm_line(rt, session, 'tools', name)}"
+    if not gate.may_administer():
+        return gate.refusal("!autogate")
+    value = _bool(parts[-1])
+    if value is None or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1].lower() not in gate.OPERATIONS):
+        return f"ERROR: Invalid arguments\n{_AUTOGATE_USAGE}"
+    if len(parts) == 2 and name.lower() in gate.OPERATIONS:
+        names, ops, what = [gate.ANY_TABLE], [name.lower()], "DEFAULT (*)"
+    else:
+        ops = [parts[1].lower()] if len(parts) == 3 else list(gate.OPERATIONS)
+        if name in rt.tools.names():
+            names, what = [name], name
+        elif name.lower() in groups:
+            names, what = groups[name.lower()], f"{name.lower()} ({', '.join(groups[name.lower()])})"
+        else:
+            return (f"ERROR: Unknown tool or gate type '{name}'\nGate types: {', '.join(sorted(groups))}\n"
+                    f"Tools: {', '.join(rt.tools.names())}")
+        if gate.gate_type(rt.tools.entry(names[0])) == "db":
+            return "ERROR: database tools are gated per table: use !autoAIdb"
+    for key in names:
+        for op in ops:
+            rt.gate.set_override(session, "tools", key, op, value)
+    await rt.sessions.save(session)
+    return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
+
+
+async def cmd_autoaisysprompt(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!autoAISysPrompt [read|write] [bool] — gates of reading / editing the system prompt by the model."""
+    parts = args.lower().split()
+    targets = {"read": "read_system_prompt", "write": "update_system_prompt"}
+    if not parts:
+        return "\n".join(
+            f"autoAISysPrompt {op}:{' ' if op == 'read' else ''} "
+            f"{'OFF (auto-allow)' if rt.gate.allowed(session, 'tools', tool, op) else 'ON (human gates)'}"
+            for op, tool in targets.items())
+    if len(parts) == 1 and parts[0] in targets:
+        return f"ERROR: Missing boolean value: !autoAISysPrompt {parts[0]} <true|false>"
+    op = parts[0] if len(parts) == 2 else "write"  # a lone boolean sets write, as it always did
+    value = _bool(parts[-1])
+    if value is None or len(parts) > 2 or op not in targets:
+        return "ERROR: Invalid arguments\nUsage: !autoAISysPrompt [read|write] <true|false>"
+    if not gate.may_administer():
+        return gate.refusal("!autoAISysPrompt")
+    rt.gate.set_override(session, "tools", targets[op], op, value)
+    await rt.sessions.save(session)
+    return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
+
+
+async def cmd_ratelimit(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!ratelimit [enable <type>] — show the rate limits, or re-enable a tool type disabled for this session."""
+    parts = args.lower().split()
+    if not parts:
+        kinds = {gate.gate_type(e) for e in rt.tools.entries()}
+        return ("Rate limits (plugins-enabled.json rate_limits, per session and tool type):\n"
+                + rt.rate_limiter.describe(session.client_id, kinds))
+    if len(parts) == 2 and parts[0] == "enable":
+        if rt.rate_limiter.enable(session.client_id, parts[1]):
+            return f"{parts[1]} tools are enabled again for this session."
+        return f"{parts[1]} tools are not disabled for this session."
+    return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type>"
+
+
+async def cmd_sysprompt(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!sysprompt [reload] — show the assembled system prompt, or re-read it from disk."""
+    if not args:
+        return "--- Current system prompt ---\n" + rt.prompt.assemble()
+    if args.lower() == "reload":
+        text = rt.prompt.load().assemble()
+        problems = "".join(f"\nWARNING: {p}" for p in rt.prompt.problems)
+        return f"System prompt reloaded from disk ({len(text)} chars, {len(rt.prompt.sections)} sections).{problems}"
+    return "ERROR: Invalid arguments\nUsage: !sysprompt  |  !sysprompt reload"
+
+
+async def cmd_read_system_prompt(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!read_system_prompt [index|name] — the cached prompt, or one section."""
+    if not args:
+        return "--- Cached system prompt ---\n" + rt.prompt.assemble()
+    try:
+        return f"--- Section: {args} ---\n" + rt.prompt.render(args)
+    except PromptError:
+        rows = [f"  [{i}] {s.name}: {s.description}" for i, s in enumerate(rt.prompt.sections)]
+        return f"Section '{args}' not found.\n\nAvailable sections:\n" + "\n".join(rows)
+
+
+async def _set_model_field(rt: state.Runtime, keys: list[str], field: str, value: Any) -> str:
+    """Change a field of models in memory and in llm-models.json; returns the persistence note."""
+    for key in keys:
+        rt.config.models[key] = rt.config.models[key].model_copy(update={field: value})
+    try:
+        path = save_model_fields(rt.config.config_dir, {k: {field: value} for k in keys})
+    except (ConfigError, OSError) as exc:
+        return f"WARNING: Updated in memory but FAILED to persist to llm-models.json: {exc}"
+    return f"Changes persisted to {path}."
+
+
+def _positive_seconds(word: str) -> float | None:
+    try:
+        value = float(word)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
+
+
+async def _change_models(rt: state.Runtime, args: str, command: str, field: str, parse: Any, shown: Any,
+                         usage: str) -> tuple[str, Any]:
+    """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
+    parts = args.split()
+    if len(parts) == 2 and parts[0] not in rt.config.models:
+        return f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(rt.config.models)}\nUsage: {usage}", None
+    value = parse(parts[-1]) if len(parts) in (1, 2) else None
+    if value is None:
+        return f"ERROR: Invalid arguments\nUsage: {usage}", None
+    if not gate.may_administer():
+        return gate.refusal(command), None
+    keys = list(rt.config.models) if len(parts) == 1 else [parts[0]]
+    note = await _set_model_field(rt, keys, field, value)
+    who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
+    return f"{field}={shown(value)} set for {who}\n{note}", value
+
+
+async def cmd_llm_call(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!llm_call [model] [bool] — which models llm_clean_text / llm_clean_tool may delegate to."""
+    if not args:
+        return "LLM tool_call_available status:\n" + "\n".join(
+            f"  {k:<14} tool_call={'YES' if m.tool_call_available else 'NO'}  timeout={m.llm_call_timeout:g}s  "
+            f"{m.description}" for k, m in sorted(rt.config.models.items()))
+    reply, value = await _change_models(rt, args, "!llm_call", "tool_call_available", _bool,
+                                        lambda v: "enabled" if v else "disabled", "!llm_call [model] <true|false>")
+    if value:
+        rt.rate_limiter.enable(session.client_id, "llm_call")
+    return reply
+
+
+async def cmd_llm_timeout(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!llm_timeout [model] [secs] — delegation timeouts (llm_call_timeout)."""
+    if not args:
+        return "LLM delegation timeouts:\n" + "\n".join(
+            f"  {k:<14} timeout={m.llm_call_timeout:g}s  tool_call={'YES' if m.tool_call_available else 'NO'}"
+            for k, m in sorted(rt.config.models.items()))
+    reply, _ = await _change_models(rt, args, "!llm_timeout", "llm_call_timeout", _positive_seconds,
+                                    lambda v: f"{v:g}s", "!llm_timeout [model] <seconds> (a positive number)")
+    return reply
+
+
 CORE_COMMANDS: dict[str, state.Command] = {
     "help": state.Command(cmd_help, usage="!help                       this help"),
     "model": state.Command(cmd_model, usage="!model [key]                list models / switch this session's model"),
@@ -392,5 +660,27 @@ CORE_COMMANDS: dict[str, state.Command] = {
     "session": state.Command(cmd_session, usage="!session [<ID> [delete]]    list sessions / show or delete one (full or shorthand id)"),
     "tool_preview_length": state.Command(
         cmd_tool_preview_length, usage="!tool_preview_length [n]    characters of tool results shown (0/off = all)"
+    ),
+    "autoaidb": state.Command(
+        cmd_autoaidb, usage="!autoAIdb [status | <table> [read|write] <bool> | <read|write> <bool>]  database gates"
+    ),
+    "autogate": state.Command(
+        cmd_autogate, usage="!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>]  tool gates"
+    ),
+    "autoaisysprompt": state.Command(
+        cmd_autoaisysprompt, usage="!autoAISysPrompt [read|write] [bool]  gates of reading / editing the system prompt"
+    ),
+    "ratelimit": state.Command(
+        cmd_ratelimit, usage="!ratelimit [enable <type>]  rate limits; re-enable a type disabled for this session"
+    ),
+    "sysprompt": state.Command(cmd_sysprompt, usage="!sysprompt [reload]         show the system prompt / re-read it from disk"),
+    "read_system_prompt": state.Command(
+        cmd_read_system_prompt, usage="!read_system_prompt [section]  the cached prompt, or one section (name or index)"
+    ),
+    "llm_call": state.Command(
+        cmd_llm_call, usage="!llm_call [model] [bool]    which models accept delegation (llm_clean_text/tool)"
+    ),
+    "llm_timeout": state.Command(
+        cmd_llm_timeout, usage="!llm_timeout [model] [secs]  delegation timeouts (llm_call_timeout)"
     ),
 }

@@ -419,6 +419,12 @@ def format_gate_args(tool_args: Any) -> str:
     return "\n".join(lines)
 
 
+_TABLE_LABELS = {
+    "__meta__": "(metadata: SHOW/DESCRIBE)",
+    "*": "* (any table: the statement could not be fully analysed)",
+}
+
+
 def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | None = None) -> Panel:
     """The panel asking the user about one gate; arguments cut to ``preview_length`` characters."""
     tool_args = gate.get("tool_args") or {}
@@ -426,7 +432,7 @@ def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | 
         str(tool_args.get("operation_type") or "unknown") if isinstance(tool_args, dict) else "unknown"
     )
     tables = [str(t) for t in gate.get("tables") or []]
-    shown_tables = ", ".join("(metadata: SHOW/DESCRIBE)" if t == "__meta__" else t for t in tables)
+    shown_tables = ", ".join(_TABLE_LABELS.get(t, t) for t in tables)
     args = format_gate_args(tool_args)
     truncated = len(args) > preview_length
     grid = Table.grid(padding=(0, 2))
@@ -651,6 +657,10 @@ class ShellUI:
 
     def _on_status(self, data: dict[str, Any]) -> None:
         self.note(str(data.get("text", "")), "dim")
+        if data.get("cancelled") is True:
+            self._drop_gates(None)  # the turn is gone, and its gates with it
+        elif data.get("gate_id"):
+            self._drop_gates(str(data["gate_id"]))  # decided elsewhere or timed out on the server
 
     def _on_error(self, data: dict[str, Any]) -> None:
         self.note(f"error: {data.get('message') or data.get('text') or 'the turn failed'}", "bold red")
@@ -658,6 +668,7 @@ class ShellUI:
     def _on_done(self, data: dict[str, Any]) -> None:
         self._flush()
         self._turn = False
+        self._drop_gates(None)  # a finished turn waits for nothing
         self._update_idle()
 
     def _on_gate(self, data: dict[str, Any]) -> None:
@@ -707,6 +718,24 @@ class ShellUI:
                     self._next_gate()
                 break
         self._update_idle()
+
+    def _drop_gates(self, gate_id: str | None) -> None:
+        """Forget one pending gate (or all, with None) that the server no longer waits for."""
+        kept = []
+        for gate in self.pending_gates:
+            gid = str(gate.get("gate_id", ""))
+            if gate_id is None or gid == gate_id:
+                self._forget_timer(gid)
+            else:
+                kept.append(gate)
+        if len(kept) != len(self.pending_gates):
+            first_gone = not kept or kept[0] is not self.pending_gates[0]
+            self.pending_gates[:] = kept
+            if first_gone:
+                self._stop_countdown()
+                self._hinted = False
+                self._next_gate()
+            self._update_idle()
 
     def _forget_timer(self, gate_id: str) -> None:
         timer = self._timers.pop(gate_id, None)

@@ -34,6 +34,8 @@ EVENT_BUFFER = 2000
 
 #: The client whose request is being processed (set around each turn and tool call).
 current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
+#: Whether the client plugin vouched for an administrator (payload `"admin": True`); see gate.may_administer.
+current_admin: contextvars.ContextVar[bool] = contextvars.ContextVar("current_admin", default=False)
 #: The request (turn) being processed; every event published meanwhile carries it.
 current_turn: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_turn", default=None)
 
@@ -370,12 +372,16 @@ class Runtime:
     llms: dict[str, Any] = field(default_factory=dict)
     #: client id → its requests that are running or waiting for the session.
     active_tasks: dict[str, set[asyncio.Task[None]]] = field(default_factory=dict)
-    #: Checks run by execute_tool before the executor (rate limit, gate): async (rt, client_id,
-    #: tool_name, args) → None to go on, or a message that becomes the tool result.
+    #: Checks run by execute_tool, in order, on validated arguments before the executor (rate
+    #: limit, then gate): async (rt, client_id, tool_name, args) → None to go on, or a message
+    #: that becomes the tool result. A check that refuses tells the user itself (a status event).
     tool_checks: list[Any] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     #: Gate decisions awaited by running tool calls: gate id → future of the decision string.
     pending_gates: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    #: The gate keeper (gate.GateKeeper) and the rate limiter (gate.RateLimiter), set by build_runtime.
+    gate: Any = None
+    rate_limiter: Any = None
     #: Set when the server stops, so endless event streams end (an anyio.Event).
     stopping: Any = None
 

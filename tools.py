@@ -6,17 +6,22 @@ taken from `StructuredTool.coroutine`. Which tools a model sees is set per model
 
 from __future__ import annotations
 
+import asyncio
+import json
 import platform
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
 import state
+from prompt import PromptError
 
 if TYPE_CHECKING:
     from config import ModelConfig
@@ -55,20 +60,32 @@ def _check_tool(tool: Any, owner: str) -> StructuredTool:
     return tool
 
 
+def _check_gate(spec: Any, name: str, owner: str) -> dict[str, Any]:
+    """A gate declaration `{"type": str, "operation": "read" | "write" | callable}`, checked."""
+    if not spec:
+        return {}
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str) or not spec["type"]:
+        raise ToolRegistrationError(f"{owner}: gate of '{name}' needs a 'type' string (db, search, drive, ...)")
+    operation = spec.get("operation", "read")
+    if not callable(operation) and operation not in ("read", "write"):
+        raise ToolRegistrationError(f"{owner}: gate of '{name}': operation must be 'read', 'write' or a callable")
+    return dict(spec)
+
+
 class ToolRegistry:
     """Every tool of one server instance, by name, in registration order."""
 
     def __init__(self) -> None:
         self._tools: dict[str, RegisteredTool] = {}
 
-    def register(self, tool: StructuredTool, owner: str = CORE) -> None:
+    def register(self, tool: StructuredTool, owner: str = CORE, gate: dict[str, Any] | None = None) -> None:
         tool = _check_tool(tool, owner)
         other = self._tools.get(tool.name)
         if other is not None:
             raise ToolRegistrationError(
                 f"{owner}: tool '{tool.name}' is already provided by {other.owner}; rename one of them"
             )
-        self._tools[tool.name] = RegisteredTool(tool, owner)
+        self._tools[tool.name] = RegisteredTool(tool, owner, _check_gate(gate or {}, tool.name, owner))
 
     def register_plugin_tools(self, plugin_name: str, tools: dict[str, Any]) -> list[str]:
         """Register a plugin's `get_tools()` result (`{"lc": [StructuredTool, ...]}`); all or nothing."""
@@ -89,9 +106,25 @@ class ToolRegistry:
             entry = self._tools.get(name)
             if entry is None or entry.owner != plugin_name:
                 raise ToolRegistrationError(f"{plugin_name}: get_gate_tools() names '{name}', not one of its tools")
-            if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-                raise ToolRegistrationError(f"{plugin_name}: gate of '{name}' needs a 'type' string")
-            entry.gate = dict(spec)
+            entry.gate = _check_gate(spec, name, plugin_name)
+
+    def replace_plugin_tools(self, plugin_name: str, tools: dict[str, Any], gates: dict[str, Any]) -> list[str]:
+        """Swap every tool of a running plugin for a new set with its gates; all or nothing.
+
+        For plugins whose tools change while the server runs (an MCP server's tool list). On any
+        problem the old tools stay registered and ToolRegistrationError says why.
+        """
+        old = {n: t for n, t in self._tools.items() if t.owner == plugin_name}
+        for name in old:
+            del self._tools[name]
+        try:
+            names = self.register_plugin_tools(plugin_name, tools)
+            self.register_gate_tools(plugin_name, gates)
+        except ToolRegistrationError:
+            self.unregister_owner(plugin_name)
+            self._tools.update(old)
+            raise
+        return names
 
     def unregister_owner(self, owner: str) -> None:
         for name in [n for n, t in self._tools.items() if t.owner == owner]:
@@ -136,8 +169,44 @@ class _ReadPromptArgs(BaseModel):
     section: str = Field(default="", description="Section name or index; empty lists all sections")
 
 
+class _UpdatePromptArgs(BaseModel):
+    section: str = Field(description="Name or index of a leaf section (read_system_prompt lists them)")
+    operation: Literal["append", "prepend", "replace", "delete", "overwrite"] = Field(
+        description="append/prepend content; replace target with content; delete every line containing target; "
+                    "overwrite the whole section with content (needs confirm_overwrite)")
+    content: str = Field(default="", description="Text to add, or the replacement text")
+    target: str = Field(default="", description="replace: exact text to replace; delete: text of the lines to remove")
+    confirm_overwrite: bool = Field(default=False, description="Must be true for overwrite, and only when the user "
+                                                                "explicitly asked to rewrite the whole section")
+
+
+class _CleanTextArgs(BaseModel):
+    model: str = Field(description="Model key (see llm_list); it must accept delegation")
+    prompt: str = Field(description="The complete, self-contained prompt: the model sees nothing else")
+
+
+class _CleanToolArgs(BaseModel):
+    model: str = Field(description="Model key (see llm_list); it must accept delegation")
+    tool: str = Field(description="Name of the one tool the model may call")
+    arguments: str = Field(description="What to do with the tool, in words or JSON; the model sees nothing else")
+
+
+#: Gate declarations of the core tools (same contract as a plugin's get_gate_tools()).
+CORE_GATES: dict[str, dict[str, Any]] = {
+    "get_system_info": {"type": "system", "operation": "read"},
+    "read_system_prompt": {"type": "system", "operation": "read"},
+    "update_system_prompt": {"type": "system", "operation": "write"},
+    "llm_list": {"type": "system", "operation": "read"},
+    "llm_clean_text": {"type": "llm_call", "operation": "read"},
+    "llm_clean_tool": {"type": "llm_call", "operation": "read"},
+}
+#: Tools llm_clean_tool refuses to hand to another model (no delegation chains, no swarm hops).
+NOT_DELEGABLE = frozenset({"llm_clean_text", "llm_clean_tool", "agent_call"})
+
+
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
-    """The tools every instance has, as closures over its runtime."""
+    """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
+    import agents  # agents imports tools at module level: importing it here avoids the cycle
 
     async def get_system_info() -> str:
         client_id = state.current_client_id.get()
@@ -153,25 +222,125 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
 
     async def read_system_prompt(section: str = "") -> str:
         tree = rt.prompt
-        if section.strip():
+        if not section.strip():
+            rows = [
+                f"{i:>3} {'  ' * s.depth}{s.name}{' [container]' if s.is_container else ''} — {s.description}"
+                for i, s in enumerate(tree.sections)
+            ]
+            return "System prompt sections (index, name):\n" + "\n".join(rows)
+        try:
             return tree.render(section)
-        rows = [
-            f"{i:>3} {'  ' * s.depth}{s.name}{' [container]' if s.is_container else ''} — {s.description}"
-            for i, s in enumerate(tree.sections)
-        ]
-        return "System prompt sections (index, name):\n" + "\n".join(rows)
+        except PromptError as exc:
+            return f"ERROR: {exc}"
+
+    async def update_system_prompt(
+        section: str, operation: str, content: str = "", target: str = "", confirm_overwrite: bool = False
+    ) -> str:
+        try:
+            return rt.prompt.apply(section, operation, content, target, confirm_overwrite)
+        except PromptError as exc:
+            return f"Prompt update rejected: {exc}"
+
+    async def llm_list() -> str:
+        client_id = state.current_client_id.get()
+        session = rt.sessions.get(client_id) if client_id else None
+        rows = []
+        for key, m in rt.config.models.items():
+            mark = " (this session's model)" if session and session.model == key else ""
+            rows.append(f"- {key}{mark}: {m.type} {m.model_id}; delegation {'YES' if m.tool_call_available else 'no'}, "
+                        f"timeout {m.llm_call_timeout:g} s, max_context {m.max_context}"
+                        + (f"\n  {m.description}" if m.description else ""))
+        return ("Models (llm_clean_text / llm_clean_tool accept only those with delegation YES):\n"
+                + "\n".join(rows))
+
+    def delegate(model: str) -> tuple[ModelConfig | None, str]:
+        cfg = rt.config.models.get(model)
+        if cfg is None:
+            return None, f"ERROR: unknown model '{model}'. Models: {', '.join(rt.config.models)} (llm_list)."
+        if not cfg.tool_call_available:
+            return None, (f"ERROR: model '{model}' does not accept delegation (tool_call_available is false). "
+                          f"Pick another model from llm_list, or the user can enable it with !llm_call {model} true.")
+        return cfg, ""
+
+    async def llm_clean_text(model: str, prompt: str) -> str:
+        cfg, error = delegate(model)
+        if cfg is None:
+            return error
+        try:
+            llm = agents._build_lc_llm(rt, model)
+            async with asyncio.timeout(cfg.llm_call_timeout):
+                reply = await llm.ainvoke([HumanMessage(prompt)])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return f"ERROR: llm_clean_text: {agents.describe_llm_error(exc, model, cfg)}"
+        return agents._content_to_str(reply.content)
+
+    def tool_instructions(tool: StructuredTool) -> str:
+        for ident in (f"tool-{tool.name.replace('_', '-')}", f"tool_{tool.name}"):
+            try:
+                return rt.prompt.render(ident)
+            except PromptError:
+                continue
+        return f"Call the tool {tool.name} once to do what the user asks. {tool.description}"
+
+    async def llm_clean_tool(model: str, tool: str, arguments: str) -> str:
+        cfg, error = delegate(model)
+        if cfg is None:
+            return error
+        target = rt.tools.get(tool)
+        if target is None:
+            return f"ERROR: unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}"
+        if tool in NOT_DELEGABLE:
+            return f"ERROR: {tool} cannot be delegated; call it yourself."
+        llm = agents._build_lc_llm(rt, model)
+        messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
+        try:
+            async with asyncio.timeout(cfg.llm_call_timeout):
+                first = await llm.bind_tools([target]).ainvoke(messages)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return f"ERROR: llm_clean_tool: {agents.describe_llm_error(exc, model, cfg)}"
+        said = agents._content_to_str(first.content)
+        native = [c for c in first.tool_calls if c["name"] == tool]
+        calls = native or agents.try_force_tool_calls(said, {tool: target})[0]
+        if not calls:
+            return f"{model} did not call {tool}; it answered: {said}"
+        call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": calls[0]["args"]}
+        # The call goes through the normal pipeline: rate limit, gate, executor (outside the timeout).
+        result = await agents.execute_tool(rt, state.current_client_id.get() or "", tool, call["args"])
+        if native:
+            messages += [AIMessage(said, tool_calls=[{**call, "type": "tool_call"}]),
+                         ToolMessage(result, tool_call_id=call["id"], name=tool)]
+        else:
+            messages += [AIMessage(said), HumanMessage(f"[Tool result for {tool}]:\n{result}")]
+        try:
+            async with asyncio.timeout(cfg.llm_call_timeout):
+                final = await llm.ainvoke(messages)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}) but could not summarise "
+                    f"({agents.describe_llm_error(exc, model, cfg)}). Raw result:\n{result}")
+        return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}).\n"
+                f"{agents._content_to_str(final.content)}")
+
+    def tool(fn: Callable[..., Any], schema: type[BaseModel], description: str) -> StructuredTool:
+        return StructuredTool.from_function(coroutine=fn, name=fn.__name__, description=description,
+                                            args_schema=schema)
 
     return [
-        StructuredTool.from_function(
-            coroutine=get_system_info,
-            name="get_system_info",
-            description="Current date and time, host, uptime, this session and the loaded tools.",
-            args_schema=_NoArgs,
-        ),
-        StructuredTool.from_function(
-            coroutine=read_system_prompt,
-            name="read_system_prompt",
-            description="Read your system prompt: list its sections, or one section by name or index.",
-            args_schema=_ReadPromptArgs,
-        ),
+        tool(get_system_info, _NoArgs, "Current date and time, host, uptime, this session and the loaded tools."),
+        tool(read_system_prompt, _ReadPromptArgs,
+             "Read your system prompt: list its sections, or one section by name or index."),
+        tool(update_system_prompt, _UpdatePromptArgs,
+             "Edit one leaf section of your system prompt (needs the user's approval). Never reconstruct or "
+             "rewrite the whole prompt; change only what the user asked for. Containers cannot be edited."),
+        tool(llm_list, _NoArgs, "List the models you can delegate to, with their timeouts and descriptions."),
+        tool(llm_clean_text, _CleanTextArgs,
+             "Send one self-contained prompt to another model (no history, no tools) and get its answer: "
+             "for summaries, classification, drafts."),
+        tool(llm_clean_tool, _CleanToolArgs,
+             "Let another model make one call of one tool from a plain description, then summarise the result."),
     ]

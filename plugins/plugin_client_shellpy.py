@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import gate
 import routes
 import state
 from plugin_loader import BasePlugin
 
 CLIENT_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 MAX_TEXT = 200_000
-DECISIONS = ("allow", "allow_session", "reject")
 
 
 class _SubmitBody(BaseModel):
@@ -117,12 +117,10 @@ class ShellpyPlugin(BasePlugin):
         body = await _json_body(request, _GateBody)
         if isinstance(body, JSONResponse):
             return body
-        if body.decision not in DECISIONS:
-            return _error(400, f"decision must be one of: {', '.join(DECISIONS)}")
-        future = self.rt.pending_gates.get(body.gate_id)
-        if future is None or future.done():
-            return _error(404, f"unknown or already answered gate '{body.gate_id}'")
-        future.set_result(body.decision)
+        if body.decision not in gate.DECISIONS:
+            return _error(400, f"decision must be one of: {', '.join(gate.DECISIONS)}")
+        if not gate.resolve_gate(self.rt, body.gate_id, body.decision):
+            return _error(404, f"unknown or already answered gate '{body.gate_id}' (it may have timed out)")
         return JSONResponse({"status": "OK"})
 
     async def health(self, request: Request) -> JSONResponse:

@@ -50,6 +50,8 @@ class ConfigDir:
         self.plugin_config: dict[str, Any] = {}
         self.manifest_extra: dict[str, Any] = {}
         self.env: dict[str, str] = {}
+        #: gate-defaults.json to write (None: the shipped one, where undeclared tools are gated).
+        self.gates: dict[str, Any] | None = None
 
     def add_plugin(self, name: str, source: str, *, type_: str = "data_tool", enabled: bool = True,
                    priority: int = 300, **manifest: Any) -> None:
@@ -75,6 +77,8 @@ class ConfigDir:
             shipped["plugins"].update(self.manifest_extra)
             (self.path / "plugin-manifest.json").write_text(json.dumps(shipped, indent=2))
         (self.path / ".env").write_text("".join(f"{k}={v}\n" for k, v in self.env.items()))
+        if self.gates is not None:
+            (self.path / "gate-defaults.json").write_text(json.dumps(self.gates, indent=2))
         return self
 
 

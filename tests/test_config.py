@@ -117,3 +117,18 @@ def test_gate_defaults_are_loaded_and_validated(cdir):
     (cdir / "gate-defaults.json").write_text('{"tools": {"x": {"read": "maybe"}}}')
     with pytest.raises(ConfigError, match=r"(?s)gate-defaults.json.*tools\.x\.read"):
         load_config(cdir)
+
+
+def test_atomic_write_keeps_the_old_file_when_the_check_fails(tmp_path):
+    target = write(tmp_path, "f.json", '{"old": true}')
+    target.chmod(0o640)
+
+    def reject(tmp: Path) -> None:
+        assert json.loads(tmp.read_text()) == {"new": True}
+        raise ConfigError("no")
+
+    with pytest.raises(ConfigError):
+        config.atomic_write(target, '{"new": true}', reject)
+    assert target.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["f.json"]
+    config.atomic_write(target, '{"new": true}')
+    assert target.read_text() == '{"new": true}' and target.stat().st_mode & 0o777 == 0o640

@@ -68,6 +68,7 @@ def test_plugin_failures_are_reported_and_the_server_still_serves(config_dir, fa
     cfg.models = {"fake": openai_model(fake_openai)}
     cfg.add_plugin("plugin_test_shout", GOOD, priority=350)
     cfg.plugin_config["plugin_test_shout"] = {"greeting": "pong"}
+    cfg.gates = {"tools": {"shout": {"read": True}}}  # a tool without a gate declaration is gated by default
     cfg.add_plugin("plugin_test_needs_env", GOOD.replace("plugin_test_shout", "plugin_test_needs_env"),
                    env_vars=["TEST_PLUGIN_SECRET_XYZ"])
     cfg.add_plugin("plugin_test_boom", FAILS_IN_INIT)

@@ -86,6 +86,21 @@ async def test_session_commands(rt):
     assert "Session not found" in out
 
 
+async def test_non_interactive_clients_see_and_delete_only_their_own_session(rt):
+    for cid in ("shell-user", "llama-10.0.0.1", "slack-C1-1.0"):
+        await turn(rt, "!help", client_id=cid)
+    out, _ = await turn(rt, "!session", client_id="llama-10.0.0.1")
+    assert "llama-10.0.0.1" in out and "shell-user" not in out and "slack-C1-1.0" not in out
+    for probe in ("!session 101 delete", "!session shell-user delete", "!session 103"):
+        out, _ = await turn(rt, probe, client_id="llama-10.0.0.1")
+        assert out.startswith("Session not found")
+    assert rt.sessions.get("shell-user") is not None and rt.sessions.get("slack-C1-1.0") is not None
+    out, _ = await turn(rt, "!session", client_id="shell-user")  # the shell still sees everyone
+    assert "llama-10.0.0.1" in out and "slack-C1-1.0" in out
+    out, _ = await turn(rt, "!session llama-10.0.0.1 delete", client_id="llama-10.0.0.1")
+    assert out.startswith("Deleted session ID [102]")
+
+
 async def test_at_model_switches_for_one_turn_and_restores(rt, fake_openai, fake_gemini):
     fake_gemini.script(text("from ", "gemini"))
     out, _ = await turn(rt, "@gem who are you")
@@ -224,3 +239,18 @@ async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
     last = [ev async for ev in events][-1]
     hold.set()
     assert last.name == "status" and last.data == {"text": "[cancelled]", "cancelled": True}
+
+
+async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fake_openai, fake_gemini):
+    fake_gemini.script(text("from ", "gemini"))
+    out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "gem"}))
+    assert out == "from gemini" and fake_gemini.requests[-1].last_user_text == "hi" and fake_openai.requests == []
+    session = rt.sessions.get("c1")
+    assert session.model == "fake" and not session.temp_model_active  # no gate bypass either
+    # Commands still act on the session itself, and the next turn is back on the session's model.
+    out, _ = await _collect(routes.run_turn(rt, "c1", "!model", {"model": "gem"}))
+    assert [line.split()[0] for line in out.splitlines() if "(current)" in line] == ["fake"]
+    out, _ = await _collect(routes.run_turn(rt, "c1", "again"))
+    assert out == "echo: again" and [m["content"] for m in session.history][:2] == ["hi", "from gemini"]
+    out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "nosuch"}))
+    assert [e.name for e in events] == ["error", "done"] and "unknown model 'nosuch'" in events[0].data["message"]

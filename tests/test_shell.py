@@ -569,6 +569,27 @@ async def test_ui_gate_timeout_and_interrupt(fake: FakeServer, client: ShellClie
     assert "stopped waiting" in out.getvalue() and "rest of it" in out.getvalue()
 
 
+async def test_ui_forgets_gates_the_server_no_longer_waits_for(fake: FakeServer, client: ShellClient) -> None:
+    console, out = _console()
+    ui = ShellUI(console, client)
+
+    def gate(gate_id: str, tables: list[str] | None = None) -> tuple[str, dict[str, Any]]:
+        return "gate", {"gate_id": gate_id, "tool_name": "db_query", "tables": tables or [],
+                        "tool_args": {"sql": "CALL p()", "operation_type": "write"}, "timeout_seconds": 60}
+
+    ui.begin_turn()
+    await _feed(ui, gate("g1", ["*"]), gate("g2"))
+    assert "any table: the statement could not be fully analysed" in out.getvalue()
+    # Answered in another window (or timed out on the server): its resolution status names it.
+    await _feed(ui, ("status", {"text": "[gate ✓] db_query: allowed once", "gate_id": "g1", "decision": "allow"}))
+    assert [g["gate_id"] for g in ui.pending_gates] == ["g2"] and "next gate: db_query" in out.getvalue()
+    # The turn was cancelled by a newer request: nothing is pending any more.
+    await _feed(ui, ("status", {"text": "[cancelled]", "cancelled": True}))
+    assert not ui.pending_gates
+    await _feed(ui, gate("g3"), ("done", {}))
+    assert not ui.pending_gates and not ui.busy and fake.gate_responses == []
+
+
 # --------------------------------------------------------------------------- Shell (non-interactive)
 
 _EOF = object()

@@ -1,0 +1,951 @@
+#!/usr/bin/env python3
+"""agentctl: the operator's control panel for plugins, models, ports, rate limits and gate defaults.
+
+`python agentctl.py <command> [args]` runs one command; without a command it opens a prompt.
+It edits `plugins-enabled.json`, `llm-models.json` and `gate-defaults.json` of the config
+directory (never `plugin-manifest.json`, which belongs to plugin authors). Every write is
+checked with the pydantic models the server loads, lands through a temporary file and a rename,
+keeps fields agentctl does not know, and is refused when it would stop the server from starting.
+
+Exit codes: 0 done, 1 invalid input (nothing was changed), 2 a config file is missing, malformed
+or cannot be written (nothing was changed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import importlib.metadata
+import json
+import logging
+import re
+import shlex
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from packaging.requirements import InvalidRequirement, Requirement
+from prompt_toolkit import PromptSession
+from prompt_toolkit.completion import WordCompleter
+from prompt_toolkit.history import InMemoryHistory
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from config import (
+    CODE_DIR,
+    ENABLED_FILE,
+    GATE_DEFAULTS_FILE,
+    MANIFEST_FILE,
+    MODELS_FILE,
+    SECRET_NAME,
+    AppConfig,
+    ConfigError,
+    EnabledConfig,
+    GateDefaults,
+    GatePermission,
+    Manifest,
+    ModelConfig,
+    ModelsFile,
+    RateLimit,
+    atomic_write,
+    config_path,
+    config_problems,
+    load_env,
+    read_json,
+    validate_data,
+)
+from plugin_loader import check_plugin, is_enabled
+
+FILE_MODELS: dict[str, type[BaseModel]] = {
+    MODELS_FILE: ModelsFile, MANIFEST_FILE: Manifest, ENABLED_FILE: EnabledConfig, GATE_DEFAULTS_FILE: GateDefaults,
+}
+#: gate-defaults.json when neither the config dir nor the checkout has one: every gate on.
+ALL_GATED = {"db": {"*": {"read": False, "write": False}, "__meta__": {"read": False, "write": False}},
+             "tools": {"*": {"read": False, "write": False}}}
+#: Rate-limit types of the spec; plugins may add their own (the type of a tool is its gate type).
+RATE_TYPES = ("llm_call", "search", "extract", "drive", "db", "system", "agent_call")
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RATE_TYPE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+RESTART = "Restart agent-mcp.py for the change to take effect."
+SYMBOLS = {"ready": "✓", "disabled": "–", "problems": "✗", "available": "○"}
+STYLES = {"ready": "green", "disabled": "yellow", "problems": "red", "available": "dim"}
+
+
+class CtlError(Exception):
+    """A command cannot be done; the message says what to do, `exit_code` is agentctl's exit status."""
+
+    exit_code = 1
+
+
+class InputError(CtlError):
+    """The command asks for something invalid (unknown name, bad value, conflict); nothing was changed."""
+
+    exit_code = 1
+
+
+class FileProblem(CtlError):
+    """A config file is missing, malformed or cannot be written; nothing was changed."""
+
+    exit_code = 2
+
+
+# --------------------------------------------------------------------------- config files
+
+
+class ConfigFiles:
+    """The config files of one directory as parsed JSON, and the one way agentctl writes them."""
+
+    def __init__(self, config_dir: Path):
+        self.dir = config_dir
+        self.env = load_env(config_dir)
+        self.data: dict[str, Any] = {}
+        self._read: dict[str, tuple[Path, bytes | None]] = {}  # what each file was read from, to notice edits
+        for name, model in FILE_MODELS.items():
+            path = config_path(config_dir, name)
+            try:
+                raw = read_json(path) if name != GATE_DEFAULTS_FILE or path.exists() else copy.deepcopy(ALL_GATED)
+                validate_data(model, raw, path)
+            except ConfigError as exc:
+                raise FileProblem(f"{exc}\nFix the file by hand (agentctl changes only valid files).") from None
+            self.data[name] = raw
+            self._read[name] = path, _contents(path)
+
+    def parsed(self, name: str, data: dict[str, Any] | None = None) -> Any:
+        """One file (from `data`, default the current contents) as its pydantic model."""
+        return validate_data(FILE_MODELS[name], (self.data if data is None else data)[name], self.dir / name)
+
+    @property
+    def models(self) -> dict[str, ModelConfig]:
+        return self.parsed(MODELS_FILE).models
+
+    @property
+    def enabled(self) -> EnabledConfig:
+        return self.parsed(ENABLED_FILE)
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.parsed(MANIFEST_FILE)
+
+    def app_config(self) -> AppConfig:
+        """What the server would see (for the plugin checks it runs at start)."""
+        return AppConfig(config_dir=self.dir, env=self.env, manifest=self.manifest, enabled=self.enabled,
+                         models={k: m for k, m in self.models.items() if m.enabled}, gates=self.parsed(GATE_DEFAULTS_FILE))
+
+    def _problems(self, data: dict[str, Any]) -> list[str]:
+        models = self.parsed(MODELS_FILE, data).models
+        return config_problems(self.dir, {k: m for k, m in models.items() if m.enabled}, self.parsed(ENABLED_FILE, data))
+
+    def raw(self, name: str) -> Any:
+        """A deep copy of one file's JSON to edit and hand to save()."""
+        return copy.deepcopy(self.data[name])
+
+    def save(self, name: str, raw: Any) -> Path:
+        """Write one file into the config dir after loading the written copy with the server's models."""
+        target = self.dir / name
+        before = self._problems(self.data)
+
+        def check(tmp: Path) -> None:
+            source, contents = self._read[name]
+            if config_path(self.dir, name) != source or _contents(source) != contents:
+                raise FileProblem(f"{source} was changed by someone else meanwhile; nothing was changed, "
+                                  "run the command again")
+            candidate = {**self.data, name: read_json(tmp)}
+            self.parsed(name, candidate)
+            new = [p for p in self._problems(candidate) if p not in before]
+            if new:
+                raise InputError(f"refused: the server would not start with this change: {new[0]}")
+
+        try:
+            atomic_write(target, json.dumps(raw, indent=2, ensure_ascii=False) + "\n", check)
+        except ConfigError as exc:
+            raise InputError(f"refused, the result would be invalid: {exc}") from None
+        except OSError as exc:
+            raise FileProblem(f"{target}: cannot write ({exc.strerror or exc}); nothing was changed") from None
+        self.data[name] = copy.deepcopy(raw)
+        self._read[name] = target, _contents(target)
+        return target
+
+
+def _contents(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def field_value(model: type[BaseModel], field: str, value: Any, base: dict[str, Any]) -> Any:
+    """`value` (often a string typed by the operator) checked and converted by `model`'s own field."""
+    try:
+        result = getattr(model.model_validate({**base, field: value}), field)
+    except ValidationError as exc:
+        errors = [e for e in exc.errors() if e["loc"] and e["loc"][0] == field] or exc.errors()
+        raise InputError(f"invalid {field} {value!r}: {errors[0]['msg']}") from None
+    return int(result) if isinstance(result, float) and result.is_integer() else result
+
+
+def model_value(field: str, text: str) -> Any:
+    """A `llm-models.json` field from the operator's text (`null` clears host/env_key, `a,b` lists tools)."""
+    value: Any = text
+    if field in ("host", "env_key") and text.strip().lower() in ("", "null", "none"):
+        value = None
+    elif field == "llm_tools" and text.strip() != "all":
+        value = [t.strip() for t in text.split(",") if t.strip()]
+    return field_value(ModelConfig, field, value, {"model_id": "x", "type": "OPENAI"})
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding host:port fails right now (the server binds the same way, SO_REUSEADDR set)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _redact(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: "***" if SECRET_NAME.search(k) and v else v for k, v in config.items()}
+
+
+def _installed(requirement: str) -> str:
+    try:
+        return importlib.metadata.version(Requirement(requirement).name)
+    except (InvalidRequirement, importlib.metadata.PackageNotFoundError):
+        return ""
+
+
+# --------------------------------------------------------------------------- terminal
+
+
+class Terminal:
+    """Operator IO: rich output; input from prompt-toolkit on a terminal, else line by line from stdin."""
+
+    def __init__(self, json_output: bool = False, session: PromptSession[str] | None = None):
+        """`session`: a prompt-toolkit session to read from (tests pass one on a pipe input)."""
+        self.tty = session is not None or (sys.stdin.isatty() and sys.stdout.isatty())
+        self.json_output = json_output
+        width = None if sys.stdout.isatty() else 200  # piped output is for grep: do not wrap tables at 80 columns
+        self.out = Console(width=width, highlight=False)
+        self.err = Console(stderr=True, width=width, highlight=False)
+        self._session = session
+
+    def ask(self, question: str, words: list[str] | None = None) -> str:
+        """One line from the operator; EOFError at the end of input."""
+        if self.tty:
+            if self._session is None:
+                self._session = PromptSession(history=InMemoryHistory())
+            completer = WordCompleter(words, sentence=True) if words else None
+            return self._session.prompt(question, completer=completer)
+        self.out.print(question, end="", markup=False)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    def say(self, text: str, style: str | None = None) -> None:
+        self.out.print(text, style=style, markup=False)
+
+    def done(self, text: str) -> None:
+        """A change was written: say what, and that the server reads it at start."""
+        self.out.print(f"✓ {text}", style="green", markup=False)
+        self.out.print(RESTART, style="dim", markup=False)
+
+    def warn(self, text: str) -> None:
+        self.err.print(f"warning: {text}", style="yellow", markup=False)
+
+    def error(self, text: str) -> None:
+        self.err.print(f"agentctl: {text}", style="red", markup=False)
+
+    def table(self, table: Table) -> None:
+        self.out.print(table)
+
+    def json(self, data: Any) -> None:
+        # Plain print: rich would re-wrap long strings and break the JSON for other programs.
+        print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+
+class _ArgParser(argparse.ArgumentParser):
+    """argparse that reports bad input as InputError (exit 1) instead of exiting with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(f"{message}\nusage: {self.format_usage().removeprefix('usage: ').strip()}")
+
+
+def _bool(text: str) -> bool:
+    return field_value(GatePermission, "read", text, {})
+
+
+# --------------------------------------------------------------------------- commands
+
+
+class AgentCtl:
+    """The commands: `cmd_<name>` (dashes in the command become underscores) takes the words after it.
+
+    Each docstring is the help text; its first line is `usage: what it does`.
+    """
+
+    def __init__(self, config_dir: Path, term: Terminal, in_prompt: bool = False):
+        self.config_dir = config_dir
+        self.term = term
+        self.in_prompt = in_prompt
+        self._files: ConfigFiles | None = None
+
+    @property
+    def files(self) -> ConfigFiles:
+        if self._files is None:
+            if not self.config_dir.is_dir():
+                raise FileProblem(f"{self.config_dir}: config directory does not exist")
+            self._files = ConfigFiles(self.config_dir)
+        return self._files
+
+    def commands(self) -> dict[str, Callable[[list[str]], None]]:
+        return {name[4:].replace("_", "-"): getattr(self, name) for name in dir(self) if name.startswith("cmd_")}
+
+    def run(self, words: list[str]) -> int:
+        """Run one command line; return its exit code, reporting any failure on stderr."""
+        name, args = words[0].lower(), words[1:]
+        handler = self.commands().get(name)
+        self._files = None  # read the files afresh: someone may have edited them since the last command
+        try:
+            if handler is None:
+                close = difflib.get_close_matches(name, self.commands(), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise InputError(f"unknown command '{name}'{hint}; 'help' lists the commands")
+            handler(args)
+        except CtlError as exc:
+            self.term.error(str(exc))
+            return exc.exit_code
+        except (KeyboardInterrupt, EOFError):
+            self.term.error("cancelled; nothing was changed")
+            return 1
+        return 0
+
+    def prompt(self) -> int:
+        """The interactive prompt: one command per line until quit, exit or end of input."""
+        self.term.say("agentctl: type help for the commands, quit to leave.", style="bold")
+        worst = 0
+        while True:
+            try:
+                line = self.term.ask("agentctl> ", [*self.commands(), "quit", "exit"])
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                continue
+            try:
+                words = shlex.split(line)
+            except ValueError as exc:
+                self.term.error(f"cannot read that line: {exc}")
+                worst = max(worst, 1)
+                continue
+            if not words:
+                continue
+            if words[0].lower() in ("quit", "exit"):
+                break
+            worst = max(worst, self.run(words))
+        # On a terminal the operator saw every error; piped commands report the worst one.
+        return 0 if self.term.tty else worst
+
+    # ── helpers ──
+
+    def _usage(self, handler: Callable[..., Any]) -> str:
+        return (handler.__doc__ or "").strip().splitlines()[0].split(": ", 1)[0]
+
+    def _args(self, args: list[str], handler: Callable[..., Any], low: int, high: int | None = None) -> list[str]:
+        if not low <= len(args) <= (low if high is None else high):
+            raise InputError(f"usage: agentctl {self._usage(handler)}")
+        return args
+
+    def _unknown(self, kind: str, name: str, known: list[str]) -> InputError:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return InputError(f"unknown {kind} '{name}'; {hint}known: {', '.join(known) or '(none)'}")
+
+    def _plugin(self, name: str) -> str:
+        manifest = self.files.manifest.plugins
+        if name not in manifest:
+            raise self._unknown("plugin", name, list(manifest))
+        return name
+
+    def _model(self, name: str) -> str:
+        if name not in self.files.models:
+            raise self._unknown("model", name, list(self.files.models))
+        return name
+
+    def _client_port(self, name: str) -> tuple[str, int | None]:
+        """(host, port) a client interface plugin would listen on: its plugin_config, else the manifest default."""
+        entry = self.files.manifest.plugins[name]
+        conf = self.files.enabled.plugin_config.get(name, {})
+        return str(conf.get("host", "127.0.0.1")), conf.get("port", entry.default_port)
+
+    def _port_users(self, port: int, exclude: str) -> list[str]:
+        """Other client plugins of `enabled_plugins` (started or `enabled: false`) configured on `port`."""
+        manifest = self.files.manifest.plugins
+        return [n for n in dict.fromkeys(self.files.enabled.enabled_plugins)
+                if n != exclude and n in manifest and manifest[n].type == "client_interface"
+                and self._client_port(n)[1] == port]
+
+    def _status(self, cfg: AppConfig, name: str) -> tuple[str, list[str]]:
+        """`ready`, `disabled`, `problems` or `available`, and every problem the plugin has."""
+        problems = [c.problem for c in check_plugin(cfg, name) if c.problem]
+        entry = cfg.manifest.plugins.get(name)
+        if entry is not None and entry.type == "client_interface":
+            port = self._client_port(name)[1]
+            if port is None:
+                problems.append(f"no port: agentctl port-set {name} <port>")
+            elif name in cfg.enabled.enabled_plugins and (others := self._port_users(port, name)):
+                problems.append(f"port {port} is also configured for {', '.join(others)}")
+        if name not in cfg.enabled.enabled_plugins:
+            return "available", problems
+        if not is_enabled(cfg.enabled, name):
+            return "disabled", problems
+        return ("problems" if problems else "ready"), problems
+
+    def _warn_if_bound(self, name: str) -> None:
+        host, port = self._client_port(name)
+        if port is not None and port_in_use(host, port):
+            self.term.warn(f"{host}:{port} is in use on this machine right now (a running agent-mcp or another "
+                           f"program); {name} cannot start there until it is free")
+
+    def _set_plugin_flag(self, name: str, enabled: bool) -> None:
+        raw = self.files.raw(ENABLED_FILE)
+        if name not in raw.setdefault("enabled_plugins", []):
+            raw["enabled_plugins"].append(name)
+        conf = raw.setdefault("plugin_config", {}).setdefault(name, {})
+        conf["enabled"] = enabled
+        self.files.save(ENABLED_FILE, raw)
+
+    def _model_setter(self, args: list[str], handler: Callable[..., Any], field: str) -> None:
+        """`<command> <name> <value>`: one field of one model, checked by ModelConfig."""
+        name, text = self._args(args, handler, 2)
+        self._set_model_field(name, field, model_value(field, text))
+
+    def _set_model_field(self, name: str, field: str, value: Any) -> None:
+        raw = self.files.raw(MODELS_FILE)
+        raw["models"][self._model(name)][field] = value
+        self.files.save(MODELS_FILE, raw)
+        self.term.done(f"{name}: {field} = {json.dumps(value)}")
+
+    # ── general ──
+
+    def cmd_help(self, args: list[str]) -> None:
+        """help [command]: list the commands, or show one command's help."""
+        commands = self.commands()
+        if args:
+            handler = commands.get(args[0].lower())
+            if handler is None:
+                raise self._unknown("command", args[0], list(commands))
+            self.term.say(_dedent(handler.__doc__ or ""))
+            return
+        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
+        for handler in commands.values():
+            usage, _, what = (handler.__doc__ or "").strip().splitlines()[0].partition(": ")
+            table.add_row(escape(usage), escape(what))
+        self.term.table(table)
+        extra = "quit or exit leaves the prompt. " if self.in_prompt else ""
+        self.term.say(f"{extra}Global options: --config-dir DIR, --json (every listing as JSON).", style="dim")
+
+    # ── plugins ──
+
+    def cmd_list(self, args: list[str]) -> None:
+        """list: every plugin: ✓ enabled and ready, – configured but off, ✗ enabled with problems, ○ available."""
+        self._args(args, self.cmd_list, 0)
+        cfg = self.files.app_config()
+        manifest = cfg.manifest.plugins
+        names = sorted(dict.fromkeys([*manifest, *cfg.enabled.enabled_plugins]),
+                       key=lambda n: (manifest[n].priority, n) if n in manifest else (10**9, n))
+        rows = []
+        for name in names:
+            status, problems = self._status(cfg, name)
+            entry = manifest.get(name)
+            rows.append({"name": name, "status": status, "symbol": SYMBOLS[status],
+                         "type": entry.type if entry else None, "priority": entry.priority if entry else None,
+                         "port": self._client_port(name)[1] if entry and entry.type == "client_interface" else None,
+                         "description": entry.description if entry else "", "problems": problems})
+        if self.term.json_output:
+            self.term.json({"default_model": cfg.default_model, "plugins": rows})
+            return
+        counts = {s: sum(r["status"] == s for r in rows) for s in SYMBOLS}
+        self.term.say(f"Default model: {cfg.default_model}    {counts['ready']} ready, {counts['problems']} with "
+                      f"problems, {counts['disabled']} configured but off, {counts['available']} available")
+        table = Table("", "plugin", "type", "port", "description / problems")
+        for r in rows:
+            why = "; ".join(r["problems"]) if r["status"] == "problems" else r["description"]
+            table.add_row(r["symbol"], escape(r["name"]), r["type"] or "?", str(r["port"] or ""), escape(why),
+                          style=STYLES[r["status"]])
+        self.term.table(table)
+        missing = sorted({c.item for r in rows if r["status"] in ("ready", "problems")
+                          for c in check_plugin(cfg, r["name"]) if c.kind == "dependency" and c.problem})
+        if missing:
+            self.term.say("Missing dependencies: pip install " + " ".join(shlex.quote(m) for m in missing), style="yellow")
+
+    def cmd_info(self, args: list[str]) -> None:
+        """info <plugin>: one plugin's dependencies, env vars and config files, each checked, and what to do."""
+        name = self._plugin(self._args(args, self.cmd_info, 1)[0])
+        cfg = self.files.app_config()
+        entry = cfg.manifest.plugins[name]
+        status, problems = self._status(cfg, name)
+        checks = check_plugin(cfg, name)
+        todo = list(problems)
+        if status in ("available", "disabled"):
+            todo.append(f"agentctl enable {name}, then restart agent-mcp.py")
+        info: dict[str, Any] = {
+            "name": name, "status": status, "symbol": SYMBOLS[status], "type": entry.type,
+            "description": entry.description, "file": f"plugins/{entry.file}", "priority": entry.priority,
+            "tools": entry.tools, "plugin_config": _redact(cfg.plugin_config(name)),
+            "checks": [{"kind": c.kind, "item": c.item, "ok": c.problem is None, "problem": c.problem,
+                        **({"installed": _installed(c.item)} if c.kind == "dependency" else {})} for c in checks],
+            "todo": todo,
+        }
+        if entry.type == "client_interface":
+            info["host"], info["port"] = self._client_port(name)
+        if self.term.json_output:
+            self.term.json(info)
+            return
+        self.term.say(f"{SYMBOLS[status]} {name} ({entry.type}): {status}", style=STYLES[status])
+        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
+        for key in ("description", "file", "priority", "host", "port", "tools", "plugin_config"):
+            if key in info:
+                value = info[key]
+                table.add_row(key, escape(", ".join(value) if isinstance(value, list) else
+                                          json.dumps(value) if isinstance(value, dict) else str(value)))
+        self.term.table(table)
+        checks_table = Table("", "requirement", "", "detail")
+        for c in info["checks"]:
+            detail = c["problem"] or (f"installed {c['installed']}" if c.get("installed") else "ok")
+            checks_table.add_row(c["kind"].replace("_", " "), escape(c["item"]), "✓" if c["ok"] else "✗", escape(detail),
+                                 style=None if c["ok"] else "red")
+        self.term.table(checks_table)
+        if todo:
+            self.term.say("What to do:")
+            for step in todo:
+                self.term.say(f"  • {step}")
+
+    def cmd_enable(self, args: list[str]) -> None:
+        """enable <plugin>: start the plugin with the server (adds it to enabled_plugins, sets enabled: true)."""
+        name = self._plugin(self._args(args, self.cmd_enable, 1)[0])
+        files = self.files
+        if is_enabled(files.enabled, name):
+            self.term.say(f"{name} is already enabled.")
+            return
+        if files.manifest.plugins[name].type == "client_interface":
+            port = self._client_port(name)[1]
+            if port is None:
+                raise InputError(f"{name} has no port; set one first: agentctl port-set {name} <port>")
+            if others := self._port_users(port, name):
+                raise InputError(f"{name} would listen on port {port}, which {', '.join(others)} also uses; "
+                                 f"choose another first: agentctl port-set {name} <port>")
+        self._set_plugin_flag(name, True)
+        problems = self._status(files.app_config(), name)[1]
+        if problems:
+            self.term.warn(f"{name} is enabled but will not start until you fix: " + "; ".join(problems))
+        self.term.done(f"enabled {name}")
+        if files.manifest.plugins[name].type == "client_interface":
+            self._warn_if_bound(name)
+
+    def cmd_disable(self, args: list[str]) -> None:
+        """disable <plugin>: do not start the plugin; it stays in enabled_plugins with its settings (enabled: false)."""
+        name = self._args(args, self.cmd_disable, 1)[0]
+        files = self.files
+        if name not in files.enabled.enabled_plugins:
+            self._plugin(name)
+            self.term.say(f"{name} is not in enabled_plugins, so it does not start; nothing to do.")
+            return
+        if not is_enabled(files.enabled, name):
+            self.term.say(f"{name} is already disabled.")
+            return
+        manifest, cfg = files.manifest.plugins, files.app_config()
+        clients = [n for n in files.enabled.enabled_plugins if n != name and n in manifest
+                   and manifest[n].type == "client_interface" and self._status(cfg, n)[0] == "ready"]
+        if name in manifest and manifest[name].type == "client_interface" and not clients:
+            raise InputError(f"{name} is the last client interface that can start: the server would have nothing "
+                             "to serve; enable another one first (agentctl enable <plugin>)")
+        self._set_plugin_flag(name, False)
+        self.term.done(f"disabled {name} (kept in enabled_plugins with its settings)")
+
+    def cmd_port_list(self, args: list[str]) -> None:
+        """port-list: the host and port of every client interface plugin, and whether the port is taken now."""
+        self._args(args, self.cmd_port_list, 0)
+        cfg = self.files.app_config()
+        rows = []
+        for name, entry in sorted(cfg.manifest.plugins.items(), key=lambda kv: kv[1].priority):
+            if entry.type != "client_interface":
+                continue
+            host, port = self._client_port(name)
+            configured = "port" in cfg.plugin_config(name)
+            rows.append({"name": name, "status": self._status(cfg, name)[0], "host": host, "port": port,
+                         "source": "plugin_config" if configured else "manifest default",
+                         "in_use_now": port_in_use(host, port) if port else False})
+        if self.term.json_output:
+            self.term.json({"ports": rows})
+            return
+        table = Table("", "plugin", "host", "port", "from", "in use now")
+        for r in rows:
+            table.add_row(SYMBOLS[r["status"]], escape(r["name"]), escape(r["host"]), str(r["port"] or "-"), r["source"],
+                          "yes" if r["in_use_now"] else "", style=STYLES[r["status"]])
+        self.term.table(table)
+
+    def cmd_port_set(self, args: list[str]) -> None:
+        """port-set <plugin> <port>: set the TCP port (1-65535) a client interface plugin listens on."""
+        name, text = self._args(args, self.cmd_port_set, 2)
+        entry = self.files.manifest.plugins[self._plugin(name)]
+        if entry.type != "client_interface":
+            raise InputError(f"{name} is a {entry.type} plugin; only client interfaces listen on a port")
+        if not text.isdigit() or not 1 <= int(text) <= 65535:
+            raise InputError(f"invalid port '{text}': give a number from 1 to 65535")
+        port = int(text)
+        if others := self._port_users(port, name):
+            raise InputError(f"port {port} is already configured for {', '.join(others)}; choose another port")
+        if self._client_port(name)[1] == port and "port" in self.files.enabled.plugin_config.get(name, {}):
+            self.term.say(f"{name} already uses port {port}.")
+            return
+        raw = self.files.raw(ENABLED_FILE)
+        raw.setdefault("plugin_config", {}).setdefault(name, {})["port"] = port
+        self.files.save(ENABLED_FILE, raw)
+        self.term.done(f"{name} will listen on port {port}")
+        self._warn_if_bound(name)
+
+    # ── models ──
+
+    def _model_row(self, key: str, m: ModelConfig, default: str) -> dict[str, Any]:
+        if not m.env_key:
+            api_key = "not needed"
+        else:
+            api_key = "set" if self.files.env.get(m.env_key) else f"missing: set {m.env_key} in .env"
+        return {"name": key, **m.model_dump(), "default": key == default, "api_key": api_key}
+
+    def cmd_models(self, args: list[str]) -> None:
+        """models: every model of llm-models.json (✓ enabled, – disabled; * default, ⚠ API key missing)."""
+        self._args(args, self.cmd_models, 0)
+        default = self.files.enabled.default_model
+        rows = [self._model_row(k, m, default) for k, m in self.files.models.items()]
+        if self.term.json_output:
+            self.term.json({"default_model": default, "models": rows})
+            return
+        table = Table("", "model", "type", "model_id", "host", "API key", "context", "timeout", "tools", "description")
+        for r in rows:
+            mark = ("✓" if r["enabled"] else "–") + ("*" if r["default"] else "") + \
+                   ("⚠" if r["api_key"].startswith("missing") else "")
+            tools = r["llm_tools"] if isinstance(r["llm_tools"], str) else ",".join(r["llm_tools"])
+            flags = (" [TC]" if r["tool_call_available"] else "") + (" [router]" if r["router"] else "")
+            table.add_row(mark, escape(r["name"]), r["type"], escape(r["model_id"]), escape(r["host"] or "-"),
+                          escape(r["api_key"]), str(r["max_context"]), f"{r['llm_call_timeout']:g}s", escape(tools),
+                          escape(r["description"] + flags), style=None if r["enabled"] else "dim")
+        self.term.table(table)
+        self.term.say(f"* default model: {default}", style="dim")
+
+    def cmd_model_info(self, args: list[str]) -> None:
+        """model-info <name>: every field of one model, with defaults filled in, and whether its API key is set."""
+        name = self._model(self._args(args, self.cmd_model_info, 1)[0])
+        row = self._model_row(name, self.files.models[name], self.files.enabled.default_model)
+        if self.term.json_output:
+            self.term.json(row)
+            return
+        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
+        for key, value in row.items():
+            table.add_row(key, escape(json.dumps(value) if not isinstance(value, str) else value))
+        self.term.table(table)
+
+    def cmd_model_add(self, args: list[str]) -> None:
+        """model-add <name> --model-id ID --type OPENAI|GEMINI [options]: add a model (a wizard without options).
+
+        Options: --host URL, --env-key VAR (the .env variable holding the API key), --max-context N
+        (messages kept), --timeout SECONDS, --description TEXT, --tools all|tool1,tool2,
+        --tool-calls (tool_call_available), --router, --disabled.
+        Without options on a terminal (or at the agentctl prompt) it asks for each field.
+        """
+        fields: dict[str, Any]
+        if len(args) <= 1 and (self.in_prompt or self.term.tty):
+            name, fields = self._model_wizard(args[0] if args else None)
+        else:
+            parser = _ArgParser(prog="agentctl model-add", add_help=False, allow_abbrev=False)
+            parser.add_argument("name")
+            parser.add_argument("--model-id", dest="model_id")
+            parser.add_argument("--type", type=str.upper)
+            for flag in ("host", "env-key", "max-context", "description", "tools"):
+                parser.add_argument(f"--{flag}")
+            parser.add_argument("--timeout", dest="llm_call_timeout")
+            parser.add_argument("--tool-calls", dest="tool_call_available", action="store_true")
+            parser.add_argument("--router", action="store_true")
+            parser.add_argument("--disabled", action="store_true")
+            opts = parser.parse_args(args)
+            name = self._new_model_name(opts.name)
+            given = {"model_id": opts.model_id, "type": opts.type, "host": opts.host, "env_key": opts.env_key,
+                     "max_context": opts.max_context, "llm_call_timeout": opts.llm_call_timeout,
+                     "description": opts.description, "llm_tools": opts.tools}
+            fields = {k: model_value(k, v) for k, v in given.items() if v is not None}
+            fields.update(tool_call_available=opts.tool_call_available, router=opts.router, enabled=not opts.disabled)
+        required = [f for f, info in ModelConfig.model_fields.items() if info.is_required() and f not in fields]
+        if required:
+            raise InputError(f"model-add needs {', '.join('--' + f.replace('_', '-') for f in required)} "
+                             "(or run it at the agentctl prompt, which asks for each field)")
+        entry = {f: fields.get(f, ModelConfig.model_fields[f].default) for f in (
+            "model_id", "type", "host", "env_key", "max_context", "enabled", "tool_call_available",
+            "llm_call_timeout", "description", "llm_tools")}
+        entry.update({k: v for k, v in fields.items() if k not in entry})
+        raw = self.files.raw(MODELS_FILE)
+        raw["models"][name] = entry
+        self.files.save(MODELS_FILE, raw)
+        self.term.done(f"added model {name} ({entry['type']} {entry['model_id']})")
+        if entry["env_key"] and not self.files.env.get(entry["env_key"]):
+            self.term.warn(f"{entry['env_key']} is not set: add {entry['env_key']}=... to .env in {self.config_dir}")
+
+    def _new_model_name(self, name: str) -> str:
+        if not MODEL_NAME.match(name):
+            raise InputError(f"invalid model name '{name}': use letters, digits, '.', '_' or '-' (at most 64)")
+        if name in self.files.models:
+            raise InputError(f"model '{name}' already exists; change it with the model-* commands or remove it first")
+        return name
+
+    def _model_wizard(self, name: str | None) -> tuple[str, dict[str, Any]]:
+        """Ask for each field, re-asking until the model's own validation accepts the answer."""
+        self.term.say("New model (Ctrl-C cancels; Enter keeps the value in brackets).", style="bold")
+
+        def ask(question: str, check: Callable[[str], Any], default: str = "") -> Any:
+            while True:
+                text = self.term.ask(f"{question}{f' [{default}]' if default else ''}: ").strip() or default
+                try:
+                    return check(text)
+                except InputError as exc:
+                    self.term.error(str(exc))
+
+        name = ask("name (used in !model and @model)", self._new_model_name, name or "")
+        fields: dict[str, Any] = {"model_id": ask("model_id (the backend's model name)", lambda t: model_value("model_id", t))}
+        kind = ask("type: 1 = OPENAI (any OpenAI-compatible server), 2 = GEMINI",
+                   lambda t: model_value("type", {"1": "OPENAI", "2": "GEMINI"}.get(t, t.upper())), "1")
+        fields["type"] = kind
+        fields["host"] = ask("host (base URL such as http://127.0.0.1:8080/v1; null for Gemini's own)",
+                             lambda t: model_value("host", t), "null")
+        fields["env_key"] = ask("env_key (.env variable with the API key; null for keyless local servers)",
+                                lambda t: model_value("env_key", t), "null")
+        for field, question in (("max_context", "max_context (messages kept)"),
+                                ("llm_call_timeout", "llm_call_timeout (seconds)"),
+                                ("description", "description"), ("llm_tools", "llm_tools (all, or tool1,tool2)")):
+            default = ModelConfig.model_fields[field].default
+            fields[field] = ask(question, lambda t, f=field: model_value(f, t), str(default) if default != "" else "")
+        return name, fields
+
+    def cmd_model_remove(self, args: list[str]) -> None:
+        """model-remove <name>: delete a model from llm-models.json (never the default model)."""
+        name = self._model(self._args(args, self.cmd_model_remove, 1)[0])
+        if name == self.files.enabled.default_model:
+            raise InputError(f"{name} is the default model; choose another first: agentctl model <name>")
+        raw = self.files.raw(MODELS_FILE)
+        del raw["models"][name]
+        self.files.save(MODELS_FILE, raw)
+        self.term.done(f"removed model {name}")
+
+    def cmd_model_enable(self, args: list[str]) -> None:
+        """model-enable <name>: load the model at start (enabled: true)."""
+        self._set_model_field(self._args(args, self.cmd_model_enable, 1)[0], "enabled", True)
+
+    def cmd_model_disable(self, args: list[str]) -> None:
+        """model-disable <name>: leave the model out of the registry (enabled: false; never the default model)."""
+        name = self._model(self._args(args, self.cmd_model_disable, 1)[0])
+        if name == self.files.enabled.default_model:
+            raise InputError(f"{name} is the default model; choose another first: agentctl model <name>")
+        self._set_model_field(name, "enabled", False)
+
+    def cmd_model(self, args: list[str]) -> None:
+        """model [name]: show the default model, or make an enabled model the default for new sessions."""
+        if not self._args(args, self.cmd_model, 0, 1):
+            default = self.files.enabled.default_model
+            if self.term.json_output:
+                self.term.json({"default_model": default})
+            else:
+                self.term.say(default)
+            return
+        name = self._model(args[0])
+        if not self.files.models[name].enabled:
+            raise InputError(f"{name} is disabled; enable it first: agentctl model-enable {name}")
+        raw = self.files.raw(ENABLED_FILE)
+        raw["default_model"] = name
+        self.files.save(ENABLED_FILE, raw)
+        self.term.done(f"default model: {name}")
+
+    def cmd_model_context(self, args: list[str]) -> None:
+        """model-context <name> <n>: how many history messages the model is sent (max_context)."""
+        self._model_setter(args, self.cmd_model_context, "max_context")
+
+    def cmd_model_desc(self, args: list[str]) -> None:
+        """model-desc <name> <text...>: set the model's description (shown by !model and models)."""
+        if len(args) < 2:
+            raise InputError(f"usage: agentctl {self._usage(self.cmd_model_desc)}")
+        self._set_model_field(args[0], "description", model_value("description", " ".join(args[1:])))
+
+    def cmd_model_host(self, args: list[str]) -> None:
+        """model-host <name> <url|null>: the API base URL (http:// or https://; null = the type's own endpoint)."""
+        self._model_setter(args, self.cmd_model_host, "host")
+
+    def cmd_model_llmcall(self, args: list[str]) -> None:
+        """model-llmcall <name> <true|false>: whether the model may be called as a tool (tool_call_available)."""
+        self._model_setter(args, self.cmd_model_llmcall, "tool_call_available")
+
+    def cmd_model_timeout(self, args: list[str]) -> None:
+        """model-timeout <name> <seconds>: the time limit of one call to the model (llm_call_timeout)."""
+        self._model_setter(args, self.cmd_model_timeout, "llm_call_timeout")
+
+    def cmd_model_tools(self, args: list[str]) -> None:
+        """model-tools <name> <all|tool1,tool2>: the tools the model may call (llm_tools)."""
+        self._model_setter(args, self.cmd_model_tools, "llm_tools")
+
+    def cmd_model_router(self, args: list[str]) -> None:
+        """model-router <name> <true|false>: ask the model first whether this turn needs tools (router step)."""
+        self._model_setter(args, self.cmd_model_router, "router")
+
+    # ── rate limits ──
+
+    def cmd_ratelimit_list(self, args: list[str]) -> None:
+        """ratelimit-list: calls allowed per window for each tool type, and which types auto-disable."""
+        self._args(args, self.cmd_ratelimit_list, 0)
+        limits = {k: v.model_dump() for k, v in self.files.enabled.rate_limits.items()}
+        if self.term.json_output:
+            self.term.json({"rate_limits": limits})
+            return
+        table = Table("type", "calls", "window (s)", "auto_disable")
+        for kind, limit in limits.items():
+            table.add_row(escape(kind), str(limit["calls"]), f"{limit['window_seconds']:g}", "yes" if limit["auto_disable"] else "no")
+        self.term.table(table)
+
+    def cmd_ratelimit_set(self, args: list[str]) -> None:
+        """ratelimit-set <type> <calls> <window_seconds>: allow that many calls of a tool type per window."""
+        kind, calls, window = self._args(args, self.cmd_ratelimit_set, 3)
+        if not RATE_TYPE.match(kind):
+            raise InputError(f"invalid type '{kind}': lower-case letters, digits and '_' (such as {', '.join(RATE_TYPES)})")
+        base = {"calls": 0, "window_seconds": 0}
+        values = {"calls": field_value(RateLimit, "calls", calls, base),
+                  "window_seconds": field_value(RateLimit, "window_seconds", window, base)}
+        raw = self.files.raw(ENABLED_FILE)
+        limits = raw.setdefault("rate_limits", {})
+        if kind not in limits and kind not in RATE_TYPES:
+            self.term.warn(f"'{kind}' is not a type of the spec ({', '.join(RATE_TYPES)}); it only applies if a "
+                           "plugin's tools use that gate type")
+        limits.setdefault(kind, {"auto_disable": False}).update(values)
+        self.files.save(ENABLED_FILE, raw)
+        self.term.done(f"rate limit {kind}: {values['calls']} calls per {values['window_seconds']}s")
+
+    def cmd_ratelimit_autodisable(self, args: list[str]) -> None:
+        """ratelimit-autodisable <type> <true|false>: whether hitting the limit switches the tool type off."""
+        kind, text = self._args(args, self.cmd_ratelimit_autodisable, 2)
+        limits = self.files.enabled.rate_limits
+        if kind not in limits:
+            raise self._unknown("rate-limit type", kind, list(limits))
+        raw = self.files.raw(ENABLED_FILE)
+        raw["rate_limits"][kind]["auto_disable"] = value = _bool(text)
+        self.files.save(ENABLED_FILE, raw)
+        self.term.done(f"rate limit {kind}: auto_disable = {json.dumps(value)}")
+
+    # ── gate defaults ──
+
+    def cmd_gate_list(self, args: list[str]) -> None:
+        """gate-list: the gate defaults every session starts from (auto-allow = no approval asked)."""
+        self._args(args, self.cmd_gate_list, 0)
+        gates: GateDefaults = self.files.parsed(GATE_DEFAULTS_FILE)
+        if self.term.json_output:
+            self.term.json({"db": {k: v.model_dump() for k, v in gates.db.items()},
+                            "tools": {k: v.model_dump() for k, v in gates.tools.items()}})
+            return
+        table = Table("scope", "name", "read", "write")
+        for scope, entries in (("db", gates.db), ("tools", gates.tools)):
+            for key, perm in entries.items():
+                table.add_row(scope, escape(key), *("auto-allow" if v else "gated" for v in (perm.read, perm.write)),
+                              style="yellow" if perm.read or perm.write else None)
+        self.term.table(table)
+        self.term.say("db keys: a table, * (every other table), __meta__ (SHOW, DESCRIBE, …); tools: a tool or *. "
+                      "Anything absent is gated.", style="dim")
+
+    def _gate_target(self, args: list[str], handler: Callable[..., Any], extra: int) -> tuple[str, str, list[str]]:
+        """(section, key, remaining words) from `db <table> …` or `<tool> …`."""
+        section = "db" if args and args[0] == "db" else "tools"
+        words = self._args(args[1:] if section == "db" else args, handler, extra + 1)
+        if not words[0] or any(c.isspace() for c in words[0]):
+            raise InputError(f"invalid {'table' if section == 'db' else 'tool'} name {words[0]!r}")
+        return section, words[0], words[1:]
+
+    def cmd_gate_set(self, args: list[str]) -> None:
+        """gate-set [db] <table|tool|*|__meta__> <read|write> <true|false>: true = auto-allow, false = ask.
+
+        `gate-set db users write false` gates writes to the table users; `gate-set db * read true`
+        lets reads of every other table run unasked; `gate-set ddgs_search read true` lets that tool
+        run unasked; `gate-set * write false` gates writes of every tool without its own entry.
+        """
+        section, key, (operation, text) = self._gate_target(args, self.cmd_gate_set, 2)
+        if operation not in ("read", "write"):
+            raise InputError(f"invalid operation '{operation}': read or write")
+        value = _bool(text)
+        raw = self.files.raw(GATE_DEFAULTS_FILE)
+        raw.setdefault(section, {}).setdefault(key, {"read": False, "write": False})[operation] = value
+        self.files.save(GATE_DEFAULTS_FILE, raw)
+        what = f"{section} {key}" if section == "db" else f"tool {key}"
+        self.term.done(f"{what}: {operation} {'auto-allowed' if value else 'gated'}")
+
+    def cmd_gate_reset(self, args: list[str]) -> None:
+        """gate-reset [db <table> | <tool>]: gate everything again, or drop one entry (it falls back to *)."""
+        raw = self.files.raw(GATE_DEFAULTS_FILE)
+        if not args:
+            raw.update(copy.deepcopy(ALL_GATED))
+            self.files.save(GATE_DEFAULTS_FILE, raw)
+            self.term.done("every gate is on again (db and tools)")
+            return
+        section, key, _ = self._gate_target(args, self.cmd_gate_reset, 0)
+        if key not in raw.get(section, {}):
+            self.term.say(f"{section} has no entry '{key}'; nothing to do.")
+            return
+        del raw[section][key]
+        self.files.save(GATE_DEFAULTS_FILE, raw)
+        self.term.done(f"removed the {section} entry '{key}'")
+
+
+def _dedent(doc: str) -> str:
+    lines = doc.strip().splitlines()
+    return "\n".join([lines[0], *(line.strip() for line in lines[1:])])
+
+
+class _OnceHandler(logging.Handler):
+    """Shows config warnings (unknown fields) once each, as agentctl warnings."""
+
+    def __init__(self, term: Terminal):
+        super().__init__(logging.WARNING)
+        self.term = term
+        self.seen: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().replace(" ignored", " (kept)")
+        if message not in self.seen:
+            self.seen.add(message)
+            self.term.warn(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command, or the prompt without one; return the exit code (0 ok, 1 bad input, 2 file problem)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _ArgParser(prog="agentctl.py", add_help=False, allow_abbrev=False)
+    parser.add_argument("--config-dir", default=None)
+    parser.add_argument("--json", action="store_true")
+    term = Terminal()
+    try:
+        opts, words = parser.parse_known_args(argv)
+    except InputError as exc:
+        term.error(str(exc))
+        return 1
+    term.json_output = opts.json
+    if words[:1] in (["-h"], ["--help"]):
+        words = ["help", *words[1:]]
+    logger = logging.getLogger("agent_mcp")
+    logger.addHandler(_OnceHandler(term))
+    logger.propagate = False
+    config_dir = Path(opts.config_dir).resolve() if opts.config_dir else CODE_DIR
+    ctl = AgentCtl(config_dir, term, in_prompt=not words)
+    if not words:
+        return ctl.prompt()
+    return ctl.run(words)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Added latency and throughput of the Ollama/OpenAI proxy, against the fake backend and LiteLLM.
+
+The same openai SDK client (AsyncOpenAI, streaming) asks the same instant fake OpenAI backend
+(32 tokens per answer) by three paths, in the same run, interleaved round by round:
+
+  direct:    client → fake backend
+  agent-mcp: client → plugin_proxy_llama (/v1/chat/completions) → agent turn (system prompt, tools,
+             history) → ChatOpenAI → fake backend
+  litellm:   client → LiteLLM proxy (`litellm --config`, its own venv) → fake backend
+
+For each path it reports the median and p95 time to the first and to the last token of sequential
+requests, the added time over direct, and streams per second with `--concurrency` clients at once
+(each agent-mcp client in its own open-webui chat, so its own session). Only 127.0.0.1 is used.
+With two or more cores the servers run on core 1 and the client and fake on core 0.
+
+    python bench/proxy_overhead.py [--requests 200] [--rounds 10] [--tokens 32] [--concurrency 8]
+                                   [--litellm .venv/litellm/bin/litellm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.turn_overhead import cpu_seconds, pct  # noqa: E402
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model  # noqa: E402
+from tests.fakes.backend import tokens  # noqa: E402
+from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "say something"}]
+
+
+class Target:
+    """One way to reach the backend: an AsyncOpenAI client, a model name and extra headers per stream."""
+
+    def __init__(self, name: str, base_url: str, model: str, chat_headers: bool = False, api_key: str = "bench"):
+        self.name, self.model, self.chat_headers = name, model, chat_headers
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+        self.first: list[float] = []
+        self.last: list[float] = []
+        self.streams_per_second = 0.0
+        self.pid: int | None = None  # the server process in the path, for its CPU time
+        self.cpu = 0.0
+
+    async def stream(self, chat: str = "bench") -> tuple[float, float]:
+        """Time to the first and to the last content token of one streamed answer."""
+        headers = {"X-OpenWebUI-Chat-Id": chat} if self.chat_headers else None
+        start = time.perf_counter()
+        first = last = 0.0
+        resp = await self.client.chat.completions.create(model=self.model, messages=PROMPT, stream=True,
+                                                         extra_headers=headers)
+        async for chunk in resp:
+            if chunk.choices and chunk.choices[0].delta.content:
+                last = time.perf_counter() - start
+                first = first or last
+        if not first:
+            raise RuntimeError(f"{self.name}: the stream carried no text")
+        return first, last
+
+    async def throughput(self, concurrency: int, per_client: int) -> None:
+        async def worker(w: int) -> None:
+            for _ in range(per_client):
+                await self.stream(f"bench-{w}")
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        self.streams_per_second = concurrency * per_client / (time.perf_counter() - start)
+
+
+def start_litellm(exe: str, backend: FakeOpenAI, tmp: Path, key: str) -> tuple[subprocess.Popen[bytes], str]:
+    """LiteLLM's proxy on a free port, offline, forwarding model `fake` to the fake backend."""
+    port = free_port()
+    config = tmp / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: fake\n"
+        "    litellm_params:\n"
+        "      model: openai/fake-model\n"
+        f"      api_base: {backend.base_url}\n"
+        "      api_key: bench\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    # Offline: the bundled model-cost map instead of a download; no DB; quiet logs.
+    env.pop("DATABASE_URL", None)
+    env.update({"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": key})
+    proc = subprocess.Popen([exe, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                             "--num_workers", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"litellm exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health/liveliness", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("litellm did not start within 120 s")
+
+
+def cells(values: list[float], direct: list[float]) -> str:
+    """p50 | p95 | added p50 over direct, in ms."""
+    p50, p95 = statistics.median(values), pct(values, 0.95)
+    added = "—" if values is direct else f"**+{(p50 - statistics.median(direct)) * 1e3:.2f}**"
+    return f"{p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {added}"
+
+
+async def run(args: argparse.Namespace) -> None:
+    pinned = (os.cpu_count() or 1) >= 2
+    if pinned:
+        os.sched_setaffinity(0, {0})
+    exe = args.litellm_exe
+    with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
+        cfg = ConfigDir(Path(tmp))
+        cfg.models = {"fake": openai_model(backend, max_context=2)}
+        port = free_port()
+        cfg.plugins.append("plugin_proxy_llama")
+        cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        procs = [server.proc]
+        paths = [Target("direct", backend.base_url, "fake-model"),
+                 Target("agent-mcp proxy", f"http://127.0.0.1:{port}/v1", "agent-mcp:latest", chat_headers=True)]
+        paths[1].pid = server.proc.pid if server.proc else None
+        litellm = None
+        if exe:
+            key = f"sk-{secrets.token_hex(16)}"
+            litellm, url = start_litellm(exe, backend, Path(tmp), key)
+            procs.append(litellm)
+            paths.append(Target("LiteLLM proxy", f"{url}/v1", "fake", api_key=key))
+            paths[-1].pid = litellm.pid
+        else:
+            print(f"LiteLLM not found at {args.litellm!r}: measuring without it (make bench-proxy installs it)")
+        if pinned:
+            for proc in procs:
+                assert proc is not None
+                os.sched_setaffinity(proc.pid, {1})
+        try:
+            for p in paths:
+                for _ in range(args.warmup):
+                    await p.stream()
+            per_round = max(1, args.requests // args.rounds)
+            for _ in range(args.rounds):
+                for p in paths:
+                    before = cpu_seconds(p.pid) if p.pid else 0.0
+                    for _ in range(per_round):
+                        first, last = await p.stream()
+                        p.first.append(first)
+                        p.last.append(last)
+                    p.cpu += cpu_seconds(p.pid) - before if p.pid else 0.0
+            for p in paths:
+                await p.throughput(args.concurrency, args.per_client)
+        finally:
+            for p in paths:
+                await p.client.close()
+            if litellm is not None:
+                litellm.terminate()
+                litellm.wait(15)
+            server.stop()
+    direct = paths[0]
+    print(f"\n{len(direct.first)} sequential streams per path in {args.rounds} interleaved rounds, {args.tokens} "
+          f"tokens per answer; throughput: {args.concurrency} concurrent clients × {args.per_client} streams; "
+          f"{'servers on core 1, client and fake on core 0' if pinned else 'no pinning (1 core)'}\n")
+    print("| path | first token p50 (ms) | p95 | added p50 | last token p50 (ms) | p95 | added p50 | streams/s "
+          "| server CPU per stream (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p in paths:
+        cpu = f"{p.cpu / len(p.first) * 1e3:.1f}" if p.pid else "—"
+        print(f"| {p.name} | {cells(p.first, direct.first)} | {cells(p.last, direct.last)} "
+              f"| {p.streams_per_second:.0f} | {cpu} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=200, help="sequential streams per path")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--per-client", type=int, default=25, help="streams per concurrent client")
+    p.add_argument("--litellm", default=str(ROOT / ".venv" / "litellm" / "bin" / "litellm"),
+                   help="the litellm executable (default: the one 'make bench-proxy' installs)")
+    args = p.parse_args()
+    args.litellm_exe = args.litellm if args.litellm and Path(args.litellm).exists() else None
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+"""Human approval gates, the per-session rate limiter, client classes and SQL classification.
+
+Every tool call passes `check_rate_limit` and then `check_human_gate` (both installed in
+`Runtime.tool_checks`, in that order) before its executor runs. A tool's gate comes from its
+declaration (`get_gate_tools()` of its plugin, or the core tools' own): `{"type": <gate type>,
+"operation": "read" | "write" | callable(args) -> "read" | "write"}`. The `db` type classifies
+`args["sql"]` with sqlglot and gates per table; every other type gates per tool name. Whether a
+call runs without asking is looked up in this session's overrides (set by `!autoAIdb`,
+`!autogate`, `!autoAISysPrompt` and "allow for this session"), then in `gate-defaults.json`;
+a specific entry beats `*`, and anything not found is gated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.dialects.mysql import MySQL
+from sqlglot.errors import SqlglotError
+
+import state
+from config import ConfigError, GateDefaults, RateLimit
+
+if TYPE_CHECKING:
+    from tools import RegisteredTool
+
+logger = logging.getLogger("agent_mcp.gate")
+
+READ, WRITE = "read", "write"
+OPERATIONS = (READ, WRITE)
+#: Gate key of statements that touch no table (SHOW, DESCRIBE, SELECT 1).
+META = "__meta__"
+#: Gate key of statements that could not be analysed: they may touch any table.
+ANY_TABLE = "*"
+#: Gate (and rate-limit) type of a tool that declared none.
+DEFAULT_TYPE = "system"
+DEFAULT_GATE_TIMEOUT = 120.0
+DEFAULT_API_GATE_TIMEOUT = 2.0
+DECISIONS = ("allow", "allow_session", "reject")
+
+# ── Clients ─────────────────────────────────────────────────────────────────────────────────
+
+SHELL, API, SWARM, PROXY, SLACK = "shell", "api", "swarm", "proxy", "slack"
+_PREFIXES = (("api-swarm-", SWARM), ("api-", API), ("llama-", PROXY), ("slack-", SLACK))
+CLIENT_LABELS = {SHELL: "the shell", API: "an API client", SWARM: "another agent (swarm call)",
+                 PROXY: "the chat proxy", SLACK: "Slack"}
+
+
+def client_class(client_id: str | None) -> str:
+    """The client class of a client id: shell, api, swarm, proxy or slack (spec "Session Model")."""
+    for prefix, kind in _PREFIXES:
+        if (client_id or "").startswith(prefix):
+            return kind
+    return SHELL
+
+
+def is_interactive(client_id: str | None) -> bool:
+    """True for shell.py sessions: a person at a terminal who can answer a gate."""
+    return client_class(client_id) == SHELL
+
+
+def may_administer(client_id: str | None = None) -> bool:
+    """Whether the current request may change gates or run privileged commands (such as `!db`).
+
+    Accepted: the interactive shell, or a request whose client plugin vouched for an admin
+    (payload `"admin": True`, e.g. the API plugin when the caller holds the admin token).
+    """
+    client_id = client_id if client_id is not None else state.current_client_id.get()
+    return is_interactive(client_id) or state.current_admin.get()
+
+
+def refusal(command: str, client_id: str | None = None) -> str:
+    """The message a client gets for a privileged command it may not run."""
+    kind = client_class(client_id if client_id is not None else state.current_client_id.get())
+    return (f"ERROR: {command} is accepted only from the interactive shell (shell.py) or an API client "
+            f"holding the admin token; this request comes from {CLIENT_LABELS[kind]}.")
+
+
+# ── SQL classification ──────────────────────────────────────────────────────────────────────
+
+_READ_ROOTS = (exp.Select, exp.Union, exp.Except, exp.Intersect, exp.Subquery)
+_KNOWN_WRITE_ROOTS = (exp.Insert, exp.Update, exp.Delete, exp.Merge, exp.Create, exp.Drop, exp.Alter,
+                      exp.TruncateTable)
+# Nodes that make a statement more than a plain read wherever they appear in its tree.
+_NOT_READ_NODES = (exp.DML, exp.DDL, exp.Drop, exp.Alter, exp.TruncateTable, exp.Command, exp.Set, exp.Into,
+                   exp.Lock, exp.LoadData, exp.Grant, exp.Revoke, exp.Kill, exp.Use, exp.Transaction,
+                   exp.Commit, exp.Rollback, exp.Analyze, exp.Pragma, exp.Cache, exp.Uncache, exp.Refresh,
+                   exp.Comment)
+# Functions with side effects (files, locks, time, replication) make a SELECT more than a read.
+_SIDE_EFFECT_FUNCTIONS = frozenset({
+    "load_file", "sleep", "benchmark", "get_lock", "release_lock", "release_all_locks", "is_free_lock",
+    "is_used_lock", "master_pos_wait", "source_pos_wait", "wait_for_executed_gtid_set",
+    "sys_exec", "sys_eval", "setval", "nextval", "lastval", "last_insert_id", "uuid_short",
+})
+# MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
+_EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
+_TABLE_KEYWORDS = frozenset({"FROM", "JOIN", "INTO", "UPDATE", "TABLE", "TABLES", "LOCK TABLES", "HANDLER", "TO"})
+_NOT_TABLES = frozenset({"dual", "outfile", "dumpfile"})
+_NAME_TOKENS = ("VAR", "IDENTIFIER")
+
+
+class _WordTokenizer(MySQL.Tokenizer):
+    """MySQL tokens, with CALL/REPLACE/RENAME/… not swallowing the rest of the statement as one string."""
+
+    COMMANDS: frozenset[Any] = frozenset()
+
+
+def _tables(tree: exp.Expression) -> set[str]:
+    """Real table names in a statement (lower case, schema dropped), without CTE names and DUAL."""
+    ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
+    names = set()
+    for table in tree.find_all(exp.Table):
+        if not isinstance(table.this, exp.Identifier):  # @variables of SELECT … INTO, table functions
+            continue
+        name = table.name.lower()
+        if name in _NOT_TABLES or (name in ctes and not table.db):
+            continue
+        names.add(name)
+    return names
+
+
+def _guess_tables(sql: str) -> set[str]:
+    """Table-like names after FROM/INTO/TABLE/… for statements sqlglot cannot analyse (display only)."""
+    text = re.sub(r"/\*M?!\d*|\*/", " ", sql, flags=re.IGNORECASE)
+    try:
+        tokens = _WordTokenizer().tokenize(text)
+    except SqlglotError:
+        return set()
+    names = set()
+    kinds = [t.token_type.name for t in tokens]
+    for i in range(1, len(tokens)):
+        if tokens[i - 1].text.upper() not in _TABLE_KEYWORDS or kinds[i] not in _NAME_TOKENS:
+            continue
+        name = tokens[i].text
+        if i + 2 < len(tokens) and kinds[i + 1] == "DOT" and kinds[i + 2] in _NAME_TOKENS:
+            name = tokens[i + 2].text  # schema.table: gates are keyed by the table name
+        if name.lower() not in _NOT_TABLES:
+            names.add(name.lower())
+    return names
+
+
+def _side_effect_call(tree: exp.Expression) -> bool:
+    for func in tree.find_all(exp.Func):
+        name = func.name if isinstance(func, exp.Anonymous) else func.sql_name()
+        if str(name).lower() in _SIDE_EFFECT_FUNCTIONS:
+            return True
+    return False
+
+
+def _classify_statement(tree: exp.Expression) -> tuple[str, set[str]] | None:
+    """(operation, tables) of one parsed statement, or None when it cannot be trusted."""
+    if isinstance(tree, exp.Show):
+        return READ, {META}
+    if isinstance(tree, exp.Describe):
+        inner = tree.this
+        if isinstance(inner, exp.Table) and not list(tree.find_all(*_NOT_READ_NODES)):
+            return READ, {META}
+        # EXPLAIN <statement>: EXPLAIN ANALYZE runs it, so judge the statement itself.
+        return _classify_statement(inner) if isinstance(inner, exp.Expression) else None
+    if isinstance(tree, _READ_ROOTS):
+        plain = not any(isinstance(n, _NOT_READ_NODES) for n in tree.walk()) and not _side_effect_call(tree)
+        tables = _tables(tree)
+        if plain:
+            return READ, tables or {META}
+        return (WRITE, tables) if tables and not tree.find(exp.Command) else None
+    if isinstance(tree, _KNOWN_WRITE_ROOTS) and not tree.find(exp.Command):
+        tables = _tables(tree)
+        return (WRITE, tables) if tables else None
+    return None
+
+
+def classify_sql(sql: Any) -> tuple[str, frozenset[str]]:
+    """("read" | "write", tables) of a SQL string: MySQL dialect, statement by statement, fail closed.
+
+    A plain read (SELECT/UNION without INTO, locks or side-effect functions) is a read of its
+    tables (`__meta__` when it touches none; SHOW and DESCRIBE are `__meta__` reads). Anything
+    else is a write; a statement that does not parse, or whose effect cannot be known (CALL,
+    SET, GRANT, executable comments, …) is a write on `*`, meaning any table.
+    """
+    if not isinstance(sql, str) or not sql.strip():
+        return WRITE, frozenset({ANY_TABLE})
+    try:
+        return _classify(sql)
+    except Exception:  # a parser bug must not open a gate (nor crash the turn)
+        logger.warning("SQL classification failed; treating it as a write on any table", exc_info=True)
+        return WRITE, frozenset({ANY_TABLE})
+
+
+def _classify(sql: str) -> tuple[str, frozenset[str]]:
+    if _EXECUTABLE_COMMENT.search(sql):
+        return WRITE, frozenset(_guess_tables(sql) | {ANY_TABLE})
+    try:
+        statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
+    except (SqlglotError, RecursionError, ValueError):  # does not parse: fail closed
+        statements = []
+        unknown = True
+    else:
+        unknown = not statements
+    operation, tables = READ, set()
+    for statement in statements:
+        verdict = _classify_statement(statement)
+        if verdict is None:
+            unknown = True
+            if not isinstance(statement, exp.Use):  # USE names a database, not a table
+                tables |= _tables(statement)
+            continue
+        if verdict[0] == WRITE:
+            operation = WRITE
+        tables |= verdict[1]
+    if unknown:
+        return WRITE, frozenset(tables | _guess_tables(sql) | {ANY_TABLE})
+    return operation, frozenset(tables)
+
+
+# ── Gate state ──────────────────────────────────────────────────────────────────────────────
+
+
+def resolve_operation(spec: dict[str, Any], args: dict[str, Any]) -> str:
+    """The operation a declared gate says this call performs; anything unclear counts as a write."""
+    declared = spec.get("operation", READ)
+    if callable(declared):
+        try:
+            declared = declared(dict(args))
+        except Exception:
+            logger.warning("gate operation of %s failed; treating the call as a write", spec, exc_info=True)
+            return WRITE
+    return declared if declared in OPERATIONS else WRITE
+
+
+def gate_type(entry: RegisteredTool | None) -> str:
+    """A registered tool's gate type (also its rate-limit type)."""
+    return str((entry.gate if entry else {}).get("type") or DEFAULT_TYPE)
+
+
+def _overrides(session: state.Session | None, section: str) -> dict[str, dict[str, bool]]:
+    if session is None:
+        return {}
+    return session.settings.get("gates", {}).get(section, {})
+
+
+def _env_seconds(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be a positive number of seconds")
+    return value
+
+
+class GateKeeper:
+    """Decides, asks and records approvals of tool calls for one server instance."""
+
+    def __init__(self, defaults: GateDefaults, *, timeout: float = DEFAULT_GATE_TIMEOUT,
+                 api_timeout: float = DEFAULT_API_GATE_TIMEOUT):
+        self.defaults = defaults
+        self.timeout = timeout
+        self.api_timeout = api_timeout
+
+    @classmethod
+    def from_env(cls, defaults: GateDefaults, env: dict[str, str]) -> GateKeeper:
+        """A keeper with `GATE_TIMEOUT` (interactive wait) and `API_GATE_TIMEOUT` (API window) from env."""
+        return cls(defaults, timeout=_env_seconds(env, "GATE_TIMEOUT", DEFAULT_GATE_TIMEOUT),
+                   api_timeout=_env_seconds(env, "API_GATE_TIMEOUT", DEFAULT_API_GATE_TIMEOUT))
+
+    # ── lookups ──
+
+    def _defaults(self, section: str) -> dict[str, Any]:
+        return self.defaults.db if section == "db" else self.defaults.tools
+
+    def explicit(self, session: state.Session | None, section: str, key: str, op: str) -> bool | None:
+        """The permission set for exactly `key` (session first, then defaults), or None."""
+        own = _overrides(session, section).get(key, {})
+        if op in own:
+            return bool(own[op])
+        default = self._defaults(section).get(key)
+        return getattr(default, op) if default is not None else None
+
+    def allowed(self, session: state.Session | None, section: str, key: str, op: str) -> bool:
+        """True when `op` on `key` ("db": a table, `__meta__` or `*`; "tools": a tool) runs unasked."""
+        wildcard = self.explicit(session, section, ANY_TABLE, op) is True
+        if section == "db" and key == ANY_TABLE:
+            # Unknown tables: only if every table could be written, the explicitly gated ones too.
+            named = set(_overrides(session, "db")) | set(self.defaults.db)
+            return wildcard and all(self.explicit(session, "db", t, op) is not False
+                                    for t in named - {ANY_TABLE, META})
+        own = self.explicit(session, section, key, op)
+        return own if own is not None else wildcard
+
+    def keys(self, section: str, session: state.Session | None) -> list[str]:
+        """Every key with an entry in the defaults or this session's overrides, `*` first."""
+        found = set(self._defaults(section)) | set(_overrides(session, section))
+        return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
+
+    @staticmethod
+    def set_override(session: state.Session, section: str, key: str, op: str, value: bool) -> None:
+        """Record a per-session permission (persisted with the session)."""
+        gates = session.settings.setdefault("gates", {})
+        gates.setdefault(section, {}).setdefault(key, {})[op] = bool(value)
+
+    # ── the check ──
+
+    async def check(self, rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+        """The gate of one tool call: None to run it, or the rejection message the model receives."""
+        entry = rt.tools.entry(tool_name)
+        spec = entry.gate if entry else {}
+        session = rt.sessions.get(client_id)
+        if gate_type(entry) == "db":
+            op, found = classify_sql(args.get("sql"))
+            section, keys, tables = "db", sorted(found), sorted(found)
+        else:
+            op, section, keys, tables = resolve_operation(spec, args), "tools", [tool_name], []
+        if all(self.allowed(session, section, k, op) for k in keys):
+            return None
+        kind = client_class(client_id)
+        if kind == SHELL and session is not None and session.temp_model_active:
+            rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
+            return None
+        what = f"{op} on {', '.join(tables)}" if tables else op
+        if kind in (SWARM, PROXY, SLACK):
+            rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {CLIENT_LABELS[kind]} "
+                                     "cannot give — rejected")
+            return (f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this client "
+                    f"({CLIENT_LABELS[kind]}) cannot give it, so it was not run. Do not retry it; tell the user "
+                    "that an operator can allow it from the shell (!autogate / !autoAIdb) or in gate-defaults.json.")
+        timeout = self.timeout if kind == SHELL else self.api_timeout
+        payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
+                   "timeout_seconds": timeout}
+        decision, gate_id = await self.ask(rt, client_id, payload, timeout)
+        resolved = {"gate_id": gate_id, "decision": decision}
+        if decision == "allow":
+            rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: allowed once", **resolved})
+            return None
+        if decision == "allow_session":
+            remembered = session is not None and ANY_TABLE not in keys
+            if remembered:
+                assert session is not None
+                for key in keys:
+                    self.set_override(session, section, key, op, True)
+                await rt.sessions.save(session)
+            note = "allowed for this session" if remembered else "allowed once (a statement that could not be " \
+                                                                 "analysed is never allowed for the whole session)"
+            rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})
+            return None
+        if decision == "timeout":
+            rt.hub.publish(client_id, "status", {
+                "text": f"[gate ✗] {tool_name}: no answer within {timeout:g} s — rejected", **resolved})
+            return (f"TOOL CALL REJECTED: nobody approved your {tool_name} request ({what}) within {timeout:g} s, "
+                    "so it was not run. Do not retry it now; tell the user it is waiting for their approval.")
+        rt.hub.publish(client_id, "status", {"text": f"[gate ✗] {tool_name}: rejected by the user", **resolved})
+        return (f"TOOL CALL REJECTED: the user rejected your {tool_name} request ({what}). Do not retry it; "
+                "tell the user it was not run and ask how they want to proceed.")
+
+    @staticmethod
+    async def ask(rt: state.Runtime, client_id: str, payload: dict[str, Any], wait_seconds: float) -> tuple[str, str]:
+        """Send a gate event and wait for its decision: (allow | allow_session | reject | timeout, gate id).
+
+        The pending entry is always removed: on a decision, on timeout, and when the turn is cancelled.
+        """
+        gate_id = str(uuid.uuid4())
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        rt.pending_gates[gate_id] = future
+        try:
+            rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
+            try:
+                async with asyncio.timeout(wait_seconds):
+                    decision = await future
+            except TimeoutError:
+                decision = "timeout"
+        finally:
+            rt.pending_gates.pop(gate_id, None)
+        return (decision if decision in (*DECISIONS, "timeout") else "reject"), gate_id
+
+
+async def check_human_gate(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+    """The gate tool check (see `GateKeeper.check`) of the runtime's current gate keeper."""
+    return await rt.gate.check(rt, client_id, tool_name, args)
+
+
+async def check_rate_limit(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+    """The rate-limit tool check (see `RateLimiter.check`) of the runtime's current rate limiter."""
+    return await rt.rate_limiter.check(rt, client_id, tool_name, args)
+
+
+def resolve_gate(rt: state.Runtime, gate_id: str, decision: str) -> bool:
+    """Answer a pending gate (allow | allow_session | reject); False if it is unknown or already answered."""
+    if decision not in DECISIONS:
+        raise ValueError(f"decision must be one of: {', '.join(DECISIONS)}")
+    future = rt.pending_gates.get(gate_id)
+    if future is None or future.done():
+        return False
+    future.set_result(decision)
+    return True
+
+
+# ── Rate limiter ────────────────────────────────────────────────────────────────────────────
+
+SWEEP_EVERY = 256
+
+
+class RateLimiter:
+    """Sliding windows per (session, tool type) from `plugins-enabled.json` `rate_limits`.
+
+    A call over the limit is refused (and not counted). With `auto_disable` the whole tool type
+    is then disabled for that session until `!ratelimit enable <type>`. Empty windows are
+    dropped every `SWEEP_EVERY` checks, so memory stays bounded by the recently active sessions.
+    """
+
+    def __init__(self, limits: dict[str, RateLimit], clock: Callable[[], float] = time.monotonic):
+        self.limits = limits
+        self.clock = clock
+        self.windows: dict[tuple[str, str], deque[float]] = {}
+        self.disabled: dict[str, set[str]] = {}
+        self._checks = 0
+
+    def hit(self, client_id: str, tool_type: str) -> str | None:
+        """Count one call; None if allowed, else why not ("limit" or "disabled") as a short reason."""
+        if tool_type in self.disabled.get(client_id, ()):
+            return "disabled"
+        limit = self.limits.get(tool_type)
+        if limit is None or limit.calls == 0 or limit.window_seconds == 0:
+            return None
+        now = self.clock()
+        self._checks += 1
+        if self._checks % SWEEP_EVERY == 0:
+            self.sweep(now)
+        window = self.windows.setdefault((client_id, tool_type), deque())
+        while window and window[0] <= now - limit.window_seconds:
+            window.popleft()
+        if len(window) >= limit.calls:
+            if limit.auto_disable:
+                self.disabled.setdefault(client_id, set()).add(tool_type)
+            return "limit"
+        window.append(now)
+        return None
+
+    def sweep(self, now: float | None = None) -> None:
+        """Drop windows whose calls have all expired."""
+        now = self.clock() if now is None else now
+        for key in list(self.windows):
+            limit = self.limits.get(key[1])
+            window = self.windows[key]
+            if limit is None or not window or window[-1] <= now - limit.window_seconds:
+                del self.windows[key]
+
+    def enable(self, client_id: str, tool_type: str) -> bool:
+        """Re-enable a tool type for a session; False if it was not disabled."""
+        types = self.disabled.get(client_id, set())
+        if tool_type not in types:
+            return False
+        types.discard(tool_type)
+        if not types:
+            self.disabled.pop(client_id, None)
+        return True
+
+    def forget(self, client_id: str) -> None:
+        """Drop everything kept for a deleted session."""
+        self.disabled.pop(client_id, None)
+        for key in [k for k in self.windows if k[0] == client_id]:
+            del self.windows[key]
+
+    async def check(self, rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+        """The rate-limit check of one tool call: None to go on, or the message the model receives."""
+        tool_type = gate_type(rt.tools.entry(tool_name))
+        why = self.hit(client_id, tool_type)
+        if why is None:
+            return None
+        again = f"the user can re-enable them with !ratelimit enable {tool_type}"
+        if why == "disabled":
+            rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for this session")
+            return (f"TOOL DISABLED: {tool_type} tools were disabled for this session after the rate limit was "
+                    f"exceeded; {again}. Do not call them again.")
+        limit = self.limits[tool_type]
+        rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for this session"
+        rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} ({tool_type}): {rule}")
+        message = f"RATE LIMIT EXCEEDED: {tool_name} ({tool_type}) — {rule}."
+        if limit.auto_disable:
+            return f"{message} All {tool_type} tools are now disabled for this session; {again}."
+        return f"{message} Wait before calling it again."
+
+    def describe(self, client_id: str, types: Iterable[str]) -> str:
+        """The limits and this session's state, one line per tool type."""
+        rows = []
+        now = self.clock()
+        for tool_type in sorted(set(types) | set(self.limits)):
+            limit = self.limits.get(tool_type)
+            rule = (f"{limit.calls} calls / {limit.window_seconds:g} s" + (", auto_disable" if limit.auto_disable else "")
+                    if limit and limit.calls and limit.window_seconds else "unlimited")
+            window = self.windows.get((client_id, tool_type), ())
+            used = sum(1 for t in window if limit and t > now - limit.window_seconds)
+            off = " — DISABLED for this session" if tool_type in self.disabled.get(client_id, ()) else ""
+            rows.append(f"  {tool_type:<12} {rule}" + (f" (used {used})" if used else "") + off)
+        return "\n".join(rows)

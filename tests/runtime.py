@@ -1,0 +1,105 @@
+"""An in-process runtime on a temporary config dir, small tools with gate declarations, turn helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+from langchain_core.tools import StructuredTool
+from pydantic import BaseModel
+
+import gate
+import routes
+import state
+from config import load_config
+from tests.conftest import ROOT, ConfigDir
+
+#: gate-defaults.json with every gate on / off.
+ALL_GATED: dict[str, Any] = {"db": {}, "tools": {}}
+ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True}},
+                            "tools": {"*": {"read": True, "write": True}}}
+
+
+@contextlib.asynccontextmanager
+async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
+                  gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None
+                  ) -> AsyncIterator[state.Runtime]:
+    """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions."""
+    cfg = ConfigDir(path)
+    cfg.models = models
+    cfg.env = env or {}
+    cfg.gates = gates
+    cfg.write()
+    shutil.copytree(ROOT / ".system_prompt", path / ".system_prompt")
+    if rate_limits is not None:
+        enabled = json.loads((path / "plugins-enabled.json").read_text())
+        (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
+    rt = await routes.build_runtime(load_config(path), store=state.MemoryStore())
+    state.set_current(rt)
+    try:
+        yield rt
+    finally:
+        await routes.close_runtime(rt)
+        for llm in rt.llms.values():
+            if getattr(llm, "async_client", None) is not None:
+                await llm.root_async_client.close()
+        state.set_current(None)
+
+
+class Recorder:
+    """Test tools that record their calls: `calls` holds (tool name, arguments) in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def tool(self, name: str, schema: type[BaseModel], reply: str = "ok") -> StructuredTool:
+        async def run(**kwargs: Any) -> str:
+            self.calls.append((name, kwargs))
+            return f"{reply}: {json.dumps(kwargs, sort_keys=True)}"
+
+        return StructuredTool.from_function(coroutine=run, name=name, description=f"Test tool {name}.",
+                                            args_schema=schema)
+
+
+def add_plugin_tools(rt: state.Runtime, plugin: str, tools: list[StructuredTool], gates: dict[str, Any]) -> None:
+    """Register tools and their gate declarations the way the plugin loader does."""
+    rt.tools.register_plugin_tools(plugin, {"lc": tools})
+    rt.tools.register_gate_tools(plugin, gates)
+
+
+async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dict[str, Any] | None = None,
+               answer: str | None = None) -> tuple[str, list[state.Event]]:
+    """Submit and collect the events up to the turn's `done`, answering gates with `answer` if given."""
+    sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+    await routes.submit(rt, client_id, text, payload)
+    events = []
+    async for ev in sub:
+        events.append(ev)
+        if ev.name == "gate" and answer:
+            gate.resolve_gate(rt, ev.data["gate_id"], answer)
+        if ev.name == "done":
+            break
+    await sub.aclose()
+    return "".join(e.data.get("text", "") for e in events if e.name == "tok"), events
+
+
+async def with_events(rt: state.Runtime, client_id: str, work: Awaitable[Any], answer: str | None = None
+                      ) -> tuple[Any, list[state.Event]]:
+    """Run `work`, collecting the session's events meanwhile and answering gates with `answer`."""
+    sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda _: rt.hub.publish(client_id, "status", {"text": "", "end_of_test": True}))
+    events = []
+    async for ev in sub:
+        if ev.data.get("end_of_test"):
+            break
+        events.append(ev)
+        if ev.name == "gate" and answer:
+            gate.resolve_gate(rt, ev.data["gate_id"], answer)
+    await sub.aclose()
+    return await task, events
