@@ -87,8 +87,9 @@ async def run_google_search(client: genai.Client, settings: GoogleSearchSettings
     try:
         resp = await client.aio.models.generate_content(model=settings.model, contents=query, config=SEARCH_CONFIG)
     except Exception as exc:
-        logger.info("google_search failed: %s", exc)
-        return f"{TOOL} error: {describe_error(exc, settings)}"
+        text = f"{TOOL} error: {describe_error(exc, settings)}"
+        logger.info("%s", text)
+        return text
     return format_response(query, resp)
 
 

@@ -65,8 +65,9 @@ async def run_tavily_search(client: AsyncTavilyClient, settings: TavilySearchSet
             include_answer="basic", timeout=settings.timeout,
         )
     except Exception as exc:
-        logger.info("tavily_search failed: %s", exc)
-        return f"{TOOL} error: {_tavily.describe_error(exc, settings)}"
+        text = f"{TOOL} error: {_tavily.describe_error(exc, settings)}"
+        logger.info("%s", text)
+        return text
     return format_results(query, response)
 
 

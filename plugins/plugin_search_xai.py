@@ -106,8 +106,9 @@ async def run_xai_search(client: openai.AsyncOpenAI, settings: XaiSettings, quer
             tools=SOURCE_TOOLS[sources],  # type: ignore[arg-type]  # x_search is xAI's, not in openai's types
         )
     except Exception as exc:
-        logger.info("xai_search failed: %s", exc)
-        return f"{TOOL} error: {describe_error(exc, settings)}"
+        text = f"{TOOL} error: {describe_error(exc, settings)}"
+        logger.info("%s", text)
+        return text
     return format_response(query, resp)
 
 

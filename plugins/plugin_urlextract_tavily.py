@@ -89,8 +89,9 @@ async def run_url_extract(client: AsyncTavilyClient, settings: UrlExtractSetting
         response = await client.extract(url.strip(), format="markdown", extract_depth=extract_depth,
                                         timeout=settings.timeout, **focus)
     except Exception as exc:
-        logger.info("url_extract failed: %s", exc)
-        return f"{TOOL} error: {_tavily.describe_error(exc, settings)}"
+        text = f"{TOOL} error: {_tavily.describe_error(exc, settings)}"
+        logger.info("%s", text)
+        return text
     return format_extract(url.strip(), query.strip(), response, settings.max_chars)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,9 +40,8 @@ def write_config(path: Path, plugins: dict[str, dict[str, Any]], env: dict[str, 
     cfg.plugins = (["plugin_client_shellpy"] if shell else []) + list(plugins)
     cfg.plugin_config = {name: conf for name, conf in plugins.items() if conf}
     cfg.env = env
-    cfg.write()
-    (path / "gate-defaults.json").write_text(json.dumps(NO_GATES))
-    return cfg
+    cfg.gates = NO_GATES
+    return cfg.write()
 
 
 @asynccontextmanager

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from tests.fakes.service import Call, ServiceFake
+from tests.fakes.service import Call, Handler, ServiceFake
 from tests.fakes.tls import TLSFiles
 
 FOLDER = "application/vnd.google-apps.folder"
@@ -97,7 +97,9 @@ class FakeDrive(ServiceFake):
         return fid
 
     def routes(self) -> list[BaseRoute]:
-        ep = self.recorded
+        def ep(handler: Handler) -> Any:
+            return self.recorded(self._signed_in(handler))
+
         return [
             Route("/drive/v3/files", ep(self._list), methods=["GET"]),
             Route("/drive/v3/files", ep(self._create), methods=["POST"]),
@@ -112,18 +114,24 @@ class FakeDrive(ServiceFake):
 
     # ── helpers ──
 
-    def _authorized(self, call: Call) -> bool:
-        auth = call.headers.get("authorization", "")
-        return auth.startswith("Bearer ") and auth[7:] in self.tokens
+    def _signed_in(self, handler: Handler) -> Handler:
+        """Answer 401 unless the request carries one of `tokens`."""
+
+        async def checked(request: Request, call: Call) -> Response:
+            auth = call.headers.get("authorization", "")
+            if not (auth.startswith("Bearer ") and auth[7:] in self.tokens):
+                return self._error(401, "authError", "Request had invalid authentication credentials.",
+                                   "Authorization")
+            return await handler(request, call)
+
+        return checked
 
     @staticmethod
     def _error(status: int, reason: str, message: str, location: str | None = None) -> JSONResponse:
         return JSONResponse(drive_error(status, reason, message, location), status_code=status)
 
-    def _unauthorized(self) -> JSONResponse:
-        return self._error(401, "authError", "Request had invalid authentication credentials.", "Authorization")
-
-    def _lookup(self, fid: str) -> DriveFile | JSONResponse:
+    def _lookup(self, request: Request) -> DriveFile | JSONResponse:
+        fid = request.path_params["fid"]
         f = self.files.get(fid)
         return f if f is not None else self._error(404, "notFound", f"File not found: {fid}.", "fileId")
 
@@ -174,8 +182,6 @@ class FakeDrive(ServiceFake):
         return JSONResponse({"access_token": ACCESS_TOKEN, "expires_in": 3600, "token_type": "Bearer"})
 
     async def _list(self, request: Request, call: Call) -> Response:
-        if not self._authorized(call):
-            return self._unauthorized()
         q = call.query.get("q", "")
         matched = []
         for f in self.files.values():
@@ -194,9 +200,7 @@ class FakeDrive(ServiceFake):
         return JSONResponse(body)
 
     async def _get(self, request: Request, call: Call) -> Response:
-        if not self._authorized(call):
-            return self._unauthorized()
-        f = self._lookup(request.path_params["fid"])
+        f = self._lookup(request)
         if isinstance(f, JSONResponse):
             return f
         if call.query.get("alt") == "media":
@@ -208,9 +212,7 @@ class FakeDrive(ServiceFake):
         return JSONResponse(f.resource())
 
     async def _export(self, request: Request, call: Call) -> Response:
-        if not self._authorized(call):
-            return self._unauthorized()
-        f = self._lookup(request.path_params["fid"])
+        f = self._lookup(request)
         if isinstance(f, JSONResponse):
             return f
         if not f.mimeType.startswith("application/vnd.google-apps.") or f.mimeType == FOLDER:
@@ -221,8 +223,6 @@ class FakeDrive(ServiceFake):
         return Response(f.content, media_type=target)
 
     async def _create(self, request: Request, call: Call) -> Response:
-        if not self._authorized(call):
-            return self._unauthorized()
         if self.quota_exceeded:
             return self._error(403, "storageQuotaExceeded",
                                "Service Accounts do not have storage quota. Leverage shared drives "
@@ -241,9 +241,7 @@ class FakeDrive(ServiceFake):
         return JSONResponse(self.files[fid].resource())
 
     async def _update(self, request: Request, call: Call) -> Response:
-        if not self._authorized(call):
-            return self._unauthorized()
-        f = self._lookup(request.path_params["fid"])
+        f = self._lookup(request)
         if isinstance(f, JSONResponse):
             return f
         parsed = self._parse_upload(call)
@@ -262,9 +260,7 @@ class FakeDrive(ServiceFake):
         return JSONResponse(f.resource())
 
     async def _delete(self, request: Request, call: Call) -> Response:
-        if not self._authorized(call):
-            return self._unauthorized()
-        f = self._lookup(request.path_params["fid"])
+        f = self._lookup(request)
         if isinstance(f, JSONResponse):
             return f
         del self.files[f.id]
