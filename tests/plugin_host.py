@@ -33,22 +33,24 @@ def isolate_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def write_config(path: Path, plugins: dict[str, dict[str, Any]], env: dict[str, str],
-                 models: dict[str, Any] | None = None, shell: bool = False) -> ConfigDir:
-    """A config dir enabling `plugins` (name → plugin_config) with `.env` = `env` and every gate open."""
+                 models: dict[str, Any] | None = None, shell: bool = False,
+                 gates: dict[str, Any] | None = None) -> ConfigDir:
+    """A config dir enabling `plugins` (name → plugin_config) with `.env` = `env` and every gate open
+    (or `gates` as gate-defaults.json)."""
     cfg = ConfigDir(path)
     cfg.models = models or {"unused": UNUSED_MODEL}
     cfg.plugins = (["plugin_client_shellpy"] if shell else []) + list(plugins)
     cfg.plugin_config = {name: conf for name, conf in plugins.items() if conf}
     cfg.env = env
-    cfg.gates = NO_GATES
+    cfg.gates = NO_GATES if gates is None else gates
     return cfg.write()
 
 
 @asynccontextmanager
-async def plugin_runtime(path: Path, plugins: dict[str, dict[str, Any]],
-                         env: dict[str, str]) -> AsyncIterator[state.Runtime]:
+async def plugin_runtime(path: Path, plugins: dict[str, dict[str, Any]], env: dict[str, str],
+                         gates: dict[str, Any] | None = None) -> AsyncIterator[state.Runtime]:
     """A runtime with `plugins` loaded (each with its plugin_config), shut down on exit."""
-    write_config(path, plugins, env)
+    write_config(path, plugins, env, gates=gates)
     rt = await routes.build_runtime(load_config(path), store=state.MemoryStore())
     try:
         assert rt.plugins is not None

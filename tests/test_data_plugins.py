@@ -4,14 +4,19 @@ model's tool calls reach the services through the plugins."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
-from config import CODE_DIR
+import agents
+from config import CODE_DIR, RateLimit
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.drive import FOLDER, FakeDrive
 from tests.fakes.search import FakeTavily
 from tests.fakes.tls import make_localhost_tls
 from tests.plugin_host import SERVICE_ENV, isolate_env, plugin_runtime, write_config
+from tests.test_plugin_storage_googledrive import USER_TOKEN
 from tests.turns import answer, run_turn
 
 DATA_PLUGINS = ("plugin_storage_googledrive", "plugin_search_google", "plugin_search_ddgs", "plugin_search_tavily",
@@ -42,6 +47,15 @@ def test_every_plugin_missing_its_key_the_server_starts_and_says_why(tmp_path, f
     out = server.stop()
     for name in DATA_PLUGINS[:2] + DATA_PLUGINS[3:]:
         assert f"plugin {name} [invalid]:" in out
+
+    # The operator's CLI reads the same files and gives the same reasons.
+    ctl = subprocess.run([sys.executable, str(CODE_DIR / "agentctl.py"), "--config-dir", str(cfg.path), "--json", "list"],
+                         capture_output=True, text=True, env={**os.environ, **dict.fromkeys(SERVICE_ENV, "")},
+                         timeout=30, check=True)
+    rows = {r["name"]: r for r in json.loads(ctl.stdout)["plugins"]}
+    assert rows["plugin_search_ddgs"]["status"] == "ready"
+    for name in missing:
+        assert rows[name]["status"] == "problems" and rows[name]["problems"] == plugins[name]["reasons"]
 
 
 async def test_shipped_defaults_keep_keyed_plugins_off(tmp_path, monkeypatch):
@@ -91,3 +105,28 @@ def test_model_tool_calls_reach_tavily_and_drive_through_the_server(tmp_path, fa
     assert tavily.calls[0].json["query"] == "capital of France"
     offered = {t["function"]["name"] for t in fake_openai.requests[0].json["tools"]}
     assert {"tavily_search", "google_drive"} <= offered
+
+
+async def test_drive_gate_follows_the_operation_and_drive_calls_are_rate_limited(tmp_path, monkeypatch):
+    isolate_env(monkeypatch)
+    (tmp_path / "tls").mkdir()
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    (cfg_dir / "credentials.json").write_text(json.dumps(USER_TOKEN))
+    gates = {"tools": {"*": {"read": False, "write": False}, "google_drive": {"read": True, "write": False}}}
+    with FakeDrive(make_localhost_tls(tmp_path / "tls")) as drive:
+        drive.add("Shared", parent="", mime=FOLDER, file_id="FOLDER1")
+        drive.add("notes.txt", "keep me", parent="FOLDER1", file_id="NOTES")
+        conf = {"base_url": drive.endpoint, "ca_bundle": str(drive.tls.ca), "num_retries": 0}
+        async with plugin_runtime(cfg_dir, {"plugin_storage_googledrive": conf}, {"FOLDER_ID": "FOLDER1"},
+                                  gates=gates) as rt:
+            rt.rate_limiter.limits["drive"] = RateLimit(calls=2, window_seconds=3600)
+            # A proxy client cannot answer a gate: reads are open by gate-defaults, writes are refused.
+            read = await agents.execute_tool(rt, "llama-1", "google_drive", {"operation": "read", "file_id": "NOTES"})
+            delete = await agents.execute_tool(rt, "llama-1", "google_drive",
+                                               {"operation": "delete", "file_id": "NOTES"})
+            third = await agents.execute_tool(rt, "llama-1", "google_drive", {"operation": "list"})
+    assert read == "'notes.txt' (id: NOTES):\nkeep me"
+    assert delete.startswith("TOOL CALL REJECTED: google_drive")
+    assert drive.files["NOTES"].trashed is False and not any(c.method == "PATCH" for c in drive.calls)
+    assert third.startswith("RATE LIMIT EXCEEDED: google_drive (drive)")  # the gate type is the rate-limit type
