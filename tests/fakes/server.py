@@ -50,6 +50,9 @@ class _Server(uvicorn.Server):
 class ThreadedServer:
     """Serves `app()` on 127.0.0.1 (any free port by default) from `start()` until `stop()`."""
 
+    #: uvicorn's WebSocket implementation ("none" unless the fake serves WebSockets).
+    ws = "none"
+
     def __init__(self, port: int = 0, *, tls: TLSFiles | None = None) -> None:
         self._requested_port = port
         self.tls = tls
@@ -90,7 +93,7 @@ class ThreadedServer:
             self.app(),
             loop="asyncio",
             http="h11",
-            ws="none",
+            ws=self.ws,
             lifespan="off",
             log_config=None,
             log_level="warning",

@@ -18,23 +18,21 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from tests.fakes.backend import _Server
+from tests.fakes.server import ThreadedServer
 
 T = TypeVar("T")
 
@@ -90,10 +88,13 @@ class _Failure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-class FakeSlack:
+class FakeSlack(ThreadedServer):
     """A fake Slack workspace with one bot user (`UBOT` / `BBOT`) and one app (`A1`)."""
 
+    ws = "websockets-sansio"
+
     def __init__(self, *, echo_bot_messages: bool = False) -> None:
+        super().__init__()
         #: Send the bot's own posts and edits back as `message` events, as Slack does.
         self.echo_bot_messages = echo_bot_messages
         self._cond = threading.Condition()
@@ -107,10 +108,6 @@ class FakeSlack:
         self._tickets: set[str] = set()
         self._failures: dict[str, list[_Failure]] = {}
         self._ts = itertools.count(1)
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._socket: socket.socket | None = None
-        self.port = 0
 
     # ── lifecycle ──────────────────────────────────────────────────────────────────────────
 
@@ -119,50 +116,17 @@ class FakeSlack:
         """What to give `AsyncWebClient(base_url=...)` (with the trailing `/api/`)."""
         return f"http://127.0.0.1:{self.port}/api/"
 
-    def start(self) -> Self:
-        """Serve in a background thread; returns once the port accepts connections."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        app = Starlette(routes=[Route("/api/{method}", self._api, methods=["POST"]),
-                                WebSocketRoute("/link/", self._link)])
-        config = uvicorn.Config(app, loop="asyncio", http="h11", ws="websockets-sansio", lifespan="off",
-                                log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-        server = _Server(config)
-
-        def run() -> None:
-            try:
-                server.run(sockets=[sock])
-            finally:
-                server.ready.set()
-
-        self._socket, self._server, self.port = sock, server, sock.getsockname()[1]
-        self._thread = threading.Thread(target=run, name="FakeSlack", daemon=True)
-        self._thread.start()
-        server.ready.wait()
-        if not server.started:
-            self.stop()
-            raise RuntimeError("FakeSlack failed to start")
-        return self
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/api/{method}", self._api, methods=["POST"]),
+                                 WebSocketRoute("/link/", self._link)])
 
     def stop(self) -> None:
-        """Close the Socket Mode connections, stop the server and wait for its thread."""
+        """Close the Socket Mode connections, then stop the server and wait for its thread."""
         if self._server is not None and self._server.loop is not None and self._server.started:
             for ws in list(self._sockets):
                 with contextlib.suppress(Exception):
                     self._run(ws.close())
-            self._server.request_stop()
-        if self._thread is not None:
-            self._thread.join(10)
-        if self._socket is not None:
-            self._socket.close()
-        self._server = self._thread = self._socket = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().stop()
 
     # ── test controls (thread-safe; called from the test's thread) ─────────────────────────
 
