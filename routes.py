@@ -422,6 +422,9 @@ async def cmd_help(rt: state.Runtime, session: state.Session, args: str) -> str:
             text = plugin.get_help()
             if text:
                 lines += ["", text.rstrip()]
+        idle = [r for r in rt.plugins.reports.values() if r.status != "loaded"]
+        if idle:
+            lines += ["", "Plugins not loaded:"] + [f"  {r.line()}" for r in idle]
     lines += ["", "Tools:"]
     lines += [f"  {e.tool.name:<24} [{gate.gate_type(e)}] {e.tool.description.splitlines()[0] if e.tool.description else ''}"
               for e in rt.tools.entries()]
