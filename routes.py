@@ -339,12 +339,8 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise BadRequest(400, f"invalid request: {validation_problems(exc)}") from None
-
-
-def validation_problems(exc: ValidationError, whole: str = "body") -> str:
-    """Every problem of a pydantic error on one line: `field.path: message; …` (`whole` when no field)."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise BadRequest(400, f"invalid request: {problems}") from None
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
 import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,9 +33,7 @@ from starlette.routing import Route
 import gate
 import routes
 import state
-from plugin_loader import BasePlugin
-
-logger = logging.getLogger("agent_mcp.api")
+from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 PREFIX = "api-"
 CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
@@ -45,12 +42,9 @@ DEFAULT_WAIT = 60.0
 KEPT_TURNS = 4096
 
 
-class ApiConfig(BaseModel):
+class ApiConfig(PluginSettings):
     """`plugin_config.plugin_client_api` in plugins-enabled.json."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(default=8767, ge=1, le=65535)
     #: Env var holding the bearer token every request must present (unset: no token needed).
@@ -126,17 +120,11 @@ class ApiPlugin(BasePlugin):
         self._routes: list[Route] = []
 
     def init(self, config: dict[str, Any]) -> bool:
-        try:
-            self.cfg = ApiConfig.model_validate(config)
-        except ValidationError as exc:
-            problems = routes.validation_problems(exc, "plugin_config")
-            logger.error("plugin_config.plugin_client_api in plugins-enabled.json is invalid: %s", problems)
-            return False
+        self.cfg = parse_settings(self.PLUGIN_NAME, ApiConfig, config)
         admin = self._admin_token()
         if admin is not None and admin == self._token():
-            logger.error("%s must differ from %s: with one key every API caller would be an administrator",
-                         self.cfg.admin_token_env, self.cfg.token_env)
-            return False
+            raise PluginConfigError(f"{self.cfg.admin_token_env} must differ from {self.cfg.token_env}: with one key "
+                                    "every API caller would be an administrator")
         return True
 
     def shutdown(self) -> None:

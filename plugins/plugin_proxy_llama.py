@@ -379,7 +379,7 @@ class LlamaProxyPlugin(BasePlugin):
         try:
             self.cfg = ProxyConfig.model_validate(config)
         except ValidationError as exc:
-            problems = routes.validation_problems(exc, "plugin_config")
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             logger.error("plugin_config.plugin_proxy_llama in plugins-enabled.json is invalid: %s", problems)
             return False
         return True

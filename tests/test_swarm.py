@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+import routes
 import state
 from api_client import AgentClient
 from config import ConfigError, load_config
@@ -230,3 +231,23 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         finally:
             state.current_client_id.reset(token)
         assert result.startswith("ERROR: agent_call refused: this conversation is itself an agent_call")
+
+
+async def test_api_plugin_refuses_an_admin_key_equal_to_the_api_key(tmp_path, fake_openai) -> None:
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"gpt": openai_model(fake_openai)}
+    cfg.plugins.append("plugin_client_api")
+    for settings, env, reason in [
+        ({}, {"API_KEY": "same-key-123", "API_ADMIN_KEY": "same-key-123"}, "API_ADMIN_KEY must differ from API_KEY"),
+        ({"port": "high"}, {}, "plugin_config.plugin_client_api in plugins-enabled.json: port:"),
+        ({"tokn_env": "X"}, {}, "tokn_env: Extra inputs are not permitted"),
+    ]:
+        cfg.plugin_config["plugin_client_api"] = settings
+        cfg.env = env
+        cfg.write()
+        rt = await routes.build_runtime(load_config(tmp_path), store=state.MemoryStore())
+        try:
+            report = await rt.plugins.load("plugin_client_api")
+        finally:
+            await routes.close_runtime(rt)
+        assert report.status == "failed" and reason in report.reasons[0], report.reasons
