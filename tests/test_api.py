@@ -172,6 +172,7 @@ async def test_wait_complete_error_and_timeout_with_partial_text(api) -> None:
     api.gpt.script(error(500, "backend exploded"))
     body = (await _post(api, "/api/v1/submit", {"client_id": cid, "text": "again", "wait": True})).json()
     assert body["status"] == "error" and "HTTP 500" in body["error"] and "backend exploded" in body["error"]
+    assert "127.0.0.1" not in body["error"]  # API users are not told where the backends live
 
     release = threading.Event()
     api.gpt.script(text("partial ", "rest", hold=release))
