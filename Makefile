@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-proxy clean
+.PHONY: run test lint bench bench-proxy bench-api clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ $(LITELLM): bench/litellm-requirements.txt | $(PY)
 
 bench-proxy: $(STAMP) $(LITELLM)
 	$(PY) bench/proxy_overhead.py --litellm $(LITELLM)
+
+bench-api: $(STAMP)
+	$(PY) bench/api_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

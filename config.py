@@ -1,4 +1,4 @@
-"""Configuration: `.env`, `llm-models.json`, `plugin-manifest.json`, `plugins-enabled.json`.
+"""Configuration: `.env`, `llm-models.json`, `plugin-manifest.json`, `plugins-enabled.json`, `agents.json`.
 
 Every file is loaded into pydantic models; a malformed file or field stops start-up with a
 `ConfigError` that names the file and the field. Files are looked up in the config directory
@@ -28,6 +28,7 @@ MODELS_FILE = "llm-models.json"
 MANIFEST_FILE = "plugin-manifest.json"
 ENABLED_FILE = "plugins-enabled.json"
 GATE_DEFAULTS_FILE = "gate-defaults.json"
+AGENTS_FILE = "agents.json"
 MAX_TOOL_ITERATIONS = 10
 #: Settings whose values are secrets: never logged, never shown.
 SECRET_NAME = re.compile(r"(KEY|TOKEN|PASS|PASSWORD|SECRET)$", re.IGNORECASE)
@@ -134,6 +135,38 @@ class GateDefaults(_Model):
     tools: dict[str, GatePermission] = {}
 
 
+class AgentTarget(_Model):
+    """One agent-mcp instance `agent_call` may reach: its API URL and the token to present there."""
+
+    url: str
+    #: Name of the environment variable holding the bearer token this target issued (None: send none).
+    token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    timeout: float = Field(default=120, gt=0, le=3600)
+    description: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class AgentsFile(_Model):
+    """`agents.json`: the allow-list of agents `agent_call` may call, by name."""
+
+    version: str = "1.0.0"
+    agents: dict[str, AgentTarget] = {}
+
+    @field_validator("agents")
+    @classmethod
+    def _names(cls, v: dict[str, AgentTarget]) -> dict[str, AgentTarget]:
+        bad = [name for name in v if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name)]
+        if bad:
+            raise ValueError(f"agent names may use letters, digits, '_', '.', '-' only: {', '.join(bad)}")
+        return v
+
+
 class AppConfig(BaseModel):
     """Everything the server reads at start, with disabled models already removed."""
 
@@ -145,6 +178,7 @@ class AppConfig(BaseModel):
     manifest: Manifest
     enabled: EnabledConfig
     gates: GateDefaults = GateDefaults()
+    agents: dict[str, AgentTarget] = {}
 
     @property
     def default_model(self) -> str:
@@ -255,6 +289,12 @@ def load_gate_defaults(config_dir: Path) -> GateDefaults:
     return validate_data(GateDefaults, read_json(path), path) if path.exists() else GateDefaults()
 
 
+def load_agents(config_dir: Path) -> dict[str, AgentTarget]:
+    """`agents.json` (the agents agent_call may reach); without the file there are none."""
+    path = config_path(config_dir, AGENTS_FILE)
+    return validate_data(AgentsFile, read_json(path), path).agents if path.exists() else {}
+
+
 def load_config(config_dir: str | Path | None = None) -> AppConfig:
     """Load and cross-check every config file; raise ConfigError naming the file and field."""
     cdir = Path(config_dir).resolve() if config_dir else CODE_DIR
@@ -268,7 +308,8 @@ def load_config(config_dir: str | Path | None = None) -> AppConfig:
     if problems:
         raise ConfigError(problems[0])
     return AppConfig(
-        config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled, gates=load_gate_defaults(cdir)
+        config_dir=cdir, env=env, models=models, manifest=manifest, enabled=enabled, gates=load_gate_defaults(cdir),
+        agents=load_agents(cdir),
     )
 
 

@@ -371,6 +371,7 @@ class GateKeeper:
         gate_id = str(uuid.uuid4())
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         rt.pending_gates[gate_id] = future
+        rt.pending_gate_clients[gate_id] = client_id
         try:
             rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
             try:
@@ -380,6 +381,7 @@ class GateKeeper:
                 decision = "timeout"
         finally:
             rt.pending_gates.pop(gate_id, None)
+            rt.pending_gate_clients.pop(gate_id, None)
         return (decision if decision in (*DECISIONS, "timeout") else "reject"), gate_id
 
 
@@ -391,6 +393,11 @@ async def check_human_gate(rt: state.Runtime, client_id: str, tool_name: str, ar
 async def check_rate_limit(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
     """The rate-limit tool check (see `RateLimiter.check`) of the runtime's current rate limiter."""
     return await rt.rate_limiter.check(rt, client_id, tool_name, args)
+
+
+def gate_owner(rt: state.Runtime, gate_id: str) -> str | None:
+    """The client id of the session a pending gate belongs to, or None if it is not pending."""
+    return rt.pending_gate_clients.get(gate_id)
 
 
 def resolve_gate(rt: state.Runtime, gate_id: str, decision: str) -> bool:

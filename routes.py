@@ -9,14 +9,16 @@ cancelled by a newer one from the same client, which ends with a `[cancelled]` s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
@@ -26,7 +28,7 @@ import state
 from config import AppConfig, ConfigError, save_model_fields
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptError, PromptTree
-from tools import CORE_GATES, ToolRegistry, make_core_tools
+from tools import AGENT_CALL_STREAM, CORE_GATES, ToolRegistry, make_core_tools
 
 logger = logging.getLogger("agent_mcp.routes")
 
@@ -121,6 +123,20 @@ async def submit(
     return Turn(turn_id, task)
 
 
+def ends_turn(ev: state.Event) -> bool:
+    """Whether `ev` is the last event of its request: its `done`, or the status of its cancellation."""
+    return ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
+
+
+async def delete_session(rt: state.Runtime, client_id: str) -> state.Session:
+    """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows."""
+    await cancel_active_task(rt, client_id)
+    deleted = await rt.sessions.delete(client_id)
+    rt.hub.drop(client_id)
+    rt.rate_limiter.forget(client_id)
+    return deleted
+
+
 async def run_turn(
     rt: state.Runtime,
     client_id: str,
@@ -143,7 +159,7 @@ async def run_turn(
         async for ev in events:
             if ev.turn != turn.id:
                 continue
-            finished = ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
+            finished = ends_turn(ev)
             yield ev
             if finished:
                 return
@@ -261,12 +277,20 @@ def last_event_id(request: Request) -> int | None:
         return None
 
 
-def event_stream(rt: state.Runtime, client_id: str, after: int | None) -> EventSourceResponse:
-    """An SSE response with every event of a session: `id:` lines, JSON data, keepalive comments."""
+def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str | None = None) -> EventSourceResponse:
+    """An SSE response with every event of a session: `id:` lines, JSON data, keepalive comments.
+
+    With `turn`, only that request's events are sent and the response ends after its last one.
+    """
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        async for ev in rt.hub.subscribe(client_id, after):
-            yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
+        async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
+            async for ev in subscription:
+                if turn is not None and ev.turn != turn:
+                    continue
+                yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
+                if turn is not None and ends_turn(ev):
+                    return
 
     if rt.stopping is None:
         rt.stopping = anyio.Event()
@@ -277,6 +301,69 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None) -> EventS
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         shutdown_event=rt.stopping,
     )
+
+
+# ── HTTP helpers (shared by the client plugins) ─────────────────────────────────────────────
+
+#: Client ids a client plugin accepts from callers (ids also appear in logs and file names).
+CLIENT_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+#: The longest message text a client plugin accepts, in characters.
+MAX_TEXT = 200_000
+#: The largest JSON request body read, in bytes (a MAX_TEXT message with every character escaped fits).
+MAX_BODY = 8 * MAX_TEXT
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class BadRequest(Exception):
+    """A request a client plugin refuses; `status` is the HTTP status, the message says what to fix."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY) -> M:
+    """The request body as `model`; BadRequest (400, or 413 when over `max_bytes`) says what is wrong."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BadRequest(413, f"request body is {declared} bytes; the limit is {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
+        chunks.append(chunk)
+    try:
+        raw = json.loads(b"".join(chunks))
+    except ValueError:
+        raise BadRequest(400, "request body must be JSON") from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise BadRequest(400, f"invalid request: {problems}") from None
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the HTTP client disconnects first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await task
+    return task.result() if not task.cancelled() else None
 
 
 # ── Commands ────────────────────────────────────────────────────────────────────────────────
@@ -656,6 +743,21 @@ async def cmd_llm_timeout(rt: state.Runtime, session: state.Session, args: str) 
     return reply
 
 
+async def cmd_stream(rt: state.Runtime, session: state.Session, args: str) -> str:
+    """!stream [on|off] — whether agent_call shows the other agent's answer live in this session."""
+    if not args:
+        on = session.settings.get(AGENT_CALL_STREAM, True) is not False
+        return f"agent_call streaming: {'enabled' if on else 'disabled'}"
+    value = _bool(args)
+    if value is None:
+        return "ERROR: Invalid arguments\nUsage: !stream [on|off]"
+    session.settings[AGENT_CALL_STREAM] = value
+    await rt.sessions.save(session)
+    if value:
+        return "agent_call streaming enabled — the other agent's answer and progress are relayed live."
+    return "agent_call streaming disabled — only the final result of agent_call is shown (as a tool result)."
+
+
 CORE_COMMANDS: dict[str, state.Command] = {
     "help": state.Command(cmd_help, usage="!help                       this help"),
     "model": state.Command(cmd_model, usage="!model [key]                list models / switch this session's model"),
@@ -686,4 +788,5 @@ CORE_COMMANDS: dict[str, state.Command] = {
     "llm_timeout": state.Command(
         cmd_llm_timeout, usage="!llm_timeout [model] [secs]  delegation timeouts (llm_call_timeout)"
     ),
+    "stream": state.Command(cmd_stream, usage="!stream [on|off]            agent_call: relay the other agent's answer live"),
 }

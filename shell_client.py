@@ -6,15 +6,15 @@ No terminal here: shell.py draws what this module receives, and tests drive it d
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource, ServerSentEvent
+from httpx_sse import EventSource
+
+from api_client import AgentEvent
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 DEFAULT_PORT = 8765
@@ -74,31 +74,9 @@ def load_or_create_client_id(path: Path) -> str:
 # --------------------------------------------------------------------------- SSE
 
 
-@dataclass(frozen=True)
-class ShellEvent:
-    """One event of a session's stream: ``name`` is tok|status|gate|done|error, ``data`` its JSON object."""
-
-    name: str
-    data: dict[str, Any] = field(default_factory=dict)
-    id: int | None = None
-
-    @property
-    def text(self) -> str:
-        """The ``text`` of a tok/status event (``message`` of an error), or ""."""
-        value = self.data.get("text", self.data.get("message", ""))
-        return value if isinstance(value, str) else str(value)
-
-    @classmethod
-    def from_sse(cls, message: ServerSentEvent) -> ShellEvent:
-        """Decode a raw message; data that is not a JSON object is kept as ``{"text": data}``."""
-        try:
-            data = json.loads(message.data) if message.data.strip() else {}
-        except ValueError:
-            data = {"text": message.data}
-        if not isinstance(data, dict):
-            data = {"text": data if isinstance(data, str) else json.dumps(data)}
-        event_id = int(message.id) if message.id and message.id.strip().isdigit() else None
-        return cls(message.event, data, event_id)
+#: One event of a session's stream: ``name`` is tok|status|gate|done|error, ``data`` its JSON object
+#: (the same events as the JSON/SSE API's, so one decoder serves both clients).
+ShellEvent = AgentEvent
 
 
 # --------------------------------------------------------------------------- client

@@ -387,6 +387,8 @@ class Runtime:
     started: float = field(default_factory=time.time)
     #: Gate decisions awaited by running tool calls: gate id → future of the decision string.
     pending_gates: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    #: The session each pending gate belongs to: gate id → client id (see gate.gate_owner).
+    pending_gate_clients: dict[str, str] = field(default_factory=dict)
     #: The gate keeper (gate.GateKeeper) and the rate limiter (gate.RateLimiter), set by build_runtime.
     gate: Any = None
     rate_limiter: Any = None

@@ -7,8 +7,10 @@ taken from `StructuredTool.coroutine`. Which tools a model sees is set per model
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import platform
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -20,7 +22,10 @@ from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
+import gate
 import state
+from api_client import AgentClient, AgentClientError, AgentTimeout
+from config import SECRET_NAME, AgentTarget
 from prompt import PromptError
 
 if TYPE_CHECKING:
@@ -191,6 +196,14 @@ class _CleanToolArgs(BaseModel):
     arguments: str = Field(description="What to do with the tool, in words or JSON; the model sees nothing else")
 
 
+class _AgentCallArgs(BaseModel):
+    agent_url: str = Field(description="Name or URL of a configured agent (listed in this tool's description)")
+    message: str = Field(description="The complete message for the other agent: it does not see this conversation, "
+                                     "only its own earlier exchanges with you")
+    target_client_id: str = Field(default="", description="Optional: the remote session to use instead of this "
+                                                          "conversation's own one (always an api-swarm- session)")
+
+
 #: Gate declarations of the core tools (same contract as a plugin's get_gate_tools()).
 CORE_GATES: dict[str, dict[str, Any]] = {
     "get_system_info": {"type": "system", "operation": "read"},
@@ -199,9 +212,108 @@ CORE_GATES: dict[str, dict[str, Any]] = {
     "llm_list": {"type": "system", "operation": "read"},
     "llm_clean_text": {"type": "llm_call", "operation": "read"},
     "llm_clean_tool": {"type": "llm_call", "operation": "read"},
+    # It sends data to another system and sets off work there.
+    "agent_call": {"type": "agent_call", "operation": "write"},
 }
 #: Tools llm_clean_tool refuses to hand to another model (no delegation chains, no swarm hops).
 NOT_DELEGABLE = frozenset({"llm_clean_text", "llm_clean_tool", "agent_call"})
+
+
+# ── Swarm calls ─────────────────────────────────────────────────────────────────────────────
+
+SWARM_PREFIX = "api-swarm-"
+#: Session setting of `!stream`: whether agent_call relays the other agent's events live (default on).
+AGENT_CALL_STREAM = "agent_call_stream"
+_REMOTE_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,100}$")
+
+
+def swarm_client_id(caller: str, url: str, target: str = "") -> str:
+    """The remote session of an agent_call: `target` kept in `api-swarm-`, else api-swarm-<md5(caller:url)[:8]>.
+
+    The derived id is stable, so repeated calls from one session to one agent continue one conversation.
+    """
+    if target:
+        return target if target.startswith(SWARM_PREFIX) else SWARM_PREFIX + target.removeprefix("api-")
+    return SWARM_PREFIX + hashlib.md5(f"{caller}:{url}".encode(), usedforsecurity=False).hexdigest()[:8]
+
+
+def find_agent(agents: dict[str, AgentTarget], ref: str) -> tuple[str, AgentTarget] | None:
+    """The configured agent named `ref`, or whose URL is `ref` (trailing slash ignored)."""
+    ref = ref.strip()
+    if ref in agents:
+        return ref, agents[ref]
+    return next(((n, t) for n, t in agents.items() if t.url == ref.rstrip("/")), None)
+
+
+def _agents_listing(agents: dict[str, AgentTarget]) -> str:
+    return "; ".join(f"{n} ({t.url}){': ' + t.description if t.description else ''}" for n, t in agents.items()) \
+        or "none configured (an operator lists them in agents.json)"
+
+
+def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str | None, str | None]:
+    """(token to present to the target or None, problem) — never one of this server's own credentials."""
+    if target.token_env is None:
+        return None, None
+    env = rt.config.env
+    token = env.get(target.token_env)
+    if not token:
+        return None, f"{target.token_env} (the token of agent '{name}') is not set; an operator puts it into .env"
+    models = [k for k, m in rt.config.models.items() if m.env_key == target.token_env]
+    own = {v for k, v in env.items() if k != target.token_env and SECRET_NAME.search(k) and v}
+    for plugin in rt.plugins.client_plugins() if rt.plugins else []:
+        cfg = plugin.get_config()
+        own |= {cfg[k] for k in ("token", "admin_token") if cfg.get(k)}
+    if models or token in own:
+        return None, (f"the token in {target.token_env} is one of this server's own credentials, which are never sent "
+                      f"to another agent; an operator gives agent '{name}' a token it issued itself (agents.json)")
+    return token, None
+
+
+async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, target_client_id: str = "") -> str:
+    """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`."""
+    if gate.client_class(caller) == gate.SWARM:
+        return ("ERROR: agent_call refused: this conversation is itself an agent_call from another agent, and agents "
+                "call each other at most 1 hop deep. Answer with what you know instead.")
+    found = find_agent(rt.config.agents, ref)
+    if found is None:
+        return (f"ERROR: agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
+                f"called. Configured: {_agents_listing(rt.config.agents)}.")
+    name, target = found
+    token, problem = target_token(rt, name, target)
+    if problem:
+        return f"ERROR: agent_call refused: {problem}."
+    if target_client_id and not _REMOTE_ID.match(target_client_id):
+        return "ERROR: target_client_id may use 1-100 letters, digits and . _ : @ - only; leave it empty normally."
+    remote = swarm_client_id(caller, target.url, target_client_id)
+    session = rt.sessions.get(caller)
+    relay = session is None or session.settings.get(AGENT_CALL_STREAM, True) is not False
+    client = AgentClient(target.url, remote, api_key=token, default_timeout=target.timeout)
+    parts: list[str] = []
+    error = ended = None
+    try:
+        async for ev in client.events(message):
+            if ev.name == "tok":
+                parts.append(ev.text)
+                if relay:
+                    rt.hub.tok(caller, ev.text)
+            elif ev.name == "error":
+                error = ev.text
+            elif ev.ends_turn:
+                ended = ev.name
+            elif ev.name == "status" and relay and ev.text:
+                rt.hub.status(caller, f"[{name}] {ev.text}")
+    except AgentTimeout:
+        error = f"no answer within {target.timeout:g} s (the timeout of '{name}' in agents.json)"
+    except AgentClientError as exc:
+        error = str(exc)
+    answer = "".join(parts)
+    if relay and answer and not answer.endswith("\n"):
+        rt.hub.tok(caller, "\n\n")  # the caller's own answer starts on a new paragraph
+    if ended not in (None, "done"):
+        error = "the remote turn was cancelled (a newer message replaced it)"
+    if error is not None:
+        return f"ERROR: agent_call to '{name}' failed: {error}" + (f"\nPartial answer:\n{answer}" if answer else "")
+    return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
@@ -326,6 +438,9 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}).\n"
                 f"{agents._content_to_str(final.content)}")
 
+    async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
+        return await call_agent(rt, state.current_client_id.get() or "", agent_url, message, target_client_id)
+
     def tool(fn: Callable[..., Any], schema: type[BaseModel], description: str) -> StructuredTool:
         return StructuredTool.from_function(coroutine=fn, name=fn.__name__, description=description,
                                             args_schema=schema)
@@ -343,4 +458,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
              "for summaries, classification, drafts."),
         tool(llm_clean_tool, _CleanToolArgs,
              "Let another model make one call of one tool from a plain description, then summarise the result."),
+        tool(agent_call, _AgentCallArgs,
+             "Ask another agent-mcp agent, which answers with its own model and tools and remembers your earlier "
+             f"messages to it. Agents: {_agents_listing(rt.config.agents)}"),
     ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -20,13 +20,12 @@ import routes
 import state
 from plugin_loader import BasePlugin
 
-CLIENT_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-MAX_TEXT = 200_000
+CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
 
 
 class _SubmitBody(BaseModel):
-    client_id: str = Field(pattern=CLIENT_ID.pattern)
-    text: str = Field(max_length=MAX_TEXT)
+    client_id: str = Field(pattern=routes.CLIENT_ID_PATTERN)
+    text: str = Field(max_length=routes.MAX_TEXT)
     default_model: str | None = None
 
 
@@ -40,16 +39,11 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 async def _json_body(request: Request, model: type[BaseModel]) -> Any:
-    """The request body validated by `model`, or a 400 response that says what is wrong."""
+    """The request body validated by `model`, or a 4xx response that says what is wrong."""
     try:
-        raw = await request.json()
-    except ValueError:
-        return _error(400, "request body must be JSON")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-        return _error(400, f"invalid request: {problems}")
+        return await routes.read_json(request, model)
+    except routes.BadRequest as exc:
+        return _error(exc.status, str(exc))
 
 
 def _session_row(s: state.Session) -> dict[str, Any]:
@@ -148,7 +142,5 @@ class ShellpyPlugin(BasePlugin):
         client_id = rt.sessions.resolve(request.path_params["sid"])
         if client_id is None:
             return _error(404, f"session '{request.path_params['sid']}' not found")
-        await routes.cancel_active_task(rt, client_id)
-        await rt.sessions.delete(client_id)
-        rt.hub.drop(client_id)
+        await routes.delete_session(rt, client_id)
         return JSONResponse({"status": "OK", "deleted": client_id})

@@ -12,7 +12,6 @@ set, every request needs `Authorization: Bearer <token>`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -20,7 +19,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
@@ -40,6 +39,8 @@ logger = logging.getLogger("agent_mcp.proxy")
 OLLAMA_API_VERSION = "0.12.3"
 DEFAULT_PORT = 11435  # 11434 is Ollama's own port, where the shipped `local` model lives
 MAX_PROMPT = 200_000
+#: Chat apps send the whole conversation, images included, on every request.
+MAX_BODY = 64 * 1024 * 1024
 TASK_PREFIX = "### Task:"  # how every open-webui background-task prompt template starts
 SSE_PING_SECONDS = 15
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -125,14 +126,9 @@ class _OpenAIChat(_Wire):
 
 async def _body(request: Request, model: type[T]) -> T:
     try:
-        raw = await request.json()
-    except ValueError:
-        raise ProxyError(400, "request body must be JSON") from None
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise ProxyError(400, f"invalid request: {problems}") from None
+        return await routes.read_json(request, model, MAX_BODY)
+    except routes.BadRequest as exc:
+        raise ProxyError(exc.status, str(exc)) from None
 
 
 def _last_user_text(messages: list[_Message]) -> str:
@@ -164,26 +160,6 @@ def _now_iso() -> str:
 
 def _tagged(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
-
-
-async def _unless_gone(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or None when the client disconnects first (then `work` is cancelled)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    gone = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await task
-    return task.result() if not task.cancelled() else None
 
 
 # ── One turn as a chat client sees it ───────────────────────────────────────────────────────
@@ -615,12 +591,12 @@ class LlamaProxyPlugin(BasePlugin):
                         out.feed(ev)
                 return True
 
-            if await _unless_gone(request, collect()) is None:
+            if await routes.unless_disconnected(request, collect()) is None:
                 return Response(status_code=499)  # nobody is listening any more
             return fmt.error_response(500, out.error) if out.error is not None else fmt.whole(out)
         # Wait for the first event before answering, so an error before any output gets an
         # error status instead of a 200 stream.
-        first = await _unless_gone(request, anext(events))
+        first = await routes.unless_disconnected(request, anext(events))
         if first is None:
             return Response(status_code=499)
         piece = out.feed(first)

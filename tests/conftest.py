@@ -52,6 +52,8 @@ class ConfigDir:
         self.env: dict[str, str] = {}
         #: gate-defaults.json to write (None: the shipped one, where undeclared tools are gated).
         self.gates: dict[str, Any] | None = None
+        #: agents.json to write: the agents agent_call may reach (None: no file).
+        self.agents: dict[str, Any] | None = None
 
     def add_plugin(self, name: str, source: str, *, type_: str = "data_tool", enabled: bool = True,
                    priority: int = 300, **manifest: Any) -> None:
@@ -79,6 +81,8 @@ class ConfigDir:
         (self.path / ".env").write_text("".join(f"{k}={v}\n" for k, v in self.env.items()))
         if self.gates is not None:
             (self.path / "gate-defaults.json").write_text(json.dumps(self.gates, indent=2))
+        if self.agents is not None:
+            (self.path / "agents.json").write_text(json.dumps({"agents": self.agents}, indent=2))
         return self
 
 

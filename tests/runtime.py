@@ -27,13 +27,14 @@ ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True}},
 
 @contextlib.asynccontextmanager
 async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
-                  gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None
-                  ) -> AsyncIterator[state.Runtime]:
+                  gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None,
+                  agents: dict[str, Any] | None = None) -> AsyncIterator[state.Runtime]:
     """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions."""
     cfg = ConfigDir(path)
     cfg.models = models
     cfg.env = env or {}
     cfg.gates = gates
+    cfg.agents = agents
     cfg.write()
     shutil.copytree(ROOT / ".system_prompt", path / ".system_prompt")
     if rate_limits is not None:

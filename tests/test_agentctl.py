@@ -150,6 +150,7 @@ def test_enable_and_disable_keep_the_plugin_and_its_settings(plugin_dir):
 
 
 def test_disabling_the_last_client_interface_is_refused(cdir):
+    ok(cdir, "disable", "plugin_client_api")
     before = snapshot(cdir)
     result = ctl(cdir, "disable", SHELLPY)
     assert result.returncode == 1 and "nothing to serve" in result.stderr
@@ -398,11 +399,11 @@ def test_unknown_fields_and_other_entries_are_kept(cdir):
 def test_writes_go_to_the_config_dir_and_never_to_the_shipped_files(tmp_path):
     shipped = {name: (ROOT / name).read_bytes() for name in (config.MODELS_FILE, config.ENABLED_FILE)}
     ok(tmp_path, "model-context", "local", "70")
-    ok(tmp_path, "enable", "plugin_client_api")
+    ok(tmp_path, "disable", "plugin_client_api")
     assert {name: (ROOT / name).read_bytes() for name in shipped} == shipped
     assert read(tmp_path, config.MODELS_FILE)["models"]["local"]["max_context"] == 70
     assert read(tmp_path, config.MODELS_FILE)["models"].keys() == read(ROOT, config.MODELS_FILE)["models"].keys()
-    assert "plugin_client_api" in read(tmp_path, config.ENABLED_FILE)["enabled_plugins"]
+    assert read(tmp_path, config.ENABLED_FILE)["plugin_config"]["plugin_client_api"]["enabled"] is False
     assert not (tmp_path / config.MANIFEST_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [config.MODELS_FILE, config.ENABLED_FILE]
 

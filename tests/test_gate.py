@@ -344,7 +344,7 @@ GATE_COMMANDS = [  # in order, on one session: (command, a line or text its outp
     ("!autogate", "web_search: read=auto-allow (this session), write=gated (this session)"),
     ("!autogate", "db:  (gated per table: see !autoAIdb)"),
     ("!autogate search", "search:\n    web_search: read=auto-allow"),
-    ("!autogate nosuch true", "ERROR: Unknown tool or gate type 'nosuch'\nGate types: db, llm_call, search, system"),
+    ("!autogate nosuch true", "ERROR: Unknown tool or gate type 'nosuch'\nGate types: agent_call, db, llm_call, search, system"),
     ("!autogate db true", "ERROR: database tools are gated per table: use !autoAIdb"),
     # reads are open through `!autogate read true` above
     ("!autoAISysPrompt", "autoAISysPrompt read:  OFF (auto-allow)\nautoAISysPrompt write: ON (human gates)"),

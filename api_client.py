@@ -1,0 +1,386 @@
+"""AgentClient: use an agent-mcp server from Python programs (and from other agents) over its JSON/SSE API.
+
+::
+
+    client = AgentClient("http://127.0.0.1:8767", api_key="…", auto_approve_gates={"db_query": True})
+    answer = await client.send("How many users signed up today?")   # the whole answer of the turn
+    async for text in client.stream("Write a haiku"):                 # the answer as it is produced
+        print(text, end="", flush=True)
+
+    with SyncAgentClient("http://127.0.0.1:8767") as client:         # for plain scripts
+        print(client.send("hello"))
+
+Each message is one turn of the session `client_id`: the client submits it, then follows that
+turn's own events (`GET /api/v1/stream/{id}?turn_id=…`, resuming with `Last-Event-ID` after a
+dropped connection) until the turn's end, answering gates at once by its policy. It needs only
+this file, `httpx` and `httpx-sse`, so it can be copied into any project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from httpx_sse import ServerSentEvent as _RawEvent
+from httpx_sse import SSEError, aconnect_sse
+
+#: How a client answers the gates of its turns: None rejects every gate at once, True approves every
+#: one, a mapping decides by tool name first and then by operation type ("read" / "write"); a gate
+#: found in neither is rejected.
+GatePolicy = bool | Mapping[str, bool] | None
+
+REQUEST_TIMEOUT = 10.0
+#: No byte (the server sends a keepalive every 15 s) for this long means a dead connection: reconnect.
+STREAM_READ_TIMEOUT = 60.0
+RECONNECTS = 5
+
+
+class AgentClientError(RuntimeError):
+    """Base of every error AgentClient raises."""
+
+
+class AgentConnectionError(AgentClientError):
+    """The server cannot be reached, or the stream kept breaking; check the URL and that it runs."""
+
+
+class AgentAuthError(AgentClientError):
+    """The server refused the credentials (HTTP 401/403): pass the right `api_key`."""
+
+
+class AgentRequestError(AgentClientError):
+    """The server refused a request; `status` is the HTTP status, the message is the server's reason."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class AgentTurnError(AgentClientError):
+    """A turn did not end normally; `partial` holds the answer text received before that."""
+
+    def __init__(self, message: str, partial: str = ""):
+        super().__init__(message)
+        self.partial = partial
+
+
+class AgentError(AgentTurnError):
+    """The agent reported an error for the turn (a failed model call, an unknown command, …)."""
+
+
+class AgentTimeout(AgentTurnError, TimeoutError):
+    """The turn did not end within the timeout (it may still be running on the server)."""
+
+
+class AgentCancelled(AgentTurnError):
+    """The turn was cancelled on the server, by a newer message on the same session or its deletion."""
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """One event of a turn: `name` is tok, status, gate, error or done; `data` its JSON object."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    @property
+    def text(self) -> str:
+        """The text of a tok or status event, the message of an error, else ""."""
+        value = self.data.get("text", self.data.get("message", ""))
+        return value if isinstance(value, str) else str(value)
+
+    @property
+    def ends_turn(self) -> bool:
+        """Whether this is the turn's last event (its `done`, or the status of its cancellation)."""
+        return self.name == "done" or (self.name == "status" and self.data.get("cancelled") is True)
+
+    @classmethod
+    def from_sse(cls, raw: _RawEvent) -> AgentEvent:
+        """Decode a raw message; data that is not a JSON object is kept as `{"text": data}`."""
+        try:
+            data = json.loads(raw.data) if raw.data.strip() else {}
+        except ValueError:
+            data = {"text": raw.data}
+        if not isinstance(data, dict):
+            data = {"text": data if isinstance(data, str) else json.dumps(data)}
+        event_id = int(raw.id) if raw.id and raw.id.strip().isdigit() else None
+        # An event without a name ("message") is answer text, as servers without names send it.
+        return cls("tok" if raw.event in ("", "message") else raw.event, data, event_id)
+
+
+def gate_decision(policy: GatePolicy, gate: Mapping[str, Any]) -> bool:
+    """Whether `policy` approves a gate event's data (`tool_name`, `tool_args.operation_type`)."""
+    if policy is True:
+        return True
+    if not isinstance(policy, Mapping):
+        return False
+    tool = gate.get("tool_name")
+    if isinstance(tool, str) and tool in policy:
+        return bool(policy[tool])
+    args = gate.get("tool_args")
+    operation = args.get("operation_type") if isinstance(args, Mapping) else None
+    if isinstance(operation, str) and operation in policy:
+        return bool(policy[operation])
+    return False
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("error"):
+        return str(body["error"])
+    return response.text[:300] or response.reason_phrase
+
+
+class AgentClient:
+    """An async client of one session on an agent-mcp API endpoint (`plugin_client_api`).
+
+    `client_id` defaults to a fresh `api-<8 hex>`; the server puts ids without the `api-` prefix
+    into its API namespace and the client then uses the id the server returned. `api_key` is the
+    endpoint's bearer token (`API_KEY`), `admin_key` its admin token (`API_ADMIN_KEY`, needed for
+    gate-changing commands). `default_timeout` (seconds) bounds each turn; `verify` is httpx's TLS
+    setting for https URLs (pass one `ssl.SSLContext` to skip loading the CA bundle per call). Every
+    call opens its own HTTP connection, so a client may be shared and needs no closing.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        client_id: str | None = None,
+        api_key: str | None = None,
+        auto_approve_gates: GatePolicy = None,
+        default_timeout: float = 60,
+        *,
+        admin_key: str | None = None,
+        verify: ssl.SSLContext | bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client_id = client_id or f"api-{uuid.uuid4().hex[:8]}"
+        self.auto_approve_gates = auto_approve_gates
+        self.default_timeout = default_timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if admin_key:
+            self._headers["X-Admin-Key"] = admin_key
+        # Plain http needs no TLS: skipping the CA bundle makes each call's client ~18 ms cheaper.
+        self._verify = verify if self.base_url.startswith("https://") else False
+        self._transport = transport
+
+    def __repr__(self) -> str:  # never shows the keys
+        return f"AgentClient({self.base_url!r}, client_id={self.client_id!r})"
+
+    # ── turns ──
+
+    async def send(self, text: str, timeout: float | None = None) -> str:  # noqa: ASYNC109 (the reference API)
+        """Send one message and return the whole answer of its turn.
+
+        Raises AgentError (the agent reported an error), AgentTimeout, AgentCancelled (each with
+        `.partial`), AgentAuthError, AgentRequestError or AgentConnectionError.
+        """
+        parts = [piece async for piece in self.stream(text, timeout)]
+        return "".join(parts)
+
+    async def stream(self, text: str, timeout: float | None = None) -> AsyncIterator[str]:  # noqa: ASYNC109
+        """Send one message and yield the answer text as it is produced (raises like `send`)."""
+        parts: list[str] = []
+        async with contextlib.aclosing(self.events(text, timeout)) as events:
+            async for ev in events:
+                if ev.name == "tok":
+                    parts.append(ev.text)
+                    yield ev.text
+                elif ev.name == "error":
+                    raise AgentError(f"Agent error: {ev.text}", "".join(parts))
+                elif ev.ends_turn and ev.name != "done":
+                    raise AgentCancelled("the turn was cancelled on the server", "".join(parts))
+
+    async def events(self, text: str, timeout: float | None = None) -> AsyncIterator[AgentEvent]:  # noqa: ASYNC109
+        """Send one message and yield every event of its turn, through its last one.
+
+        Gates are answered by the policy before their event is yielded. Raises AgentTimeout (with
+        `.partial`) when the turn has not ended within `timeout` (default: `default_timeout`).
+        """
+        limit = self.default_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        received: list[str] = []
+        async with self._http() as http:
+            accepted = await self._call(http, "POST", "/api/v1/submit",
+                                        json={"client_id": self.client_id, "text": text, "wait": False})
+            self.client_id = str(accepted.get("client_id") or self.client_id)
+            turn_id = accepted.get("turn_id")
+            after = accepted.get("after")
+            queue: asyncio.Queue[AgentEvent | BaseException] = asyncio.Queue()
+            reader = asyncio.create_task(self._read(http, turn_id, after if isinstance(after, int) else None, queue))
+            try:
+                while True:
+                    try:
+                        async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise AgentTimeout(f"no end of the turn within {limit:g} s", "".join(received)) from None
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.name == "tok":
+                        received.append(item.text)
+                    yield item
+                    if item.ends_turn:
+                        return
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+
+    async def _read(self, http: httpx.AsyncClient, turn_id: Any, after: int | None,
+                    queue: asyncio.Queue[AgentEvent | BaseException]) -> None:
+        """Follow the turn's events into `queue`, reconnecting after drops; errors go into the queue too."""
+        params = {"turn_id": str(turn_id)} if turn_id else None
+        last, failures = after, 0
+        try:
+            while True:
+                headers = {"Last-Event-ID": str(last)} if last is not None else {}
+                try:
+                    async with aconnect_sse(http, "GET", f"/api/v1/stream/{self.client_id}", params=params,
+                                            headers=headers,
+                                            timeout=httpx.Timeout(REQUEST_TIMEOUT, read=STREAM_READ_TIMEOUT)) as source:
+                        if source.response.status_code >= 400:
+                            await source.response.aread()
+                            self._raise_for(source.response)
+                        async for raw in source.aiter_sse():
+                            ev = AgentEvent.from_sse(raw)
+                            if ev.id is not None:
+                                last, failures = ev.id, 0
+                            if ev.name == "gate":
+                                await self._answer_gate(http, ev.data)
+                            await queue.put(ev)
+                            if ev.ends_turn:
+                                return
+                    failure: BaseException = AgentConnectionError("the stream ended before the turn did")
+                except (httpx.TransportError, SSEError) as exc:
+                    failure = exc
+                failures += 1
+                if failures > RECONNECTS:
+                    raise AgentConnectionError(f"the event stream of {self.base_url} keeps breaking: {failure}")
+                await asyncio.sleep(min(0.2 * 2 ** failures, 3))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put(exc)
+
+    async def _answer_gate(self, http: httpx.AsyncClient, gate: dict[str, Any]) -> None:
+        gate_id = gate.get("gate_id")
+        if not isinstance(gate_id, str):
+            return
+        # A gate that timed out meanwhile answers 404: nothing left to do.
+        with contextlib.suppress(httpx.HTTPError):
+            await http.post(f"/api/v1/gate/{gate_id}",
+                            json={"approve": gate_decision(self.auto_approve_gates, gate)})
+
+    # ── sessions ──
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        """The sessions this key may see: `[{"client_id", "shorthand_id", "model", "history_length"}]`."""
+        async with self._http() as http:
+            body = await self._call(http, "GET", "/api/v1/sessions")
+        return list(body.get("sessions", []))
+
+    async def delete_session(self, session_id: str | int) -> dict[str, Any]:
+        """Delete a session by full or shorthand id: `{"status": "deleted", "client_id"}`."""
+        async with self._http() as http:
+            return await self._call(http, "DELETE", f"/api/v1/session/{session_id}")
+
+    async def health(self) -> dict[str, Any]:
+        """`{"status": "ok", "sessions", "models"}`."""
+        async with self._http() as http:
+            return await self._call(http, "GET", "/api/v1/health")
+
+    # ── plumbing ──
+
+    def _http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=REQUEST_TIMEOUT,
+                                 verify=self._verify, transport=self._transport)
+
+    async def _call(self, http: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            response = await http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise AgentConnectionError(f"cannot reach {self.base_url}: {exc or type(exc).__name__}") from exc
+        self._raise_for(response)
+        try:
+            body = response.json()
+        except ValueError:
+            raise AgentRequestError(response.status_code, f"not a JSON answer: {response.text[:200]}") from None
+        if not isinstance(body, dict):
+            raise AgentRequestError(response.status_code, f"unexpected answer: {response.text[:200]}")
+        return body
+
+    def _raise_for(self, response: httpx.Response) -> None:
+        if response.status_code in (401, 403):
+            raise AgentAuthError(f"{self.base_url} refused the credentials (HTTP {response.status_code}): "
+                                 f"{_error_message(response)}; pass the endpoint's API key as api_key")
+        if response.status_code >= 400:
+            raise AgentRequestError(response.status_code, _error_message(response))
+
+
+class SyncAgentClient:
+    """AgentClient for scripts without asyncio: the same arguments and methods, blocking.
+
+    Holds one event loop; close it with `close()` or a `with` block. Not for use inside async code.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.client = AgentClient(*args, **kwargs)
+        self._runner = asyncio.Runner()
+
+    def __enter__(self) -> SyncAgentClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._runner.close()
+
+    @property
+    def client_id(self) -> str:
+        return self.client.client_id
+
+    def send(self, text: str, timeout: float | None = None) -> str:
+        """The whole answer of one message (see AgentClient.send)."""
+        return self._runner.run(self.client.send(text, timeout))
+
+    def stream(self, text: str, timeout: float | None = None) -> Iterator[str]:
+        """The answer text of one message as it is produced (see AgentClient.stream)."""
+        pieces = self.client.stream(text, timeout)
+
+        async def step() -> str:
+            return await anext(pieces)
+
+        async def close() -> None:
+            await pieces.aclose()
+
+        try:
+            while True:
+                try:
+                    yield self._runner.run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._runner.run(close())
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return self._runner.run(self.client.sessions())
+
+    def delete_session(self, session_id: str | int) -> dict[str, Any]:
+        return self._runner.run(self.client.delete_session(session_id))
+
+    def health(self) -> dict[str, Any]:
+        return self._runner.run(self.client.health())

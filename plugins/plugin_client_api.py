@@ -1,0 +1,280 @@
+"""The JSON/SSE API for programs and other agents (port 8767), spoken by `api_client.AgentClient`.
+
+Endpoints (those of the reference `AgentClient`, so programs written for it keep working):
+`POST /api/v1/submit`, `GET /api/v1/stream/{client_id}` (SSE with ids, `Last-Event-ID` replay,
+`?turn_id=` for one turn's events only), `POST /api/v1/gate/{gate_id}`, `GET /api/v1/sessions`,
+`GET /api/v1/health`, `DELETE /api/v1/session/{id}`.
+
+Client ids live in the `api-` namespace: an id without that prefix gets it (`myapp` → `api-myapp`),
+so an API caller can never reach an interactive shell session (whose gates it could otherwise
+approve); ids starting with `api-swarm-` are swarm calls from other agents (gates auto-rejected,
+no onward `agent_call`). With `API_KEY` set, every request needs `Authorization: Bearer <key>`
+(checked by the server for the whole port). A caller that also sends `X-Admin-Key: <API_ADMIN_KEY>`
+is an administrator: its messages may run gate commands, and it sees every session, not only the
+`api-` ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import gate
+import routes
+import state
+from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+
+PREFIX = "api-"
+CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
+DEFAULT_WAIT = 60.0
+#: Turns submitted without `wait` whose stream may still be asked for by `turn_id`.
+KEPT_TURNS = 4096
+
+
+class ApiConfig(PluginSettings):
+    """`plugin_config.plugin_client_api` in plugins-enabled.json."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8767, ge=1, le=65535)
+    #: Env var holding the bearer token every request must present (unset: no token needed).
+    token_env: str = "API_KEY"
+    #: Env var holding the admin token (header `X-Admin-Key`); unset: nobody is an admin here.
+    admin_token_env: str = "API_ADMIN_KEY"
+    #: The longest `timeout` a `wait: true` submit may ask for, in seconds.
+    max_wait_seconds: float = Field(default=600, gt=0)
+
+
+class _Body(BaseModel):
+    # Strict: "true" is not a boolean and "60" not a number. Unknown fields are ignored, so
+    # newer clients keep working.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _SubmitBody(_Body):
+    text: str = Field(max_length=routes.MAX_TEXT)
+    client_id: str | None = Field(default=None, pattern=routes.CLIENT_ID_PATTERN)
+    wait: bool = False
+    timeout: float = Field(default=DEFAULT_WAIT, gt=0, allow_inf_nan=False)
+    default_model: str | None = Field(default=None, max_length=128)
+
+
+class _GateBody(_Body):
+    approve: bool
+
+
+def api_client_id(raw: str) -> str:
+    """The API-namespace id for a caller's id: unchanged when it starts with `api-`, else prefixed."""
+    client_id = raw if raw.startswith(PREFIX) else PREFIX + raw
+    if not CLIENT_ID.match(client_id):
+        raise routes.BadRequest(400, f"invalid client_id '{raw[:140]}': use 1-124 letters, digits and . _ : @ -")
+    return client_id
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _session_row(s: state.Session) -> dict[str, Any]:
+    return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history)}
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _endpoint(handler: Handler) -> Handler:
+    """A route handler whose BadRequest becomes the JSON error response it describes."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except routes.BadRequest as exc:
+            return _error(exc.status, str(exc))
+
+    return endpoint
+
+
+class ApiPlugin(BasePlugin):
+    """Serves programs (`AgentClient`) and other agent-mcp instances (`agent_call`)."""
+
+    PLUGIN_NAME = "plugin_client_api"
+    PLUGIN_VERSION = "1.0.0"
+    PLUGIN_TYPE = "client_interface"
+    DESCRIPTION = "JSON/SSE API for programs and swarm calls between agents"
+    DEPENDENCIES = ["sse-starlette"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = ApiConfig()
+        self._turns: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._routes: list[Route] = []
+
+    def init(self, config: dict[str, Any]) -> bool:
+        self.cfg = parse_settings(self.PLUGIN_NAME, ApiConfig, config)
+        admin = self._admin_token()
+        if admin is not None and admin == self._token():
+            raise PluginConfigError(f"{self.cfg.admin_token_env} must differ from {self.cfg.token_env}: with one key "
+                                    "every API caller would be an administrator")
+        return True
+
+    def shutdown(self) -> None:
+        self._turns.clear()
+
+    def _env(self, name: str) -> str | None:
+        return (self.runtime.config.env.get(name) if self.runtime else None) or None
+
+    def _token(self) -> str | None:
+        return self._env(self.cfg.token_env)
+
+    def _admin_token(self) -> str | None:
+        return self._env(self.cfg.admin_token_env)
+
+    def get_config(self) -> dict[str, Any]:
+        # admin_token is not used to serve; agent_call reads it to never send it anywhere.
+        return {"host": self.cfg.host, "port": self.cfg.port, "name": "JSON/SSE API", "token": self._token(),
+                "admin_token": self._admin_token()}
+
+    def get_help(self) -> str:
+        return (f"JSON/SSE API on http://{self.cfg.host}:{self.cfg.port}/api/v1 "
+                f"({'bearer token required' if self._token() else 'no token'}; api_client.AgentClient speaks it)")
+
+    @property
+    def rt(self) -> state.Runtime:
+        assert self.runtime is not None
+        return self.runtime
+
+    def get_routes(self) -> list[Route]:
+        self._routes = [
+            Route("/api/v1/submit", _endpoint(self.submit), methods=["POST"]),
+            Route("/api/v1/stream/{client_id}", _endpoint(self.stream), methods=["GET"]),
+            Route("/api/v1/gate/{gate_id}", _endpoint(self.gate_answer), methods=["POST"]),
+            Route("/api/v1/sessions", _endpoint(self.sessions), methods=["GET"]),
+            Route("/api/v1/health", _endpoint(self.health), methods=["GET"]),
+            Route("/api/v1/session/{sid}", _endpoint(self.delete_session), methods=["DELETE"]),
+        ]
+        return [*self._routes, Route("/{path:path}", self.not_found,
+                                     methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])]
+
+    # ── who is asking ──
+
+    def _is_admin(self, request: Request) -> bool:
+        """Whether the request carries the admin token (constant-time compare)."""
+        admin = self._admin_token()
+        given = dict(request.scope["headers"]).get(b"x-admin-key")
+        return admin is not None and given is not None and hmac.compare_digest(given, admin.encode())
+
+    @staticmethod
+    def _visible(client_id: str, admin: bool) -> bool:
+        """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
+        return admin or gate.client_class(client_id) in (gate.API, gate.SWARM)
+
+    def _remember(self, turn_id: str, client_id: str, after: int) -> None:
+        self._turns[turn_id] = (client_id, after)
+        while len(self._turns) > KEPT_TURNS:
+            self._turns.popitem(last=False)
+
+    # ── endpoints ──
+
+    async def submit(self, request: Request) -> Response:
+        body = await routes.read_json(request, _SubmitBody)
+        if not body.text.strip():
+            raise routes.BadRequest(400, "text is empty: send {\"text\": \"<your message>\"}")
+        if body.timeout > self.cfg.max_wait_seconds:
+            raise routes.BadRequest(400, f"timeout {body.timeout:g} is too long; the limit is "
+                                         f"{self.cfg.max_wait_seconds:g} seconds")
+        client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
+        payload = {"default_model": body.default_model, "admin": self._is_admin(request)}
+        if body.wait:
+            answer = await routes.unless_disconnected(request, self._wait(client_id, body.text, payload, body.timeout))
+            return Response(status_code=499) if answer is None else JSONResponse(answer)
+        after = self.rt.hub.last_id(client_id)
+        turn = await routes.submit(self.rt, client_id, body.text, payload)
+        self._remember(turn.id, client_id, after)
+        return JSONResponse({"client_id": client_id, "status": "accepted", "turn_id": turn.id, "after": after})
+
+    async def _wait(self, client_id: str, text: str, payload: dict[str, Any], seconds: float) -> dict[str, Any]:
+        """Run one turn to its end (or for `seconds`): complete, error, timeout or cancelled, with its text."""
+        parts: list[str] = []
+        error: str | None = None
+        status = "complete"
+        async with contextlib.aclosing(routes.run_turn(self.rt, client_id, text, payload, cancel_running=True)) as events:
+            try:
+                async with asyncio.timeout(seconds):
+                    async for ev in events:
+                        if ev.name == "tok":
+                            parts.append(str(ev.data.get("text", "")))
+                        elif ev.name == "error":
+                            error = error or str(ev.data.get("message", "error"))
+                        elif routes.ends_turn(ev) and ev.name != "done":
+                            status = "cancelled"
+            except TimeoutError:
+                status = "timeout"  # leaving run_turn early cancelled the request
+        if error is not None and status == "complete":
+            status = "error"
+        answer: dict[str, Any] = {"client_id": client_id, "status": status, "text": "".join(parts)}
+        if error is not None:
+            answer["error"] = error
+        return answer
+
+    async def stream(self, request: Request) -> Response:
+        client_id = api_client_id(request.path_params["client_id"])
+        after = routes.last_event_id(request)
+        turn_id = request.query_params.get("turn_id")
+        if turn_id is not None:
+            known = self._turns.get(turn_id)
+            if known is None or known[0] != client_id:
+                raise routes.BadRequest(404, f"unknown turn_id '{turn_id[:40]}' for client {client_id}: use the "
+                                             "turn_id that POST /api/v1/submit returned")
+            after = known[1] if after is None else after
+        return routes.event_stream(self.rt, client_id, after, turn_id)
+
+    async def gate_answer(self, request: Request) -> Response:
+        gate_id = request.path_params["gate_id"]
+        body = await routes.read_json(request, _GateBody)
+        owner = gate.gate_owner(self.rt, gate_id)
+        # Only gates of API sessions: a shell user's gate is never answered from here.
+        if owner is None or gate.client_class(owner) != gate.API or \
+                not gate.resolve_gate(self.rt, gate_id, "allow" if body.approve else "reject"):
+            return _error(404, f"unknown gate '{gate_id[:64]}': it was answered, timed out "
+                               f"(after {self.rt.gate.api_timeout:g} s) or never existed")
+        return JSONResponse({"status": "ok"})
+
+    async def sessions(self, request: Request) -> Response:
+        admin = self._is_admin(request)
+        rows = [_session_row(s) for s in self.rt.sessions.all() if self._visible(s.client_id, admin)]
+        return JSONResponse({"sessions": rows})
+
+    async def health(self, request: Request) -> Response:
+        admin = self._is_admin(request)
+        count = sum(1 for s in self.rt.sessions.all() if self._visible(s.client_id, admin))
+        return JSONResponse({"status": "ok", "sessions": count, "models": list(self.rt.config.models)})
+
+    async def delete_session(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        client_id = self.rt.sessions.resolve(sid)
+        if client_id is None and CLIENT_ID.match(PREFIX + sid) and not sid.isdigit():
+            client_id = self.rt.sessions.resolve(PREFIX + sid)
+        if client_id is None or not self._visible(client_id, self._is_admin(request)):
+            return _error(404, f"Session '{sid[:140]}' not found")
+        await routes.delete_session(self.rt, client_id)
+        return JSONResponse({"status": "deleted", "client_id": client_id})
+
+    async def not_found(self, request: Request) -> Response:
+        path = request.url.path
+        allowed = sorted({m for r in self._routes if r.path_regex.match(path) for m in r.methods or ()})
+        if allowed:
+            response = _error(405, f"{request.method} is not supported on {path}; use {' or '.join(allowed)}")
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
+        return _error(404, f"no endpoint {request.method} {path}; the API lives under /api/v1 (submit, stream, "
+                           "gate, sessions, health, session)")
