@@ -200,9 +200,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "Config files (read from --config-dir, falling back to the shipped copies):\n"
-            "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  .system_prompt/\n"
+            "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  gate-defaults.json\n"
+            "  agents.json  mcp-servers.json  .system_prompt/\n"
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
-            "  AGENT_SHELL_TOKEN (bearer token of the shell.py endpoint), API keys named in llm-models.json."
+            "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint), API_KEY and API_ADMIN_KEY (API),\n"
+            "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
+            "  the API keys named in llm-models.json. The README documents every setting."
         ),
     )
     p.add_argument("--config-dir", default=None, help="directory with the config files (default: next to this file)")

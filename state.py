@@ -31,6 +31,8 @@ logger = logging.getLogger("agent_mcp.state")
 FIRST_SHORTHAND = 101
 DEFAULT_TOOL_PREVIEW = 500
 EVENT_BUFFER = 2000
+#: Channels without subscribers kept for replay; beyond this the least recently used go.
+MAX_IDLE_CHANNELS = 1000
 
 #: The client whose request is being processed (set around each turn and tool call).
 current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
@@ -268,9 +270,11 @@ class Event:
 class _Channel:
     """A bounded, replayable event sequence of one session with broadcast wake-ups."""
 
-    __slots__ = ("_wake", "events", "last_id", "seen")
+    __slots__ = ("_wake", "events", "last_id", "seen", "subscribers", "touched")
 
     def __init__(self) -> None:
+        self.subscribers = 0
+        self.touched = time.monotonic()
         # Ids start at the current time in microseconds so that they keep increasing across
         # restarts: a client that reconnects with an old Last-Event-ID gets everything new.
         self.last_id = time.time_ns() // 1000
@@ -279,6 +283,7 @@ class _Channel:
         self._wake = asyncio.Event()
 
     def publish(self, name: str, data: dict[str, Any]) -> Event:
+        self.touched = time.monotonic()
         self.last_id += 1
         event = Event(self.last_id, name, data, current_turn.get())
         self.events.append(event)
@@ -297,14 +302,23 @@ class _Channel:
 class EventHub:
     """Per-session output events. Every subscriber sees every event; reconnects replay by id."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS) -> None:
         self._channels: dict[str, _Channel] = {}
+        self.max_idle_channels = max_idle_channels
 
     def _channel(self, client_id: str) -> _Channel:
         ch = self._channels.get(client_id)
         if ch is None:
             ch = self._channels[client_id] = _Channel()
+            if len(self._channels) > self.max_idle_channels:
+                self._evict_idle()
         return ch
+
+    def _evict_idle(self) -> None:
+        """Forget the least recently used channels nobody follows, so streams of unknown ids cannot grow memory."""
+        idle = sorted((ch.touched, cid) for cid, ch in self._channels.items() if ch.subscribers == 0)
+        for _, cid in idle[: len(idle) - self.max_idle_channels]:
+            del self._channels[cid]
 
     def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> Event:
         return self._channel(client_id).publish(name, data or {})
@@ -321,18 +335,25 @@ class EventHub:
         """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live."""
         ch = self._channel(client_id)
         cursor = ch.seen if last_event_id is None else last_event_id
-        while True:
-            if self._channels.get(client_id) is not ch:  # session deleted: start over on a new channel
-                ch = self._channel(client_id)
-                cursor = ch.seen
-            event = ch.after(cursor)
-            if event is None:
-                await ch._wake.wait()
-                continue
-            cursor = event.id
-            if cursor > ch.seen:
-                ch.seen = cursor
-            yield event
+        ch.subscribers += 1
+        try:
+            while True:
+                if self._channels.get(client_id) is not ch:  # session deleted: start over on a new channel
+                    ch.subscribers -= 1
+                    ch = self._channel(client_id)
+                    ch.subscribers += 1
+                    cursor = ch.seen
+                event = ch.after(cursor)
+                if event is None:
+                    await ch._wake.wait()
+                    continue
+                cursor = event.id
+                if cursor > ch.seen:
+                    ch.seen = cursor
+                yield event
+        finally:
+            ch.subscribers -= 1
+            ch.touched = time.monotonic()
 
     # Typed helpers, one per event kind of the wire contract.
     def tok(self, client_id: str, text: str) -> None:

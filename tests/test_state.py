@@ -87,3 +87,17 @@ def test_trim_never_separates_tool_call_from_result():
     assert trim_history(h, 10) == h
     assert trim_history(h, 4) == h[4:]  # would start at the tool result: moves to the next user message
     assert trim_history(h[:4], 2) == h[:4]  # one turn longer than the limit stays whole
+
+
+async def test_idle_channels_are_bounded_but_followed_ones_stay():
+    hub = state.EventHub(max_idle_channels=3)
+    followed = hub.subscribe("watched")
+    hub.publish("watched", "tok", {"text": "x"})
+    assert (await anext(followed)).data == {"text": "x"}
+    for i in range(10):
+        hub.publish(f"probe-{i}", "tok", {"text": "y"})
+    assert len(hub._channels) == 4 and "watched" in hub._channels  # 3 idle + the followed one
+    assert {"probe-7", "probe-8", "probe-9"} <= set(hub._channels)
+    await followed.aclose()  # now idle, and the most recently used of the old ones
+    hub.publish("late", "done", {})
+    assert set(hub._channels) == {"probe-9", "watched", "late"}
