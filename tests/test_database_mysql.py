@@ -8,6 +8,7 @@ without disturbing anyone. Nothing here is skipped: without MariaDB these tests 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -247,6 +248,21 @@ async def test_server_and_client_time_limits(people: RunDatabase) -> None:
                         "%agent_mcp_sleeper%") == ((0,),)
 
 
+async def test_a_cancelled_call_kills_its_statement(people: RunDatabase) -> None:
+    running = "SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE %s AND id <> CONNECTION_ID()"
+    db = Database(people.settings())
+    call = asyncio.create_task(db.run("SELECT SLEEP(30) AS agent_mcp_cancelled"))
+    deadline = time.monotonic() + 10
+    while people.query(running, "%agent_mcp_cancelled%") != ((1,),):  # wait until the server runs it
+        assert time.monotonic() < deadline and not call.done()
+        await asyncio.sleep(0.02)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await db.close()  # waits for the kill
+    assert people.query(running, "%agent_mcp_cancelled%") == ((0,),)
+
+
 async def test_a_killed_connection_is_reestablished(people: RunDatabase) -> None:
     db = Database(people.settings(pool_size=1))
     try:
@@ -426,23 +442,29 @@ async def test_db_query_survives_a_server_restart(private_mariadb: PrivateMariaD
                                                   tmp_path: Path) -> None:
     env = {"MYSQL_USER": "root", "MYSQL_PORT": str(private_mariadb.port)}
     ask = tool_call("db_query", {"sql": "SELECT 40 + 2 AS answer"})
+    ok = ["answer\n------\n42\n(1 row)"]
+
+    async def ask_db(rt: Any) -> list[str]:
+        fake_openai.script(ask, text("done"))
+        await turn(rt, "what is the answer?")
+        return tool_results(fake_openai)
+
+    private_mariadb.stop()
+    # Down at start: the plugin loads anyway and says what is wrong on each call.
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=env, gates=ALL_OPEN,
                        plugins=(PLUGIN,)) as rt:
-        fake_openai.script(ask, text("ok"))
-        await turn(rt, "ask")
-        assert tool_results(fake_openai) == ["answer\n------\n42\n(1 row)"]
-
+        (down,) = await ask_db(rt)
+        assert down.startswith("ERROR: cannot connect to MySQL as root@127.0.0.1:")
+        assert "MySQL error 2003" in down and "is the MySQL server running?" in down
+        private_mariadb.start()
+        assert await ask_db(rt) == ok
+        # Restarted between two calls of one session: the pooled connection reconnects, no call fails.
         private_mariadb.stop()
-        fake_openai.script(ask, text("down"))
-        await turn(rt, "ask again")
-        (result,) = tool_results(fake_openai)
-        assert result.startswith("ERROR: cannot connect to MySQL as root@127.0.0.1:")
-        assert "MySQL error 2003" in result and "is the MySQL server running?" in result
-
-        private_mariadb.start()  # same session, same plugin, same pool
-        fake_openai.script(ask, text("back"))
-        await turn(rt, "and now?")
-        assert tool_results(fake_openai) == ["answer\n------\n42\n(1 row)"]
+        private_mariadb.start()
+        assert await ask_db(rt) == ok
+        private_mariadb.stop()
+        (down,) = await ask_db(rt)
+        assert "MySQL error 2003" in down
 
 
 # ── Over HTTP, with shell.py's own client ───────────────────────────────────────────────────
