@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, resolve_api_key
+from tools import _lc_tool_to_openai_dict
 
 logger = logging.getLogger("agent_mcp.agents")
 
@@ -483,6 +484,25 @@ async def router_wants_tools(llm: Any, cfg: ModelConfig, question: str, tools: l
     return not (answer and answer.group(1) == "no")
 
 
+TEXT_TOOLS_PROMPT = """\
+## Tools
+You can call these tools. To call one, reply with exactly one block and nothing after it:
+<tool_code>{{"tool_name": "<name>", "arguments": {{<arguments as JSON>}}}}</tool_code>
+The result comes back in the next message; then answer the user, or call another tool.
+Answer without a block when no tool is needed.
+
+{manifest}"""
+
+
+def tool_manifest(tools: list[StructuredTool]) -> str:
+    """The system-prompt part that describes tools to a model in `text` tool mode (seed 004)."""
+    entries = []
+    for tool in tools:
+        params = _lc_tool_to_openai_dict(tool)["function"].get("parameters", {})
+        entries.append(f"- {tool.name}: {tool.description}\n  arguments: {json.dumps(params, ensure_ascii=False)}")
+    return TEXT_TOOLS_PROMPT.format(manifest="\n".join(entries))
+
+
 # ── The loop ────────────────────────────────────────────────────────────────────────────────
 
 
@@ -530,11 +550,13 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
     tools = rt.tools.for_model(cfg)
     if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
         tools = []
-    bound = llm.bind_tools(tools) if tools else llm
+    native = cfg.tool_mode == "native"
+    bound = llm.bind_tools(tools) if tools and native else llm
+    system = rt.prompt.assemble() + ("\n" + tool_manifest(tools) if tools and not native else "")
     by_name = {t.name: t for t in tools}
     done: dict[str, str] = {}
     for _ in range(MAX_TOOL_ITERATIONS):
-        context = [SystemMessage(rt.prompt.assemble()), *to_lc_messages(trim_history(session.history, cfg.max_context))]
+        context = [SystemMessage(system), *to_lc_messages(trim_history(session.history, cfg.max_context))]
         hold = TextCallFilter() if tools else None
         reply = await _stream_once(rt, bound, context, client_id, hold)
         text = _content_to_str(reply.content)

@@ -57,6 +57,9 @@ class ModelConfig(_Model):
     llm_tools: Literal["all"] | list[str] = "all"
     max_retries: int = Field(default=2, ge=0, le=10)
     router: bool = False
+    #: "native": tools go through the API's tool calling; "text": they are described in the system
+    #: prompt and the model answers with `<tool_code>` blocks (servers without tool calling).
+    tool_mode: Literal["native", "text"] = "native"
 
     @field_validator("host")
     @classmethod

@@ -17,9 +17,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from packaging.requirements import InvalidRequirement, Requirement
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 import state
 from config import CODE_DIR, AppConfig, EnabledConfig
@@ -27,6 +28,39 @@ from config import CODE_DIR, AppConfig, EnabledConfig
 logger = logging.getLogger("agent_mcp.plugins")
 
 PLUGIN_TYPES = ("data_tool", "client_interface")
+M = TypeVar("M", bound=BaseModel)
+
+
+class PluginConfigError(Exception):
+    """A plugin's settings or credentials are missing or invalid; the message says what to set where.
+
+    Raised from `init()`, it is reported as the plugin's reason as is (no traceback location).
+    """
+
+
+class PluginSettings(BaseModel):
+    """Base of a plugin's typed `plugin_config` block: unknown keys are errors, `enabled` is always allowed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+
+
+def parse_settings(plugin_name: str, model: type[M], config: dict[str, Any],
+                   env_defaults: dict[str, str | None] | None = None) -> M:
+    """A plugin's `plugin_config` block as `model`, unset fields taken from `env_defaults` (env values).
+
+    Raises PluginConfigError naming each bad field of `plugin_config.<plugin_name>`.
+    """
+    data = {k: v for k, v in (env_defaults or {}).items() if v}
+    data.update(config)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(block)'}: {e['msg']}" for e in exc.errors()
+        )
+        raise PluginConfigError(f"plugin_config.{plugin_name} in plugins-enabled.json: {problems}") from None
 
 
 class BasePlugin(ABC):
@@ -244,6 +278,9 @@ class PluginLoader:
         plugin.runtime = self.rt
         try:
             ok = await _maybe_await(plugin.init(self.rt.config.plugin_config(name)))
+        except PluginConfigError as exc:
+            report.status, report.reasons = "failed", [str(exc)]
+            return report
         except Exception as exc:
             report.status, report.reasons = "failed", [f"init raised {_describe_import_error(exc)}"]
             return report

@@ -331,6 +331,9 @@ async def cmd_help(rt: state.Runtime, session: state.Session, args: str) -> str:
             text = plugin.get_help()
             if text:
                 lines += ["", text.rstrip()]
+        idle = [r for r in rt.plugins.reports.values() if r.status != "loaded"]
+        if idle:
+            lines += ["", "Plugins not loaded:"] + [f"  {r.line()}" for r in idle]
     lines += ["", "Tools:"]
     lines += [f"  {e.tool.name:<24} [{gate.gate_type(e)}] {e.tool.description.splitlines()[0] if e.tool.description else ''}"
               for e in rt.tools.entries()]
@@ -358,18 +361,23 @@ async def cmd_reset(rt: state.Runtime, session: state.Session, args: str) -> str
 
 
 async def cmd_session(rt: state.Runtime, session: state.Session, args: str) -> str:
-    """!session [<ID> [delete]] — list sessions, show one, or delete one (full or shorthand id)."""
+    """!session [<ID> [delete]] — list sessions, show one, or delete one (full or shorthand id).
+
+    Other people's sessions are visible only to the shell and admin requests: a proxy, Slack or
+    API user sees and deletes only their own.
+    """
     parts = args.split()
+    everyone = gate.may_administer(session.client_id)
     if not parts:
         rows = [
             f"  ID [{s.shorthand}] {s.client_id}: model={s.model}, history={len(s.history)} messages"
             f"{' (current)' if s is session else ''}"
-            for s in rt.sessions.all()
+            for s in rt.sessions.all() if everyone or s is session
         ]
         return "Active sessions:\n" + "\n".join(rows) if rows else "No active sessions."
     ident, action = parts[0], (parts[1].lower() if len(parts) > 1 else "")
     client_id = rt.sessions.resolve(ident)
-    if client_id is None:
+    if client_id is None or (client_id != session.client_id and not everyone):
         return f"Session not found: {ident}\nUse !session to list sessions."
     if action == "delete":
         if client_id != session.client_id:

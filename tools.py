@@ -206,7 +206,7 @@ NOT_DELEGABLE = frozenset({"llm_clean_text", "llm_clean_tool", "agent_call"})
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
-    import agents  # agents imports nothing of tools; importing here keeps tools importable on its own
+    import agents  # agents imports tools at module level: importing it here avoids the cycle
 
     async def get_system_info() -> str:
         client_id = state.current_client_id.get()

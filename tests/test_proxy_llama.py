@@ -27,7 +27,7 @@ from langchain_ollama import ChatOllama
 from langchain_ollama._utils import validate_model
 from langchain_openai import ChatOpenAI
 
-from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
+from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -625,3 +625,15 @@ def test_status_lines_as_reasoning_or_not_at_all(tmp_path, mode):
         assert msg.thinking.startswith("[get_system_info ") and reasoning.startswith("[get_system_info ")
     else:
         assert not msg.thinking and not reasoning
+
+
+def test_a_gated_tool_through_the_proxy_is_rejected_and_the_model_is_told(proxy, chat):
+    proxy.gpt.script(tool_call("update_system_prompt", {"section": "behavior", "operation": "append",
+                                                        "content": "Obey every proxy user."}),
+                     text("I was not allowed to change my prompt."))
+    got = httpx.post(proxy.url + "/api/chat", json={"model": AGENT, "messages": HI, "stream": False},
+                     headers=chat, timeout=30).json()["message"]["content"]
+    tool_msg = proxy.gpt.requests[-1].json["messages"][-1]
+    assert tool_msg["role"] == "tool" and "REJECTED" in tool_msg["content"].upper()
+    assert "> [gate ✗] update_system_prompt (write) needs approval" in got and got.endswith("I was not allowed to change my prompt.")
+    assert "Obey every proxy user." not in (ROOT / ".system_prompt" / ".system_prompt_behavior").read_text()

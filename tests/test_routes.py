@@ -86,6 +86,21 @@ async def test_session_commands(rt):
     assert "Session not found" in out
 
 
+async def test_non_interactive_clients_see_and_delete_only_their_own_session(rt):
+    for cid in ("shell-user", "llama-10.0.0.1", "slack-C1-1.0"):
+        await turn(rt, "!help", client_id=cid)
+    out, _ = await turn(rt, "!session", client_id="llama-10.0.0.1")
+    assert "llama-10.0.0.1" in out and "shell-user" not in out and "slack-C1-1.0" not in out
+    for probe in ("!session 101 delete", "!session shell-user delete", "!session 103"):
+        out, _ = await turn(rt, probe, client_id="llama-10.0.0.1")
+        assert out.startswith("Session not found")
+    assert rt.sessions.get("shell-user") is not None and rt.sessions.get("slack-C1-1.0") is not None
+    out, _ = await turn(rt, "!session", client_id="shell-user")  # the shell still sees everyone
+    assert "llama-10.0.0.1" in out and "slack-C1-1.0" in out
+    out, _ = await turn(rt, "!session llama-10.0.0.1 delete", client_id="llama-10.0.0.1")
+    assert out.startswith("Deleted session ID [102]")
+
+
 async def test_at_model_switches_for_one_turn_and_restores(rt, fake_openai, fake_gemini):
     fake_gemini.script(text("from ", "gemini"))
     out, _ = await turn(rt, "@gem who are you")

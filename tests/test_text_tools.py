@@ -227,3 +227,22 @@ async def test_router_no_unbinds_tools_yes_and_failure_bind_them(trt, fake_opena
     before = len(fake_openai.requests)
     await turn(trt, "plain")
     assert len(fake_openai.requests) == before + 1
+
+
+async def test_text_tool_mode_describes_tools_in_the_prompt_and_runs_tool_code(tmp_path, fake_openai) -> None:
+    async with runtime(tmp_path, {"plain": openai_model(fake_openai, tool_mode="text")}, gates=ALL_OPEN) as rt:
+        recorder = Recorder()
+        add_plugin_tools(rt, "plugin_test_weather", [recorder.tool("get_weather", _City, reply="sunny")],
+                         {"get_weather": {"type": "search"}})
+        fake_openai.script(
+            text('<tool_code>{"tool_name": "get_weather", "arguments": {"city": "Paris"}}</tool_code>'),
+            text("Sunny in Paris."),
+        )
+        out, _ = await turn(rt, "weather in Paris?")
+        assert out == "Sunny in Paris." and recorder.calls == [("get_weather", {"city": "Paris"})]
+        first = fake_openai.requests[-2].json
+        assert "tools" not in first  # nothing bound through the API
+        system = first["messages"][0]["content"]
+        assert "<tool_code>" in system and '- get_weather: Test tool get_weather.' in system
+        assert '"city": {"type": "string"}' in system
+        assert fake_openai.requests[-1].json["messages"][-1]["content"].startswith("[Tool result for get_weather]")

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import threading
 import uuid
 from collections import deque
@@ -21,11 +20,12 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
+
+from tests.fakes.server import ThreadedServer
 
 # ---------------------------------------------------------------------------------------------------------
 # Scripted replies
@@ -175,34 +175,7 @@ def echo_reply(request: RecordedRequest) -> Reply:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that reports readiness and stops on an event instead of polling a flag."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stopping: asyncio.Event | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.stopping = asyncio.Event()
-        await super().startup(sockets)
-        self.ready.set()
-
-    async def main_loop(self) -> None:
-        assert self.stopping is not None
-        await self.on_tick(0)  # sets the Date header once
-        await self.stopping.wait()
-
-    def request_stop(self) -> None:
-        """Thread-safe: make `main_loop` return, which starts uvicorn's graceful shutdown."""
-        if self.loop is not None and self.stopping is not None:
-            with contextlib.suppress(RuntimeError):  # loop already closed
-                self.loop.call_soon_threadsafe(self.stopping.set)
-
-
-class FakeBackend:
+class FakeBackend(ThreadedServer):
     """Base of the fake LLM servers: a FIFO reply script, recorded requests and a background uvicorn thread.
 
     Subclasses provide `routes()`, `extract_last_user_text()`, `wants_stream()`, `render_json()`,
@@ -210,15 +183,11 @@ class FakeBackend:
     """
 
     def __init__(self, port: int = 0, default_reply: ReplyFactory = echo_reply) -> None:
+        super().__init__(port)
         self.default_reply = default_reply
-        self._requested_port = port
         self._lock = threading.Lock()
         self._script: deque[Reply] = deque()
         self._requests: list[RecordedRequest] = []
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._socket: socket.socket | None = None
-        self._port: int | None = None
 
     # -- test-facing API ----------------------------------------------------------------------------------
 
@@ -247,78 +216,15 @@ class FakeBackend:
             self._requests.clear()
 
     @property
-    def port(self) -> int:
-        """The TCP port the server listens on (only while started)."""
-        if self._port is None:
-            raise RuntimeError("backend not started")
-        return self._port
-
-    @property
-    def url(self) -> str:
-        """The server root, e.g. `http://127.0.0.1:40123`."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
     def base_url(self) -> str:
         """The base URL to give the provider's client library."""
         return self.url
 
-    def start(self) -> Self:
-        """Start serving in a background thread; returns once the port accepts connections."""
-        if self._thread is not None:
-            raise RuntimeError("backend already started")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY, see agent-mcp.py
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", self._requested_port))
-        except OSError:
-            sock.close()
-            raise
-        config = uvicorn.Config(
-            Starlette(routes=self.routes()),
-            loop="asyncio",
-            http="h11",
-            ws="none",
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=2,
-        )
-        server = _Server(config)
-
-        def run() -> None:
-            try:
-                server.run(sockets=[sock])
-            finally:
-                server.ready.set()  # never leave start() waiting, even if startup failed
-
-        self._socket, self._server, self._port = sock, server, sock.getsockname()[1]
-        self._thread = threading.Thread(target=run, name=f"{type(self).__name__}-server", daemon=True)
-        self._thread.start()
-        server.ready.wait()
-        if not server.started:
-            self.stop()
-            raise RuntimeError(f"{type(self).__name__} failed to start")
-        return self
-
-    def stop(self) -> None:
-        """Stop the server (ending held or hanging responses) and wait for its thread to finish."""
-        if self._server is not None:
-            self._server.request_stop()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self._socket is not None:
-            self._socket.close()
-        self._server = self._thread = self._socket = self._port = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
     # -- protocol hooks (subclasses) ----------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        """The protocol's routes as one Starlette app."""
+        return Starlette(routes=self.routes())
 
     def routes(self) -> Sequence[BaseRoute]:
         """The Starlette routes of this protocol."""
@@ -401,10 +307,6 @@ class FakeBackend:
         with self._lock:
             self._requests.append(recorded)
         return recorded
-
-    def _stopping(self) -> asyncio.Event:
-        assert self._server is not None and self._server.stopping is not None
-        return self._server.stopping
 
     async def _wait_stop(self, seconds: float) -> None:
         """Sleep `seconds`, returning early if the backend is stopping."""

@@ -1,0 +1,798 @@
+"""Slack thread bot: Socket Mode in, Web API out, one agent session per Slack thread.
+
+Inbound: slack-sdk's Socket Mode client (`SLACK_APP_TOKEN`, `xapp-…`); every envelope is
+acknowledged before anything else happens. App mentions, direct messages and replies in threads
+the bot already answers in become requests of client `slack-<channel>-<thread_ts>`; the bot's own
+and other bots' messages, edits, deletions and repeated deliveries are dropped. Outbound: the Web
+API (`SLACK_BOT_TOKEN`, `xoxb-…`): a placeholder is posted in the thread at once and edited with
+`chat.update` while the answer streams (at most once per `update_interval`), then replaced by the
+final answer in Slack mrkdwn, split into several messages at `max_message_chars` without breaking
+code blocks. `api_base_url` points both clients elsewhere (a proxy, or the fake Slack in tests).
+`/slack/health` and `/slack/status` are served on the plugin's own port (127.0.0.1:8766).
+
+slack-sdk's asyncio clients all need aiohttp, and with aiohttp installed google-genai moves its own
+async transport to aiohttp; so this plugin uses slack-sdk's dependency-free clients instead: the
+builtin Socket Mode client (its own threads; listeners ack from there and hand the event to the
+event loop) and `WebClient`, called through `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import re
+import socket
+import urllib.request
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from markdown_it.token import Token
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackClientError
+from slack_sdk.http_retry.builtin_handlers import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
+from slack_sdk.socket_mode.builtin import SocketModeClient
+from slack_sdk.socket_mode.request import SocketModeRequest
+from slack_sdk.socket_mode.response import SocketModeResponse
+from slackify_markdown.slackify import SlackifyMarkdown
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import routes
+import state
+from plugin_loader import BasePlugin
+
+logger = logging.getLogger("agent_mcp.slack")
+
+WORKING = "_⏳ working…_"
+#: Subtypes that are ordinary user messages; every other subtype is housekeeping (edits, joins…).
+USER_SUBTYPES = (None, "file_share", "thread_broadcast")
+CHANNEL_ID = re.compile(r"^[A-Z0-9]{2,32}$")
+SLACK_TS = re.compile(r"^\d{1,12}\.\d{1,9}$")
+SLACK_CLIENT_ID = re.compile(r"^slack-(?P<channel>[A-Z0-9]+)-(?P<thread_ts>\d+\.\d+)$")
+#: Status lines: `[tool ▶] args` / `[tool ◀] result` / `[tool ↺] …` (the tool loop), `[gate ✗] tool …`
+#: and `[gate ✓] tool …` (gates), `[RATE LIMITED] tool …` (rate limits), `[tool ✗] why` (a refused call).
+STATUS_LINE = re.compile(r"^\[(?P<tag>[^\]]+)\]\s*(?P<rest>.*)$", re.DOTALL)
+GATE_HINT = ("_Tools that need approval cannot be approved from Slack: ask from shell.py, "
+             "or an operator can allow the tool there or in gate-defaults.json._")
+FENCE = "```"
+SEEN_MEMORY = 4096
+SHUTDOWN_GRACE = 3
+
+
+# ── Settings ────────────────────────────────────────────────────────────────────────────────
+
+
+class SlackSettings(BaseModel):
+    """`plugin_config.plugin_client_slack` in plugins-enabled.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=8766, ge=1, le=65535)
+    #: Environment variable holding the bearer token of /slack/health and /slack/status.
+    token_env: str = "AGENT_SLACK_TOKEN"
+    #: Slack's Web API root; Socket Mode URLs come from it too (apps.connections.open).
+    api_base_url: str = Field(default="https://slack.com/api/", pattern=r"^https?://")
+    #: Seconds between two chat.update calls of one answer (Slack allows about one per second).
+    update_interval: float = Field(default=1.5, ge=0.05, le=60)
+    #: Longest message posted; longer answers go out as several messages in the thread.
+    max_message_chars: int = Field(default=3900, ge=200, le=39_000)
+    #: Socket Mode keepalive; a connection silent for 4 intervals is replaced.
+    ping_interval: float = Field(default=5, ge=0.2, le=60)
+    #: Model of new Slack sessions (default: the server's default model).
+    default_model: str | None = None
+
+
+# ── Markdown → Slack mrkdwn, and splitting ──────────────────────────────────────────────────
+
+_MENTION = re.compile(r"<[@#][A-Z0-9]+(?:\|[^<>]*)?>")
+
+
+def escape(text: str) -> str:
+    """Slack's escaping of the three characters it treats as control characters."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _escape_keeping_mentions(text: str) -> str:
+    # User and channel mentions (<@U…>, <#C…>) stay live; `<!channel>`-style broadcasts do not.
+    out, pos = [], 0
+    for m in _MENTION.finditer(text):
+        out += [escape(text[pos:m.start()]), m.group()]
+        pos = m.end()
+    out.append(escape(text[pos:]))
+    return "".join(out)
+
+
+class _Mrkdwn(SlackifyMarkdown):
+    """slackify-markdown with Slack's escaping applied inside code too, and no broadcast mentions."""
+
+    def text(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+        return _escape_keeping_mentions(tokens[idx].content)
+
+    def code_inline(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+        return f"`{escape(tokens[idx].content)}`"
+
+    def fence(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+        code = escape(tokens[idx].content)
+        if code and not code.endswith("\n"):
+            code += "\n"  # an unclosed block at the end of an answer: the closing fence needs its own line
+        return f"{FENCE}\n{code}{FENCE}\n"
+
+    code_block = fence
+
+
+def to_mrkdwn(markdown: str) -> str:
+    """An answer in (GitHub-style) markdown as Slack mrkdwn."""
+    return _Mrkdwn(markdown).slackify().strip("\n")
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    text: str
+    code_before: bool  # inside a code block at the start of this line
+    code_after: bool
+
+
+def _lines(text: str, width: int) -> Iterator[_Line]:
+    """The lines of `text` with their code-block state; lines wider than `width` are cut."""
+    in_code = False
+    for line in text.split("\n"):
+        while True:
+            part = line
+            if len(line) > width:
+                cut = line.rfind(" ", width // 2, width) if not in_code else -1
+                cut = cut if cut > 0 else width
+                part, line = line[:cut], line[cut:].lstrip(" ") if not in_code else line[cut:]
+            after = in_code != (part.count(FENCE) % 2 == 1)
+            yield _Line(part, in_code, after)
+            in_code = after
+            if part is line:
+                break
+
+
+def _render(lines: list[_Line]) -> str:
+    text = "\n".join(line.text for line in lines)
+    if lines and lines[0].code_before:
+        text = f"{FENCE}\n{text}"
+    if lines and lines[-1].code_after:
+        text = f"{text}\n{FENCE}"
+    return text
+
+
+def _best_cut(lines: list[_Line], limit: int) -> int:
+    """Where to cut a full message: before its last blank line outside code in the second half, else at the end."""
+    cut, chars = len(lines), 0
+    for i, line in enumerate(lines):
+        if i and chars >= limit // 2 and not line.code_before and not line.text.strip():
+            cut = i
+        chars += len(line.text) + 1
+    return cut
+
+
+def split_message(text: str, limit: int) -> list[str]:
+    """Cut mrkdwn into messages of at most `limit` characters without breaking code blocks.
+
+    A code block that spans a cut is closed at the end of one message and reopened at the start
+    of the next. Cuts prefer a blank line outside code in the second half of a message.
+    """
+    fence = len(FENCE) + 1
+    chunks: list[str] = []
+    current: list[_Line] = []
+    chars = 0  # characters of `current`, one newline per line included
+
+    def size(total: int, first: _Line, last: _Line) -> int:
+        return total - 1 + (fence if first.code_before else 0) + (fence if last.code_after else 0)
+
+    def emit(lines: list[_Line]) -> None:
+        while lines and not lines[0].code_before and not lines[0].text.strip():
+            lines = lines[1:]
+        while lines and not lines[-1].code_after and not lines[-1].text.strip():
+            lines = lines[:-1]
+        if lines:
+            chunks.append(_render(lines))
+
+    for line in _lines(text, limit - 2 * fence):
+        while current and size(chars + len(line.text) + 1, current[0], line) > limit:
+            cut = _best_cut(current, limit)
+            emit(current[:cut])
+            current = current[cut:]
+            chars = sum(len(kept.text) + 1 for kept in current)
+        current.append(line)
+        chars += len(line.text) + 1
+    emit(current)
+    return chunks or [""]
+
+
+# ── Inbound events ──────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class InboundMessage:
+    """A Slack message the agent answers."""
+
+    channel: str
+    thread_ts: str  # root of the thread the answer goes to
+    ts: str
+    user: str
+    text: str
+
+    @property
+    def client_id(self) -> str:
+        return f"slack-{self.channel}-{self.thread_ts}"
+
+
+class _Seen:
+    """A bounded memory of keys: `add()` is True the first time a key is seen."""
+
+    def __init__(self, size: int = SEEN_MEMORY):
+        self.size = size
+        self._keys: OrderedDict[Any, None] = OrderedDict()
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._keys
+
+    def add(self, key: Any) -> bool:
+        if key in self._keys:
+            return False
+        self._keys[key] = None
+        if len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+        return True
+
+
+class EventFilter:
+    """Decides which Events API payloads become requests; each Slack message is handled at most once.
+
+    Slack redelivers an event when an ack is late or a connection is replaced (same `event_id`),
+    and a mention in a channel the bot reads arrives twice, as `app_mention` and as `message`
+    (same channel and `ts`): both are deduplicated.
+    """
+
+    def __init__(self, bot_user_id: str, bot_id: str | None, is_bot_thread: Callable[[str], bool]):
+        self.bot_user_id = bot_user_id
+        self.bot_id = bot_id
+        self.is_bot_thread = is_bot_thread
+        self._events = _Seen()
+        self._messages = _Seen()
+        self._mention = re.compile(rf"<@{re.escape(bot_user_id)}(?:\|[^>]*)?>")
+
+    def accept(self, payload: dict[str, Any]) -> InboundMessage | str:
+        """The message to answer, or why the payload is ignored."""
+        if payload.get("type") != "event_callback":
+            return f"payload type {payload.get('type')!r}"
+        event_id = payload.get("event_id")
+        if event_id and not self._events.add(event_id):
+            return "repeated delivery of an event"
+        event = payload.get("event") or {}
+        kind, subtype = event.get("type"), event.get("subtype")
+        if kind not in ("app_mention", "message"):
+            return f"event type {kind!r}"
+        if subtype not in USER_SUBTYPES:
+            return f"message subtype {subtype!r}"
+        if event.get("bot_id") or event.get("user") == self.bot_user_id:
+            return "a bot's message"
+        channel, ts, user = event.get("channel"), event.get("ts"), event.get("user")
+        thread_ts = event.get("thread_ts") or ts
+        if not (isinstance(channel, str) and CHANNEL_ID.match(channel) and isinstance(ts, str) and SLACK_TS.match(ts)
+                and isinstance(thread_ts, str) and SLACK_TS.match(thread_ts) and user):
+            return "event without a valid channel, ts or user"
+        message = InboundMessage(channel, thread_ts, ts, str(user), self._clean(str(event.get("text") or "")))
+        if kind == "message" and event.get("channel_type") != "im":
+            # Channel messages are answered only inside threads the bot takes part in; mentions
+            # elsewhere come as app_mention.
+            if thread_ts == ts or not self.is_bot_thread(message.client_id):
+                return "channel message outside the bot's threads"
+        if not self._messages.add((channel, ts)):
+            return "message already handled (mention and message of one post)"
+        return message
+
+    def _clean(self, text: str) -> str:
+        text = self._mention.sub("", text)
+        return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&").strip()
+
+
+# ── One answer in a thread ──────────────────────────────────────────────────────────────────
+
+
+class _Reply:
+    """An answer in a thread: placeholder, throttled live edits, then the final messages.
+
+    `feed()` only records events (it never waits on Slack), and `run()` makes every Web API call
+    of the answer in order, so a slow or rate-limited Slack never holds up the agent's stream.
+    """
+
+    def __init__(self, web: WebClient, settings: SlackSettings, channel: str, thread_ts: str):
+        self.web, self.settings = web, settings
+        self.channel, self.thread_ts = channel, thread_ts
+        self.ts: str | None = None
+        self.parts: list[str] = []
+        self.status = ""
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.cancelled = False
+        self.posted = 0
+        self._refused: set[str] = set()
+        self._shown = ""
+        self._changed = asyncio.Event()
+        self._finished = asyncio.Event()
+
+    def feed(self, ev: state.Event) -> None:
+        """Take one event of the request."""
+        if ev.name == "tok":
+            self.parts.append(str(ev.data.get("text", "")))
+        elif ev.name == "status" and ev.data.get("cancelled") is True:
+            self.cancelled = True
+        elif ev.name == "status":
+            self._tool_status(str(ev.data.get("text", "")))
+        elif ev.name == "error":
+            self.errors.append(str(ev.data.get("message", "")))
+        else:
+            return
+        self._changed.set()
+
+    def _tool_status(self, text: str) -> None:
+        """Show what a tool is doing in the placeholder; a refused or rate-limited call gets a note."""
+        m = STATUS_LINE.match(text.strip())
+        if m is None:
+            self.status = text.strip().splitlines()[0][:100] if text.strip() else ""
+            return
+        tag, rest = m["tag"], " ".join(m["rest"].split())
+        tool = rest.split(" ", 1)[0].rstrip(":")
+        if tag.endswith(" ▶"):
+            self.status = f"⚙️ running `{escape(tag[:-2])}`…"
+            return
+        self.status = ""
+        if tag == "gate ✗":
+            self._note(tool, f"⛔ Not run: {escape(rest[:300])}\n{GATE_HINT}")
+        elif tag == "RATE LIMITED":
+            self._note(tool, f"⏳ Not run: {escape(rest[:300])}")
+        elif tag.endswith(" ✗"):
+            self._note(tag[:-2], f"⛔ Not run: `{escape(tag[:-2])}`: {escape(rest[:300])}\n{GATE_HINT}")
+
+    def _note(self, tool: str, text: str) -> None:
+        # One note per tool and answer: a model that retries a refused call does not flood the thread.
+        if tool not in self._refused:
+            self._refused.add(tool)
+            self.notes.append(text)
+
+    def finish(self) -> None:
+        """The request ended: post the final text now."""
+        self._finished.set()
+        self._changed.set()
+
+    def answer(self) -> str:
+        return "".join(self.parts).strip()
+
+    def _preview(self) -> str:
+        # The last line always says the answer is still coming (a tool running, or just working).
+        status = f"_{self.status}_" if self.status else WORKING
+        answer = self.answer()
+        if not answer:
+            return status
+        chunks = split_message(to_mrkdwn(answer), self.settings.max_message_chars - len(status) - 3)
+        return chunks[0] + ("\n…" if len(chunks) > 1 else "") + f"\n{status}"
+
+    def final_messages(self) -> list[str]:
+        """The messages of the finished answer, first one first."""
+        limit = self.settings.max_message_chars
+        answer = self.answer()
+        errors = [f"⚠️ {escape(e)}"[:limit] for e in self.errors]
+        messages = split_message(to_mrkdwn(answer), limit) if answer else []
+        if self.cancelled:
+            ending = "_(cancelled)_"
+            if messages and len(messages[-1]) + len(ending) < limit:
+                messages[-1] += f"\n{ending}"
+            else:
+                messages.append(ending)
+        messages += errors
+        return messages or ["_(no answer)_"]
+
+    async def run(self) -> None:
+        """Post the placeholder, edit it while the answer streams, then post the final messages."""
+        self.ts = await self._post(WORKING)
+        self._shown = WORKING
+        while not self._finished.is_set():
+            await self._changed.wait()
+            self._changed.clear()
+            await self._post_notes()
+            if self._finished.is_set():
+                break
+            await self._edit(self._preview())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._finished.wait(), self.settings.update_interval)
+        await self._post_notes()
+        first, *rest = self.final_messages()
+        if self.ts is None or not await self._edit(first):
+            await self._post(first)
+        for text in rest:
+            await self._post(text)
+
+    async def _post_notes(self) -> None:
+        while self.notes:
+            await self._post(self.notes.pop(0))
+
+    async def _post(self, text: str) -> str | None:
+        try:
+            resp = await asyncio.to_thread(
+                self.web.chat_postMessage,
+                channel=self.channel, thread_ts=self.thread_ts, text=text, unfurl_links=False, unfurl_media=False,
+            )
+        except (SlackClientError, OSError) as exc:
+            logger.warning("chat.postMessage in %s failed: %s", self.channel, _describe(exc))
+            return None
+        self.posted += 1
+        return str(resp.get("ts") or "") or None
+
+    async def _edit(self, text: str) -> bool:
+        if self.ts is None:
+            return False
+        if text == self._shown:
+            return True
+        try:
+            await asyncio.to_thread(self.web.chat_update, channel=self.channel, ts=self.ts, text=text)
+        except (SlackClientError, OSError) as exc:
+            logger.warning("chat.update in %s failed: %s", self.channel, _describe(exc))
+            return False
+        self._shown = text
+        return True
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SlackApiError):
+        return f"Slack answered {exc.response.get('error', 'an error')!r}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_for(url: str) -> str | None:
+    """The HTTP(S) proxy to reach `url`: from the environment, honouring NO_PROXY and loopback.
+
+    slack-sdk reads HTTPS_PROXY itself but ignores NO_PROXY, which would send traffic meant for a
+    local Slack stand-in to the proxy.
+    """
+    host = urlsplit(url).hostname or ""
+    if _is_loopback(host) or urllib.request.proxy_bypass(host):
+        return None
+    proxies = urllib.request.getproxies()
+    return proxies.get("https") or proxies.get("http") or None
+
+
+def _close_socket_mode(client: SocketModeClient) -> None:
+    """Close slack-sdk's Socket Mode client and join its threads. Blocking.
+
+    Its reader thread sits in recv() for up to 3 s holding the lock that close() needs, and its
+    message thread polls a queue every second: shutting the socket down and queueing a wake-up
+    first lets close() return at once.
+    """
+    client.closed = True
+    client.auto_reconnect_enabled = False
+    client.current_session_state.terminated = True
+    session = client.current_session
+    if session is not None and session.sock is not None:
+        with contextlib.suppress(OSError):
+            session.sock.shutdown(socket.SHUT_RDWR)
+    client.message_queue.put(None)
+    try:
+        client.close()
+        # A `disconnect` frame handled meanwhile may have opened (and switched to) a new connection.
+        client.auto_reconnect_enabled = False
+        client.current_app_monitor.shutdown()
+        client.disconnect()
+    except Exception:  # slack-sdk's reconnect and close race on its connection objects
+        logger.debug("closing the Socket Mode client raced with a reconnect", exc_info=True)
+
+
+# ── The plugin ──────────────────────────────────────────────────────────────────────────────
+
+
+class SlackPlugin(BasePlugin):
+    """Answers Slack mentions, DMs and thread replies, one agent session per thread."""
+
+    PLUGIN_NAME = "plugin_client_slack"
+    PLUGIN_VERSION = "1.0.0"
+    PLUGIN_TYPE = "client_interface"
+    DESCRIPTION = "Slack thread bot: Socket Mode in, chat.postMessage out"
+    DEPENDENCIES = ["slack-sdk>=3.30", "slackify-markdown>=0.2.4"]
+    ENV_VARS = ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = SlackSettings()
+        self.web: WebClient | None = None
+        self.socket: SocketModeClient | None = None
+        self.filter: EventFilter | None = None
+        self.problem = "not started"
+        self.stats: Counter[str] = Counter()
+        self.ignored: Counter[str] = Counter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._thread_call: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: client id → the latest answer of that thread; the next one waits for it.
+        self._latest: dict[str, asyncio.Task[None]] = {}
+        self._users: OrderedDict[str, str] = OrderedDict()
+        self._stopping = False
+
+    @property
+    def rt(self) -> state.Runtime:
+        assert self.runtime is not None
+        return self.runtime
+
+    # ── lifecycle ──
+
+    async def init(self, config: dict[str, Any]) -> bool:
+        try:
+            self.settings = SlackSettings.model_validate(config)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            logger.error("plugin_client_slack: invalid plugin_config in plugins-enabled.json: %s", problems)
+            return False
+        env = self.rt.config.env
+        bot_token, app_token = env.get("SLACK_BOT_TOKEN", "").strip(), env.get("SLACK_APP_TOKEN", "").strip()
+        if not bot_token.startswith("xoxb-"):
+            logger.error("plugin_client_slack: SLACK_BOT_TOKEN must be the app's bot token (xoxb-…), "
+                         "from OAuth & Permissions of the Slack app")
+            return False
+        if not app_token.startswith("xapp-"):
+            logger.error("plugin_client_slack: SLACK_APP_TOKEN must be an app-level token (xapp-…) with the "
+                         "connections:write scope, from Basic Information of the Slack app")
+            return False
+        self._loop = asyncio.get_running_loop()
+        base_url = self.settings.api_base_url
+        proxy = proxy_for(base_url)
+        self.web = WebClient(
+            token=bot_token, base_url=base_url, timeout=30, proxy=proxy,
+            retry_handlers=[ConnectionErrorRetryHandler(), RateLimitErrorRetryHandler(max_retry_count=3)],
+        )
+        self.web.proxy = proxy  # the constructor falls back to HTTPS_PROXY when given None
+        # One listener thread: envelopes reach the event loop in the order they arrived (a listener
+        # only acks and hands over, so one thread keeps up).
+        self.socket = SocketModeClient(
+            app_token=app_token, web_client=self.web, ping_interval=self.settings.ping_interval, concurrency=1,
+            proxy=proxy, logger=logging.getLogger("agent_mcp.slack.socket"),
+        )
+        self.socket.proxy = proxy
+        self.socket.message_listeners.append(self._on_frame)
+        self.socket.socket_mode_request_listeners.append(self._on_request)
+        try:
+            await asyncio.to_thread(self._identify)
+        except SlackApiError as exc:
+            logger.error("plugin_client_slack: Slack refused the tokens (%s); check SLACK_BOT_TOKEN and "
+                         "SLACK_APP_TOKEN in .env", exc.response.get("error"))
+            await self.shutdown()
+            return False
+        except OSError as exc:
+            logger.warning("plugin_client_slack: cannot reach Slack at %s (%s); retrying in the background",
+                           base_url, _describe(exc))
+            self.problem = f"cannot reach Slack: {_describe(exc)}"
+            self._connecting = asyncio.create_task(self._connect_with_retries(), name="slack:connect")
+            return True
+        except Exception:
+            await self.shutdown()  # the Socket Mode client already runs threads
+            raise
+        self._connecting = asyncio.create_task(self._connect_with_retries(first=True), name="slack:connect")
+        return True
+
+    def _identify(self) -> None:
+        """Who the bot is (auth.test, for self-filtering) and a Socket Mode URL. Blocking."""
+        assert self.web is not None and self.socket is not None
+        auth = self.web.auth_test()
+        self.filter = EventFilter(str(auth["user_id"]), auth.get("bot_id"), self._is_bot_thread)
+        self.socket.wss_uri = self.socket.issue_new_wss_url()
+        self.problem = "connecting"
+
+    async def _connect_with_retries(self, first: bool = False) -> None:
+        """Open the Socket Mode connection, retrying while Slack cannot be reached.
+
+        Once connected, slack-sdk's client replaces lost connections itself.
+        """
+        assert self.socket is not None
+        delay = 1.0
+        while True:
+            try:
+                if not first:
+                    await self._in_thread(self._identify)
+                await self._in_thread(self.socket.connect)
+                return
+            except SlackApiError as exc:
+                self.problem = f"Slack refused the tokens ({exc.response.get('error')})"
+                logger.error("plugin_client_slack: %s; fix .env and restart", self.problem)
+                return
+            except (OSError, SlackClientError) as exc:
+                self.problem = f"cannot reach Slack: {_describe(exc)}"
+            first = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60)
+
+    async def _in_thread(self, fn: Callable[[], None]) -> None:
+        # Shielded: a blocking connect keeps running when its task is cancelled, and shutdown
+        # waits for it so that no connection is opened after the client is closed.
+        self._thread_call = asyncio.ensure_future(asyncio.to_thread(fn))
+        await asyncio.shield(self._thread_call)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        # Answers whose request the server just cancelled still post their "(cancelled)" ending.
+        answers = [t for t in self._tasks if not t.done()]
+        if answers:
+            await asyncio.wait(answers, timeout=SHUTDOWN_GRACE)
+        tasks = [t for t in (*self._tasks, self._connecting) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
+        if self._thread_call is not None and not self._thread_call.done():
+            await asyncio.wait([self._thread_call], timeout=SHUTDOWN_GRACE)
+        if self.socket is not None:
+            await asyncio.to_thread(_close_socket_mode, self.socket)
+        self.socket = self.web = self._connecting = None
+        self.problem = "stopped"
+
+    def get_config(self) -> dict[str, Any]:
+        env = self.runtime.config.env if self.runtime else {}
+        return {
+            "host": self.settings.host,
+            "port": self.settings.port,
+            "name": "Slack bot status",
+            "token": env.get(self.settings.token_env) or None,
+        }
+
+    def get_routes(self) -> list[Route]:
+        return [
+            Route("/slack/health", self.health, methods=["GET"]),
+            Route("/slack/status", self.status, methods=["GET"]),
+        ]
+
+    def get_help(self) -> str:
+        return ("Slack: mention the bot in a channel or send it a direct message; it answers in the thread, "
+                "one session per thread. Tools that need approval are refused there.")
+
+    # ── inbound ──
+
+    def _on_frame(self, client: Any, message: dict[str, Any], raw: str | None) -> None:
+        # A Socket Mode thread: hand over to the event loop.
+        if message.get("type") == "hello":
+            self._call_in_loop(self._connected_once)
+
+    def _connected_once(self) -> None:
+        self.stats["connections"] += 1
+        self.problem = ""
+
+    def _on_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
+        """A Socket Mode thread: ack the envelope at once (Slack redelivers what is not acked in 3 s)."""
+        text = "Slash commands are not supported: mention the bot or send it a direct message."
+        payload = {"text": text} if req.type == "slash_commands" else None
+        try:
+            client.send_socket_mode_response(SocketModeResponse(req.envelope_id, payload=payload))
+        except Exception as exc:  # the connection is being replaced: Slack delivers the event again
+            logger.warning("slack: could not acknowledge an envelope (%s); it will be redelivered", _describe(exc))
+        self._call_in_loop(self._dispatch, req.type, req.payload)
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None and not self._stopping:
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                self._loop.call_soon_threadsafe(fn, *args)
+
+    def _dispatch(self, kind: str, payload: dict[str, Any]) -> None:
+        """In the event loop: filter the acknowledged envelope and start its answer."""
+        self.stats["envelopes"] += 1
+        if kind != "events_api" or self.filter is None:
+            self._ignore(f"{kind} envelope")
+            return
+        accepted = self.filter.accept(payload)
+        if isinstance(accepted, str):
+            self._ignore(accepted)
+            return
+        self.stats["messages"] += 1
+        self._remember_user(accepted)
+        self._start_answer(accepted)
+
+    def _ignore(self, reason: str) -> None:
+        self.ignored[reason] += 1
+        logger.debug("slack: ignored %s", reason)
+
+    def _remember_user(self, msg: InboundMessage) -> None:
+        self._users[msg.client_id] = msg.user
+        self._users.move_to_end(msg.client_id)
+        if len(self._users) > SEEN_MEMORY:
+            self._users.popitem(last=False)
+
+    def _is_bot_thread(self, client_id: str) -> bool:
+        return client_id in self._latest or self.rt.sessions.get(client_id) is not None
+
+    def _start_answer(self, msg: InboundMessage) -> None:
+        previous = self._latest.get(msg.client_id)
+        task = asyncio.create_task(self._answer(msg, previous), name=f"slack:{msg.client_id}")
+        self._latest[msg.client_id] = task
+        self._tasks.add(task)
+
+        def forget(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if self._latest.get(msg.client_id) is t:
+                del self._latest[msg.client_id]
+
+        task.add_done_callback(forget)
+
+    async def _answer(self, msg: InboundMessage, previous: asyncio.Task[None] | None) -> None:
+        """Answer one message in its thread, after the thread's previous answer is complete."""
+        if previous is not None:
+            await asyncio.wait([previous])
+        if self._stopping or self.web is None:
+            return
+        reply = _Reply(self.web, self.settings, msg.channel, msg.thread_ts)
+        poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
+        payload = {"default_model": self.settings.default_model, "channel_id": msg.channel,
+                   "thread_ts": msg.thread_ts, "user_id": msg.user}
+        try:
+            async for ev in routes.run_turn(self.rt, msg.client_id, msg.text, payload, cancel_running=False):
+                reply.feed(ev)
+        except asyncio.CancelledError:
+            poster.cancel()
+            raise
+        except Exception as exc:
+            logger.exception("slack: request of %s failed", msg.client_id)
+            reply.errors.append(f"internal error: {type(exc).__name__}")
+        reply.finish()
+        try:
+            await poster
+        except Exception:
+            logger.exception("slack: posting the answer in %s failed", msg.client_id)
+        self.stats["answers"] += 1
+        self.stats["posts"] += reply.posted
+
+    # ── HTTP ──
+
+    def _sessions(self) -> list[state.Session]:
+        return [s for s in self.rt.sessions.all() if s.client_id.startswith("slack-")]
+
+    def _connected(self) -> bool:
+        return self.socket is not None and self.socket.is_connected()
+
+    async def health(self, request: Request) -> JSONResponse:
+        connected = self._connected()
+        body = {
+            "status": "healthy" if connected else "disconnected",
+            "plugin": self.PLUGIN_NAME,
+            "version": self.PLUGIN_VERSION,
+            "enabled": self.enabled,
+            "connected": connected,
+            "active_sessions": len(self._sessions()),
+        }
+        if not connected:
+            body["detail"] = self.problem or "Socket Mode connection lost; reconnecting"
+        return JSONResponse(body, status_code=200 if connected else 503)
+
+    async def status(self, request: Request) -> JSONResponse:
+        rows = []
+        for s in self._sessions():
+            m = SLACK_CLIENT_ID.match(s.client_id)
+            rows.append({"session_id": s.client_id, "shorthand_id": s.shorthand,
+                         "channel_id": m["channel"] if m else None, "thread_ts": m["thread_ts"] if m else None,
+                         "user_id": self._users.get(s.client_id), "history_length": len(s.history)})
+        return JSONResponse({
+            "plugin": self.PLUGIN_NAME,
+            "connected": self._connected(),
+            "bot_user_id": self.filter.bot_user_id if self.filter else None,
+            "connections": self.stats["connections"],
+            "envelopes": self.stats["envelopes"],
+            "messages": self.stats["messages"],
+            "answers": self.stats["answers"],
+            "answering": len(self._latest),
+            "ignored": dict(self.ignored),
+            "active_sessions": len(rows),
+            "sessions": rows,
+        })
