@@ -124,7 +124,7 @@ class StatementTimeout(StatementError):
 
 def describe_error(exc: BaseException) -> str:
     """`MySQL error <code>: <server message> — <what to do>` for a PyMySQL error, else its text."""
-    args = getattr(exc, "args", ())
+    args = exc.args if isinstance(exc, pymysql.err.MySQLError) else ()
     if len(args) >= 2 and isinstance(args[0], int):
         hint = _HINTS.get(args[0])
         return f"MySQL error {args[0]}: {args[1]}" + (f" — {hint}" if hint else "")
@@ -309,20 +309,18 @@ class Database:
                 await cur.execute("SET SESSION max_execution_time = %s", (int(self.settings.timeout * 1000),))
         self._prepared[conn] = conn.connected_time
 
-    async def _acquire(self) -> aiomysql.Connection:
-        await self.open()
-        assert self._pool is not None
+    async def _acquire(self, pool: aiomysql.Pool) -> aiomysql.Connection:
         conn = None
         try:
             async with asyncio.timeout(self.client_timeout):
-                conn = await self._pool.acquire()
-                await conn.ping(reconnect=True)  # a connection from before a server restart reconnects here
+                conn = await pool.acquire()
+                await conn.ping(reconnect=True)  # a connection the server dropped (KILL, restart) reconnects here
                 await self._prepare(conn)
             return conn
         except BaseException as exc:
             if conn is not None:
                 conn.close()
-                self._pool.release(conn)
+                pool.release(conn)
             if isinstance(exc, (pymysql.err.MySQLError, OSError)):
                 raise ConnectError(f"cannot connect to MySQL as {self.settings.where()}: {describe_error(exc)}") from exc
             if isinstance(exc, TimeoutError):
@@ -336,30 +334,31 @@ class Database:
         if not outcome.statements:
             outcome.error = StatementError("no SQL statement given")
             return outcome
+        await self.open()
+        pool = self._pool
+        assert pool is not None
         try:
-            conn = await self._acquire()
+            conn = await self._acquire(pool)
         except ConnectError as exc:
             outcome.error = exc
             return outcome
-        reusable = True
+        reusable, session_changed = False, False
         try:
             for statement in outcome.statements:
                 op, tables = gate.classify_sql(statement)
-                reusable = reusable and gate.ANY_TABLE not in tables  # may have changed the session
+                session_changed = session_changed or gate.ANY_TABLE in tables  # SET, USE, BEGIN, unknown …
                 outcome.results.append(await self._run_one(conn, statement, read=op == gate.READ))
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")
-                reusable = False
+            else:
+                reusable = not session_changed
         except StatementError as exc:
-            outcome.error, reusable = exc, False
-        except BaseException:
-            reusable = False
-            raise
+            outcome.error = exc
         finally:
             if not reusable:
                 conn.close()  # the server rolls back whatever was left open
-            self._pool.release(conn)  # type: ignore[union-attr]
+            pool.release(conn)
         return outcome
 
     async def _run_one(self, conn: aiomysql.Connection, sql: str, *, read: bool) -> StatementResult:
