@@ -50,12 +50,11 @@ POOL_RECYCLE_SECONDS = 3600
 #: MySQL runs the text of /*! … */ (MariaDB also /*M! … */).
 _EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 
-_ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS",
-        "db": "MYSQL_DB", "timeout": "MYSQL_TIMEOUT", "max_rows": "MYSQL_MAX_ROWS"}
+_ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS", "db": "MYSQL_DB"}
 
 
 class DatabaseSettings(BaseModel):
-    """Where and how to connect; `from_env` reads the `MYSQL_*` variables."""
+    """Where and how to connect (`from_env` reads the `MYSQL_*` variables) and the limits of a call."""
 
     host: str = "127.0.0.1"
     port: int = Field(3306, ge=1, le=65535)
@@ -71,7 +70,7 @@ class DatabaseSettings(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DatabaseSettings:
-        """Settings from MYSQL_HOST, MYSQL_PORT, MYSQL_USER, MYSQL_PASS, MYSQL_DB, MYSQL_TIMEOUT, MYSQL_MAX_ROWS."""
+        """Connection settings from MYSQL_HOST, MYSQL_PORT, MYSQL_USER, MYSQL_PASS, MYSQL_DB (the rest default)."""
         values = {key: env[name] for key, name in _ENV.items() if env.get(name, "").strip()}
         try:
             return cls.model_validate(values)
@@ -97,7 +96,7 @@ _HINTS = {
     1146: "check the table name (SHOW TABLES lists them)",
     1148: "LOAD DATA LOCAL is disabled",
     1792: "it was taken for a read and ran in a read-only transaction, but it writes; send it as a write",
-    1969: "the server's time limit (MYSQL_TIMEOUT) stopped it; narrow the query (WHERE, LIMIT, an index)",
+    1969: "the server's time limit stopped it; narrow the query (WHERE, LIMIT, an index)",
     2002: "is the MySQL server running? check MYSQL_HOST and MYSQL_PORT",
     2003: "is the MySQL server running? check MYSQL_HOST and MYSQL_PORT",
     2006: "the connection was lost while the statement ran; a write may or may not have been applied",
@@ -219,7 +218,7 @@ def format_result(result: StatementResult) -> str:
         return format_table(result.columns, []) + "\n(no rows)"
     count = f"({_plural(result.row_count, 'row')}"
     if result.row_count > len(result.rows):
-        count += f"; the first {len(result.rows)} are shown — add WHERE or LIMIT to see the others"
+        count += f"; the first {_plural(len(result.rows), 'row')} shown — add WHERE or LIMIT to see the others"
     return format_table(result.columns, result.rows) + "\n" + count + ")"
 
 

@@ -3,9 +3,10 @@
 `db_query` is gated per table and read/write: the gate (type `db`) parses the SQL and asks a
 person unless `gate-defaults.json` or the session opens that access. `!db <sql>` runs SQL
 directly, without the model or a gate, and so only for the interactive shell or an API client
-holding the admin token. Settings come from MYSQL_HOST, MYSQL_PORT, MYSQL_USER, MYSQL_PASS,
-MYSQL_DB, MYSQL_TIMEOUT and MYSQL_MAX_ROWS. A server that is down at start does not stop the
-plugin: every call connects again and says clearly what is wrong until the server answers.
+holding the admin token. The connection comes from MYSQL_HOST, MYSQL_PORT, MYSQL_USER,
+MYSQL_PASS and MYSQL_DB; `plugin_config` sets `timeout` (seconds per statement) and `max_rows`
+(rows of a result shown). A server that is down at start does not stop the plugin: every call
+connects again and says clearly what is wrong until the server answers.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 import gate
+from config import ConfigError
 from database import Database, DatabaseSettings, query_text
-from plugin_loader import BasePlugin
+from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.mysql")
 
@@ -28,6 +30,13 @@ Examples:
   !db DESCRIBE people
   !db SELECT * FROM people LIMIT 10
 Statements are separated by ';' and run one at a time; reads run in a read-only transaction."""
+
+
+class MySQLSettings(PluginSettings):
+    """`plugin_config.plugin_database_mysql` (the connection itself is in the environment)."""
+
+    timeout: float = Field(30.0, gt=0, description="seconds one statement may run (the server's limit)")
+    max_rows: int = Field(200, ge=1, description="rows of a result shown; the row count counts them all")
 
 
 class DbQueryArgs(BaseModel):
@@ -53,7 +62,12 @@ class MySQLPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         assert self.runtime is not None
-        settings = DatabaseSettings.from_env(self.runtime.config.env)  # a ConfigError names the bad variable
+        limits = parse_settings(self.PLUGIN_NAME, MySQLSettings, config)
+        try:
+            connection = DatabaseSettings.from_env(self.runtime.config.env)
+        except ConfigError as exc:
+            raise PluginConfigError(str(exc)) from None
+        settings = connection.model_copy(update={"timeout": limits.timeout, "max_rows": limits.max_rows})
         self.db = Database(settings)
         await self.db.open()
         problem = await self.db.check()

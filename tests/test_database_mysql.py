@@ -23,7 +23,7 @@ import pymysql
 import pytest
 
 import gate
-from config import ConfigError, load_config
+from config import ConfigError
 from database import (
     Database,
     DatabaseSettings,
@@ -33,10 +33,10 @@ from database import (
     query_text,
     split_statements,
 )
-from plugin_loader import check_plugin
 from shell import ShellClient
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
+from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, report
 from tests.runtime import ALL_OPEN, runtime, turn
 from tests.turns import answer, collect_turn
 
@@ -72,6 +72,12 @@ class RunDatabase:
 
     def settings(self, role: str = "rw", **extra: Any) -> DatabaseSettings:
         return DatabaseSettings.from_env(self.env(role)).model_copy(update=extra)
+
+
+@pytest.fixture(autouse=True)
+def _no_mysql_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process environment beats .env: a developer's MYSQL_* must not redirect these tests."""
+    isolate_env(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -153,22 +159,13 @@ def test_format_table_pads_columns_and_marks_nulls_newlines_and_long_cells() -> 
 
 
 def test_settings_from_env_name_the_bad_variable() -> None:
-    settings = DatabaseSettings.from_env({"MYSQL_USER": "app", "MYSQL_PASS": "s3cret"})
+    settings = DatabaseSettings.from_env({"MYSQL_USER": "app", "MYSQL_PASS": "s3cret", "MYSQL_TIMEOUT": "1"})
     assert (settings.host, settings.port, settings.db, settings.timeout) == ("127.0.0.1", 3306, None, 30)
     assert "s3cret" not in repr(settings) and settings.where() == "app@127.0.0.1:3306"
     with pytest.raises(ConfigError, match="MYSQL_PORT"):
         DatabaseSettings.from_env({"MYSQL_USER": "app", "MYSQL_PORT": "mysql"})
     with pytest.raises(ConfigError, match="MYSQL_USER"):
         DatabaseSettings.from_env({})
-
-
-def test_plugin_without_mysql_user_says_why(tmp_path: Path) -> None:
-    cfg = ConfigDir(tmp_path)
-    cfg.models = {"m": {"model_id": "x", "type": "OPENAI"}}
-    cfg.plugins.append(PLUGIN)
-    cfg.write()
-    problems = [c.problem for c in check_plugin(load_config(tmp_path), PLUGIN) if c.problem]
-    assert problems == ["environment variable MYSQL_USER is not set (add it to .env)"]
 
 
 # ── database.py against the shared server ───────────────────────────────────────────────────
@@ -190,7 +187,7 @@ async def test_select_shows_a_table_with_its_row_count_and_writes_rows_affected(
     assert insert == "OK — rows affected: 2 (last insert id: 4)"
     assert batch == ("[1/2] UPDATE people SET email = NULL WHERE name = 'dee'\nOK — rows affected: 0\n\n"
                      "[2/2] SELECT COUNT(*) AS n FROM people\nn\n-\n5\n(1 row)")
-    assert capped.endswith("(1000 rows; the first 2 are shown — add WHERE or LIMIT to see the others)")
+    assert capped.endswith("(1000 rows; the first 2 rows shown — add WHERE or LIMIT to see the others)")
     assert capped.splitlines()[2:4] == ["1", "2"]
 
 
@@ -240,7 +237,7 @@ async def test_server_and_client_time_limits(people: RunDatabase) -> None:
         "SET SESSION max_statement_time = 0; SELECT SLEEP(30) AS agent_mcp_sleeper",
     )
     assert server_side.startswith("ERROR: MySQL error 1969: Query execution was interrupted (max_statement_time "
-                                  "exceeded) — the server's time limit (MYSQL_TIMEOUT) stopped it")
+                                  "exceeded) — the server's time limit stopped it")
     assert client_side.startswith("ERROR: statement 2 of 2 failed: the statement did not finish within 1 s, so it "
                                   "was stopped")
     # The abandoned statement was killed on the server, not left running.
@@ -368,6 +365,18 @@ async def test_db_query_through_the_gate(people: RunDatabase, fake_openai: Any, 
         assert "!db <sql>" in help_text and "db_query" in help_text
 
 
+async def test_plugin_config_sets_the_limits_and_refuses_unknown_keys(people: RunDatabase, tmp_path: Path) -> None:
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "bad").mkdir()
+    async with plugin_runtime(tmp_path / "ok", {PLUGIN: {"timeout": 5, "max_rows": 1}}, people.env()) as rt:
+        assert plugin(rt, PLUGIN).db.settings.timeout == 5
+        out = await call_tool(rt, "db_query", sql="SELECT name FROM people ORDER BY id")
+        assert out == "name\n----\nada\n(3 rows; the first 1 row shown — add WHERE or LIMIT to see the others)"
+    async with plugin_runtime(tmp_path / "bad", {PLUGIN: {"max_row": 1}}, people.env()) as rt:
+        assert report(rt, PLUGIN).line() == (f"{PLUGIN} [failed]: plugin_config.{PLUGIN} in plugins-enabled.json: "
+                                              "max_row: Extra inputs are not permitted")
+
+
 async def test_db_query_as_a_user_without_write_rights(people: RunDatabase, fake_openai: Any,
                                                        tmp_path: Path) -> None:
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=people.env("ro"), gates=ALL_OPEN,
@@ -474,9 +483,8 @@ async def test_shell_user_approves_an_insert_over_http(people: RunDatabase, conf
                                                        fake_openai: Any, start_server: Any) -> None:
     config_dir.models = {"fake": openai_model(fake_openai)}
     config_dir.plugins.append(PLUGIN)
-    config_dir.env = people.env()
     config_dir.gates = {"db": {"people": {"read": True}}, "tools": {}}
-    server = start_server(config_dir)
+    server = start_server(config_dir, env=people.env())
     insert = "INSERT INTO people (name, email) VALUES ('dee', 'dee@example.org')"
     fake_openai.script(tool_call("db_query", {"sql": insert}), text("Added dee."))
     async with ShellClient(server.url, "shell-mysql") as client:
