@@ -29,6 +29,7 @@ from langchain_core.messages import (
 from langchain_core.tools import StructuredTool
 from pydantic import ValidationError
 
+import gate
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, resolve_api_key
 from tools import _lc_tool_to_openai_dict
@@ -133,6 +134,16 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
         return f"{where}: malformed response from the backend ({type(exc).__name__}: {_short(str(exc))})"
     return f"{where}: {type(exc).__name__}: {_short(str(exc))}"
+
+
+def _redact_hosts(message: str, host: str) -> str:
+    """`message` without the backend's address (as URL or host:port)."""
+    url = httpx.URL(host)
+    forms = {host.rstrip("/"), f"{url.scheme}://{url.netloc.decode()}", url.netloc.decode(), url.host}
+    for shown in sorted(forms, key=len, reverse=True):  # the longest first: each contains the next
+        if shown:
+            message = message.replace(shown, "<backend>")
+    return message
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -614,6 +625,12 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         if not isinstance(exc, LLMError):
             logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
         del session.history[mark:]
-        rt.hub.error(session.client_id, describe_llm_error(exc, key, rt.config.models.get(key)))
+        cfg = rt.config.models.get(key)
+        message = describe_llm_error(exc, key, cfg)
+        if cfg and cfg.host and not gate.is_interactive(session.client_id):
+            # Proxy, Slack and API users learn what failed, not where the backends live.
+            logger.warning("LLM turn of %s failed: %s", session.client_id, message)
+            message = _redact_hosts(message, cfg.host)
+        rt.hub.error(session.client_id, message)
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

@@ -179,8 +179,11 @@ async def process_request(
     session: state.Session | None = None
     cancelled = False
     try:
-        session = await rt.sessions.get_or_create(client_id, model)
+        # Added without awaiting, so requests take the session's lock in the order they arrived.
+        session, created = rt.sessions.get_or_add(client_id, model)
         async with session.lock:
+            if created:
+                await rt.sessions.save(session)
             if turn_model is not None and turn_model not in rt.config.models:
                 rt.hub.error(client_id, f"unknown model '{turn_model}'; available: {', '.join(rt.config.models)}")
             else:

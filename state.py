@@ -208,13 +208,21 @@ class SessionManager:
     def all(self) -> list[Session]:
         return sorted(self._sessions.values(), key=lambda s: s.shorthand)
 
-    async def get_or_create(self, client_id: str, model: str) -> Session:
+    def get_or_add(self, client_id: str, model: str) -> tuple[Session, bool]:
+        """The client's session, added in memory if new (then True); the caller saves it."""
         session = self._sessions.get(client_id)
-        if session is None:
-            self._last_short += 1
-            session = Session(client_id=client_id, shorthand=self._last_short, model=model)
-            self._sessions[client_id] = session
-            self._by_short[session.shorthand] = client_id
+        if session is not None:
+            return session, False
+        self._last_short += 1
+        session = Session(client_id=client_id, shorthand=self._last_short, model=model)
+        self._sessions[client_id] = session
+        self._by_short[session.shorthand] = client_id
+        return session, True
+
+    async def get_or_create(self, client_id: str, model: str) -> Session:
+        """The client's session, created and saved if new."""
+        session, created = self.get_or_add(client_id, model)
+        if created:
             await self.save(session)
         return session
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import httpx
 import pytest
 
 import routes
@@ -254,3 +255,31 @@ async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fa
     assert out == "echo: again" and [m["content"] for m in session.history][:2] == ["hi", "from gemini"]
     out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "nosuch"}))
     assert [e.name for e in events] == ["error", "done"] and "unknown model 'nosuch'" in events[0].data["message"]
+
+
+async def test_the_first_requests_of_a_new_session_keep_their_order(rt, fake_openai, monkeypatch):
+    save = rt.sessions.store.save
+
+    async def slow_save(*args):  # a store that really waits, as SQLite does
+        await asyncio.sleep(0.05)
+        await save(*args)
+
+    monkeypatch.setattr(rt.sessions.store, "save", slow_save)
+    first = asyncio.create_task(_collect(routes.run_turn(rt, "brand-new", "one")))
+    second = asyncio.create_task(_collect(routes.run_turn(rt, "brand-new", "two")))
+    (out1, _), (out2, _) = await asyncio.gather(first, second)
+    assert (out1, out2) == ("echo: one", "echo: two")
+    assert [r.last_user_text for r in fake_openai.requests] == ["one", "two"]
+
+
+async def test_backend_address_is_shown_to_the_shell_but_not_to_remote_users(rt, fake_openai):
+    host = rt.config.models["fake"].host
+    port = str(httpx.URL(host).port)
+    fake_openai.script(error(500, "boom"))
+    _, events = await turn(rt, "hi", client_id="shell-user")
+    assert host in events[-2].data["message"]
+    for remote in ("llama-10.0.0.1", "slack-C1-1.0", "api-abcdef12"):
+        fake_openai.script(error(500, "boom"))
+        _, events = await turn(rt, "hi", client_id=remote)
+        message = events[-2].data["message"]
+        assert "HTTP 500" in message and "<backend>" in message and port not in message

@@ -1,0 +1,369 @@
+"""The client side of agent-mcp's shell endpoint: HTTP requests and one self-healing SSE stream.
+
+No terminal here: shell.py draws what this module receives, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource, ServerSentEvent
+
+DEFAULT_URL = "http://127.0.0.1:8765"
+DEFAULT_PORT = 8765
+SESSION_FILE = ".aiops_session_id"
+DECISIONS = ("allow", "allow_session", "reject")
+TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ShellError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+
+class ServerOffline(ShellError):
+    """The server could not be reached (refused, reset or timed out); try again later."""
+
+
+class AuthRequired(ShellError):
+    """The server answered 401/403: start the shell with --token or set AGENT_SHELL_TOKEN."""
+
+
+class RequestRejected(ShellError):
+    """The server refused a request; ``status`` is the HTTP status, ``message`` its ``error`` text."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class SessionNotFound(ShellError):
+    """No session matches the id given to attach(); `!session` lists the sessions the server has."""
+
+
+# --------------------------------------------------------------------------- session file
+
+
+def save_client_id(path: Path, client_id: str) -> None:
+    """Write ``client_id`` to the session file ``path``."""
+    Path(path).write_text(client_id + "\n", encoding="utf-8")
+
+
+def load_or_create_client_id(path: Path) -> str:
+    """Return the client id stored in ``path``; if it is missing or empty, save a new uuid4 and return it."""
+    try:
+        client_id = Path(path).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        client_id = ""
+    if not client_id:
+        client_id = str(uuid.uuid4())
+        save_client_id(path, client_id)
+    return client_id
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+@dataclass(frozen=True)
+class ShellEvent:
+    """One event of a session's stream: ``name`` is tok|status|gate|done|error, ``data`` its JSON object."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    @property
+    def text(self) -> str:
+        """The ``text`` of a tok/status event (``message`` of an error), or ""."""
+        value = self.data.get("text", self.data.get("message", ""))
+        return value if isinstance(value, str) else str(value)
+
+    @classmethod
+    def from_sse(cls, message: ServerSentEvent) -> ShellEvent:
+        """Decode a raw message; data that is not a JSON object is kept as ``{"text": data}``."""
+        try:
+            data = json.loads(message.data) if message.data.strip() else {}
+        except ValueError:
+            data = {"text": message.data}
+        if not isinstance(data, dict):
+            data = {"text": data if isinstance(data, str) else json.dumps(data)}
+        event_id = int(message.id) if message.id and message.id.strip().isdigit() else None
+        return cls(message.event, data, event_id)
+
+
+# --------------------------------------------------------------------------- client
+
+_CLOSED = object()
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+class ShellClient:
+    """Async client of the shell endpoint: plain requests plus one self-healing SSE stream.
+
+    ::
+
+        async with ShellClient("http://127.0.0.1:8765", session_file=Path(".aiops_session_id")) as c:
+            await c.connect()            # open the stream first, so no event of the turn is missed
+            await c.submit("hello")
+            async for ev in c.events():  # ShellEvent(name="tok"|"status"|"gate"|"done"|"error", ...)
+                if ev.name == "done":
+                    break
+
+    The stream reconnects by itself after a drop, sending ``Last-Event-ID`` so the server replays
+    what was missed. ``state`` is "idle", "connected", "reconnecting", "offline" or "unauthorized";
+    ``on_state(state, detail)`` is called on every change. ``events()`` is meant for one consumer.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        client_id: str | None = None,
+        *,
+        session_file: Path | str | None = None,
+        token: str | None = None,
+        timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        on_state: Callable[[str, str], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session_file = Path(session_file) if session_file else None
+        if client_id is None:
+            client_id = (
+                load_or_create_client_id(self.session_file) if self.session_file else str(uuid.uuid4())
+            )
+        self._client_id = client_id
+        self._has_token = bool(token)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+        )
+        self._timeout = timeout
+        # No keepalive for read_timeout seconds means a dead connection: reconnect, losing nothing.
+        self._stream_timeout = httpx.Timeout(timeout, read=read_timeout)
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self.on_state = on_state
+        self.state = "idle"
+        self.last_event_id: int | None = None
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._generation = 0
+        self._pump: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._fatal: AuthRequired | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"ShellClient({self.base_url!r}, client_id={self._client_id!r})"
+
+    async def __aenter__(self) -> ShellClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def client_id(self) -> str:
+        """The session this client submits to and streams from."""
+        return self._client_id
+
+    # ---- requests
+
+    async def health(self) -> dict[str, Any]:
+        """GET /health: ``{"status", "models", "default_model"}``."""
+        return await self._request("GET", "/health")
+
+    async def sessions(self, client_id: str | None = None) -> list[dict[str, Any]]:
+        """GET /sessions, filtered by a full client id or a shorthand such as "101"."""
+        params = {"client_id": str(client_id)} if client_id is not None else None
+        body = await self._request("GET", "/sessions", params=params)
+        return list(body.get("sessions", [])) if isinstance(body, dict) else []
+
+    async def submit(self, text: str, default_model: str | None = None) -> dict[str, Any]:
+        """POST /submit: start a turn (or a server command); its output arrives on events()."""
+        payload: dict[str, Any] = {"client_id": self._client_id, "text": text}
+        if default_model:
+            payload["default_model"] = default_model
+        return await self._request("POST", "/submit", json=payload)
+
+    async def gate_response(self, gate_id: str, decision: str) -> dict[str, Any]:
+        """POST /gate_response with decision "allow", "allow_session" or "reject"."""
+        if decision not in DECISIONS:
+            raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
+        return await self._request("POST", "/gate_response", json={"gate_id": gate_id, "decision": decision})
+
+    async def attach(self, session_id: str) -> dict[str, Any]:
+        """Switch to an existing session (full id or shorthand) at once; return its /sessions entry.
+
+        Writes the session file and moves a running events() iterator to the new session's stream
+        before returning (waiting up to ``timeout`` for it to open). Raises SessionNotFound.
+        """
+        found = await self.sessions(str(session_id))
+        if not found:
+            raise SessionNotFound(f"no session {session_id!r} on the server: `!session` lists them")
+        info = found[0]
+        await self._switch(str(info["client_id"]))
+        return info
+
+    async def new_session(self) -> str:
+        """Switch to a fresh uuid4 client id (saved like attach()) and return it."""
+        client_id = str(uuid.uuid4())
+        await self._switch(client_id)
+        return client_id
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerOffline(f"server offline ({self.base_url}): {_describe(exc)}") from exc
+        if response.status_code in (401, 403):
+            raise AuthRequired(self._auth_message())
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code >= 400:
+            message = body.get("error") if isinstance(body, dict) else None
+            raise RequestRejected(
+                response.status_code, str(message or response.text[:200] or response.reason_phrase)
+            )
+        return body
+
+    def _auth_message(self) -> str:
+        if self._has_token:
+            return f"the server at {self.base_url} rejected the token: check --token / AGENT_SHELL_TOKEN"
+        return f"the server at {self.base_url} requires a token: {TOKEN_HINT}"
+
+    # ---- stream
+
+    async def connect(self, max_wait: float | None = None) -> bool:
+        """Open the event stream if needed and wait until it is open; False if ``max_wait`` seconds passed first."""
+        self._ensure_stream()
+        return await self._wait_connected(max_wait)
+
+    async def events(self) -> AsyncIterator[ShellEvent]:
+        """Yield the current session's events in order until aclose(); raises AuthRequired.
+
+        Survives drops (reconnecting with Last-Event-ID) and attach() (switching streams at once;
+        events of the old session still queued are dropped).
+        """
+        self._ensure_stream()
+        while True:
+            generation, item = await self._queue.get()
+            if item is _CLOSED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if generation == self._generation:
+                yield item
+
+    async def aclose(self) -> None:
+        """Stop the stream, end events() and close the HTTP client."""
+        self._closed = True
+        await self._stop_pump()
+        self._queue.put_nowait((self._generation, _CLOSED))
+        self._set_state(self._generation, "idle", "closed")
+        await self._http.aclose()
+
+    def _ensure_stream(self) -> None:
+        if self._closed:
+            raise ShellError("this ShellClient is closed")
+        if self._pump is None or self._pump.done():
+            self._fatal = None
+            self._pump = asyncio.create_task(self._run_stream(self._generation))
+
+    async def _stop_pump(self) -> None:
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.cancel()
+            await asyncio.wait([pump])
+
+    async def _switch(self, client_id: str) -> None:
+        if self.session_file:
+            save_client_id(self.session_file, client_id)
+        if client_id == self._client_id:
+            return
+        self._client_id = client_id
+        self.last_event_id = None
+        self._generation += 1
+        self._connected.clear()
+        if self._pump is not None:
+            await self._stop_pump()
+            self._ensure_stream()
+            await self._wait_connected(self._timeout)
+
+    async def _wait_connected(self, max_wait: float | None) -> bool:
+        assert self._pump is not None
+        waiter = asyncio.create_task(self._connected.wait())
+        try:
+            await asyncio.wait({waiter, self._pump}, timeout=max_wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if self._fatal is not None:
+            raise self._fatal
+        return self._connected.is_set()
+
+    def _set_state(self, generation: int, state: str, detail: str = "") -> None:
+        if generation != self._generation or state == self.state:
+            return
+        self.state = state
+        if self.on_state is not None:
+            self.on_state(state, detail)
+
+    async def _run_stream(self, generation: int) -> None:
+        delay = self._retry_initial
+        while True:
+            try:
+                await self._stream_once(generation)
+                detail = "the server closed the stream"
+            except AuthRequired as exc:
+                self._fatal = exc
+                self._set_state(generation, "unauthorized", str(exc))
+                self._queue.put_nowait((generation, exc))
+                return
+            except (httpx.TransportError, RequestRejected) as exc:
+                detail = _describe(exc)
+            if self._connected.is_set():
+                delay = self._retry_initial
+                self._connected.clear()
+                self._set_state(generation, "reconnecting", detail)
+            else:
+                self._set_state(generation, "offline", detail)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._retry_max)
+
+    async def _stream_once(self, generation: int) -> None:
+        headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+        if self.last_event_id is not None:
+            headers["Last-Event-ID"] = str(self.last_event_id)
+        params = {"client_id": self._client_id}
+        async with self._http.stream(
+            "GET", "/stream", params=params, headers=headers, timeout=self._stream_timeout
+        ) as response:
+            if response.status_code in (401, 403):
+                raise AuthRequired(self._auth_message())
+            if response.status_code != 200:
+                await response.aread()
+                raise RequestRejected(response.status_code, response.text[:200] or "stream refused")
+            self._connected.set()
+            self._set_state(generation, "connected")
+            async for message in EventSource(response).aiter_sse():
+                event = ShellEvent.from_sse(message)
+                if event.id is not None:
+                    self.last_event_id = event.id
+                self._queue.put_nowait((generation, event))
