@@ -4,8 +4,9 @@ The gate decides whether a call may run; this module enforces again in the datab
 mistake in one layer is caught by the next:
 - SQL is split into statements with the same parser the gate classifies with (sqlglot, MySQL
   dialect), and each statement is sent on its own over a connection whose handshake does not
-  ask for multi-statements, so text the parser did not see as a statement (an executable
-  comment such as `/*! ; DROP … */`) cannot run as a second one: the server refuses it.
+  ask for multi-statements: where the parser and the server disagree about where a statement
+  ends (a string literal under `NO_BACKSLASH_ESCAPES`), the server refuses the hidden second
+  statement instead of running it.
 - A statement classified as a plain read runs inside `START TRANSACTION READ ONLY`, so a read
   that writes after all (a stored function with side effects) is refused by the server.
 - `LOAD DATA LOCAL` is off; every statement has a server-side time limit (MariaDB
@@ -90,7 +91,7 @@ _HINTS = {
     1045: "wrong MYSQL_USER or MYSQL_PASS",
     1049: "that database does not exist: check MYSQL_DB",
     1054: "check the column names (DESCRIBE <table> lists them)",
-    1064: "fix the SQL; statements are separated by ';' and an executable comment cannot hide another statement",
+    1064: "fix the SQL (one statement at a time; statements are separated by ';')",
     1142: "this MySQL user has no right to do that; a read may still work, otherwise an administrator must GRANT it",
     1143: "this MySQL user has no right to that column; an administrator must GRANT it",
     1146: "check the table name (SHOW TABLES lists them)",

@@ -33,7 +33,7 @@ from database import (
     query_text,
     split_statements,
 )
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, report
