@@ -18,7 +18,8 @@ from tests.conftest import ConfigDir
 # Settings the plugins read from the environment: a developer's real keys must not leak into a test.
 SERVICE_ENV = ("TAVILY_API_KEY", "TAVILY_BASE_URL", "XAI_API_KEY", "XAI_BASE_URL", "GEMINI_API_KEY",
                "GOOGLE_GEMINI_BASE_URL", "GOOGLE_API_KEY", "FOLDER_ID", "DRIVE_BASE_URL", "DRIVE_CA_BUNDLE",
-               "DDGS_PROXY", "TAVILY_HTTP_PROXY", "TAVILY_HTTPS_PROXY")
+               "DDGS_PROXY", "TAVILY_HTTP_PROXY", "TAVILY_HTTPS_PROXY",
+               "MYSQL_HOST", "MYSQL_PORT", "MYSQL_USER", "MYSQL_PASS", "MYSQL_DB")
 PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 # Every tool auto-allowed, so tests of the tools themselves never stop at a gate.
 NO_GATES = {"db": {"*": {"read": True, "write": True}, "__meta__": {"read": True, "write": True}},

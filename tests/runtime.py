@@ -28,10 +28,15 @@ ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True}},
 @contextlib.asynccontextmanager
 async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
                   gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None,
-                  agents: dict[str, Any] | None = None) -> AsyncIterator[state.Runtime]:
-    """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions."""
+                  agents: dict[str, Any] | None = None, plugins: tuple[str, ...] = ()
+                  ) -> AsyncIterator[state.Runtime]:
+    """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions.
+
+    `plugins` (shipped plugin names) are enabled and loaded; each must load.
+    """
     cfg = ConfigDir(path)
     cfg.models = models
+    cfg.plugins += plugins
     cfg.env = env or {}
     cfg.gates = gates
     cfg.agents = agents
@@ -43,6 +48,10 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     rt = await routes.build_runtime(load_config(path), store=state.MemoryStore())
     state.set_current(rt)
     try:
+        for name in plugins:
+            assert rt.plugins is not None
+            report = await rt.plugins.load(name)
+            assert report.status == "loaded", report.line()
         yield rt
     finally:
         await routes.close_runtime(rt)

@@ -20,7 +20,7 @@ from tests.test_plugin_storage_googledrive import USER_TOKEN
 from tests.turns import answer, run_turn
 
 DATA_PLUGINS = ("plugin_storage_googledrive", "plugin_search_google", "plugin_search_ddgs", "plugin_search_tavily",
-                "plugin_search_xai", "plugin_urlextract_tavily")
+                "plugin_search_xai", "plugin_urlextract_tavily", "plugin_database_mysql")
 
 
 def test_every_plugin_missing_its_key_the_server_starts_and_says_why(tmp_path, fake_openai, start_server):
@@ -32,7 +32,7 @@ def test_every_plugin_missing_its_key_the_server_starts_and_says_why(tmp_path, f
     why = {name: plugins[name]["status"] + ": " + "; ".join(plugins[name]["reasons"]) for name in DATA_PLUGINS}
     missing = {"plugin_search_tavily": "TAVILY_API_KEY", "plugin_urlextract_tavily": "TAVILY_API_KEY",
                "plugin_search_xai": "XAI_API_KEY", "plugin_search_google": "GEMINI_API_KEY",
-               "plugin_storage_googledrive": "FOLDER_ID"}
+               "plugin_storage_googledrive": "FOLDER_ID", "plugin_database_mysql": "MYSQL_USER"}
     for name, var in missing.items():
         assert why[name].startswith("invalid: environment variable") and var in why[name], why[name]
         assert ".env" in why[name]
