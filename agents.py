@@ -563,7 +563,7 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
         tools = []
     native = cfg.tool_mode == "native"
     bound = llm.bind_tools(tools) if tools and native else llm
-    system = rt.prompt.assemble() + ("\n" + tool_manifest(tools) if tools and not native else "")
+    system = rt.prompt.assemble(t.name for t in tools) + ("\n" + tool_manifest(tools) if tools and not native else "")
     by_name = {t.name: t for t in tools}
     done: dict[str, str] = {}
     for _ in range(MAX_TOOL_ITERATIONS):

@@ -9,6 +9,8 @@ with an editable body. Circular references and names used twice are reported, ne
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,16 @@ def _split_marker(text: str) -> tuple[str, list[tuple[str, str]]] | None:
     return None
 
 
+_TOOL_LIST = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _documents_a_bound_tool(section: Section, tools: frozenset[str]) -> bool:
+    """False only for a `tool-…` section describing tools (by name) of which none is bound."""
+    if not section.name.startswith("tool-") or not _TOOL_LIST.match(section.description):
+        return True
+    return any(name.strip() in tools for name in section.description.split(","))
+
+
 class PromptTree:
     """Loads, assembles, addresses and edits the section tree of one prompt directory."""
 
@@ -71,11 +83,11 @@ class PromptTree:
         self.main = ""
         self.sections: list[Section] = []
         self.problems: list[str] = []
-        self._assembled: str | None = None
+        self._assembled: dict[frozenset[str] | None, str] = {}
 
     def load(self) -> PromptTree:
         """(Re)read every file; problems are logged and kept in `problems`, never raised."""
-        self.sections, self.problems, self._assembled = [], [], None
+        self.sections, self.problems, self._assembled = [], [], {}
         root = self.directory / ROOT_FILE
         if not root.exists():
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -117,15 +129,23 @@ class PromptTree:
             self._load_section(child, child_desc, depth + 1, name, (*ancestors, name), seen)
         return None
 
-    def assemble(self) -> str:
-        """The whole prompt, as sent to the model as its system message."""
-        if self._assembled is None:
+    def assemble(self, tools: Iterable[str] | None = None) -> str:
+        """The prompt sent to the model as its system message.
+
+        With `tools` (the names bound for the turn), a `tool-…` section whose description is a list
+        of tool names is left out when none of them is bound: the model reads only about tools it has.
+        """
+        key = None if tools is None else frozenset(tools)
+        text = self._assembled.get(key)
+        if text is None:
             parts = [self.main]
             for s in self.sections:
+                if key is not None and not _documents_a_bound_tool(s, key):
+                    continue
                 part = f"\n{'#' * (2 + s.depth)} {s.name}: {s.description}"
                 parts.append(part + (f"\n{s.body}" if s.body else ""))
-            self._assembled = "\n".join(parts).strip() + "\n"
-        return self._assembled
+            text = self._assembled[key] = "\n".join(parts).strip() + "\n"
+        return text
 
     def find(self, ident: str | int) -> Section:
         """A section by index (as listed) or exact name."""
@@ -192,5 +212,5 @@ class PromptTree:
             raise PromptError(f"unknown operation '{operation}'; valid: {', '.join(OPERATIONS)}")
         atomic_write(self.directory / f"{SECTION_PREFIX}{s.name}", f"## {s.name}: {s.description}\n{body}\n")
         s.body = body.strip("\n")
-        self._assembled = None
+        self._assembled.clear()
         return f"Section '{s.name}' updated ({operation}); {len(s.body)} characters."

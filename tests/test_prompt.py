@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from prompt import PromptError, PromptTree
+from tests.conftest import ROOT
 
 
 def tree(d: Path, files: dict[str, str]) -> PromptTree:
@@ -79,3 +80,15 @@ def test_edits_rewrite_the_file_and_refuse_containers(tmp_path):
     assert t.find("intro").body == "new"
     with pytest.raises(PromptError, match="unknown operation"):
         t.apply("intro", "shred")
+
+
+def test_tool_sections_are_sent_only_for_bound_tools():
+    tree = PromptTree(ROOT / ".system_prompt").load()
+    full = tree.assemble()
+    assert "## tool-db-query: db_query" in full and "## tool-ddgs-search: ddgs_search" in full
+    core = tree.assemble(["get_system_info", "db_query"])
+    assert "tool-db-query" in core and "tool-get-system-info" in core and "tool-ddgs-search" not in core
+    assert "## behavior" in core and "## tools: The tools you have" in core  # non-tool sections stay
+    llm = tree.assemble(["llm_list"])  # a section naming several tools stays when one is bound
+    assert "tool-llm-delegation" in llm and "tool-db-query" not in llm
+    assert len(tree.assemble([])) < len(core) < len(full)
