@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,47 @@ def openai_model(backend: FakeOpenAI, **extra: Any) -> dict[str, Any]:
 def gemini_model(backend: FakeGemini, **extra: Any) -> dict[str, Any]:
     return {"model_id": "gemini-fake", "type": "GEMINI", "host": backend.base_url, "env_key": "FAKE_GEMINI_KEY",
             "max_retries": 0, "llm_call_timeout": 10, **extra}
+
+
+ONE_TOOL_PLUGIN = textwrap.dedent('''
+    from langchain_core.tools import StructuredTool
+    from pydantic import BaseModel, Field
+    from plugin_loader import BasePlugin
+
+
+    class _Args(BaseModel):
+        {arg}: str = Field(description="{arg}")
+
+
+    async def {tool}({arg}: str) -> str:
+        print("{tool} ran:", {arg}, flush=True)
+        return {result}
+
+
+    class OneToolPlugin(BasePlugin):
+        PLUGIN_NAME = "{plugin}"
+        PLUGIN_TYPE = "data_tool"
+
+        def init(self, config):
+            return True
+
+        def shutdown(self):
+            pass
+
+        def get_tools(self):
+            return {{"lc": [StructuredTool.from_function(coroutine={tool}, name="{tool}",
+                                                          description="{description}", args_schema=_Args)]}}
+
+        def get_gate_tools(self):
+            return {{"{tool}": {gate}}}
+''')
+
+
+def one_tool_plugin(plugin: str, tool: str, arg: str, result: str, gate: dict[str, str], description: str) -> str:
+    """Source of a data_tool plugin with one async tool taking one string `arg`; `result` is a Python
+    expression over `arg`. The tool prints "<tool> ran: <arg>" so a test can see it ran."""
+    return ONE_TOOL_PLUGIN.format(plugin=plugin, tool=tool, arg=arg, result=result, gate=repr(gate),
+                                  description=description)
 
 
 class ConfigDir:

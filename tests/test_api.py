@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
 import threading
 import uuid
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from api_client import (
     gate_decision,
 )
 from shell import ShellClient
-from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
+from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -42,37 +41,8 @@ ADMIN = "admin-key-9876543210"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMIN_AUTH = {**AUTH, "X-Admin-Key": ADMIN}
 
-TOOLS_PLUGIN = textwrap.dedent('''
-    from langchain_core.tools import StructuredTool
-    from pydantic import BaseModel, Field
-    from plugin_loader import BasePlugin
-
-
-    class _Args(BaseModel):
-        key: str = Field(description="what to look up")
-
-
-    async def secret_lookup(key: str) -> str:
-        return f"the secret of {key} is 42"
-
-
-    class ToolsPlugin(BasePlugin):
-        PLUGIN_NAME = "plugin_test_tools"
-        PLUGIN_TYPE = "data_tool"
-
-        def init(self, config):
-            return True
-
-        def shutdown(self):
-            pass
-
-        def get_tools(self):
-            return {"lc": [StructuredTool.from_function(coroutine=secret_lookup, name="secret_lookup",
-                                                         description="Look up a secret.", args_schema=_Args)]}
-
-        def get_gate_tools(self):
-            return {"secret_lookup": {"type": "vault", "operation": "read"}}
-''')
+TOOLS_PLUGIN = one_tool_plugin("plugin_test_tools", "secret_lookup", "key", 'f"the secret of {key} is 42"',
+                               {"type": "vault", "operation": "read"}, "Look up a secret.")
 
 
 @dataclass

@@ -3,46 +3,14 @@
 from __future__ import annotations
 
 import io
-import textwrap
 
 from rich.console import Console
 
 from shell import ShellClient, ShellEvent, ShellUI
-from tests.conftest import openai_model
+from tests.conftest import one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 
-DB_PLUGIN = textwrap.dedent('''
-    from langchain_core.tools import StructuredTool
-    from pydantic import BaseModel, Field
-    from plugin_loader import BasePlugin
-
-
-    class _Args(BaseModel):
-        sql: str = Field(description="SQL")
-
-
-    async def db_query(sql: str) -> str:
-        print("db_query ran:", sql, flush=True)
-        return "id | name\\n1  | ada"
-
-
-    class DbPlugin(BasePlugin):
-        PLUGIN_NAME = "plugin_test_db"
-        PLUGIN_TYPE = "data_tool"
-
-        def init(self, config):
-            return True
-
-        def shutdown(self):
-            pass
-
-        def get_tools(self):
-            return {"lc": [StructuredTool.from_function(coroutine=db_query, name="db_query",
-                                                         description="Run SQL.", args_schema=_Args)]}
-
-        def get_gate_tools(self):
-            return {"db_query": {"type": "db"}}
-''')
+DB_PLUGIN = one_tool_plugin("plugin_test_db", "db_query", "sql", r'"id | name\n1  | ada"', {"type": "db"}, "Run SQL.")
 
 
 async def gated_turn(url: str, client_id: str, key: str | None) -> tuple[list[ShellEvent], str, ShellUI]:
