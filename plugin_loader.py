@@ -80,6 +80,12 @@ class BasePlugin(ABC):
         self.enabled = False
         self.runtime: state.Runtime | None = None
 
+    @property
+    def rt(self) -> state.Runtime:
+        """The runtime, for code that only runs after the loader has set it."""
+        assert self.runtime is not None, f"{self.PLUGIN_NAME}: runtime used before the loader set it"
+        return self.runtime
+
     @abstractmethod
     def init(self, config: dict[str, Any]) -> bool:
         """Start with this plugin's `plugin_config` block; return False to be skipped. May be async."""

@@ -148,11 +148,6 @@ class ApiPlugin(BasePlugin):
         return (f"JSON/SSE API on http://{self.cfg.host}:{self.cfg.port}/api/v1 "
                 f"({'bearer token required' if self._token() else 'no token'}; api_client.AgentClient speaks it)")
 
-    @property
-    def rt(self) -> state.Runtime:
-        assert self.runtime is not None
-        return self.runtime
-
     def get_routes(self) -> list[Route]:
         self._routes = [
             Route("/api/v1/submit", _endpoint(self.submit), methods=["POST"]),

@@ -89,11 +89,6 @@ class ShellpyPlugin(BasePlugin):
             Route("/session/{sid}", self.delete_session, methods=["DELETE"]),
         ]
 
-    @property
-    def rt(self) -> state.Runtime:
-        assert self.runtime is not None
-        return self.runtime
-
     async def submit(self, request: Request) -> JSONResponse:
         body = await _json_body(request, _SubmitBody)
         if isinstance(body, JSONResponse):

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from markdown_it.token import Token
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError
 from slack_sdk.http_retry.builtin_handlers import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
@@ -46,7 +46,7 @@ from starlette.routing import Route
 
 import routes
 import state
-from plugin_loader import BasePlugin
+from plugin_loader import BasePlugin, parse_settings
 
 logger = logging.getLogger("agent_mcp.slack")
 
@@ -527,20 +527,10 @@ class SlackPlugin(BasePlugin):
         self._users: OrderedDict[str, str] = OrderedDict()
         self._stopping = False
 
-    @property
-    def rt(self) -> state.Runtime:
-        assert self.runtime is not None
-        return self.runtime
-
     # ── lifecycle ──
 
     async def init(self, config: dict[str, Any]) -> bool:
-        try:
-            self.settings = SlackSettings.model_validate(config)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            logger.error("plugin_client_slack: invalid plugin_config in plugins-enabled.json: %s", problems)
-            return False
+        self.settings = parse_settings(self.PLUGIN_NAME, SlackSettings, config)
         env = self.rt.config.env
         bot_token, app_token = env.get("SLACK_BOT_TOKEN", "").strip(), env.get("SLACK_APP_TOKEN", "").strip()
         if not bot_token.startswith("xoxb-"):

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 import routes
 import state
-from plugin_loader import BasePlugin
+from plugin_loader import BasePlugin, parse_settings
 
 logger = logging.getLogger("agent_mcp.proxy")
 
@@ -376,12 +376,7 @@ class LlamaProxyPlugin(BasePlugin):
         self._routes: list[Route] = []
 
     def init(self, config: dict[str, Any]) -> bool:
-        try:
-            self.cfg = ProxyConfig.model_validate(config)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            logger.error("plugin_config.plugin_proxy_llama in plugins-enabled.json is invalid: %s", problems)
-            return False
+        self.cfg = parse_settings(self.PLUGIN_NAME, ProxyConfig, config)
         return True
 
     def shutdown(self) -> None:
@@ -395,11 +390,6 @@ class LlamaProxyPlugin(BasePlugin):
     def get_help(self) -> str:
         return (f"Ollama/OpenAI proxy on http://{self.cfg.host}:{self.cfg.port} "
                 f"(models: {', '.join(self.model_names())})")
-
-    @property
-    def rt(self) -> state.Runtime:
-        assert self.runtime is not None
-        return self.runtime
 
     # ── routing ──
 

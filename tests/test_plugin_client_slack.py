@@ -426,10 +426,12 @@ async def test_bad_tokens_stop_the_plugin_with_a_clear_reason(tmp_path, fake_ope
         await stop_slack(rt)
 
 
-async def test_an_unknown_setting_is_named(tmp_path, fake_openai, fake_slack, caplog):
+async def test_an_unknown_setting_is_named(tmp_path, fake_openai, fake_slack):
     rt, plugin = await start_slack(tmp_path, fake_openai, fake_slack, update_intervall=2)
     try:
-        assert plugin is None and "update_intervall: Extra inputs are not permitted" in caplog.text
+        reasons = rt.plugins.reports["plugin_client_slack"].reasons
+        assert plugin is None and reasons == [
+            "plugin_config.plugin_client_slack in plugins-enabled.json: update_intervall: Extra inputs are not permitted"]
     finally:
         await stop_slack(rt)
 
