@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 from httpx_sse import ServerSentEvent as _RawEvent
 from httpx_sse import SSEError, aconnect_sse
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 #: How a client answers the gates of its turns: None rejects every gate at once, True approves every
 #: one, a mapping decides by tool name first and then by operation type ("read" / "write"); a gate
@@ -40,6 +41,8 @@ REQUEST_TIMEOUT = 10.0
 #: No byte (the server sends a keepalive every 15 s) for this long means a dead connection: reconnect.
 STREAM_READ_TIMEOUT = 60.0
 RECONNECTS = 5
+#: Back-off between those tries: 0.4, 0.8, 1.6, then 3 s.
+RECONNECT_WAIT = wait_exponential(multiplier=0.4, max=3)
 
 
 class AgentClientError(RuntimeError):
@@ -80,6 +83,14 @@ class AgentTimeout(AgentTurnError, TimeoutError):
 
 class AgentCancelled(AgentTurnError):
     """The turn was cancelled on the server, by a newer message on the same session or its deletion."""
+
+
+class _StreamBroke(Exception):
+    """One connection to a turn's stream ended before the turn; `progress`: it brought new events."""
+
+    def __init__(self, cause: BaseException, progress: bool):
+        super().__init__(str(cause))
+        self.cause, self.progress = cause, progress
 
 
 @dataclass(frozen=True)
@@ -241,35 +252,51 @@ class AgentClient:
 
     async def _read(self, http: httpx.AsyncClient, turn_id: Any, after: int | None,
                     queue: asyncio.Queue[AgentEvent | BaseException]) -> None:
-        """Follow the turn's events into `queue`, reconnecting after drops; errors go into the queue too."""
+        """Follow the turn's events into `queue`, reconnecting after drops (RECONNECTS tries in a row
+        without a new event, backing off); errors go into the queue too."""
         params = {"turn_id": str(turn_id)} if turn_id else None
-        last, failures = after, 0
+        last = after
+
+        async def follow() -> None:
+            nonlocal last
+            seen = last
+            headers = {"Last-Event-ID": str(last)} if last is not None else {}
+            try:
+                async with aconnect_sse(http, "GET", f"/api/v1/stream/{self.client_id}", params=params,
+                                        headers=headers,
+                                        timeout=httpx.Timeout(REQUEST_TIMEOUT, read=STREAM_READ_TIMEOUT)) as source:
+                    if source.response.status_code >= 400:
+                        await source.response.aread()
+                        self._raise_for(source.response)
+                    async for raw in source.aiter_sse():
+                        ev = AgentEvent.from_sse(raw)
+                        if ev.id is not None:
+                            last = ev.id
+                        if ev.name == "gate":
+                            await self._answer_gate(http, ev.data)
+                        await queue.put(ev)
+                        if ev.ends_turn:
+                            return
+                cause: BaseException = AgentConnectionError("the stream ended before the turn did")
+            except (httpx.TransportError, SSEError) as exc:
+                cause = exc
+            raise _StreamBroke(cause, progress=last != seen)
+
         try:
-            while True:
-                headers = {"Last-Event-ID": str(last)} if last is not None else {}
+            while True:  # a new series of tries after every drop that came after new events
                 try:
-                    async with aconnect_sse(http, "GET", f"/api/v1/stream/{self.client_id}", params=params,
-                                            headers=headers,
-                                            timeout=httpx.Timeout(REQUEST_TIMEOUT, read=STREAM_READ_TIMEOUT)) as source:
-                        if source.response.status_code >= 400:
-                            await source.response.aread()
-                            self._raise_for(source.response)
-                        async for raw in source.aiter_sse():
-                            ev = AgentEvent.from_sse(raw)
-                            if ev.id is not None:
-                                last, failures = ev.id, 0
-                            if ev.name == "gate":
-                                await self._answer_gate(http, ev.data)
-                            await queue.put(ev)
-                            if ev.ends_turn:
-                                return
-                    failure: BaseException = AgentConnectionError("the stream ended before the turn did")
-                except (httpx.TransportError, SSEError) as exc:
-                    failure = exc
-                failures += 1
-                if failures > RECONNECTS:
-                    raise AgentConnectionError(f"the event stream of {self.base_url} keeps breaking: {failure}")
-                await asyncio.sleep(min(0.2 * 2 ** failures, 3))
+                    async for attempt in AsyncRetrying(
+                        stop=stop_after_attempt(RECONNECTS + 1), wait=RECONNECT_WAIT,
+                        retry=retry_if_exception(lambda exc: isinstance(exc, _StreamBroke) and not exc.progress),
+                        reraise=True,
+                    ):
+                        with attempt:
+                            await follow()
+                    return
+                except _StreamBroke as exc:
+                    if not exc.progress:
+                        raise AgentConnectionError(
+                            f"the event stream of {self.base_url} keeps breaking: {exc.cause}") from None
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

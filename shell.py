@@ -37,6 +37,7 @@ from rich.panel import Panel
 from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from shell_client import (  # noqa: F401 - re-exported: shell.py is the public face of both modules
     DECISIONS,
@@ -734,22 +735,19 @@ class Shell:
                 self.ui.connection_changed("unauthorized", str(exc))
 
     async def _wait_for_server(self) -> dict[str, Any] | None:
-        delay = self._retry_initial
-        while True:
-            try:
-                return await self.client.health()
-            except ServerOffline:
-                self.ui.note(f"server offline — retrying in {delay:g} s ({self.server_url})", "yellow")
-            except AuthRequired as exc:
-                self.ui.note(str(exc), "bold red")
-                return None
-            except RequestRejected as exc:
-                self.ui.note(
-                    f"{self.server_url} is not an agent-mcp shell endpoint? /health said {exc}", "red"
-                )
-                return None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._retry_max)
+        def offline(retry: RetryCallState) -> None:
+            self.ui.note(f"server offline — retrying in {retry.upcoming_sleep:g} s ({self.server_url})", "yellow")
+
+        try:
+            return await AsyncRetrying(
+                wait=wait_exponential(multiplier=self._retry_initial, max=self._retry_max),
+                retry=retry_if_exception_type(ServerOffline), before_sleep=offline, reraise=True,
+            )(self.client.health)
+        except AuthRequired as exc:
+            self.ui.note(str(exc), "bold red")
+        except RequestRejected as exc:
+            self.ui.note(f"{self.server_url} is not an agent-mcp shell endpoint? /health said {exc}", "red")
+        return None
 
     async def _banner(self, health: dict[str, Any]) -> None:
         try:

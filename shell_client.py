@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from httpx_sse import EventSource
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from api_client import AgentEvent
 
@@ -82,6 +83,14 @@ ShellEvent = AgentEvent
 # --------------------------------------------------------------------------- client
 
 _CLOSED = object()
+
+
+class _StreamDown(Exception):
+    """The event stream ended; `was_up`: it had connected before it did."""
+
+    def __init__(self, was_up: bool):
+        super().__init__("the event stream is down")
+        self.was_up = was_up
 
 
 def _describe(exc: BaseException) -> str:
@@ -304,26 +313,37 @@ class ShellClient:
             self.on_state(state, detail)
 
     async def _run_stream(self, generation: int) -> None:
-        delay = self._retry_initial
+        """Follow the stream for ever: back off exponentially while the server is away, and start
+        again from the shortest delay after every drop of a stream that was up."""
         while True:
             try:
-                await self._stream_once(generation)
-                detail = "the server closed the stream"
+                async for attempt in AsyncRetrying(
+                    wait=wait_exponential(multiplier=self._retry_initial, max=self._retry_max),
+                    retry=retry_if_exception(lambda exc: isinstance(exc, _StreamDown) and not exc.was_up),
+                    reraise=True,
+                ):
+                    with attempt:
+                        await self._stream_attempt(generation)
             except AuthRequired as exc:
                 self._fatal = exc
                 self._set_state(generation, "unauthorized", str(exc))
                 self._queue.put_nowait((generation, exc))
                 return
-            except (httpx.TransportError, RequestRejected) as exc:
-                detail = _describe(exc)
-            if self._connected.is_set():
-                delay = self._retry_initial
-                self._connected.clear()
-                self._set_state(generation, "reconnecting", detail)
-            else:
-                self._set_state(generation, "offline", detail)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._retry_max)
+            except _StreamDown:
+                await asyncio.sleep(self._retry_initial)
+
+    async def _stream_attempt(self, generation: int) -> None:
+        """One connection to /stream; always ends in _StreamDown (or AuthRequired)."""
+        try:
+            await self._stream_once(generation)
+            detail = "the server closed the stream"
+        except (httpx.TransportError, RequestRejected) as exc:
+            detail = _describe(exc)
+        was_up = self._connected.is_set()
+        if was_up:
+            self._connected.clear()
+        self._set_state(generation, "reconnecting" if was_up else "offline", detail)
+        raise _StreamDown(was_up)
 
     async def _stream_once(self, generation: int) -> None:
         headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}

@@ -668,6 +668,43 @@ async def test_shell_turn_and_local_commands(fake: FakeServer, tmp_path: Path) -
     assert "!session <ID> attach" in text  # help from cmd_ docstrings
 
 
+async def test_shell_waits_for_an_offline_server_then_serves(tmp_path: Path) -> None:
+    sock = _bound_socket()  # bound but not listening until the fake serves on it
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    terminal = FakeTerminal()
+    async with ShellClient(url, session_file=tmp_path / "sid", retry_initial=0.02) as client:
+        sh = Shell(client, terminal, retry_initial=0.02, retry_max=0.05)
+        third_retry = asyncio.Event()
+        note = sh.ui.note
+
+        def counting_note(text: str, style: str = "dim") -> None:
+            note(text, style)
+            if terminal.out.getvalue().count("server offline — retrying in") >= 3:
+                third_retry.set()
+
+        sh.ui.note = counting_note  # type: ignore[method-assign]
+        run = asyncio.create_task(sh.run())
+        await asyncio.wait_for(third_retry.wait(), 10)
+        assert not run.done()
+        async with serving(FakeServer(), sock) as fake:
+            fake.on_submit = _answer(fake, "up now")
+            terminal.feed("hello", "!exit")
+            assert await asyncio.wait_for(run, 10) == 0
+    text = terminal.out.getvalue()
+    # exponential back-off up to retry_max: 0.02, 0.04, then 0.05 s
+    assert "retrying in 0.02 s" in text and "retrying in 0.04 s" in text and "retrying in 0.05 s" in text
+    assert url in text and "up now" in text
+
+
+async def test_shell_stops_at_once_when_the_server_wants_a_token(tmp_path: Path) -> None:
+    terminal = FakeTerminal()
+    async with serving(FakeServer(token="s3cret")) as fake:
+        async with ShellClient(fake.url, session_file=tmp_path / "sid") as client:
+            assert await asyncio.wait_for(Shell(client, terminal).run(), 10) == 2
+    text = terminal.out.getvalue()
+    assert "token" in text.lower() and "server offline" not in text
+
+
 async def test_shell_attach_and_delete_current_session(fake: FakeServer, tmp_path: Path) -> None:
     session_file = tmp_path / "sid"
     session_file.write_text("client-a")

@@ -1,0 +1,70 @@
+"""AgentClient's stream reconnection, against a small fake of the API endpoint that drops streams."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tenacity import wait_none
+
+import api_client
+from api_client import AgentClient, AgentConnectionError
+from tests.fakes.server import ThreadedServer
+
+TURN = [("tok", {"text": "Hel"}), ("tok", {"text": "lo"}), ("done", {})]
+
+
+class DroppingApi(ThreadedServer):
+    """/api/v1/submit accepts; each /api/v1/stream connection sends at most `per_connection` events of
+    TURN after the client's Last-Event-ID, then closes."""
+
+    def __init__(self, per_connection: int) -> None:
+        super().__init__()
+        self.per_connection = per_connection
+        self.last_event_ids: list[str | None] = []
+
+    def app(self) -> Starlette:
+        async def submit(request: Request) -> JSONResponse:
+            body = await request.json()
+            return JSONResponse({"status": "OK", "client_id": body["client_id"], "turn_id": 1, "after": 0})
+
+        async def stream(request: Request) -> Response:
+            last = request.headers.get("last-event-id")
+            self.last_event_ids.append(last)
+            start = int(last or 0)
+            events = list(enumerate(TURN, 1))[start:start + self.per_connection]
+            body = "".join(f"id: {i}\nevent: {name}\ndata: {json.dumps(data)}\n\n" for i, (name, data) in events)
+            return Response(body, media_type="text/event-stream")
+
+        return Starlette(routes=[Route("/api/v1/submit", submit, methods=["POST"]),
+                                 Route("/api/v1/stream/{client_id}", stream)])
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api_client, "RECONNECT_WAIT", wait_none())
+
+
+@pytest.fixture
+def one_event_per_connection() -> Iterator[DroppingApi]:
+    with DroppingApi(per_connection=1) as server:
+        yield server
+
+
+async def test_a_stream_that_keeps_dropping_after_new_events_is_followed_to_the_end(one_event_per_connection):
+    api = one_event_per_connection
+    assert await AgentClient(api.url, client_id="c1").send("hi") == "Hello"
+    # every reconnection resumes after the last event it received
+    assert api.last_event_ids == ["0", "1", "2"]
+
+
+async def test_a_stream_that_never_brings_an_event_is_given_up_with_a_clear_error():
+    with DroppingApi(per_connection=0) as api:
+        with pytest.raises(AgentConnectionError, match="keeps breaking: the stream ended before the turn did"):
+            await AgentClient(api.url, client_id="c1").send("hi")
+    assert len(api.last_event_ids) == api_client.RECONNECTS + 1
