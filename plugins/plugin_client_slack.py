@@ -43,6 +43,7 @@ from slackify_markdown.slackify import SlackifyMarkdown
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 import routes
 import state
@@ -591,22 +592,25 @@ class SlackPlugin(BasePlugin):
         Once connected, slack-sdk's client replaces lost connections itself.
         """
         assert self.socket is not None
-        delay = 1.0
-        while True:
-            try:
-                if not first:
-                    await self._in_thread(self._identify)
-                await self._in_thread(self.socket.connect)
-                return
-            except SlackApiError as exc:
-                self.problem = f"Slack refused the tokens ({exc.response.get('error')})"
-                logger.error("plugin_client_slack: %s; fix .env and restart", self.problem)
-                return
-            except (OSError, SlackClientError) as exc:
-                self.problem = f"cannot reach Slack: {_describe(exc)}"
-            first = False
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 60)
+
+        def unreachable(retry: RetryCallState) -> None:
+            exc = retry.outcome.exception() if retry.outcome else None
+            self.problem = f"cannot reach Slack: {_describe(exc) if exc else 'unknown error'}"
+
+        try:
+            async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=1, max=60),
+                retry=retry_if_exception(lambda exc: isinstance(exc, OSError | SlackClientError)
+                                         and not isinstance(exc, SlackApiError)),
+                before_sleep=unreachable, reraise=True,
+            ):
+                with attempt:
+                    if not (first and attempt.retry_state.attempt_number == 1):
+                        await self._in_thread(self._identify)
+                    await self._in_thread(self.socket.connect)
+        except SlackApiError as exc:
+            self.problem = f"Slack refused the tokens ({exc.response.get('error')})"
+            logger.error("plugin_client_slack: %s; fix .env and restart", self.problem)
 
     async def _in_thread(self, fn: Callable[[], None]) -> None:
         # Shielded: a blocking connect keeps running when its task is cancelled, and shutdown
