@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,8 +47,6 @@ MAX_CELL = 120
 CLIENT_GRACE = 2.0
 KILL_TIMEOUT = 5.0
 POOL_RECYCLE_SECONDS = 3600
-#: MySQL runs the text of /*! … */ (MariaDB also /*M! … */).
-_EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 
 _ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS", "db": "MYSQL_DB"}
 
@@ -153,7 +150,7 @@ def split_statements(sql: str) -> list[str]:
             continue
         end = token.start if token is not None else len(sql)
         text = sql[start:end].strip()
-        if has_tokens or _EXECUTABLE_COMMENT.search(text):
+        if has_tokens or gate.EXECUTABLE_COMMENT.search(text):
             statements.append(text)
         start, has_tokens = end + 1, False
     return statements

@@ -101,7 +101,7 @@ _SIDE_EFFECT_FUNCTIONS = frozenset({
     "sys_exec", "sys_eval", "setval", "nextval", "lastval", "last_insert_id", "uuid_short",
 })
 # MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
-_EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
+EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 _TABLE_KEYWORDS = frozenset({"FROM", "JOIN", "INTO", "UPDATE", "TABLE", "TABLES", "LOCK TABLES", "HANDLER", "TO"})
 _NOT_TABLES = frozenset({"dual", "outfile", "dumpfile"})
 _NAME_TOKENS = ("VAR", "IDENTIFIER")
@@ -195,7 +195,7 @@ def classify_sql(sql: Any) -> tuple[str, frozenset[str]]:
 
 
 def _classify(sql: str) -> tuple[str, frozenset[str]]:
-    if _EXECUTABLE_COMMENT.search(sql):
+    if EXECUTABLE_COMMENT.search(sql):
         return WRITE, frozenset(_guess_tables(sql) | {ANY_TABLE})
     try:
         statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
