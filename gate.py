@@ -34,6 +34,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("agent_mcp.gate")
 
+
+def _not_command_fallback(record: logging.LogRecord) -> bool:
+    # sqlglot warns, quoting the whole SQL, when it parses a statement as an opaque Command; the
+    # classifier treats every Command as a write anyway, and SQL text does not belong in the log.
+    return "Falling back to parsing as a 'Command'" not in record.getMessage()
+
+
+logging.getLogger("sqlglot").addFilter(_not_command_fallback)
+
 READ, WRITE = "read", "write"
 OPERATIONS = (READ, WRITE)
 #: Gate key of statements that touch no table (SHOW, DESCRIBE, SELECT 1).

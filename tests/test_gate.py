@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -102,6 +103,12 @@ SQL_CORPUS = [
 @pytest.mark.parametrize(("sql", "operation", "tables"), SQL_CORPUS, ids=[c[0][:50] for c in SQL_CORPUS])
 def test_sql_classification(sql: str, operation: str, tables: set[str]) -> None:
     assert gate.classify_sql(sql) == (operation, frozenset(tables))
+
+
+def test_sql_parsed_as_an_opaque_command_is_not_quoted_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        assert gate.classify_sql("LOCK TABLES secret_salaries WRITE")[0] == "write"
+    assert "secret_salaries" not in caplog.text
 
 
 def test_sql_too_deep_to_parse_fails_closed() -> None:
