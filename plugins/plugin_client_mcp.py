@@ -542,6 +542,8 @@ class McpServerPlugin(BasePlugin):
             raise MCPError(INVALID_PARAMS, f"unknown tool '{name[:80]}'; tools/list shows the tools of this token")
         if method == "resources/list":
             return ListResourcesResult(resources=self._resources_for(who))
+        if method == "resources/read":
+            self._check_read(who, str(params.get("uri", "")))
         if method == "subscriptions/listen":
             wanted = ((params.get("notifications") or {}).get("resourceSubscriptions")) or []
             for uri in wanted:
