@@ -202,7 +202,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=(
             "Config files (read from --config-dir, falling back to the shipped copies):\n"
             "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  gate-defaults.json\n"
-            "  agents.json  mcp-servers.json  mcp-tokens.json (MCP server tokens)  .system_prompt/\n"
+            "  agents.json  mcp-servers.json  .system_prompt/\n"
+            "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
+            "    read from --config-dir only, created there with one human token when missing.\n"
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
             "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"

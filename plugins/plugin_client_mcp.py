@@ -379,7 +379,12 @@ class McpServerPlugin(BasePlugin):
         ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._run_manager(ready), name="mcp-session-manager"),
                        asyncio.create_task(self._writer(), name="mcp-approval-writer")]
-        await ready.wait()
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({waiting, self._tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.is_set():
+            waiting.cancel()
+            await self.shutdown()
+            raise PluginConfigError("the MCP session manager did not start (see the log above)")
         logger.info("MCP server: %d token(s) from %s", len(table), self.token_path)
         return True
 
@@ -387,9 +392,7 @@ class McpServerPlugin(BasePlugin):
         if self.runtime is not None and self._observe in self.rt.hub.observers:
             self.rt.hub.observers.remove(self._observe)
         self._stop.set()
-        for task in self._tasks:
-            if task.get_name() == "mcp-approval-writer":
-                task.cancel()
+        self._queue.put_nowait((None, ()))  # the writer finishes what is queued, then stops
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self._legacy.clear()
@@ -497,6 +500,8 @@ class McpServerPlugin(BasePlugin):
         """Apply approval writes in order, then tell subscribers (so a reader after a notice sees the row)."""
         while True:
             work, uris = await self._queue.get()
+            if work is None:
+                return
             try:
                 await work
                 await self.notify(*uris)
@@ -604,8 +609,11 @@ class McpServerPlugin(BasePlugin):
         self._check_read(who, uri)
         session_id = self._mcp_session_id(ctx)
         mine = sum(1 for k in self._legacy if k[0] == session_id)
-        if mine >= MAX_SUBSCRIPTIONS_PER_SESSION or len(self._legacy) >= MAX_SUBSCRIPTIONS:
-            raise MCPError(INVALID_PARAMS, "too many subscriptions: unsubscribe from some first")
+        if mine >= MAX_SUBSCRIPTIONS_PER_SESSION and (session_id, uri) not in self._legacy:
+            raise MCPError(INVALID_PARAMS, f"this session has {mine} subscriptions: unsubscribe from some first")
+        # A connection that closed is not reported to us; beyond the cap the oldest subscriptions go.
+        while len(self._legacy) >= MAX_SUBSCRIPTIONS:
+            self._legacy.pop(next(iter(self._legacy)))
         self._legacy[(session_id, uri)] = (ctx.session, who)
         return EmptyResult()
 

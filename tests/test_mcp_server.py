@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import json
 import stat
+import subprocess
+import sys
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 
 from shell import ShellClient
-from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
+from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.plugin_host import plugin_runtime, report
@@ -324,3 +326,9 @@ async def test_missing_token_file_is_created_private_with_one_human_token(tmp_pa
     assert list(created) == ["owner"] and created["owner"]["role"] == "human"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert created["owner"]["token"] not in caplog.text and str(path) in caplog.text
+
+
+def test_help_names_the_token_file() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "agent-mcp.py"), "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "mcp-tokens.json" in out and "plugin_client_mcp" in out
