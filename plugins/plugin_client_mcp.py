@@ -348,7 +348,10 @@ class McpServerPlugin(BasePlugin):
         #: gate id → who answered it through this server (set just before resolving).
         self._deciders: dict[str, str] = {}
         self._known_sessions: set[str] = set()
+        #: Approval writes in order, each with the URIs to notify once it is stored (history).
         self._queue: asyncio.Queue[tuple[Any, tuple[str, ...]]] = asyncio.Queue()
+        #: URIs to notify at once: what they show is in memory already (pending approvals).
+        self._notes: asyncio.Queue[tuple[str, ...] | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
 
@@ -378,7 +381,8 @@ class McpServerPlugin(BasePlugin):
         # The SDK's session manager runs for as long as the plugin does (uvicorn runs our app without lifespan).
         ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._run_manager(ready), name="mcp-session-manager"),
-                       asyncio.create_task(self._writer(), name="mcp-approval-writer")]
+                       asyncio.create_task(self._writer(), name="mcp-approval-writer"),
+                       asyncio.create_task(self._notifier(), name="mcp-notifier")]
         waiting = asyncio.ensure_future(ready.wait())
         await asyncio.wait({waiting, self._tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.is_set():
@@ -392,7 +396,8 @@ class McpServerPlugin(BasePlugin):
         if self.runtime is not None and self._observe in self.rt.hub.observers:
             self.rt.hub.observers.remove(self._observe)
         self._stop.set()
-        self._queue.put_nowait((None, ()))  # the writer finishes what is queued, then stops
+        self._queue.put_nowait((None, ()))  # the writer and the notifier finish what is queued, then stop
+        self._notes.put_nowait(None)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self._legacy.clear()
@@ -458,7 +463,8 @@ class McpServerPlugin(BasePlugin):
             self.store.pending[row["gate_id"]] = row
             if calls is not None:
                 calls.append(row["gate_id"])
-            self._queue.put_nowait((self.store.record_open(row), self._approval_uris(client_id, history=False)))
+            self._notes.put_nowait(self._pending_uris(client_id))
+            self._queue.put_nowait((self.store.record_open(row), ()))
         elif event.name == "status" and "gate_id" in event.data and "decision" in event.data:
             self._close(client_id, str(event.data["gate_id"]), str(event.data["decision"]))
             if calls is not None:
@@ -470,11 +476,15 @@ class McpServerPlugin(BasePlugin):
                 uris.append(f"{SCHEME}sessions")
             self._queue.put_nowait((self._close_stale(client_id, "turn ended"), tuple(uris)))
 
-    def _approval_uris(self, client_id: str, history: bool = True) -> tuple[str, ...]:
-        uris = [f"{SCHEME}approvals/pending", *self._session_uris(client_id, "approvals/pending", "state")]
-        if history:
-            uris += [f"{SCHEME}approvals/history", *self._session_uris(client_id, "approvals/history")]
-        return tuple(uris)
+    async def _notifier(self) -> None:
+        while (uris := await self._notes.get()) is not None:
+            try:
+                await self.notify(*uris)
+            except Exception:
+                logger.exception("MCP server: notifying subscribers failed")
+
+    def _pending_uris(self, client_id: str) -> tuple[str, ...]:
+        return (f"{SCHEME}approvals/pending", *self._session_uris(client_id, "approvals/pending", "state"))
 
     def _close(self, client_id: str, gate_id: str, decision: str) -> None:
         assert self.store is not None
@@ -485,8 +495,9 @@ class McpServerPlugin(BasePlugin):
         if by is None:
             by = "timeout" if decision == "timeout" else (
                 "gate closed" if decision == "cancelled" else f"{gate.client_class(client_id)} client ({client_id})")
+        self._notes.put_nowait(self._pending_uris(client_id))
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
-                                self._approval_uris(client_id)))
+                                (f"{SCHEME}approvals/history", *self._session_uris(client_id, "approvals/history"))))
 
     async def _close_stale(self, client_id: str, why: str) -> None:
         """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""

@@ -140,6 +140,7 @@ async def test_human_approves_a_shell_gate_over_mcp(mcp_server: McpServer) -> No
             connect(mcp_server.url, HUMAN, mode="auto") as modern:
         assert legacy.server_capabilities.resources and legacy.server_capabilities.resources.subscribe
         await subscribe(legacy, PENDING)
+        await subscribe(legacy, HISTORY)
         async with modern.listen(resource_subscriptions=[PENDING]) as listener:
             shell = asyncio.create_task(shell_turn(mcp_server.shell_url, "shell-mcp", "who are the users?"))
             # One notify reaches both eras: the 2025 notification and the 2026 listen stream.
@@ -154,6 +155,7 @@ async def test_human_approves_a_shell_gate_over_mcp(mcp_server: McpServer) -> No
                                                                            "decision": "allow_once"}))
             assert answer["decided_by"] == "human:alice"
             events = await asyncio.wait_for(shell, WAIT)
+            await next_note(notes, HISTORY)  # the decision is stored, then announced
     assert "".join(e.text for e in events if e.name == "tok") == "The user is ada."
     assert any("allowed once" in e.text for e in events if e.name == "status")
     async with connect(mcp_server.url, HUMAN) as client:
