@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-proxy bench-api clean
+.PHONY: run test lint bench bench-proxy bench-api bench-mcp clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-proxy: $(STAMP) $(LITELLM)
 
 bench-api: $(STAMP)
 	$(PY) bench/api_overhead.py
+
+bench-mcp: $(STAMP)
+	$(PY) bench/mcp_approvals.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

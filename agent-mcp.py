@@ -136,7 +136,8 @@ def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, st
             name, host, port, token = plugin.PLUGIN_NAME, str(cfg.get("host", "127.0.0.1")), cfg.get("port"), cfg.get("token")
             if not isinstance(port, int) or not 0 < port < 65536:
                 raise StartupError(f"plugin {name}: port {port!r} is not valid; set plugin_config.{name}.port")
-            if not _is_loopback(host) and not token:
+            # A plugin that checks a credential on every request itself (plugin_client_mcp) needs no port token.
+            if not _is_loopback(host) and not token and cfg.get("authenticates_requests") is not True:
                 raise StartupError(
                     f"plugin {name} would listen on {host}:{port} without a token. Configure its bearer token "
                     f"(see README) or bind it to 127.0.0.1 (plugin_config.{name}.host)"
@@ -202,6 +203,8 @@ def _parser() -> argparse.ArgumentParser:
             "Config files (read from --config-dir, falling back to the shipped copies):\n"
             "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  gate-defaults.json\n"
             "  agents.json  mcp-servers.json  .system_prompt/\n"
+            "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
+            "    read from --config-dir only, created there with one human token when missing.\n"
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
             "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"

@@ -223,21 +223,27 @@ async def execute_tool(rt: state.Runtime, client_id: str, name: str, args: dict[
             verdict = await check(rt, client_id, name, args)
             if verdict is not None:
                 return verdict
-        rt.hub.status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
-        try:
-            result = await tool.coroutine(**args)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.exception("tool %s failed for %s", name, client_id)
-            return f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}"
-        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-        session = rt.sessions.get(client_id)
-        limit = session.tool_preview_length if session else state.DEFAULT_TOOL_PREVIEW
-        rt.hub.status(client_id, f"[{name} ◀] {_preview(text, limit)}")
-        return text
+        return await run_checked_tool(rt, client_id, tool, args)
     finally:
         state.current_client_id.reset(token)
+
+
+async def run_checked_tool(rt: state.Runtime, client_id: str, tool: StructuredTool, args: dict[str, Any]) -> str:
+    """Run a tool whose arguments are validated and whose checks passed; a failure becomes the result text."""
+    name = tool.name
+    rt.hub.status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
+    try:
+        result = await tool.coroutine(**args)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.exception("tool %s failed for %s", name, client_id)
+        return f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}"
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+    session = rt.sessions.get(client_id)
+    limit = session.tool_preview_length if session else state.DEFAULT_TOOL_PREVIEW
+    rt.hub.status(client_id, f"[{name} ◀] {_preview(text, limit)}")
+    return text
 
 
 # ── Text tool calls ─────────────────────────────────────────────────────────────────────────

@@ -346,6 +346,14 @@ def save_model_fields(config_dir: Path, changes: dict[str, dict[str, Any]]) -> P
     return target
 
 
+def save_gate_defaults(config_dir: Path, defaults: GateDefaults) -> Path:
+    """Write `defaults` to the config dir's `gate-defaults.json` (all at once, checked); return its path."""
+    target = Path(config_dir) / GATE_DEFAULTS_FILE
+    text = json.dumps(defaults.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
+    atomic_write(target, text, check=lambda tmp: validate_data(GateDefaults, read_json(tmp), target))
+    return target
+
+
 def resolve_api_key(model: ModelConfig, env: dict[str, str]) -> str | None:
     """The API key for a model, or None when its `env_key` is set but empty in the environment."""
     if model.env_key:

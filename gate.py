@@ -57,14 +57,14 @@ DECISIONS = ("allow", "allow_session", "reject")
 
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 
-SHELL, API, SWARM, PROXY, SLACK = "shell", "api", "swarm", "proxy", "slack"
-_PREFIXES = (("api-swarm-", SWARM), ("api-", API), ("llama-", PROXY), ("slack-", SLACK))
+SHELL, API, SWARM, PROXY, SLACK, MCP = "shell", "api", "swarm", "proxy", "slack", "mcp"
+_PREFIXES = (("api-swarm-", SWARM), ("api-", API), ("llama-", PROXY), ("slack-", SLACK), ("mcp-", MCP))
 CLIENT_LABELS = {SHELL: "the shell", API: "an API client", SWARM: "another agent (swarm call)",
-                 PROXY: "the chat proxy", SLACK: "Slack"}
+                 PROXY: "the chat proxy", SLACK: "Slack", MCP: "an MCP client"}
 
 
 def client_class(client_id: str | None) -> str:
-    """The client class of a client id: shell, api, swarm, proxy or slack (spec "Session Model")."""
+    """The client class of a client id: shell, api, swarm, proxy, slack or mcp (spec "Session Model")."""
     for prefix, kind in _PREFIXES:
         if (client_id or "").startswith(prefix):
             return kind
@@ -343,7 +343,8 @@ class GateKeeper:
             return (f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this client "
                     f"({CLIENT_LABELS[kind]}) cannot give it, so it was not run. Do not retry it; tell the user "
                     "that an operator can allow it from the shell (!autogate / !autoAIdb) or in gate-defaults.json.")
-        timeout = self.timeout if kind == SHELL else self.api_timeout
+        # MCP sessions are answered by a person holding a human token (plugin_client_mcp), as patiently as the shell.
+        timeout = self.timeout if kind in (SHELL, MCP) else self.api_timeout
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
                    "timeout_seconds": timeout}
         decision, gate_id = await self.ask(rt, client_id, payload, timeout)

@@ -107,7 +107,11 @@ class BasePlugin(ABC):
         return []
 
     def get_config(self) -> dict[str, Any]:
-        """client_interface: `{"port": int, "host": str, "name": str, "token": str | None}`."""
+        """client_interface: `{"port": int, "host": str, "name": str, "token": str | None}`.
+
+        `"authenticates_requests": True` says the plugin checks a credential on every request itself,
+        so it may listen beyond loopback without a port token.
+        """
         return {}
 
     def get_commands(self) -> dict[str, Any]:

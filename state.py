@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -299,12 +299,30 @@ class _Channel:
         return self.events[index]
 
 
+#: Called with (client id, event) on every publish, and with (client id, None) when a session's
+#: channel is dropped (the session was deleted). Runs synchronously in the publisher's task.
+HubObserver = Callable[[str, Event | None], None]
+
+
 class EventHub:
-    """Per-session output events. Every subscriber sees every event; reconnects replay by id."""
+    """Per-session output events. Every subscriber sees every event; reconnects replay by id.
+
+    `observers` see every event of every session as it is published (the MCP server uses this
+    to learn when gates open and close and when turns end); an observer that raises is logged
+    and never disturbs the publisher.
+    """
 
     def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS) -> None:
         self._channels: dict[str, _Channel] = {}
         self.max_idle_channels = max_idle_channels
+        self.observers: list[HubObserver] = []
+
+    def _notify(self, client_id: str, event: Event | None) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(client_id, event)
+            except Exception:
+                logger.exception("event hub observer %r failed", observer)
 
     def _channel(self, client_id: str) -> _Channel:
         ch = self._channels.get(client_id)
@@ -321,7 +339,10 @@ class EventHub:
             del self._channels[cid]
 
     def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> Event:
-        return self._channel(client_id).publish(name, data or {})
+        event = self._channel(client_id).publish(name, data or {})
+        if self.observers:
+            self._notify(client_id, event)
+        return event
 
     def last_id(self, client_id: str) -> int:
         return self._channel(client_id).last_id
@@ -330,6 +351,8 @@ class EventHub:
         ch = self._channels.pop(client_id, None)
         if ch is not None:
             ch._wake.set()  # wake its subscribers so they move to the session's next channel
+        if self.observers:
+            self._notify(client_id, None)
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[Event]:
         """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live."""

@@ -124,7 +124,7 @@ def test_sql_that_is_not_text_is_a_write_on_any_table(value: Any) -> None:
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 
 CLIENTS = {"shell": "4f1c2a9e-shell", "api": "api-1a2b3c4d", "swarm": "api-swarm-1a2b3c4d",
-           "proxy": "llama-127.0.0.1", "slack": "slack-C123-1700000000.1"}
+           "proxy": "llama-127.0.0.1", "slack": "slack-C123-1700000000.1", "mcp": "mcp-worker"}
 
 
 def test_client_classes() -> None:
@@ -134,7 +134,7 @@ def test_client_classes() -> None:
 
 async def test_may_administer_follows_client_and_admin_flag() -> None:
     assert gate.may_administer(CLIENTS["shell"])
-    for kind in ("api", "swarm", "proxy", "slack"):
+    for kind in ("api", "swarm", "proxy", "slack", "mcp"):
         assert not gate.may_administer(CLIENTS[kind]), kind
     token = state.current_admin.set(True)
     try:
@@ -190,7 +190,7 @@ async def test_gate_matrix(matrix_rt, gate_type: str, client: str) -> None:
     if not rt.gates_on:
         expect_ran, expect_event = True, False
     else:
-        expect_event = client in ("shell", "api")  # the others cannot answer: rejected without asking
+        expect_event = client in ("shell", "api", "mcp")  # the others cannot answer: rejected without asking
         expect_ran = expect_event  # the test answers "allow"
     assert bool(gates) == expect_event
     assert (rt.recorder.calls == [(tool, {**_Args().model_dump(), **args})]) == expect_ran, result
@@ -236,6 +236,9 @@ async def test_reject_and_timeouts_tell_the_model(grt) -> None:
     result, events = await with_events(grt, "api-00000001", agents.execute_tool(grt, "api-00000001", "web_search",
                                                                                 {"query": "q"}))
     assert "within 0.2 s" in result and [e.data["timeout_seconds"] for e in events if e.name == "gate"] == [0.2]
+    # MCP sessions are answered by a person (a human token): they wait as long as the shell does.
+    result, events = await with_events(grt, "mcp-w", agents.execute_tool(grt, "mcp-w", "web_search", {"query": "q"}))
+    assert "within 0.3 s" in result and [e.data["timeout_seconds"] for e in events if e.name == "gate"] == [0.3]
     assert grt.recorder.calls == [] and grt.pending_gates == {}
 
 

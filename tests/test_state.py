@@ -101,3 +101,19 @@ async def test_idle_channels_are_bounded_but_followed_ones_stay():
     await followed.aclose()  # now idle, and the most recently used of the old ones
     hub.publish("late", "done", {})
     assert set(hub._channels) == {"probe-9", "watched", "late"}
+
+
+def test_observers_see_every_event_and_dropped_sessions(caplog):
+    hub = state.EventHub()
+    seen: list[tuple[str, str | None]] = []
+
+    def broken(client_id, event):
+        raise RuntimeError("observer bug")
+
+    hub.observers += [broken, lambda cid, ev: seen.append((cid, ev.name if ev else None))]
+    event = hub.publish("s", "gate", {"gate_id": "g1"})
+    hub.done("t")
+    hub.drop("s")
+    # The broken observer is logged; the publisher and the other observers carry on.
+    assert seen == [("s", "gate"), ("t", "done"), ("s", None)]
+    assert event.data == {"gate_id": "g1"} and "observer bug" in caplog.text

@@ -1,0 +1,900 @@
+"""agent-mcp as an MCP server (port 8768): sessions, approvals, gate policy and tools at `/mcp`.
+
+Streamable HTTP through the official `mcp` SDK (`MCPServer`), serving both protocol eras on one
+endpoint: 2025-11-25 clients (`initialize`, `resources/subscribe`, `notifications/resources/updated`)
+and 2026-07-28 clients (`subscriptions/listen`). Every request needs `Authorization: Bearer <token>`
+with a token from the token file (`mcp-tokens.json` in the config dir, created with one human token
+on first start): role `human` reaches every session, every approval and the gate policy; role
+`agent` is bound to one `mcp-` session and may call the agent's own tools, each through the same
+rate limiter and gate as the model's calls. A refused call is the JSON-RPC error -32950
+`policy_denied` with `data` {type, decision, reason, tool}. Gates and their decisions (who, when)
+are kept in SQLite (`<data dir>/mcp-approvals.sqlite3`).
+
+Resources (JSON): `agentmcp://sessions`, `agentmcp://sessions/{id}/state`, `.../history`,
+`.../approvals/pending`, `.../approvals/history`, `agentmcp://approvals/pending`,
+`agentmcp://approvals/history`, `agentmcp://policy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import aiosqlite
+from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.context import ServerRequestContext
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+from mcp_types import (
+    INVALID_PARAMS,
+    CallToolResult,
+    EmptyResult,
+    ListResourcesResult,
+    ListToolsResult,
+    Resource,
+    SubscribeRequestParams,
+    TextContent,
+    Tool,
+    UnsubscribeRequestParams,
+)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.routing import Mount
+
+import agents
+import gate
+import routes
+import state
+from config import GatePermission, save_gate_defaults
+from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+
+logger = logging.getLogger("agent_mcp.mcp_server")
+
+PREFIX = "mcp-"
+SCHEME = "agentmcp://"
+TOKENS_FILE = "mcp-tokens.json"
+#: JSON-RPC error of a tool call the gate or the rate limiter refused (seed 002's code, kept for its clients).
+POLICY_DENIED = -32950
+#: JSON-RPC error of a request outside the token's role (implementation-defined range of 2026-07-28).
+FORBIDDEN = -32001
+HUMAN, AGENT = "human", "agent"
+#: Legacy (2025-11-25) subscriptions kept per MCP session and in all.
+MAX_SUBSCRIPTIONS_PER_SESSION = 200
+MAX_SUBSCRIPTIONS = 20_000
+HISTORY_LIMIT = 500
+#: Management tools and the roles that may call them.
+TOOL_ROLES: dict[str, tuple[str, ...]] = {
+    "send_message": (HUMAN, AGENT),
+    "list_pending_approvals": (HUMAN, AGENT),
+    "create_session": (HUMAN,),
+    "delete_session": (HUMAN,),
+    "answer_approval": (HUMAN,),
+    "get_gate_policy": (HUMAN,),
+    "set_gate_default": (HUMAN,),
+}
+DECISION_WORDS = {"allow_once": "allow", "allow_session": "allow_session", "reject": "reject"}
+#: Gate ids opened, and decisions taken, during the agent tool call running in this context.
+_CALL_GATES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("mcp_call_gates", default=None)
+
+
+# ── Tokens ──────────────────────────────────────────────────────────────────────────────────
+
+
+class TokenEntry(BaseModel):
+    """One entry of `mcp-tokens.json`: a role, the token (or its SHA-256), and an agent's session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["human", "agent"]
+    token: str | None = Field(default=None, min_length=16)
+    token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+    session: str | None = Field(default=None, pattern=routes.CLIENT_ID_PATTERN)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TokenEntry:
+        if (self.token is None) == (self.token_sha256 is None):
+            raise ValueError("give exactly one of 'token' (at least 16 characters) or 'token_sha256'")
+        if self.role == AGENT and not self.session:
+            raise ValueError("an agent token needs 'session' (the session it is bound to, e.g. \"worker\")")
+        if self.role == HUMAN and self.session:
+            raise ValueError("a human token reaches every session: remove 'session'")
+        return self
+
+
+class TokenFile(BaseModel):
+    """`mcp-tokens.json`: `{"tokens": {"<name>": {...}}}`; names appear in logs and approval records."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: dict[str, TokenEntry] = Field(min_length=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who holds a token: its name, role and (agents) the client id of its session."""
+
+    name: str
+    role: str
+    session: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}:{self.name}"
+
+    def may_read(self, client_id: str) -> bool:
+        return self.role == HUMAN or client_id == self.session
+
+
+def mcp_client_id(name: str) -> str:
+    """The MCP-namespace session id of a name: unchanged when it starts with `mcp-`, else prefixed."""
+    client_id = name if name.startswith(PREFIX) else PREFIX + name
+    if not re.match(routes.CLIENT_ID_PATTERN, client_id):
+        raise ValueError(f"invalid session name {name[:140]!r}: use 1-124 letters, digits and . _ : @ -")
+    return client_id
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def load_tokens(path: Path) -> list[tuple[bytes, Principal]]:
+    """The token table of a token file; PluginConfigError names the file and the field that is wrong."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PluginConfigError(f"{path}: cannot read the MCP token file ({exc.strerror})") from None
+    except ValueError as exc:
+        raise PluginConfigError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        parsed = TokenFile.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"field '{'.'.join(map(str, e['loc'])) or '(top level)'}': {e['msg']}" for e in exc.errors())
+        raise PluginConfigError(f"{path}: {problems}") from None
+    table: list[tuple[bytes, Principal]] = []
+    seen: dict[bytes, str] = {}
+    for name, entry in parsed.tokens.items():
+        if not re.match(r"^[A-Za-z0-9._-]{1,64}$", name):
+            raise PluginConfigError(f"{path}: field 'tokens.{name[:70]}': a token name uses 1-64 letters, digits, . _ -")
+        digest = _digest(entry.token) if entry.token else bytes.fromhex(entry.token_sha256 or "")
+        if digest in seen:
+            raise PluginConfigError(f"{path}: field 'tokens.{name}': same token as 'tokens.{seen[digest]}'; "
+                                    "give every holder a token of its own")
+        seen[digest] = name
+        session = None
+        if entry.session:
+            try:
+                session = mcp_client_id(entry.session)
+            except ValueError as exc:
+                raise PluginConfigError(f"{path}: field 'tokens.{name}.session': {exc}") from None
+        table.append((digest, Principal(name, entry.role, session)))
+    return table
+
+
+def create_token_file(path: Path) -> None:
+    """Write a token file with one new human token (`owner`), readable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"tokens": {"owner": {"role": HUMAN, "token": secrets.token_urlsafe(32)}}}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(body, indent=2) + "\n")
+
+
+class TokenTable:
+    """The SDK's TokenVerifier over the token file: constant-time comparison of SHA-256 digests."""
+
+    def __init__(self, entries: list[tuple[bytes, Principal]], resource: str):
+        self.entries = entries
+        self.resource = resource
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        digest = _digest(token)
+        found: Principal | None = None
+        for known, principal in self.entries:  # no early exit: the time does not depend on which matched
+            if hmac.compare_digest(known, digest):
+                found = principal
+        if found is None:
+            return None
+        # `token` holds the digest prefix: the secret itself is never kept past this call.
+        return AccessToken(token=digest.hex()[:12], client_id=found.label, scopes=[found.role], subject=found.name,
+                           resource=self.resource, claims={"role": found.role, "session": found.session})
+
+
+def principal_of(token: AccessToken | None) -> Principal:
+    """The principal of the request being handled; MCPError when there is none (fail closed)."""
+    claims = (token.claims or {}) if token else {}
+    role = claims.get("role")
+    if token is None or role not in (HUMAN, AGENT) or not token.subject:
+        raise MCPError(FORBIDDEN, "forbidden: this request carries no agent-mcp token")
+    return Principal(token.subject, role, claims.get("session"))
+
+
+def _request_principal(ctx: ServerRequestContext[Any, Any] | None = None) -> Principal:
+    token = get_access_token()
+    if token is None and ctx is not None and ctx.request is not None:
+        user = getattr(ctx.request, "scope", {}).get("user")
+        token = user.access_token if isinstance(user, AuthenticatedUser) else None
+    return principal_of(token)
+
+
+def _forbidden(what: str) -> MCPError:
+    return MCPError(FORBIDDEN, f"forbidden: {what}")
+
+
+# ── Approvals (SQLite) ──────────────────────────────────────────────────────────────────────
+
+
+class ApprovalStore:
+    """Every gate seen while the MCP server runs: pending ones in memory, all of them in SQLite."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pending: dict[str, dict[str, Any]] = {}
+        self._db: aiosqlite.Connection | None = None
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = await aiosqlite.connect(self.path)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute(
+            "CREATE TABLE IF NOT EXISTS approvals ("
+            " gate_id TEXT PRIMARY KEY, session TEXT NOT NULL, tool_name TEXT NOT NULL, request TEXT NOT NULL,"
+            " opened_at REAL NOT NULL, decision TEXT, decided_by TEXT, decided_at REAL)")
+        await self._db.execute("CREATE INDEX IF NOT EXISTS approvals_session ON approvals (session, opened_at)")
+        # Gates left open by a previous run: their calls are gone, so they were never decided.
+        await self._db.execute("UPDATE approvals SET decision = 'abandoned', decided_by = 'server restart', "
+                               "decided_at = ? WHERE decision IS NULL", (time.time(),))
+        await self._db.commit()
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+
+    def _conn(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise RuntimeError(f"approval store {self.path} is not open")
+        return self._db
+
+    async def record_open(self, row: dict[str, Any]) -> None:
+        db = self._conn()
+        await db.execute("INSERT OR REPLACE INTO approvals (gate_id, session, tool_name, request, opened_at) "
+                         "VALUES (?, ?, ?, ?, ?)",
+                         (row["gate_id"], row["session"], row["tool_name"], json.dumps(row["request"]), row["opened_at"]))
+        await db.commit()
+
+    async def record_decision(self, gate_id: str, decision: str, decided_by: str, decided_at: float) -> None:
+        db = self._conn()
+        await db.execute("UPDATE approvals SET decision = ?, decided_by = ?, decided_at = ? WHERE gate_id = ?",
+                         (decision, decided_by, decided_at, gate_id))
+        await db.commit()
+
+    async def history(self, session: str | None = None, limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+        """Decided gates, newest first (of one session, or all)."""
+        db = self._conn()
+        sql = ("SELECT gate_id, session, tool_name, request, opened_at, decision, decided_by, decided_at "
+               "FROM approvals WHERE decision IS NOT NULL")
+        args: tuple[Any, ...] = ()
+        if session is not None:
+            sql += " AND session = ?"
+            args = (session,)
+        sql += " ORDER BY decided_at DESC LIMIT ?"
+        rows = []
+        async with db.execute(sql, (*args, limit)) as cur:
+            async for gid, sess, tool, request, opened, decision, by, at in cur:
+                rows.append({"gate_id": gid, "session": sess, "tool_name": tool, "request": json.loads(request),
+                             "opened_at": opened, "decision": decision, "decided_by": by, "decided_at": at})
+        return rows
+
+
+# ── The server ──────────────────────────────────────────────────────────────────────────────
+
+
+class McpServerConfig(PluginSettings):
+    """`plugin_config.plugin_client_mcp` in plugins-enabled.json."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8768, ge=1, le=65535)
+    #: Token file, relative to the config dir (created with one human token when missing).
+    token_file: str = TOKENS_FILE
+    #: Extra `Host` header values to accept (`name:port`, `name:*`) when reached by another name.
+    allowed_hosts: list[str] = []
+    #: Extra browser origins to accept (`https://app.example`); loopback origins always are.
+    allowed_origins: list[str] = []
+    #: The longest a `send_message` call waits for the answer, in seconds.
+    max_wait_seconds: float = Field(default=600, gt=0)
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, indent=1, default=str)
+
+
+class McpServerPlugin(BasePlugin):
+    """Serves agent-mcp to MCP clients: people approving gates and agents calling tools."""
+
+    PLUGIN_NAME = "plugin_client_mcp"
+    PLUGIN_VERSION = "1.0.0"
+    PLUGIN_TYPE = "client_interface"
+    DESCRIPTION = "MCP server: sessions, approvals and tools over Streamable HTTP at /mcp"
+    DEPENDENCIES = ["mcp"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = McpServerConfig()
+        self.store: ApprovalStore | None = None
+        self.bus = InMemorySubscriptionBus()
+        self.mcp: MCPServer | None = None
+        self.app: Any = None
+        self.token_path: Path | None = None
+        #: (MCP session id, uri) → the ServerSession of a 2025-era subscriber and its principal.
+        self._legacy: dict[tuple[str, str], tuple[Any, Principal]] = {}
+        #: gate id → who answered it through this server (set just before resolving).
+        self._deciders: dict[str, str] = {}
+        self._known_sessions: set[str] = set()
+        #: Approval writes in order, each with the URIs to notify once it is stored (history).
+        self._queue: asyncio.Queue[tuple[Any, tuple[str, ...]]] = asyncio.Queue()
+        #: URIs to notify at once: what they show is in memory already (pending approvals).
+        self._notes: asyncio.Queue[tuple[str, ...] | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+
+    @property
+    def rt(self) -> state.Runtime:
+        assert self.runtime is not None
+        return self.runtime
+
+    # ── lifecycle ──
+
+    async def init(self, config: dict[str, Any]) -> bool:
+        self.cfg = parse_settings(self.PLUGIN_NAME, McpServerConfig, config)
+        rt = self.rt
+        self.token_path = Path(rt.config.config_dir) / self.cfg.token_file
+        if not self.token_path.exists():
+            create_token_file(self.token_path)
+            logger.warning("created %s with one human token ('owner'); read the token from that file "
+                           "(it is never logged) and add agent tokens there", self.token_path)
+        table = load_tokens(self.token_path)
+        resource = f"http://{self._url_host()}:{self.cfg.port}/mcp"
+        self.store = ApprovalStore(rt.config.data_dir() / "mcp-approvals.sqlite3")
+        await self.store.open()
+        self.mcp = self._build_server(TokenTable(table, resource), resource)
+        self.app = self.mcp.streamable_http_app(transport_security=self._security(), host=self.cfg.host)
+        self._known_sessions = {s.client_id for s in rt.sessions.all()}
+        rt.hub.observers.append(self._observe)
+        # The SDK's session manager runs for as long as the plugin does (uvicorn runs our app without lifespan).
+        ready = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._run_manager(ready), name="mcp-session-manager"),
+                       asyncio.create_task(self._writer(), name="mcp-approval-writer"),
+                       asyncio.create_task(self._notifier(), name="mcp-notifier")]
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({waiting, self._tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.is_set():
+            waiting.cancel()
+            await self.shutdown()
+            raise PluginConfigError("the MCP session manager did not start (see the log above)")
+        logger.info("MCP server: %d token(s) from %s", len(table), self.token_path)
+        return True
+
+    async def shutdown(self) -> None:
+        if self.runtime is not None and self._observe in self.rt.hub.observers:
+            self.rt.hub.observers.remove(self._observe)
+        self._stop.set()
+        self._queue.put_nowait((None, ()))  # the writer and the notifier finish what is queued, then stop
+        self._notes.put_nowait(None)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._legacy.clear()
+        if self.store is not None:
+            await self.store.close()
+
+    async def _run_manager(self, ready: asyncio.Event) -> None:
+        assert self.mcp is not None
+        async with self.mcp.session_manager.run():
+            ready.set()
+            await self._stop.wait()
+
+    def _url_host(self) -> str:
+        return "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
+
+    def _security(self) -> TransportSecuritySettings:
+        """Host and Origin checks (DNS rebinding): loopback names always, plus what the config adds."""
+        return TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*", *self.cfg.allowed_hosts],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*", *self.cfg.allowed_origins],
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        return {"host": self.cfg.host, "port": self.cfg.port, "name": "MCP server", "token": None,
+                "authenticates_requests": True}
+
+    def get_routes(self) -> list[Any]:
+        return [Mount("/", app=self.app)]
+
+    def get_help(self) -> str:
+        return (f"MCP server on http://{self._url_host()}:{self.cfg.port}/mcp (bearer tokens from {self.token_path}; "
+                "resources agentmcp://…, tools send_message, answer_approval, …)")
+
+    # ── notifications ──
+
+    async def notify(self, *uris: str) -> None:
+        """Tell subscribers of each URI that it changed: 2026-07-28 listeners and 2025-11-25 subscribers."""
+        for uri in dict.fromkeys(uris):
+            await self.bus.publish(ResourceUpdated(uri=uri))
+            for key, (session, _) in [(k, v) for k, v in self._legacy.items() if k[1] == uri]:
+                try:
+                    await session.send_resource_updated(uri)
+                except Exception:  # the connection is gone: forget it
+                    self._legacy.pop(key, None)
+
+    def _session_uris(self, client_id: str, *parts: str) -> list[str]:
+        return [f"{SCHEME}sessions/{client_id}/{p}" for p in parts]
+
+    def _observe(self, client_id: str, event: state.Event | None) -> None:
+        """Event hub observer: gates opening and closing, turns ending, sessions appearing and going."""
+        if event is None:  # session deleted
+            self._known_sessions.discard(client_id)
+            self._queue.put_nowait((self._close_stale(client_id, "session deleted"),
+                                    (f"{SCHEME}sessions", *self._session_uris(client_id, "state", "history"))))
+            return
+        calls = _CALL_GATES.get()
+        if event.name == "gate" and "gate_id" in event.data:
+            row = {"gate_id": event.data["gate_id"], "session": client_id,
+                   "tool_name": str(event.data.get("tool_name", "")), "opened_at": time.time(),
+                   "request": {k: v for k, v in event.data.items() if k != "gate_id"}}
+            assert self.store is not None
+            self.store.pending[row["gate_id"]] = row
+            if calls is not None:
+                calls.append(row["gate_id"])
+            self._notes.put_nowait(self._pending_uris(client_id))
+            self._queue.put_nowait((self.store.record_open(row), ()))
+        elif event.name == "status" and "gate_id" in event.data and "decision" in event.data:
+            self._close(client_id, str(event.data["gate_id"]), str(event.data["decision"]))
+            if calls is not None:
+                calls.append(f"decision:{event.data['decision']}")
+        elif routes.ends_turn(event):
+            uris = self._session_uris(client_id, "state", "history")
+            if client_id not in self._known_sessions and self.rt.sessions.get(client_id) is not None:
+                self._known_sessions.add(client_id)
+                uris.append(f"{SCHEME}sessions")
+            self._queue.put_nowait((self._close_stale(client_id, "turn ended"), tuple(uris)))
+
+    async def _notifier(self) -> None:
+        while (uris := await self._notes.get()) is not None:
+            try:
+                await self.notify(*uris)
+            except Exception:
+                logger.exception("MCP server: notifying subscribers failed")
+
+    def _pending_uris(self, client_id: str) -> tuple[str, ...]:
+        return (f"{SCHEME}approvals/pending", *self._session_uris(client_id, "approvals/pending", "state"))
+
+    def _close(self, client_id: str, gate_id: str, decision: str) -> None:
+        assert self.store is not None
+        row = self.store.pending.pop(gate_id, None)
+        if row is None:
+            return
+        by = self._deciders.pop(gate_id, None)
+        if by is None:
+            by = "timeout" if decision == "timeout" else (
+                "gate closed" if decision == "cancelled" else f"{gate.client_class(client_id)} client ({client_id})")
+        self._notes.put_nowait(self._pending_uris(client_id))
+        self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
+                                (f"{SCHEME}approvals/history", *self._session_uris(client_id, "approvals/history"))))
+
+    async def _close_stale(self, client_id: str, why: str) -> None:
+        """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""
+        assert self.store is not None
+        for gate_id, row in list(self.store.pending.items()):
+            if row["session"] == client_id and gate.gate_owner(self.rt, gate_id) is None:
+                self._deciders[gate_id] = why
+                self._close(client_id, gate_id, "cancelled")
+
+    async def _writer(self) -> None:
+        """Apply approval writes in order, then tell subscribers (so a reader after a notice sees the row)."""
+        while True:
+            work, uris = await self._queue.get()
+            if work is None:
+                return
+            try:
+                await work
+                await self.notify(*uris)
+            except Exception:
+                logger.exception("MCP server: recording an approval or notifying failed")
+
+    # ── the MCP server ──
+
+    def _build_server(self, verifier: TokenTable, resource: str) -> MCPServer:
+        mcp = MCPServer(
+            "agent-mcp",
+            instructions=("agent-mcp sessions, pending approvals and gate policy as resources (agentmcp://…); "
+                          "tools to talk to sessions and to answer gates."),
+            token_verifier=verifier,
+            auth=AuthSettings(issuer_url=resource, resource_server_url=resource, validate_token_resource=True),
+            subscriptions=self.bus,
+            middleware=[self._middleware],
+        )
+        self._add_resources(mcp)
+        self._add_tools(mcp)
+        low = mcp._lowlevel_server  # the SDK's documented way to serve resources/subscribe (no public API yet)
+        low.add_request_handler("resources/subscribe", SubscribeRequestParams, self._subscribe)
+        low.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, self._unsubscribe)
+        return mcp
+
+    async def _middleware(self, ctx: ServerRequestContext[Any, Any], call_next: Any) -> Any:
+        """Per-token views and checks on top of MCPServer's handlers."""
+        method = ctx.method
+        if method in ("initialize", "notifications/initialized", "server/discover", "ping") or ctx.request_id is None:
+            return await call_next(ctx)
+        who = _request_principal(ctx)
+        params = dict(ctx.params or {})
+        if method == "tools/list":
+            return self._list_tools(who, await call_next(ctx))
+        if method == "tools/call":
+            name = str(params.get("name", ""))
+            if name in TOOL_ROLES:
+                if who.role not in TOOL_ROLES[name]:
+                    raise _forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; this one is {who.role}")
+                return await call_next(ctx)
+            if who.role == AGENT and self.rt.tools.get(name) is not None:
+                return await self._call_agent_tool(who, name, params.get("arguments") or {})
+            raise MCPError(INVALID_PARAMS, f"unknown tool '{name[:80]}'; tools/list shows the tools of this token")
+        if method == "resources/list":
+            return ListResourcesResult(resources=self._resources_for(who))
+        if method == "resources/read":
+            self._check_read(who, str(params.get("uri", "")))
+        if method == "subscriptions/listen":
+            wanted = ((params.get("notifications") or {}).get("resourceSubscriptions")) or []
+            for uri in wanted:
+                self._check_read(who, str(uri))
+        return await call_next(ctx)
+
+    # ── access ──
+
+    def _check_read(self, who: Principal, uri: str) -> str | None:
+        """The session a URI belongs to (None for server-wide ones); MCPError when `who` may not read it."""
+        rest = uri.removeprefix(SCHEME) if uri.startswith(SCHEME) else None
+        if rest is None:
+            raise MCPError(INVALID_PARAMS, f"unknown resource {uri[:120]}: agent-mcp resources start with {SCHEME}")
+        if rest == "sessions":
+            return None
+        if rest.startswith("sessions/"):
+            client_id = rest.removeprefix("sessions/").split("/", 1)[0]
+            if not who.may_read(client_id):
+                raise _forbidden(f"token '{who.name}' ({who.role}) may read only its own session {who.session}")
+            return client_id
+        if who.role != HUMAN:
+            raise _forbidden(f"{uri[:120]} needs a human token")
+        return None
+
+    def _resources_for(self, who: Principal) -> list[Resource]:
+        def res(uri: str, name: str, description: str) -> Resource:
+            return Resource(uri=uri, name=name, description=description, mime_type="application/json")
+
+        out = [res(f"{SCHEME}sessions", "sessions", "The sessions this token may see")]
+        if who.role == HUMAN:
+            out += [res(f"{SCHEME}approvals/pending", "pending approvals", "Gates waiting for a decision, all sessions"),
+                    res(f"{SCHEME}approvals/history", "approval history", "Decided gates: decision, who, when"),
+                    res(f"{SCHEME}policy", "gate policy", "gate-defaults.json as in force")]
+        for s in self.rt.sessions.all():
+            if who.may_read(s.client_id):
+                for part, label in (("state", "state"), ("history", "history"), ("approvals/pending", "pending approvals"),
+                                    ("approvals/history", "approval history")):
+                    out.append(res(f"{SCHEME}sessions/{s.client_id}/{part}", f"{s.client_id} {label}",
+                                   f"Session {s.client_id} (#{s.shorthand}): {label}"))
+        return out
+
+    def _list_tools(self, who: Principal, result: Any) -> ListToolsResult:
+        tools = result.tools if isinstance(result, ListToolsResult) else ListToolsResult.model_validate(result).tools
+        mine = [t for t in tools if who.role in TOOL_ROLES.get(t.name, ())]
+        if who.role == AGENT:
+            for schema in self.rt.tools.openai_schemas():
+                fn = schema["function"]
+                if fn["name"] not in TOOL_ROLES:
+                    mine.append(Tool(name=fn["name"], description=fn.get("description") or "",
+                                     input_schema=fn.get("parameters") or {"type": "object", "properties": {}}))
+        return ListToolsResult(tools=mine)
+
+    # ── 2025-11-25 subscriptions ──
+
+    async def _subscribe(self, ctx: ServerRequestContext[Any, Any], params: SubscribeRequestParams) -> EmptyResult:
+        who = _request_principal(ctx)
+        uri = str(params.uri)
+        self._check_read(who, uri)
+        session_id = self._mcp_session_id(ctx)
+        mine = sum(1 for k in self._legacy if k[0] == session_id)
+        if mine >= MAX_SUBSCRIPTIONS_PER_SESSION and (session_id, uri) not in self._legacy:
+            raise MCPError(INVALID_PARAMS, f"this session has {mine} subscriptions: unsubscribe from some first")
+        # A connection that closed is not reported to us; beyond the cap the oldest subscriptions go.
+        while len(self._legacy) >= MAX_SUBSCRIPTIONS:
+            self._legacy.pop(next(iter(self._legacy)))
+        self._legacy[(session_id, uri)] = (ctx.session, who)
+        return EmptyResult()
+
+    async def _unsubscribe(self, ctx: ServerRequestContext[Any, Any], params: UnsubscribeRequestParams) -> EmptyResult:
+        self._legacy.pop((self._mcp_session_id(ctx), str(params.uri)), None)
+        return EmptyResult()
+
+    @staticmethod
+    def _mcp_session_id(ctx: ServerRequestContext[Any, Any]) -> str:
+        headers = getattr(ctx.request, "headers", None)
+        session_id = headers.get("mcp-session-id") if headers is not None else None
+        if not session_id:
+            raise MCPError(INVALID_PARAMS, "resources/subscribe needs a 2025-11-25 session (Mcp-Session-Id); "
+                                           "2026-07-28 clients use subscriptions/listen")
+        return str(session_id)
+
+    # ── resources ──
+
+    def _session(self, who: Principal, ident: str) -> state.Session:
+        client_id = self.rt.sessions.resolve(ident)
+        session = self.rt.sessions.get(client_id) if client_id else None
+        if session is None or not who.may_read(session.client_id):
+            # Another session's existence is not confirmed to an agent token.
+            raise MCPError(INVALID_PARAMS, f"no session '{ident[:140]}' readable with this token")
+        return session
+
+    def _pending(self, client_id: str | None = None) -> list[dict[str, Any]]:
+        assert self.store is not None
+        rows = [r for r in self.store.pending.values() if client_id is None or r["session"] == client_id]
+        return sorted(rows, key=lambda r: r["opened_at"])
+
+    def _session_row(self, s: state.Session) -> dict[str, Any]:
+        return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
+                "client": gate.client_class(s.client_id)}
+
+    def _policy(self) -> dict[str, Any]:
+        return self.rt.gate.defaults.model_dump(mode="json")
+
+    def _add_resources(self, mcp: MCPServer) -> None:
+        plugin = self
+
+        @mcp.resource(f"{SCHEME}sessions", name="sessions", mime_type="application/json")
+        async def sessions() -> str:
+            who = _request_principal()
+            return _json([plugin._session_row(s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
+
+        @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
+        async def pending_all() -> str:
+            plugin._check_read(_request_principal(), f"{SCHEME}approvals/pending")
+            return _json(plugin._pending())
+
+        @mcp.resource(f"{SCHEME}approvals/history", name="approval history", mime_type="application/json")
+        async def history_all() -> str:
+            plugin._check_read(_request_principal(), f"{SCHEME}approvals/history")
+            assert plugin.store is not None
+            return _json(await plugin.store.history())
+
+        @mcp.resource(f"{SCHEME}policy", name="gate policy", mime_type="application/json")
+        async def policy() -> str:
+            plugin._check_read(_request_principal(), f"{SCHEME}policy")
+            return _json(plugin._policy())
+
+        @mcp.resource(SCHEME + "sessions/{sid}/state", name="session state", mime_type="application/json")
+        async def session_state(sid: str) -> str:
+            s = plugin._session(_request_principal(), sid)
+            return _json({**plugin._session_row(s), "history_length": len(s.history),
+                          "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
+                          "pending_approvals": len(plugin._pending(s.client_id)),
+                          "gate_overrides": s.settings.get("gates", {})})
+
+        @mcp.resource(SCHEME + "sessions/{sid}/history", name="session history", mime_type="application/json")
+        async def session_history(sid: str) -> str:
+            s = plugin._session(_request_principal(), sid)
+            return _json(s.history)
+
+        @mcp.resource(SCHEME + "sessions/{sid}/approvals/pending", name="session pending approvals",
+                      mime_type="application/json")
+        async def session_pending(sid: str) -> str:
+            s = plugin._session(_request_principal(), sid)
+            return _json(plugin._pending(s.client_id))
+
+        @mcp.resource(SCHEME + "sessions/{sid}/approvals/history", name="session approval history",
+                      mime_type="application/json")
+        async def session_approvals(sid: str) -> str:
+            s = plugin._session(_request_principal(), sid)
+            assert plugin.store is not None
+            return _json(await plugin.store.history(s.client_id))
+
+    # ── tools ──
+
+    def _add_tools(self, mcp: MCPServer) -> None:
+        plugin = self
+
+        @mcp.tool()
+        async def send_message(text: str, session: str = "", model: str = "",
+                               timeout_seconds: float = 300) -> dict[str, Any]:
+            """Send a message (or a !command) to a session and return the answer.
+
+            Human tokens name the session (created if new, in the mcp- namespace); agent tokens always
+            talk to their own session. `model` answers this turn with another registry model.
+            """
+            return await plugin._send(_request_principal(), text, session, model, timeout_seconds)
+
+        @mcp.tool()
+        async def create_session(name: str = "", model: str = "") -> dict[str, Any]:
+            """Create an MCP session (id mcp-<name>, a random name when empty) on `model` (default model if empty)."""
+            return plugin._create(name, model)
+
+        @mcp.tool()
+        async def delete_session(session: str) -> dict[str, Any]:
+            """Delete a session (full id or shorthand id): its history, running turns and event stream."""
+            client_id = plugin.rt.sessions.resolve(session)
+            if client_id is None:
+                raise ToolError(f"no session '{session[:140]}'; read agentmcp://sessions for the list")
+            await routes.delete_session(plugin.rt, client_id)
+            return {"status": "deleted", "session": client_id}
+
+        @mcp.tool()
+        async def list_pending_approvals(session: str = "") -> list[dict[str, Any]]:
+            """Gates waiting for a decision (all the token may see, or one session's)."""
+            who = _request_principal()
+            if session:
+                return plugin._pending(plugin._session(who, session).client_id)
+            return [r for r in plugin._pending() if who.may_read(r["session"])]
+
+        @mcp.tool()
+        async def answer_approval(gate_id: str, decision: Literal["allow_once", "allow_session", "reject"]) -> dict[str, Any]:
+            """Answer a pending gate: allow_once, allow_session (this tool for the rest of the session) or reject."""
+            who = _request_principal()
+            owner = gate.gate_owner(plugin.rt, gate_id)
+            if owner is None:
+                raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
+                                "read agentmcp://approvals/pending")
+            plugin._deciders[gate_id] = who.label
+            if not gate.resolve_gate(plugin.rt, gate_id, DECISION_WORDS[decision]):
+                plugin._deciders.pop(gate_id, None)
+                raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile")
+            return {"status": "answered", "gate_id": gate_id, "session": owner, "decision": decision,
+                    "decided_by": who.label}
+
+        @mcp.tool()
+        async def get_gate_policy(session: str = "") -> dict[str, Any]:
+            """The gate defaults (gate-defaults.json) and, with `session`, that session's own overrides."""
+            out: dict[str, Any] = {"defaults": plugin._policy()}
+            if session:
+                s = plugin._session(_request_principal(), session)
+                out["session"] = {"session": s.client_id, "overrides": s.settings.get("gates", {})}
+            return out
+
+        @mcp.tool()
+        async def set_gate_default(section: Literal["tools", "db"], key: str,
+                                   operation: Literal["read", "write", "both"], allowed: bool) -> dict[str, Any]:
+            """Change a gate default for every session (saved in gate-defaults.json): `key` is a tool name
+            (section tools) or a table (section db), `*` for everything without its own entry; allowed=true
+            means the call runs without asking."""
+            return await plugin._set_default(_request_principal(), section, key, operation, allowed)
+
+    async def _send(self, who: Principal, text: str, session: str, model: str, timeout_seconds: float) -> dict[str, Any]:
+        if who.role == AGENT:
+            if session and mcp_client_id(session) != who.session:
+                raise _forbidden(f"token '{who.name}' may talk only to its own session {who.session}")
+            assert who.session is not None
+            client_id = who.session
+        else:
+            try:
+                client_id = mcp_client_id(session or uuid.uuid4().hex[:8])
+            except ValueError as exc:
+                raise ToolError(str(exc)) from None
+        if not text.strip():
+            raise ToolError("text is empty: send a question or a !command")
+        if len(text) > routes.MAX_TEXT:
+            raise ToolError(f"text is {len(text)} characters; the limit is {routes.MAX_TEXT}")
+        if model and model not in self.rt.config.models:
+            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
+        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None}
+        parts: list[str] = []
+        error: str | None = None
+        status = "complete"
+        seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
+        async with contextlib.aclosing(routes.run_turn(self.rt, client_id, text, payload)) as events:
+            try:
+                async with asyncio.timeout(seconds):
+                    async for ev in events:
+                        if ev.name == "tok":
+                            parts.append(str(ev.data.get("text", "")))
+                        elif ev.name == "error":
+                            error = error or str(ev.data.get("message", "error"))
+                        elif routes.ends_turn(ev) and ev.name != "done":
+                            status = "cancelled"
+            except TimeoutError:
+                status = "timeout"
+        answer: dict[str, Any] = {"session": client_id, "status": "error" if error and status == "complete" else status,
+                                  "text": "".join(parts)}
+        if error:
+            answer["error"] = error
+        return answer
+
+    def _create(self, name: str, model: str) -> dict[str, Any]:
+        try:
+            client_id = mcp_client_id(name or uuid.uuid4().hex[:8])
+        except ValueError as exc:
+            raise ToolError(str(exc)) from None
+        if self.rt.sessions.get(client_id) is not None:
+            raise ToolError(f"session {client_id} already exists")
+        if model and model not in self.rt.config.models:
+            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
+        session, _ = self.rt.sessions.get_or_add(client_id, model or self.rt.config.default_model)
+        self._known_sessions.add(client_id)
+        self._queue.put_nowait((self.rt.sessions.save(session), (f"{SCHEME}sessions",)))
+        return self._session_row(session)
+
+    async def _set_default(self, who: Principal, section: str, key: str, operation: str, allowed: bool) -> dict[str, Any]:
+        key = key.strip()
+        if not key or len(key) > 128:
+            raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
+        defaults = self.rt.gate.defaults
+        entries = defaults.db if section == "db" else defaults.tools
+        current = entries.get(key) or GatePermission()
+        ops = ("read", "write") if operation == "both" else (operation,)
+        entries[key] = current.model_copy(update=dict.fromkeys(ops, allowed))
+        try:
+            path = save_gate_defaults(self.rt.config.config_dir, defaults)
+            note = f"saved in {path}"
+        except Exception as exc:  # in force anyway; say it was not saved
+            logger.exception("saving gate defaults failed")
+            note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
+        logger.info("gate default %s.%s %s=%s set by %s", section, key, operation, allowed, who.label)
+        await self.notify(f"{SCHEME}policy")
+        return {"section": section, "key": key, **entries[key].model_dump(include={"read", "write"}), "note": note}
+
+    async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
+        """An agent token calls one of the agent's tools: rate limit and gate as for the model, then the tool."""
+        rt = self.rt
+        assert who.session is not None
+        client_id = who.session
+        tool = rt.tools.get(name)
+        assert tool is not None
+        try:
+            args = tool.args_schema.model_validate(arguments if isinstance(arguments, dict) else {}).model_dump()
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors())
+            raise MCPError(INVALID_PARAMS, f"invalid arguments for {name}: {problems}") from None
+        session = await rt.sessions.get_or_create(client_id, rt.config.default_model)
+        if client_id not in self._known_sessions:
+            self._known_sessions.add(client_id)
+            await self.notify(f"{SCHEME}sessions")
+        seen: list[str] = []
+        gates_token = _CALL_GATES.set(seen)
+        id_token = state.current_client_id.set(client_id)
+        try:
+            for check in rt.tool_checks:
+                verdict = await check(rt, client_id, name, args)
+                if verdict is not None:
+                    raise MCPError(POLICY_DENIED, "policy_denied", self._denial(check, verdict, seen, name))
+            text = await agents.run_checked_tool(rt, client_id, tool, args)
+        finally:
+            state.current_client_id.reset(id_token)
+            _CALL_GATES.reset(gates_token)
+            if any(not g.startswith("decision:") for g in seen):
+                await self._close_stale(client_id, "call cancelled")
+        await rt.sessions.save(session)
+        return CallToolResult(content=[TextContent(type="text", text=text)], is_error=text.startswith("ERROR:"))
+
+    @staticmethod
+    def _denial(check: Any, reason: str, seen: list[str], tool: str) -> dict[str, Any]:
+        decisions = [g.removeprefix("decision:") for g in seen if g.startswith("decision:")]
+        if check is gate.check_rate_limit:
+            decision = "rate_limited"
+        elif decisions:
+            decision = decisions[-1]  # reject | timeout
+        else:
+            decision = "denied"
+        return {"type": "policy_denied", "decision": decision, "reason": reason, "tool": tool}
