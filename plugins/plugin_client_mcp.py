@@ -355,11 +355,6 @@ class McpServerPlugin(BasePlugin):
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
 
-    @property
-    def rt(self) -> state.Runtime:
-        assert self.runtime is not None
-        return self.runtime
-
     # ── lifecycle ──
 
     async def init(self, config: dict[str, Any]) -> bool:

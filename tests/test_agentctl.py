@@ -437,6 +437,7 @@ def test_config_written_by_agentctl_loads_in_the_server(tmp_path, fake_openai, s
        "--timeout", "10", "--max-context", "20")
     ok(tmp_path, "model", "fake")
     ok(tmp_path, "port-set", SHELLPY, str(port))
+    ok(tmp_path, "port-set", "plugin_client_api", str(free_port()))  # not the default 8767 a running server holds
     ok(tmp_path, "enable", "plugin_search_ddgs")
     ok(tmp_path, "disable", "plugin_search_ddgs")
     ok(tmp_path, "ratelimit-set", "search", "2", "5")
