@@ -169,6 +169,32 @@ async def run_turn(
             turn.task.cancel()
 
 
+async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None, seconds: float,
+                    *, cancel_running: bool = False) -> dict[str, Any]:
+    """Run one request to its end (or for `seconds`, then cancel it): `{"status", "text"}` with status
+    complete, error, timeout or cancelled, and `"error"` when the agent reported one."""
+    parts: list[str] = []
+    error: str | None = None
+    status = "complete"
+    async with contextlib.aclosing(run_turn(rt, client_id, text, payload, cancel_running=cancel_running)) as events:
+        try:
+            async with asyncio.timeout(seconds):
+                async for ev in events:
+                    if ev.name == "tok":
+                        parts.append(str(ev.data.get("text", "")))
+                    elif ev.name == "error":
+                        error = error or str(ev.data.get("message", "error"))
+                    elif ends_turn(ev) and ev.name != "done":
+                        status = "cancelled"
+        except TimeoutError:
+            status = "timeout"  # leaving run_turn early cancelled the request
+    answer: dict[str, Any] = {"status": "error" if error is not None and status == "complete" else status,
+                              "text": "".join(parts)}
+    if error is not None:
+        answer["error"] = error
+    return answer
+
+
 async def process_request(
     client_id: str,
     text: str,

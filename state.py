@@ -111,8 +111,10 @@ class MemoryStore(SessionStore):
     """Sessions live only as long as the process."""
 
 
-class SqliteStore(SessionStore):
-    """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
+class SqliteFile:
+    """One aiosqlite connection to a file in WAL mode, its tables created by `SCHEMA` at open."""
+
+    SCHEMA: tuple[str, ...] = ()
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -122,12 +124,8 @@ class SqliteStore(SessionStore):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = await aiosqlite.connect(self.path)
         await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute(
-            "CREATE TABLE IF NOT EXISTS sessions ("
-            " client_id TEXT PRIMARY KEY, shorthand INTEGER UNIQUE NOT NULL,"
-            " record TEXT NOT NULL, updated REAL NOT NULL)"
-        )
-        await self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        for statement in self.SCHEMA:
+            await self._db.execute(statement)
         await self._db.commit()
 
     async def close(self) -> None:
@@ -137,8 +135,19 @@ class SqliteStore(SessionStore):
 
     def _conn(self) -> aiosqlite.Connection:
         if self._db is None:
-            raise SessionError(f"session store {self.path} is not open")
+            raise SessionError(f"{self.path} is not open")
         return self._db
+
+
+class SqliteStore(SqliteFile, SessionStore):
+    """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
+
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS sessions ("
+        " client_id TEXT PRIMARY KEY, shorthand INTEGER UNIQUE NOT NULL,"
+        " record TEXT NOT NULL, updated REAL NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    )
 
     async def load(self) -> tuple[list[Session], int]:
         db = self._conn()

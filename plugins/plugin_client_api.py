@@ -16,8 +16,6 @@ is an administrator: its messages may run gate commands, and it sees every sessi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import re
 import uuid
@@ -190,36 +188,13 @@ class ApiPlugin(BasePlugin):
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
         payload = {"default_model": body.default_model, "admin": self._is_admin(request)}
         if body.wait:
-            answer = await routes.unless_disconnected(request, self._wait(client_id, body.text, payload, body.timeout))
-            return Response(status_code=499) if answer is None else JSONResponse(answer)
+            answer = await routes.unless_disconnected(
+                request, routes.wait_turn(self.rt, client_id, body.text, payload, body.timeout, cancel_running=True))
+            return Response(status_code=499) if answer is None else JSONResponse({"client_id": client_id, **answer})
         after = self.rt.hub.last_id(client_id)
         turn = await routes.submit(self.rt, client_id, body.text, payload)
         self._remember(turn.id, client_id, after)
         return JSONResponse({"client_id": client_id, "status": "accepted", "turn_id": turn.id, "after": after})
-
-    async def _wait(self, client_id: str, text: str, payload: dict[str, Any], seconds: float) -> dict[str, Any]:
-        """Run one turn to its end (or for `seconds`): complete, error, timeout or cancelled, with its text."""
-        parts: list[str] = []
-        error: str | None = None
-        status = "complete"
-        async with contextlib.aclosing(routes.run_turn(self.rt, client_id, text, payload, cancel_running=True)) as events:
-            try:
-                async with asyncio.timeout(seconds):
-                    async for ev in events:
-                        if ev.name == "tok":
-                            parts.append(str(ev.data.get("text", "")))
-                        elif ev.name == "error":
-                            error = error or str(ev.data.get("message", "error"))
-                        elif routes.ends_turn(ev) and ev.name != "done":
-                            status = "cancelled"
-            except TimeoutError:
-                status = "timeout"  # leaving run_turn early cancelled the request
-        if error is not None and status == "complete":
-            status = "error"
-        answer: dict[str, Any] = {"client_id": client_id, "status": status, "text": "".join(parts)}
-        if error is not None:
-            answer["error"] = error
-        return answer
 
     async def stream(self, request: Request) -> Response:
         client_id = api_client_id(request.path_params["client_id"])

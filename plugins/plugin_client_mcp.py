@@ -18,7 +18,6 @@ Resources (JSON): `agentmcp://sessions`, `agentmcp://sessions/{id}/state`, `.../
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -33,7 +32,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-import aiosqlite
 from mcp.server.auth.middleware.auth_context import get_access_token
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
@@ -241,37 +239,27 @@ def _forbidden(what: str) -> MCPError:
 # ── Approvals (SQLite) ──────────────────────────────────────────────────────────────────────
 
 
-class ApprovalStore:
+class ApprovalStore(state.SqliteFile):
     """Every gate seen while the MCP server runs: pending ones in memory, all of them in SQLite."""
 
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS approvals ("
+        " gate_id TEXT PRIMARY KEY, session TEXT NOT NULL, tool_name TEXT NOT NULL, request TEXT NOT NULL,"
+        " opened_at REAL NOT NULL, decision TEXT, decided_by TEXT, decided_at REAL)",
+        "CREATE INDEX IF NOT EXISTS approvals_session ON approvals (session, opened_at)",
+    )
+
     def __init__(self, path: Path):
-        self.path = path
+        super().__init__(path)
         self.pending: dict[str, dict[str, Any]] = {}
-        self._db: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self.path)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute(
-            "CREATE TABLE IF NOT EXISTS approvals ("
-            " gate_id TEXT PRIMARY KEY, session TEXT NOT NULL, tool_name TEXT NOT NULL, request TEXT NOT NULL,"
-            " opened_at REAL NOT NULL, decision TEXT, decided_by TEXT, decided_at REAL)")
-        await self._db.execute("CREATE INDEX IF NOT EXISTS approvals_session ON approvals (session, opened_at)")
+        await super().open()
         # Gates left open by a previous run: their calls are gone, so they were never decided.
-        await self._db.execute("UPDATE approvals SET decision = 'abandoned', decided_by = 'server restart', "
-                               "decided_at = ? WHERE decision IS NULL", (time.time(),))
-        await self._db.commit()
-
-    async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
-
-    def _conn(self) -> aiosqlite.Connection:
-        if self._db is None:
-            raise RuntimeError(f"approval store {self.path} is not open")
-        return self._db
+        db = self._conn()
+        await db.execute("UPDATE approvals SET decision = 'abandoned', decided_by = 'server restart', "
+                         "decided_at = ? WHERE decision IS NULL", (time.time(),))
+        await db.commit()
 
     async def record_open(self, row: dict[str, Any]) -> None:
         db = self._conn()
@@ -795,27 +783,8 @@ class McpServerPlugin(BasePlugin):
         if model and model not in self.rt.config.models:
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
         payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None}
-        parts: list[str] = []
-        error: str | None = None
-        status = "complete"
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
-        async with contextlib.aclosing(routes.run_turn(self.rt, client_id, text, payload)) as events:
-            try:
-                async with asyncio.timeout(seconds):
-                    async for ev in events:
-                        if ev.name == "tok":
-                            parts.append(str(ev.data.get("text", "")))
-                        elif ev.name == "error":
-                            error = error or str(ev.data.get("message", "error"))
-                        elif routes.ends_turn(ev) and ev.name != "done":
-                            status = "cancelled"
-            except TimeoutError:
-                status = "timeout"
-        answer: dict[str, Any] = {"session": client_id, "status": "error" if error and status == "complete" else status,
-                                  "text": "".join(parts)}
-        if error:
-            answer["error"] = error
-        return answer
+        return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds)}
 
     def _create(self, name: str, model: str) -> dict[str, Any]:
         try:
