@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-proxy bench-api bench-mcp clean
+.PHONY: run test bench bench-proxy bench-api bench-mcp clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
