@@ -245,11 +245,11 @@ def ensure_token_file(path: Path) -> str:
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
-        return read_token_file(path)
     except OSError as exc:
-        raise TokenFileError(f"cannot create {path} ({exc.strerror}): make {path.parent} writable for this user, "
-                             "set AGENT_DATA_DIR to a directory that is, or set AGENT_SHELL_TOKEN") from None
+        if isinstance(exc, FileExistsError) and path.parent.is_dir():
+            return read_token_file(path)  # written by an earlier start
+        raise TokenFileError(f"cannot create {path} ({exc.strerror}): make {path.parent} a directory this user "
+                             "can write, set AGENT_DATA_DIR to one, or set AGENT_SHELL_TOKEN") from None
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(secrets.token_urlsafe(32) + "\n")
     return read_token_file(path)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import textwrap
 
 import httpx
 
+from shell_client import find_token
 from tests.conftest import free_port, openai_model
 from tests.fakes.backend import text, tool_call
-from tests.turns import run_turn
+from tests.turns import answer, run_turn
 
 GOOD = textwrap.dedent('''
     from langchain_core.tools import StructuredTool
@@ -139,7 +142,30 @@ def test_token_protects_every_endpoint(config_dir, fake_openai, start_server):
         assert bad.status_code == 401, path
     ok = httpx.get(server.url + "/health", headers={"Authorization": "Bearer s3cret-token-value"}, timeout=5)
     assert ok.status_code == 200
+    assert not (config_dir.path / "data" / "shell-token").exists()  # the configured token wins; no file
     assert "s3cret-token-value" not in server.stop()
+
+
+def test_without_a_configured_token_the_first_start_writes_one_and_shell_py_finds_it(config_dir, fake_openai,
+                                                                                     start_server):
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    server = start_server(config_dir)
+    path = config_dir.path / "data" / "shell-token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = path.read_text().strip()
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 401
+    assert find_token(None, {"AGENT_DATA_DIR": str(path.parent)})[0] == token
+    assert answer(run_turn(server, "c1", "hi")) == "echo: hi"
+    assert token not in server.stop()
+    server.start()  # a restart reuses the file
+    assert path.read_text().strip() == token
+    assert httpx.get(server.url + "/health", headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+    server.stop()
+    os.chmod(path, 0o644)
+    server.start(wait=False)
+    assert server.proc is not None and server.proc.wait(timeout=20) == 1
+    out = server.stop()
+    assert f"{path} is readable by other users" in out and f"chmod 600 {path}" in out and token not in out
 
 
 def test_malformed_config_stops_startup_naming_file_and_field(config_dir, fake_openai, start_server):
