@@ -185,8 +185,9 @@ def _with_cors(send: Send, origin: str) -> Send:
              (b"access-control-expose-headers", b"Mcp-Session-Id")]
 
     async def send_with_cors(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        if message["type"] == "http.response.start":  # ours replace the app's own (the MCP SDK sends `*`)
+            kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"access-control-allow-origin"]
+            message = {**message, "headers": [*kept, *extra]}
         await send(message)
 
     return send_with_cors
