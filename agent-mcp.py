@@ -194,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
             "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
             "    read from --config-dir only, created there with one human token when missing.\n"
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
-            "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint), API_KEY and API_ADMIN_KEY (API),\n"
+            "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint; unset: generated into\n"
+            "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
             "  the API keys named in llm-models.json. The README documents every setting."
         ),
