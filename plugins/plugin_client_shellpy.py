@@ -9,6 +9,7 @@ reads by itself.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -24,6 +25,7 @@ import state
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
+logger = logging.getLogger("agent_mcp.shellpy")
 
 
 class ShellConfig(PluginSettings, guard.ListenerSettings):
@@ -81,10 +83,15 @@ class ShellpyPlugin(BasePlugin):
         rt = self.rt
         self._token = rt.config.env.get(self.cfg.token_env) or None
         if self._token is None:
+            path = rt.config.data_dir() / guard.SHELL_TOKEN_FILE
+            new = not path.exists()
             try:
-                self._token = guard.ensure_token_file(rt.config.data_dir() / guard.SHELL_TOKEN_FILE)
+                self._token = guard.ensure_token_file(path)
             except guard.TokenFileError as exc:
                 raise PluginConfigError(f"shell token: {exc}") from None
+            if new:
+                logger.info("wrote a new shell endpoint token to %s (readable by this user only); shell.py reads it "
+                            "from there", path)
         return True
 
     def shutdown(self) -> None:

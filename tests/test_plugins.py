@@ -156,11 +156,12 @@ def test_without_a_configured_token_the_first_start_writes_one_and_shell_py_find
     assert httpx.get(server.url + "/health", timeout=5).status_code == 401
     assert find_token(None, {"AGENT_DATA_DIR": str(path.parent)})[0] == token
     assert answer(run_turn(server, "c1", "hi")) == "echo: hi"
-    assert token not in server.stop()
+    out = server.stop()
+    assert f"wrote a new shell endpoint token to {path}" in out and token not in out
     server.start()  # a restart reuses the file
     assert path.read_text().strip() == token
     assert httpx.get(server.url + "/health", headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200
-    server.stop()
+    assert server.stop().count("wrote a new shell endpoint token") == 1
     os.chmod(path, 0o644)
     server.start(wait=False)
     assert server.proc is not None and server.proc.wait(timeout=20) == 1
