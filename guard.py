@@ -113,7 +113,6 @@ class Guard:
                  allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()):
         self.app = app
         self.plugin = plugin
-        self.port = str(port)
         names = [*LOOPBACK_NAMES, *([b] if (b := _bind_name(bind)) else [])]
         self.hosts = [(n, None) for n in names] + [split_host(h) for h in allowed_hosts]
         origins = [o.lower() for o in allowed_origins]
