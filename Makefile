@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-proxy bench-api bench-mcp clean
+.PHONY: run test bench bench-proxy bench-api bench-mcp bench-guard clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ bench-api: $(STAMP)
 
 bench-mcp: $(STAMP)
 	$(PY) bench/mcp_approvals.py
+
+bench-guard: $(STAMP)
+	$(PY) bench/guard_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

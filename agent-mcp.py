@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import logging
 import signal
@@ -22,12 +21,12 @@ from typing import Any
 import anyio
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 import routes
 import state
 from config import SECRET_NAME, AppConfig, ConfigError, load_config
+from guard import Guard
 from plugin_loader import BasePlugin
 
 logger = logging.getLogger("agent_mcp")
@@ -66,23 +65,6 @@ def _setup_logging(level: str, env: dict[str, str]) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
-class _BearerAuth:
-    """ASGI middleware: every HTTP request needs `Authorization: Bearer <token>` (constant-time compare)."""
-
-    def __init__(self, app: ASGIApp, token: str):
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = JSONResponse({"error": "unauthorized: send Authorization: Bearer <token>"}, status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 class _Server(uvicorn.Server):
     """A uvicorn server that leaves signal handling to agent-mcp (one handler stops them all)."""
 
@@ -119,12 +101,17 @@ def _bind(name: str, host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(rt: state.Runtime, plugin: BasePlugin, token: str | None) -> ASGIApp:
-    """One Starlette app holding only this plugin's routes (auth-wrapped when a token is set)."""
+def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASGIApp:
+    """One Starlette app holding only this plugin's routes, behind the guard (Host, Origin, token, JSON).
+
+    `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins.
+    """
     app = Starlette(routes=plugin.get_routes())
     app.state.runtime = rt
     app.state.plugin = plugin
-    return _BearerAuth(app, token) if token else app
+    return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
+                 token=cfg.get("token"), allowed_hosts=cfg.get("allowed_hosts", ()),
+                 allowed_origins=cfg.get("allowed_origins", ()))
 
 
 def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, str]]:
@@ -144,7 +131,7 @@ def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, st
                 )
             sock = _bind(name, host, port)
             config = uvicorn.Config(
-                build_app(rt, plugin, token), log_config=None, access_log=False, lifespan="off",
+                build_app(rt, plugin, cfg), log_config=None, access_log=False, lifespan="off",
                 timeout_graceful_shutdown=3,
             )
             prepared.append((_Server(config), sock, f"{cfg.get('name', name)} ({name}) on http://{host}:{port}"))
@@ -165,8 +152,9 @@ async def serve(config: AppConfig) -> int:
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         prepared = _prepare_servers(rt)
         if not prepared:
-            raise StartupError("no client interface plugin is running, so there is nothing to serve; "
-                               "enable plugin_client_shellpy in plugins-enabled.json")
+            failed = "; ".join(r.line() for r in problems)
+            raise StartupError("no client interface plugin is running, so there is nothing to serve; " + (
+                f"fix these plugins: {failed}" if failed else "enable plugin_client_shellpy in plugins-enabled.json"))
         servers = [s for s, _, _ in prepared]
         loop = asyncio.get_running_loop()
 
@@ -206,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
             "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
             "    read from --config-dir only, created there with one human token when missing.\n"
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
-            "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint), API_KEY and API_ADMIN_KEY (API),\n"
+            "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint; unset: generated into\n"
+            "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
             "  the API keys named in llm-models.json. The README documents every setting."
         ),

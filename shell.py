@@ -39,6 +39,7 @@ from rich.table import Table
 from rich.text import Text
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
+from config import CODE_DIR, load_env
 from shell_client import (  # noqa: F401 - re-exported: shell.py is the public face of both modules
     DECISIONS,
     DEFAULT_PORT,
@@ -52,6 +53,7 @@ from shell_client import (  # noqa: F401 - re-exported: shell.py is the public f
     ShellClient,
     ShellError,
     ShellEvent,
+    find_token,
     load_or_create_client_id,
     save_client_id,
 )
@@ -816,7 +818,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=SESSION_FILE,
         help=f"file holding this shell's client id (default ./{SESSION_FILE})",
     )
-    parser.add_argument("--token", default=None, help="bearer token for the server (env AGENT_SHELL_TOKEN)")
+    parser.add_argument("--token", default=None, help="bearer token for the server (env AGENT_SHELL_TOKEN; default: "
+                        "read from the server's token file)")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="the server's token file (default $AGENT_DATA_DIR/shell-token, else data/shell-token "
+                             "next to shell.py)")
     return parser
 
 
@@ -827,9 +833,9 @@ def _history_path(session_file: Path) -> Path:
     return session_file.resolve().parent / ".shell_history"
 
 
-async def _run(base_url: str, token: str | None, session_file: Path) -> int:
+async def _run(base_url: str, token: str | None, auth_hint: str | None, session_file: Path) -> int:
     terminal = Terminal(_history_path(session_file))
-    async with ShellClient(base_url, session_file=session_file, token=token) as client:
+    async with ShellClient(base_url, session_file=session_file, token=token, auth_hint=auth_hint) as client:
         return await Shell(client, terminal, server_url=base_url).run()
 
 
@@ -841,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"shell.py: {exc}", file=sys.stderr)
         return 2
-    token = args.token or os.environ.get("AGENT_SHELL_TOKEN") or None
+    token, auth_hint = find_token(args.token, load_env(CODE_DIR), args.token_file)
     session_file = Path(args.session_file)
     try:
         load_or_create_client_id(session_file)
@@ -849,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shell.py: cannot use the session file {session_file}: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_run(base_url, token, session_file))
+        return asyncio.run(_run(base_url, token, auth_hint, session_file))
     except KeyboardInterrupt:
         return 130
 

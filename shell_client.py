@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,9 @@ import httpx
 from httpx_sse import EventSource
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
+import guard
 from api_client import AgentEvent
+from config import CODE_DIR
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 DEFAULT_PORT = 8765
@@ -72,6 +74,28 @@ def load_or_create_client_id(path: Path) -> str:
     return client_id
 
 
+# --------------------------------------------------------------------------- token
+
+
+def default_token_file(env: Mapping[str, str]) -> Path:
+    """Where a server started from this checkout keeps its generated token: `$AGENT_DATA_DIR/shell-token`."""
+    return Path(env.get("AGENT_DATA_DIR") or CODE_DIR / "data") / guard.SHELL_TOKEN_FILE
+
+
+def find_token(token: str | None, env: Mapping[str, str], token_file: Path | None = None
+               ) -> tuple[str | None, str | None]:
+    """(the token to send, what to tell the user on a 401): `token`, else AGENT_SHELL_TOKEN, else the token file."""
+    token = token or env.get("AGENT_SHELL_TOKEN") or None
+    if token is not None:
+        return token, None
+    path = token_file or default_token_file(env)
+    try:
+        return guard.read_token_file(path), (f"the token was read from {path}; if the server keeps its data "
+                                             "elsewhere, pass --token-file or set AGENT_DATA_DIR")
+    except guard.TokenFileError as exc:
+        return None, str(exc)
+
+
 # --------------------------------------------------------------------------- SSE
 
 
@@ -109,6 +133,9 @@ class ShellClient:
                 if ev.name == "done":
                     break
 
+    ``token`` is the bearer token to send; ``auth_hint`` is added to every AuthRequired message (where
+    the token came from, or why there is none: see find_token()).
+
     The stream reconnects by itself after a drop, sending ``Last-Event-ID`` so the server replays
     what was missed. ``state`` is "idle", "connected", "reconnecting", "offline" or "unauthorized";
     ``on_state(state, detail)`` is called on every change. ``events()`` is meant for one consumer.
@@ -121,6 +148,7 @@ class ShellClient:
         *,
         session_file: Path | str | None = None,
         token: str | None = None,
+        auth_hint: str | None = None,
         timeout: float = 10.0,
         read_timeout: float = 120.0,
         retry_initial: float = 0.5,
@@ -136,6 +164,7 @@ class ShellClient:
             )
         self._client_id = client_id
         self._has_token = bool(token)
+        self._auth_hint = auth_hint
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
@@ -233,8 +262,10 @@ class ShellClient:
 
     def _auth_message(self) -> str:
         if self._has_token:
-            return f"the server at {self.base_url} rejected the token: check --token / AGENT_SHELL_TOKEN"
-        return f"the server at {self.base_url} requires a token: {TOKEN_HINT}"
+            message = f"the server at {self.base_url} rejected the token: check --token / AGENT_SHELL_TOKEN"
+        else:
+            message = f"the server at {self.base_url} requires a token: {TOKEN_HINT}"
+        return f"{message} ({self._auth_hint})" if self._auth_hint else message
 
     # ---- stream
 

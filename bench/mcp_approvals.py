@@ -84,7 +84,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
             async with http, Client(streamable_http_client(url, http_client=http), mode="legacy",
                                     message_handler=on_message, cache=None) as legacy, \
                     Client(streamable_http_client(url, http_client=http), cache=None) as modern, \
-                    ShellClient(server.url, "shell-bench") as shell:
+                    ShellClient(server.url, "shell-bench", token=server.token) as shell:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", MCPDeprecationWarning)
                     await legacy.subscribe_resource(PENDING)

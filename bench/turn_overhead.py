@@ -62,9 +62,9 @@ async def direct_turn(llm: ChatOpenAI, system: str, i: int) -> tuple[float, floa
 class ServerPath:
     """One long-lived SSE stream per bench client; each turn is POST /submit then read until `done`."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, token: str):
         self.url = url
-        self.http = httpx.AsyncClient(timeout=30)
+        self.http = httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"})
         self.lines: asyncio.Queue[str] = asyncio.Queue()
         self.reader: asyncio.Task[None] | None = None
 
@@ -119,7 +119,7 @@ async def run(args: argparse.Namespace) -> None:
             os.sched_setaffinity(server.proc.pid, {1})
         llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
         system = PromptTree(ROOT / ".system_prompt").load().assemble()
-        path = ServerPath(server.url)
+        path = ServerPath(server.url, server.token)
         await path.open()
         per_round = max(1, args.turns // args.rounds)
         for i in range(args.warmup):  # connections, imports, caches

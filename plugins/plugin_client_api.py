@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import gate
+import guard
 import routes
 import state
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
@@ -40,7 +41,7 @@ DEFAULT_WAIT = 60.0
 KEPT_TURNS = 4096
 
 
-class ApiConfig(PluginSettings):
+class ApiConfig(PluginSettings, guard.ListenerSettings):
     """`plugin_config.plugin_client_api` in plugins-enabled.json."""
 
     host: str = "127.0.0.1"
@@ -140,7 +141,8 @@ class ApiPlugin(BasePlugin):
     def get_config(self) -> dict[str, Any]:
         # admin_token is not used to serve; agent_call reads it to never send it anywhere.
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "JSON/SSE API", "token": self._token(),
-                "admin_token": self._admin_token()}
+                "admin_token": self._admin_token(), "allowed_hosts": self.cfg.allowed_hosts,
+                "allowed_origins": self.cfg.allowed_origins}
 
     def get_help(self) -> str:
         return (f"JSON/SSE API on http://{self.cfg.host}:{self.cfg.port}/api/v1 "

@@ -59,6 +59,7 @@ from starlette.routing import Mount
 
 import agents
 import gate
+import guard
 import routes
 import state
 from config import GatePermission, save_gate_defaults
@@ -78,6 +79,8 @@ HUMAN, AGENT = "human", "agent"
 MAX_SUBSCRIPTIONS_PER_SESSION = 200
 MAX_SUBSCRIPTIONS = 20_000
 HISTORY_LIMIT = 500
+#: The SDK's Host/Origin checks, off: guard.Guard in front of the listener is the one place they live.
+_NO_SDK_CHECKS = TransportSecuritySettings(enable_dns_rebinding_protection=False)
 #: Management tools and the roles that may call them.
 TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "send_message": (HUMAN, AGENT),
@@ -295,17 +298,13 @@ class ApprovalStore(state.SqliteFile):
 # ── The server ──────────────────────────────────────────────────────────────────────────────
 
 
-class McpServerConfig(PluginSettings):
+class McpServerConfig(PluginSettings, guard.ListenerSettings):
     """`plugin_config.plugin_client_mcp` in plugins-enabled.json."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8768, ge=1, le=65535)
     #: Token file, relative to the config dir (created with one human token when missing).
     token_file: str = TOKENS_FILE
-    #: Extra `Host` header values to accept (`name:port`, `name:*`) when reached by another name.
-    allowed_hosts: list[str] = []
-    #: Extra browser origins to accept (`https://app.example`); loopback origins always are.
-    allowed_origins: list[str] = []
     #: The longest a `send_message` call waits for the answer, in seconds.
     max_wait_seconds: float = Field(default=600, gt=0)
 
@@ -358,7 +357,9 @@ class McpServerPlugin(BasePlugin):
         self.store = ApprovalStore(rt.config.data_dir() / "mcp-approvals.sqlite3")
         await self.store.open()
         self.mcp = self._build_server(TokenTable(table, resource), resource)
-        self.app = self.mcp.streamable_http_app(transport_security=self._security(), host=self.cfg.host)
+        # Host and Origin are checked by the server's guard in front of every listener (guard.py), from
+        # this plugin's allowed_hosts / allowed_origins: the SDK's own copy of those checks stays off.
+        self.app = self.mcp.streamable_http_app(transport_security=_NO_SDK_CHECKS, host=self.cfg.host)
         self._known_sessions = {s.client_id for s in rt.sessions.all()}
         rt.hub.observers.append(self._observe)
         # The SDK's session manager runs for as long as the plugin does (uvicorn runs our app without lifespan).
@@ -396,17 +397,10 @@ class McpServerPlugin(BasePlugin):
     def _url_host(self) -> str:
         return "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
 
-    def _security(self) -> TransportSecuritySettings:
-        """Host and Origin checks (DNS rebinding): loopback names always, plus what the config adds."""
-        return TransportSecuritySettings(
-            enable_dns_rebinding_protection=True,
-            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*", *self.cfg.allowed_hosts],
-            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*", *self.cfg.allowed_origins],
-        )
-
     def get_config(self) -> dict[str, Any]:
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "MCP server", "token": None,
-                "authenticates_requests": True}
+                "authenticates_requests": True, "allowed_hosts": self.cfg.allowed_hosts,
+                "allowed_origins": self.cfg.allowed_origins}
 
     def get_routes(self) -> list[Any]:
         return [Mount("/", app=self.app)]

@@ -2,11 +2,14 @@
 
 Wire contract (DESIGN.md): `POST /submit`, `GET /stream?client_id=X` (SSE with ids, replay after
 `Last-Event-ID`), `POST /gate_response`, `GET /health`, `GET /sessions`, `DELETE /session/{id}`.
-Binds 127.0.0.1:8765 by default; with `AGENT_SHELL_TOKEN` set every endpoint needs that bearer token.
+Binds 127.0.0.1:8765 by default. Every endpoint needs a bearer token: `AGENT_SHELL_TOKEN` when set,
+else the one generated into `<data dir>/shell-token` (mode 0600) at the first start, which shell.py
+reads by itself.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -16,11 +19,22 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import gate
+import guard
 import routes
 import state
-from plugin_loader import BasePlugin
+from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
+logger = logging.getLogger("agent_mcp.shellpy")
+
+
+class ShellConfig(PluginSettings, guard.ListenerSettings):
+    """`plugin_config.plugin_client_shellpy` in plugins-enabled.json."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8765, ge=1, le=65535)
+    #: Env var holding the bearer token; unset → the token file `<data dir>/shell-token`.
+    token_env: str = "AGENT_SHELL_TOKEN"
 
 
 class _SubmitBody(BaseModel):
@@ -61,23 +75,31 @@ class ShellpyPlugin(BasePlugin):
 
     def __init__(self) -> None:
         super().__init__()
-        self._config: dict[str, Any] = {}
+        self.cfg = ShellConfig()
+        self._token: str | None = None
 
     def init(self, config: dict[str, Any]) -> bool:
-        self._config = config
+        self.cfg = parse_settings(self.PLUGIN_NAME, ShellConfig, config)
+        rt = self.rt
+        self._token = rt.config.env.get(self.cfg.token_env) or None
+        if self._token is None:
+            path = rt.config.data_dir() / guard.SHELL_TOKEN_FILE
+            new = not path.exists()
+            try:
+                self._token = guard.ensure_token_file(path)
+            except guard.TokenFileError as exc:
+                raise PluginConfigError(f"shell token: {exc}") from None
+            if new:
+                logger.info("wrote a new shell endpoint token to %s (readable by this user only); shell.py reads it "
+                            "from there", path)
         return True
 
     def shutdown(self) -> None:
-        self._config = {}
+        self._token = None
 
     def get_config(self) -> dict[str, Any]:
-        env = self.runtime.config.env if self.runtime else {}
-        return {
-            "host": self._config.get("host", "127.0.0.1"),
-            "port": int(self._config.get("port", 8765)),
-            "name": "shell.py endpoint",
-            "token": env.get(self._config.get("token_env", "AGENT_SHELL_TOKEN")) or None,
-        }
+        return {"host": self.cfg.host, "port": self.cfg.port, "name": "shell.py endpoint", "token": self._token,
+                "allowed_hosts": self.cfg.allowed_hosts, "allowed_origins": self.cfg.allowed_origins}
 
     def get_routes(self) -> list[Route]:
         return [

@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from markdown_it.token import Token
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError
 from slack_sdk.http_retry.builtin_handlers import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
+import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
@@ -70,7 +71,7 @@ SHUTDOWN_GRACE = 3
 # ── Settings ────────────────────────────────────────────────────────────────────────────────
 
 
-class SlackSettings(BaseModel):
+class SlackSettings(guard.ListenerSettings):
     """`plugin_config.plugin_client_slack` in plugins-enabled.json."""
 
     model_config = ConfigDict(extra="forbid")
@@ -643,6 +644,8 @@ class SlackPlugin(BasePlugin):
             "port": self.settings.port,
             "name": "Slack bot status",
             "token": env.get(self.settings.token_env) or None,
+            "allowed_hosts": self.settings.allowed_hosts,
+            "allowed_origins": self.settings.allowed_origins,
         }
 
     def get_routes(self) -> list[Route]:

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
@@ -54,7 +55,7 @@ _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error"
 T = TypeVar("T", bound=BaseModel)
 
 
-class ProxyConfig(BaseModel):
+class ProxyConfig(guard.ListenerSettings):
     """`plugin_config.plugin_proxy_llama` in plugins-enabled.json."""
 
     model_config = ConfigDict(extra="forbid")
@@ -385,7 +386,8 @@ class LlamaProxyPlugin(BasePlugin):
     def get_config(self) -> dict[str, Any]:
         env = self.runtime.config.env if self.runtime else {}
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "Ollama/OpenAI proxy",
-                "token": env.get(self.cfg.token_env) or None}
+                "token": env.get(self.cfg.token_env) or None, "allowed_hosts": self.cfg.allowed_hosts,
+                "allowed_origins": self.cfg.allowed_origins}
 
     def get_help(self) -> str:
         return (f"Ollama/OpenAI proxy on http://{self.cfg.host}:{self.cfg.port} "

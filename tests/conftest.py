@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+import guard
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -149,20 +150,35 @@ class AgentServer:
             self.wait_ready()
         return self
 
+    @property
+    def data_dir(self) -> Path:
+        return Path({**self.cfg.env, **self.env}.get("AGENT_DATA_DIR") or self.cfg.path / "data")
+
+    @property
+    def token(self) -> str:
+        """The shell endpoint's bearer token: AGENT_SHELL_TOKEN when the test set one, else the generated file's."""
+        return ({**self.cfg.env, **self.env}.get("AGENT_SHELL_TOKEN")
+                or guard.read_token_file(self.data_dir / guard.SHELL_TOKEN_FILE))
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """Headers that authenticate a request to the shell endpoint."""
+        return {"Authorization": f"Bearer {self.token}"}
+
     def wait_ready(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc and self.proc.poll() is not None:
                 raise RuntimeError(f"agent-mcp exited with {self.proc.returncode}:\n{self.stop()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code < 500:
+                if httpx.get(f"{self.url}/health", headers=self.auth, timeout=1).status_code < 500:
                     return
-            except httpx.TransportError:
+            except (httpx.TransportError, guard.TokenFileError):  # not listening yet / token file not written yet
                 time.sleep(0.05)
         raise TimeoutError(f"agent-mcp did not answer on {self.url}:\n{self.stop()}")
 
     def health(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
+        return httpx.get(f"{self.url}/health", headers=self.auth, timeout=5).json()
 
     def stop(self) -> str:
         """SIGTERM, wait, and return everything the server printed."""

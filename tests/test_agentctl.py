@@ -454,7 +454,7 @@ def test_config_written_by_agentctl_loads_in_the_server(tmp_path, fake_openai, s
     assert health["default_model"] == "fake" and "local" in health["models"]
     assert health["plugins"]["plugin_search_ddgs"]["status"] == "disabled"
     fake_openai.script(text("hello ", "operator"))
-    events = run_turn(server.url, "c1", "hi")
+    events = run_turn(server, "c1", "hi")
     assert "".join(e.data.get("text", "") for e in events if e.name == "tok") == "hello operator"
     assert fake_openai.requests[-1].json["model"] == "fake-gpt"
 

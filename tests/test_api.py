@@ -40,6 +40,7 @@ KEY = "api-key-0123456789"
 ADMIN = "admin-key-9876543210"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMIN_AUTH = {**AUTH, "X-Admin-Key": ADMIN}
+JSON = {"Content-Type": "application/json"}
 
 TOOLS_PLUGIN = one_tool_plugin("plugin_test_tools", "secret_lookup", "key", 'f"the secret of {key} is 42"',
                                {"type": "vault", "operation": "read"}, "Look up a secret.")
@@ -86,8 +87,8 @@ def _fresh_backend(request) -> None:
 
 async def _post(api: Api, path: str, body: Any = None, headers: dict[str, str] = AUTH, **kw: Any) -> httpx.Response:
     async with httpx.AsyncClient(base_url=api.url, headers=headers, timeout=30) as http:
-        if body is None or isinstance(body, bytes | str):
-            return await http.post(path, content=body, **kw)
+        if body is None or isinstance(body, bytes | str):  # raw bytes, labelled JSON as every client does
+            return await http.post(path, content=body, headers=JSON, **kw)
         return await http.post(path, json=body, **kw)
 
 
@@ -290,7 +291,7 @@ def test_gate_policy_lookup() -> None:
 async def test_an_api_caller_cannot_answer_a_shell_gate_nor_see_shell_sessions(api) -> None:
     shell_id = str(uuid.uuid4())
     api.gpt.script(tool_call("secret_lookup", {"key": "vault"}), text("shell done"))
-    async with ShellClient(api.shell_url, shell_id) as shell:
+    async with ShellClient(api.shell_url, shell_id, token=api.server.token) as shell:
         await shell.connect(max_wait=10)
         await shell.submit("open the vault")
         async for ev in shell.events():
@@ -369,13 +370,13 @@ async def test_bad_input_gets_a_clear_4xx_and_changes_nothing(api) -> None:
             (await http.get("/api/v1/stream/bad%20id"), 400, "invalid client_id"),
             (await http.get(f"/api/v1/stream/{cid}", params={"turn_id": "nope"}), 404, "unknown turn_id"),
             (await http.post("/api/v1/gate/nope", json={"approve": True}), 404, "unknown gate"),
-            (await http.post("/api/v1/gate/nope", content=b"{"), 400, "must be JSON"),
+            (await http.post("/api/v1/gate/nope", content=b"{", headers=JSON), 400, "must be JSON"),
             (await http.post("/api/v1/gate/nope", json={"approve": "yes"}), 400, "approve: Input should be a valid boolean"),
             (await http.post("/api/v1/gate/nope", json={}), 400, "approve: Field required"),
             (await http.delete("/api/v1/session/api-no-such-session"), 404, "not found"),
             (await http.delete("/api/v1/session/99999"), 404, "not found"),
             (await http.get("/api/v1/submit"), 405, "use POST"),
-            (await http.put("/api/v1/sessions"), 405, "use GET"),
+            (await http.put("/api/v1/sessions", json={}), 405, "use GET"),
             (await http.get("/api/v2/anything"), 404, "the API lives under /api/v1"),
         ]
     for r, status, message in checks:

@@ -38,7 +38,7 @@ def test_every_plugin_missing_its_key_the_server_starts_and_says_why(tmp_path, f
         assert ".env" in why[name]
     assert "config file credentials.json not found" in why["plugin_storage_googledrive"]
 
-    help_text = answer(run_turn(server.url, "c1", "!help"))
+    help_text = answer(run_turn(server, "c1", "!help"))
     assert "Plugins not loaded:\n" in help_text
     assert f"  plugin_search_xai [invalid]: {plugins['plugin_search_xai']['reasons'][0]}" in help_text
     tools = help_text.split("Tools:\n", 1)[1]
@@ -94,7 +94,7 @@ def test_model_tool_calls_reach_tavily_and_drive_through_the_server(tmp_path, fa
             tool_call("google_drive", {"operation": "read", "file_name": "notes.txt"}),
             text("Paris; and ", "remember the milk."),
         )
-        events = run_turn(server.url, "c1", "What is the capital of France, and what do my notes say?")
+        events = run_turn(server, "c1", "What is the capital of France, and what do my notes say?")
     assert answer(events) == "Paris; and remember the milk."
     results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
     assert results[0].startswith("Tavily search results for: capital of France\n\nAnswer: Paris is the capital")

@@ -487,7 +487,7 @@ async def test_shell_user_approves_an_insert_over_http(people: RunDatabase, conf
     server = start_server(config_dir, env=people.env())
     insert = "INSERT INTO people (name, email) VALUES ('dee', 'dee@example.org')"
     fake_openai.script(tool_call("db_query", {"sql": insert}), text("Added dee."))
-    async with ShellClient(server.url, "shell-mysql") as client:
+    async with ShellClient(server.url, "shell-mysql", token=server.token) as client:
         await client.connect(max_wait=10)
         await client.submit("add dee")
         events = []

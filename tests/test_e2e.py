@@ -8,13 +8,13 @@ import threading
 import httpx
 
 from shell import ShellClient
-from tests.conftest import gemini_model, openai_model
+from tests.conftest import AgentServer, gemini_model, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.turns import answer, collect_turn, run_turn
 
 
-async def _first_token_before_backend_finishes(server_url: str, backend, hold: threading.Event) -> list:
-    async with ShellClient(server_url, "streamer") as client:
+async def _first_token_before_backend_finishes(server: AgentServer, backend, hold: threading.Event) -> list:
+    async with ShellClient(server.url, "streamer", token=server.token) as client:
         await client.connect(max_wait=10)
         await client.submit("tell me a story")
         events = client.events()
@@ -35,7 +35,7 @@ def test_shell_client_streams_openai_tokens_live_and_in_order(config_dir, fake_o
     server = start_server(config_dir)
     hold = threading.Event()
     fake_openai.script(text("Once ", "upon ", "a ", "time.", hold=hold))
-    events = asyncio.run(_first_token_before_backend_finishes(server.url, fake_openai, hold))
+    events = asyncio.run(_first_token_before_backend_finishes(server, fake_openai, hold))
     assert [e.text for e in events if e.name == "tok"] == ["Once ", "upon ", "a ", "time."]
     assert [e.name for e in events][-1] == "done" and [e.name for e in events].count("done") == 1
     ids = [e.id for e in events]
@@ -51,13 +51,13 @@ def test_shell_client_streams_gemini_tokens_live_with_tools(config_dir, fake_gem
     server = start_server(config_dir)
     hold = threading.Event()
     fake_gemini.script(text("Once ", "upon ", "a ", "time.", hold=hold))
-    events = asyncio.run(_first_token_before_backend_finishes(server.url, fake_gemini, hold))
+    events = asyncio.run(_first_token_before_backend_finishes(server, fake_gemini, hold))
     assert answer(events) == "Once upon a time."
     assert fake_gemini.requests[-1].headers["x-goog-api-key"] == "gem-key"
     assert "streamGenerateContent" in fake_gemini.requests[-1].path
     # A tool round trip on Gemini: functionCall → our tool → functionResponse → text.
     fake_gemini.script(tool_call("read_system_prompt", {"section": "behavior"}), text("Read ", "it."))
-    events = run_turn(server.url, "streamer", "read your behavior section")
+    events = run_turn(server, "streamer", "read your behavior section")
     assert answer(events) == "Read it."
     last = fake_gemini.requests[-1].json["contents"][-1]
     assert last["parts"][0]["functionResponse"]["name"] == "read_system_prompt"
@@ -67,26 +67,27 @@ def test_shell_client_streams_gemini_tokens_live_with_tools(config_dir, fake_gem
 def test_sessions_histories_and_ids_survive_a_restart(config_dir, fake_openai, start_server):
     config_dir.models = {"gpt": openai_model(fake_openai)}
     server = start_server(config_dir)
-    assert answer(run_turn(server.url, "alice", "my name is Alice")) == "echo: my name is Alice"
-    assert answer(run_turn(server.url, "bob", "I am Bob")) == "echo: I am Bob"
-    listing = answer(run_turn(server.url, "alice", "!session"))
+    assert answer(run_turn(server, "alice", "my name is Alice")) == "echo: my name is Alice"
+    assert answer(run_turn(server, "bob", "I am Bob")) == "echo: I am Bob"
+    listing = answer(run_turn(server, "alice", "!session"))
     server.stop()
 
     server = start_server(config_dir)
-    assert answer(run_turn(server.url, "alice", "!session")) == listing
+    assert answer(run_turn(server, "alice", "!session")) == listing
     assert "ID [101] alice:" in listing and "ID [102] bob:" in listing and "history=2 messages" in listing
-    run_turn(server.url, "alice", "what is my name?")
+    run_turn(server, "alice", "what is my name?")
     sent = fake_openai.requests[-1].json["messages"]
     assert [(m["role"], m["content"]) for m in sent[1:]] == [
         ("user", "my name is Alice"), ("assistant", "echo: my name is Alice"), ("user", "what is my name?"),
     ]
     # New sessions continue the shorthand sequence instead of reusing ids.
-    run_turn(server.url, "carol", "hi")
-    assert "ID [103] carol:" in answer(run_turn(server.url, "carol", "!session"))
+    run_turn(server, "carol", "hi")
+    assert "ID [103] carol:" in answer(run_turn(server, "carol", "!session"))
 
 
-async def _two_windows_and_a_reconnect(url: str, hold: threading.Event) -> None:
-    async with ShellClient(url, "shared") as one, ShellClient(url, "shared") as two:
+async def _two_windows_and_a_reconnect(server: AgentServer, hold: threading.Event) -> None:
+    url, token = server.url, server.token
+    async with ShellClient(url, "shared", token=token) as one, ShellClient(url, "shared", token=token) as two:
         await one.connect(max_wait=10)
         await two.connect(max_wait=10)
 
@@ -107,7 +108,7 @@ async def _two_windows_and_a_reconnect(url: str, hold: threading.Event) -> None:
 
     # A client that reconnects with Last-Event-ID receives exactly the events it missed.
     cut = first[1].id
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, headers=server.auth) as http:
         async with http.stream("GET", f"{url}/stream", params={"client_id": "shared"},
                                headers={"Last-Event-ID": str(cut)}) as resp:
             ids = []
@@ -124,7 +125,7 @@ def test_two_subscribers_get_every_token_and_replay_is_exact(config_dir, fake_op
     server = start_server(config_dir)
     hold = threading.Event()
     fake_openai.script(text("one ", "two ", "three ", "four", hold=hold))
-    asyncio.run(_two_windows_and_a_reconnect(server.url, hold))
+    asyncio.run(_two_windows_and_a_reconnect(server, hold))
 
 
 def test_backend_failures_reach_the_client_and_the_next_turn_works(config_dir, fake_openai, start_server):
@@ -132,20 +133,20 @@ def test_backend_failures_reach_the_client_and_the_next_turn_works(config_dir, f
 
     config_dir.models = {"gpt": openai_model(fake_openai, llm_call_timeout=1)}
     server = start_server(config_dir)
-    run_turn(server.url, "c", "hello")
+    run_turn(server, "c", "hello")
     for reply, cause in [(error(500, "overloaded"), "HTTP 500"), (hang(4), "no answer within 1"),
                          (malformed(), "malformed response")]:
         fake_openai.script(reply)
-        events = run_turn(server.url, "c", "break please")
+        events = run_turn(server, "c", "break please")
         errors = [e.text for e in events if e.name == "error"]
         assert len(errors) == 1 and cause in errors[0], errors
-    assert answer(run_turn(server.url, "c", "and now?")) == "echo: and now?"
+    assert answer(run_turn(server, "c", "and now?")) == "echo: and now?"
     sent = fake_openai.requests[-1].json["messages"]
     assert [m["content"] for m in sent if m["role"] == "user"] == ["hello", "and now?"]
 
 
-async def _attach(url: str) -> None:
-    async with ShellClient(url, "first") as c:
+async def _attach(server: AgentServer) -> None:
+    async with ShellClient(server.url, "first", token=server.token) as c:
         await collect_turn(c, "!help")
         other = await c.attach("102")  # created below by another client
         assert other["client_id"] == "second" and c.client_id == "second"
@@ -153,7 +154,7 @@ async def _attach(url: str) -> None:
         async for ev in c.events():
             if ev.name == "done":
                 break
-    async with ShellClient(url, "second") as c:
+    async with ShellClient(server.url, "second", token=server.token) as c:
         assert "hello from the attached terminal" in answer(await collect_turn(c, "!session second"))\
             or True
 
@@ -161,30 +162,31 @@ async def _attach(url: str) -> None:
 def test_attach_switches_sessions_at_once(config_dir, fake_openai, start_server):
     config_dir.models = {"gpt": openai_model(fake_openai)}
     server = start_server(config_dir)
-    run_turn(server.url, "first", "!help")
-    run_turn(server.url, "second", "!help")
-    asyncio.run(_attach(server.url))
+    run_turn(server, "first", "!help")
+    run_turn(server, "second", "!help")
+    asyncio.run(_attach(server))
     assert fake_openai.requests[-1].last_user_text == "hello from the attached terminal"
-    sessions = httpx.get(f"{server.url}/sessions", params={"client_id": "102"}).json()["sessions"]
+    sessions = httpx.get(f"{server.url}/sessions", params={"client_id": "102"}, headers=server.auth).json()["sessions"]
     assert sessions[0]["client_id"] == "second" and sessions[0]["history_length"] == 2
 
 
 def test_http_endpoints_reject_bad_input_clearly(config_dir, fake_openai, start_server):
     config_dir.models = {"gpt": openai_model(fake_openai)}
     server = start_server(config_dir)
-    url = server.url
-    r = httpx.post(f"{url}/submit", content=b"{not json")
+    http = httpx.Client(base_url=server.url, headers=server.auth)
+    r = http.post("/submit", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]
-    r = httpx.post(f"{url}/submit", json={"client_id": "a b", "text": "x"})
+    r = http.post("/submit", json={"client_id": "a b", "text": "x"})
     assert r.status_code == 400 and "client_id" in r.json()["error"]
-    r = httpx.post(f"{url}/submit", json={"client_id": "a", "text": 5})
+    r = http.post("/submit", json={"client_id": "a", "text": 5})
     assert r.status_code == 400 and "text" in r.json()["error"]
-    r = httpx.post(f"{url}/submit", json={"client_id": "a", "text": "x" * 200_001})
+    r = http.post("/submit", json={"client_id": "a", "text": "x" * 200_001})
     assert r.status_code == 400
-    assert httpx.get(f"{url}/stream").status_code == 400
-    r = httpx.post(f"{url}/gate_response", json={"gate_id": "nope", "decision": "allow"})
+    assert http.get("/stream").status_code == 400
+    r = http.post("/gate_response", json={"gate_id": "nope", "decision": "allow"})
     assert r.status_code == 404 and "nope" in r.json()["error"]
-    r = httpx.post(f"{url}/gate_response", json={"gate_id": "nope", "decision": "maybe"})
+    r = http.post("/gate_response", json={"gate_id": "nope", "decision": "maybe"})
     assert r.status_code == 400
-    assert httpx.delete(f"{url}/session/999").status_code == 404
-    assert httpx.get(f"{url}/sessions").json() == {"sessions": []}
+    assert http.delete("/session/999").status_code == 404
+    assert http.get("/sessions").json() == {"sessions": []}
+    http.close()

@@ -7,16 +7,16 @@ import io
 from rich.console import Console
 
 from shell import ShellClient, ShellEvent, ShellUI
-from tests.conftest import one_tool_plugin, openai_model
+from tests.conftest import AgentServer, one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 
 DB_PLUGIN = one_tool_plugin("plugin_test_db", "db_query", "sql", r'"id | name\n1  | ada"', {"type": "db"}, "Run SQL.")
 
 
-async def gated_turn(url: str, client_id: str, key: str | None) -> tuple[list[ShellEvent], str, ShellUI]:
+async def gated_turn(server: AgentServer, client_id: str, key: str | None) -> tuple[list[ShellEvent], str, ShellUI]:
     """One turn through ShellClient + ShellUI; `key` is pressed when the gate appears (None: no answer)."""
     out = io.StringIO()
-    async with ShellClient(url, client_id) as client:
+    async with ShellClient(server.url, client_id, token=server.token) as client:
         await client.connect(max_wait=10)
         ui = ShellUI(Console(file=out, width=140), client)
         ui.begin_turn()
@@ -46,7 +46,7 @@ async def test_gate_round_trip_allow_reject_timeout_and_session(config_dir, fake
 
     # Allow once: the tool runs and the model gets its result.
     fake_openai.script(ask, text("The user is ", "ada."))
-    events, screen, ui = await gated_turn(server.url, "shell-a", "a")
+    events, screen, ui = await gated_turn(server, "shell-a", "a")
     (gate_event,) = [e for e in events if e.name == "gate"]
     assert gate_event.data["tool_name"] == "db_query" and gate_event.data["tables"] == ["users"]
     assert gate_event.data["tool_args"] == {"sql": "SELECT name FROM `users`", "operation_type": "read"}
@@ -57,27 +57,27 @@ async def test_gate_round_trip_allow_reject_timeout_and_session(config_dir, fake
 
     # Reject: the model is told, the tool never runs.
     fake_openai.script(ask, text("It was rejected."))
-    events, screen, ui = await gated_turn(server.url, "shell-b", "r")
+    events, screen, ui = await gated_turn(server, "shell-b", "r")
     assert tool_results(fake_openai)[0].startswith("TOOL CALL REJECTED: the user rejected your db_query request")
     assert "rejected" in screen and not ui.pending_gates
 
     # No answer: after GATE_TIMEOUT the server rejects, and the shell drops its prompt.
     fake_openai.script(ask, text("Nobody answered."))
-    events, screen, ui = await gated_turn(server.url, "shell-c", None)
+    events, screen, ui = await gated_turn(server, "shell-c", None)
     assert "within 1.5 s" in tool_results(fake_openai)[0]
     assert any(e.data.get("decision") == "timeout" for e in events if e.name == "status") and not ui.pending_gates
 
     # Allow for this session: the next identical request runs without asking.
     fake_openai.script(ask, text("ok"))
-    events, _, _ = await gated_turn(server.url, "shell-d", "s")
+    events, _, _ = await gated_turn(server, "shell-d", "s")
     assert [e.name for e in events].count("gate") == 1
     fake_openai.script(ask, text("again"))
-    events, _, _ = await gated_turn(server.url, "shell-d", None)
+    events, _, _ = await gated_turn(server, "shell-d", None)
     assert "gate" not in [e.name for e in events] and tool_results(fake_openai)[-1].startswith("id | name")
 
     # A Slack-style client never sees a gate: rejected at once.
     fake_openai.script(ask, text("Not allowed."))
-    events, _, _ = await gated_turn(server.url, "slack-C1-1.2", "a")
+    events, _, _ = await gated_turn(server, "slack-C1-1.2", "a")
     assert "gate" not in [e.name for e in events] and "cannot give it" in tool_results(fake_openai)[0]
 
     assert server.stop().count("db_query ran:") == 3

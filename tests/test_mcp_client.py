@@ -388,7 +388,7 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
     health = server.health()["plugins"][PLUGIN]
     assert health["status"] == "loaded"
     assert any("'broken' failed: command not found" in r for r in health["reasons"])
-    status = answer(run_turn(server.url, "c1", "!mcp"))
+    status = answer(run_turn(server, "c1", "!mcp"))
     assert "local [connected]" in status and "remote [connected]" in status and "broken [failed]" in status
     assert "local_add" in status and "remote_shout" in status
 
@@ -398,7 +398,7 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
         tool_call("local_whoami", {"names": []}),
         text("The answer ", "is 42."),
     )
-    assert answer(run_turn(server.url, "c1", "add and shout")) == "The answer is 42."
+    assert answer(run_turn(server, "c1", "add and shout")) == "The answer is 42."
     offered = {t["function"]["name"]: t["function"] for t in fake_openai.requests[0].json["tools"]}
     assert offered["local_add"]["parameters"]["required"] == ["a", "b"]
     assert "remote_shout" in offered and not any(n.startswith("broken_") for n in offered)
@@ -409,14 +409,14 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
     # Kill the stdio server: the next call starts it again.
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 15
-    while "local [disconnected]" not in answer(run_turn(server.url, "c1", "!mcp")):
+    while "local [disconnected]" not in answer(run_turn(server, "c1", "!mcp")):
         assert time.monotonic() < deadline, "agent-mcp did not notice the killed MCP server"
         time.sleep(0.05)
     fake_openai.script(tool_call("local_whoami", {"names": []}), text("again"))
-    assert answer(run_turn(server.url, "c1", "who are you now")) == "again"
+    assert answer(run_turn(server, "c1", "who are you now")) == "again"
     new_pid = json.loads([m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"][-1])["pid"]
     assert new_pid != pid
-    assert "local [connected]" in answer(run_turn(server.url, "c1", "!mcp"))
+    assert "local [connected]" in answer(run_turn(server, "c1", "!mcp"))
 
     out = server.stop()
     assert "MCP server broken" in out and "command not found" in out

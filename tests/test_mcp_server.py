@@ -124,8 +124,8 @@ async def next_note(notes: asyncio.Queue[str], uri: str) -> str:
     return got
 
 
-async def shell_turn(url: str, client_id: str, message: str) -> list[Any]:
-    async with ShellClient(url, client_id) as client:
+async def shell_turn(server: AgentServer, client_id: str, message: str) -> list[Any]:
+    async with ShellClient(server.url, client_id, token=server.token) as client:
         return await collect_turn(client, message)
 
 
@@ -142,7 +142,7 @@ async def test_human_approves_a_shell_gate_over_mcp(mcp_server: McpServer) -> No
         await subscribe(legacy, PENDING)
         await subscribe(legacy, HISTORY)
         async with modern.listen(resource_subscriptions=[PENDING]) as listener:
-            shell = asyncio.create_task(shell_turn(mcp_server.shell_url, "shell-mcp", "who are the users?"))
+            shell = asyncio.create_task(shell_turn(mcp_server.server, "shell-mcp", "who are the users?"))
             # One notify reaches both eras: the 2025 notification and the 2026 listen stream.
             await next_note(notes, PENDING)
             event = await asyncio.wait_for(anext(aiter(listener)), WAIT)

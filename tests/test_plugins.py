@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import textwrap
 
 import httpx
 
-from tests.conftest import openai_model
+from shell_client import find_token
+from tests.conftest import free_port, openai_model
 from tests.fakes.backend import text, tool_call
-from tests.turns import run_turn
+from tests.turns import answer, run_turn
 
 GOOD = textwrap.dedent('''
     from langchain_core.tools import StructuredTool
@@ -87,13 +90,13 @@ def test_plugin_failures_are_reported_and_the_server_still_serves(config_dir, fa
     assert 'Error importing plugin "plugin_test_syntax": SyntaxError' in plugins["plugin_test_syntax"]["reasons"][0]
 
     # The loaded plugin's command and tool work without any change to routes.py or agent-mcp.py.
-    events = run_turn(server.url, "c1", "!ping hello")
+    events = run_turn(server, "c1", "!ping hello")
     assert "".join(e.data.get("text", "") for e in events if e.name == "tok") == "pong hello"
-    help_text = "".join(e.data.get("text", "") for e in run_turn(server.url, "c1", "!help") if e.name == "tok")
+    help_text = "".join(e.data.get("text", "") for e in run_turn(server, "c1", "!help") if e.name == "tok")
     assert "!ping [text]" in help_text and "shout" in help_text
 
     fake_openai.script(tool_call("shout", {"word": "hey"}), text("They ", "said HEY!"))
-    events = run_turn(server.url, "c1", "make it loud")
+    events = run_turn(server, "c1", "make it loud")
     assert "".join(e.data["text"] for e in events if e.name == "tok") == "They said HEY!"
     tool_msgs = [m for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
     assert tool_msgs[-1]["content"] == "HEY!"
@@ -120,10 +123,11 @@ def test_busy_port_names_plugin_and_port(config_dir, fake_openai, start_server):
 
 def test_non_loopback_listener_needs_a_token(config_dir, fake_openai, start_server):
     config_dir.models = {"fake": openai_model(fake_openai)}
-    config_dir.plugin_config["plugin_client_shellpy"] = {"host": "0.0.0.0"}
+    config_dir.plugins.append("plugin_proxy_llama")  # its token is optional (the shell's never is)
+    config_dir.plugin_config["plugin_proxy_llama"] = {"host": "0.0.0.0", "port": free_port()}
     server = start_server(config_dir, wait=False)
     assert server.proc.wait(timeout=20) == 1
-    assert "without a token" in server.stop()
+    assert "plugin plugin_proxy_llama would listen on 0.0.0.0" in server.stop()
 
 
 def test_token_protects_every_endpoint(config_dir, fake_openai, start_server):
@@ -138,7 +142,31 @@ def test_token_protects_every_endpoint(config_dir, fake_openai, start_server):
         assert bad.status_code == 401, path
     ok = httpx.get(server.url + "/health", headers={"Authorization": "Bearer s3cret-token-value"}, timeout=5)
     assert ok.status_code == 200
+    assert not (config_dir.path / "data" / "shell-token").exists()  # the configured token wins; no file
     assert "s3cret-token-value" not in server.stop()
+
+
+def test_without_a_configured_token_the_first_start_writes_one_and_shell_py_finds_it(config_dir, fake_openai,
+                                                                                     start_server):
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    server = start_server(config_dir)
+    path = config_dir.path / "data" / "shell-token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = path.read_text().strip()
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 401
+    assert find_token(None, {"AGENT_DATA_DIR": str(path.parent)})[0] == token
+    assert answer(run_turn(server, "c1", "hi")) == "echo: hi"
+    out = server.stop()
+    assert f"wrote a new shell endpoint token to {path}" in out and token not in out
+    server.start()  # a restart reuses the file
+    assert path.read_text().strip() == token
+    assert httpx.get(server.url + "/health", headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+    assert server.stop().count("wrote a new shell endpoint token") == 1
+    os.chmod(path, 0o644)
+    server.start(wait=False)
+    assert server.proc is not None and server.proc.wait(timeout=20) == 1
+    out = server.stop()
+    assert f"{path} is readable by other users" in out and f"chmod 600 {path}" in out and token not in out
 
 
 def test_malformed_config_stops_startup_naming_file_and_field(config_dir, fake_openai, start_server):

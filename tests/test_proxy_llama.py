@@ -48,7 +48,7 @@ class Proxy:
     other: FakeOpenAI
 
     def sessions(self) -> dict[str, dict[str, Any]]:
-        rows = httpx.get(f"{self.server.url}/sessions", timeout=5).json()["sessions"]
+        rows = httpx.get(f"{self.server.url}/sessions", headers=self.server.auth, timeout=5).json()["sessions"]
         return {r["client_id"]: r for r in rows}
 
 
@@ -388,13 +388,13 @@ def test_format_follows_the_path_not_the_user_agent(proxy, chat):
     assert httpx.get(proxy.url + "/nope", headers={"User-Agent": "ollama/0.12"}).json() == {
         "error": "unsupported endpoint: GET /nope"}
     assert httpx.get(proxy.url + "/nope").json()["error"]["code"] == "unknown_endpoint"
-    wrong = httpx.post(proxy.url + "/api/tags")
+    wrong = httpx.post(proxy.url + "/api/tags", json={})
     assert wrong.status_code == 405 and "GET" in wrong.json()["error"] and "GET" in wrong.headers["allow"]
     assert httpx.post(proxy.url + "/api/pull", json={"model": "x"}).status_code == 501
 
 
 def test_bad_requests_get_clear_errors_in_each_format(proxy):
-    bad = httpx.post(proxy.url + "/api/chat", content=b"{not json")
+    bad = httpx.post(proxy.url + "/api/chat", content=b"{not json", headers={"Content-Type": "application/json"})
     assert bad.status_code == 400 and bad.json() == {"error": "request body must be JSON"}
     no_user = httpx.post(proxy.url + "/api/chat", json={"model": AGENT, "messages": [{"role": "system",
                                                                                       "content": "x"}]})

@@ -371,6 +371,18 @@ async def test_gate_response_sessions_and_health(fake: FakeServer, client: Shell
         await client.gate_response("g1", "maybe")
 
 
+async def test_an_auth_failure_says_where_the_token_came_from() -> None:
+    async with serving(FakeServer(token="s3cret")) as fake:
+        hint = "the token was read from /srv/data/shell-token; if the server keeps its data elsewhere, …"
+        async with ShellClient(fake.url, client_id="c1", token="stale", auth_hint=hint) as client:
+            with pytest.raises(AuthRequired, match=r"rejected the token.*read from /srv/data/shell-token"):
+                await client.health()
+        hint = "cannot read /srv/data/shell-token (Permission denied): run as the user who runs the server"
+        async with ShellClient(fake.url, client_id="c1", auth_hint=hint) as client:
+            with pytest.raises(AuthRequired, match=r"requires a token.*cannot read /srv/data/shell-token"):
+                await client.health()
+
+
 async def test_token_is_sent_and_missing_token_is_explained() -> None:
     async with serving(FakeServer(token="s3cret")) as fake:
         async with ShellClient(fake.url, client_id="c1") as anonymous:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from shell import ShellClient, ShellEvent
+
+if TYPE_CHECKING:
+    from tests.conftest import AgentServer
 
 
 async def collect_turn(client: ShellClient, text: str) -> list[ShellEvent]:
@@ -19,11 +23,11 @@ async def collect_turn(client: ShellClient, text: str) -> list[ShellEvent]:
     return events
 
 
-def run_turn(url: str, client_id: str, text: str, token: str | None = None) -> list[ShellEvent]:
-    """One whole turn from a fresh client (sync, for tests that drive a subprocess server)."""
+def run_turn(server: AgentServer, client_id: str, text: str) -> list[ShellEvent]:
+    """One whole turn from a fresh client of `server`'s shell endpoint (sync, for subprocess servers)."""
 
     async def _go() -> list[ShellEvent]:
-        async with ShellClient(url, client_id, token=token) as client:
+        async with ShellClient(server.url, client_id, token=server.token) as client:
             return await asyncio.wait_for(collect_turn(client, text), 30)
 
     return asyncio.run(_go())
