@@ -457,7 +457,7 @@ def test_backend_error_before_output_is_an_error_status(proxy, oll, oai):
     proxy.gpt.script(error(500, "backend exploded"), error(500, "backend exploded"), error(500, "backend exploded"))
     with pytest.raises(ollama.ResponseError) as err:
         list(oll.chat(model=AGENT, messages=HI, stream=True))
-    assert err.value.status_code == 500 and "backend exploded" in err.value.error
+    assert err.value.status_code == 502 and "backend exploded" in err.value.error
     client = oai
     with pytest.raises(openai.InternalServerError, match="backend exploded"):
         client.chat.completions.create(model=AGENT, messages=HI, stream=True)
