@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import httpx
 import openai
-from langchain_core.exceptions import ModelConnectionError, ModelRateLimitError, ModelTimeoutError
+from langchain_core.exceptions import ModelConnectionError, ModelError, ModelRateLimitError, ModelTimeoutError
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -140,6 +140,12 @@ def _retryable(exc: BaseException) -> bool:
     connection = (openai.APIConnectionError, httpx.ConnectError, ConnectionError, ModelConnectionError,
                   ModelRateLimitError)
     return any(isinstance(e, connection) or _status_code(e) in _RETRY_STATUSES for e in _chain(exc))
+
+
+def _from_backend(exc: BaseException) -> bool:
+    """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
+    reported = (LLMError, openai.APIError, httpx.HTTPError, TimeoutError, ConnectionError, ModelError)
+    return any(isinstance(e, reported) or _status_code(e) is not None for e in _chain(exc))
 
 
 def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) -> str:
@@ -694,7 +700,7 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         del session.history[mark:]
         raise
     except Exception as exc:
-        if not isinstance(exc, LLMError):
+        if not _from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
             logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
         del session.history[mark:]
         cfg = rt.config.models.get(key)

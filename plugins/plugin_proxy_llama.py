@@ -49,7 +49,7 @@ _SESSION_HEADERS = (("x-openwebui-chat-id", "chat"), ("x-openwebui-user-id", "us
 _UNSUPPORTED_OLLAMA = {"embed": "POST", "embeddings": "POST", "pull": "POST", "push": "POST",
                        "create": "POST", "copy": "POST", "delete": "DELETE"}
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                       405: "invalid_request_error", 413: "invalid_request_error", 501: "not_implemented"}
+                       405: "invalid_request_error", 413: "invalid_request_error"}
 #: Every error answer says so: SDKs (openai's retries 408/409/429/5xx twice by default) must never
 #: send a chat request again, because the turn's tools may already have run.
 _NO_RETRY = {"x-should-retry": "false"}
@@ -459,7 +459,9 @@ class LlamaProxyPlugin(BasePlugin):
 
     async def unsupported(self, request: Request) -> Response:
         name = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        raise ProxyError(501, f"{name} is not supported: this server is an agent, not a model store")
+        # 404, not 501: a missing feature is no server failure, and SDKs retry every 5xx.
+        raise ProxyError(404, f"{name} is not supported: this server is an agent, not a model store",
+                         "unsupported_endpoint")
 
     # ── models ──
 

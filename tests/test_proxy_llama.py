@@ -390,7 +390,7 @@ def test_format_follows_the_path_not_the_user_agent(proxy, chat):
     assert httpx.get(proxy.url + "/nope").json()["error"]["code"] == "unknown_endpoint"
     wrong = httpx.post(proxy.url + "/api/tags")
     assert wrong.status_code == 405 and "GET" in wrong.json()["error"] and "GET" in wrong.headers["allow"]
-    assert httpx.post(proxy.url + "/api/pull", json={"model": "x"}).status_code == 501
+    assert httpx.post(proxy.url + "/api/pull", json={"model": "x"}).status_code == 404
 
 
 def test_bad_requests_get_clear_errors_in_each_format(proxy):
