@@ -96,6 +96,7 @@ class Server:
     """Every client plugin loaded into one runtime, on the running event loop."""
 
     def __init__(self, tmp: Any, backend: FakeOpenAI, slack: FakeSlack):
+        self.slack = slack
         cfg = ConfigDir(tmp)
         cfg.models = {"fake": openai_model(backend)}
         cfg.plugins = list(PLUGINS)
@@ -130,14 +131,17 @@ class Server:
             self.targets.append(Target(name, _build_app(rt, plugin), plugin.get_config()["port"],
                                        {"authorization": f"Bearer {bearer[name]}"}, _templates(plugin)))
         assert sorted(t.name for t in self.targets) == sorted(PLUGINS)
+        await self.slack.until(lambda: self.slack.connections >= 1)  # so /slack/health is healthy
 
     async def stop(self) -> None:
-        assert self.rt is not None
+        if self.rt is None:
+            return
         await routes.close_runtime(self.rt)
         for llm in self.rt.llms.values():
-            if getattr(llm, "async_client", None) is not None:
+            if getattr(llm, "root_async_client", None) is not None:
                 await llm.root_async_client.close()
         state.set_current(None)
+
 
 
 @dataclass
@@ -402,6 +406,15 @@ def requests(server: Server) -> st.SearchStrategy[Request]:
 # ── The test ────────────────────────────────────────────────────────────────────────────────
 
 
+def _failed(answer: Answer, req: Request) -> bool:
+    """An answer the fuzz counts as a failure: an escaped exception, a hang, or a 5xx. Except one:
+    /slack/health says 503 while Socket Mode reconnects (its documented health-check contract)."""
+    if answer.problem:
+        return True
+    health = req.target.name == "plugin_client_slack" and answer.body.startswith(b'{"status":"disconnected"')
+    return answer.status >= 500 and not (answer.status == 503 and health)
+
+
 @dataclass
 class Findings:
     """What went wrong: answers ≥ 500, escaped exceptions or hangs, log records at ERROR or with a traceback."""
@@ -439,8 +452,8 @@ def test_no_request_gets_a_5xx_or_a_traceback(tmp_path, fake_openai, slack) -> N
     logging.getLogger().addHandler(catch)
     try:
         with asyncio.Runner() as runner:
-            runner.run(server.start())
             try:
+                runner.run(server.start())
                 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=False,
                           suppress_health_check=list(HealthCheck))
                 @given(req=requests(server))
@@ -448,7 +461,7 @@ def test_no_request_gets_a_5xx_or_a_traceback(tmp_path, fake_openai, slack) -> N
                     answer = runner.run(send(req.target.app, req.method, req.path, req.query, req.headers, req.body,
                                              req.target.port))
                     found.sent += 1
-                    if answer.status >= 500 or answer.problem:
+                    if _failed(answer, req):
                         found.answers.append(f"{answer.status} {answer.problem} {answer.body[:300]!r} for {req!r}")
 
                 one()
