@@ -92,8 +92,9 @@ def test_deeply_nested_json_is_a_400_on_every_json_route(server: Server) -> None
     # The MCP SDK parses its own body: a JSON-RPC parse error, not a crash.
     mcp_headers = {**headers, "Authorization": f"Bearer {MCP_TOKEN}", "Accept": "application/json, text/event-stream"}
     for body in DEEP[:2]:
-        got = httpx.post(server.mcp, content=body, headers=mcp_headers, timeout=30)
-        assert got.status_code == 400 and got.json()["error"]["code"] == -32700, got.text[:300]
+        for era in ({}, {"MCP-Protocol-Version": "2026-07-28"}):
+            got = httpx.post(server.mcp, content=body, headers={**mcp_headers, **era}, timeout=30)
+            assert got.status_code == 400 and got.json()["error"]["code"] == -32700, (era, got.text[:300])
     # 64 levels are fine (the validation error is about the field, not the nesting).
     fine = httpx.post(server.server.url + "/submit", headers=headers,
                       content=b'{"client_id": "c1", "text": ' + b"[" * 63 + b"]" * 63 + b"}")
