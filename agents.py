@@ -122,8 +122,11 @@ def _status_code(exc: BaseException) -> int | None:
     """The HTTP status a backend answered with, if `exc` reports one (openai or google-genai)."""
     if isinstance(exc, openai.APIStatusError):
         return exc.status_code
-    code = getattr(exc, "code", None) if type(exc).__module__.startswith("google.genai") else None
-    return code if isinstance(code, int) else None
+    try:
+        from google.genai import errors as genai_errors
+    except ImportError:  # pragma: no cover - a dependency of langchain-google-genai
+        return None
+    return exc.code if isinstance(exc, genai_errors.APIError) and isinstance(exc.code, int) else None
 
 
 def llm_error_kind(exc: BaseException) -> Literal["timeout", "backend"]:
@@ -144,7 +147,8 @@ def _retryable(exc: BaseException) -> bool:
 
 def _from_backend(exc: BaseException) -> bool:
     """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
-    reported = (LLMError, openai.APIError, httpx.HTTPError, TimeoutError, ConnectionError, ModelError)
+    reported = (LLMError, openai.APIError, httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
+                json.JSONDecodeError)
     return any(isinstance(e, reported) or _status_code(e) is not None for e in _chain(exc))
 
 
@@ -155,9 +159,8 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
     where = f"model '{key}'" + (f" at {cfg.host}" if cfg and cfg.host else "")
     if llm_error_kind(exc) == "timeout":
         timeout = f"{cfg.llm_call_timeout:g}" if cfg else "?"
-        return (f"{where}: no answer within {timeout} s (llm_call_timeout); the turn was stopped, not retried. "
-                f"Check that the model server runs and is not overloaded, or raise the limit with "
-                f"!llm_timeout {key} <seconds>")
+        return (f"{where}: no answer within {timeout} s (llm_call_timeout), not retried. Check that the model "
+                f"server runs and is not overloaded, or raise the limit with !llm_timeout {key} <seconds>")
     if isinstance(exc, openai.APIConnectionError):
         return f"{where}: cannot connect ({exc.__cause__ or exc}); is the server running and the host right?"
     if isinstance(exc, openai.AuthenticationError):
