@@ -20,12 +20,13 @@ import ollama
 import openai
 import pytest
 
+from shell import ShellClient
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, gemini_model, openai_model
 from tests.fakes.backend import error, hang
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import runtime, turn
-from tests.turns import run_turn
+from tests.turns import collect_turn
 
 pytestmark = pytest.mark.slow
 
@@ -104,9 +105,10 @@ def test_deeply_nested_json_is_a_400_on_every_json_route(server: Server) -> None
 # ── A model backend that hangs or is down ───────────────────────────────────────────────────
 
 
-def test_a_hanging_backend_costs_one_timeout_and_the_error_says_what_to_do(server: Server) -> None:
+async def test_a_hanging_backend_costs_one_timeout_and_the_error_says_what_to_do(server: Server) -> None:
     server.backend.script(hang(HANGS))
-    events = run_turn(server.server.url, "hang", "are you there?", token=SHELL_TOKEN)
+    async with ShellClient(server.server.url, "hang", token=SHELL_TOKEN) as client:
+        events = await collect_turn(client, "are you there?")
     errors = [e.text for e in events if e.name == "error"]
     assert len(server.backend.requests) == 1  # the SDK's own retries (max_retries=2) did not run
     assert len(errors) == 1 and "model 'gpt'" in errors[0] and "no answer within 1 s (llm_call_timeout)" in errors[0]
