@@ -77,7 +77,7 @@ def _fresh_backend(request: pytest.FixtureRequest) -> None:
 # ── Deep JSON ───────────────────────────────────────────────────────────────────────────────
 
 DEEP = [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 5000 + b"1" + b"}" * 5000,
-        b'{"client_id": "c1", "text": ' + b"[" * 65 + b"]" * 65 + b"}"]
+        b'{"client_id": "c1", "text": ' + b"[" * 64 + b"]" * 64 + b"}"]  # 65 levels: one too many
 
 
 def test_deeply_nested_json_is_a_400_on_every_json_route(server: Server) -> None:
