@@ -222,6 +222,10 @@ class _Output:
             self.thinking.append(thinking)
         return content, thinking
 
+    def failure(self) -> tuple[int, str, str]:
+        """(HTTP status, message, OpenAI error code) of the failed turn."""
+        return self.error_status, self.error or "", _ERROR_CODES[self.error_status]
+
     def _status(self, line: str) -> tuple[str, str]:
         if not line or self.mode == "off":
             return "", ""
@@ -329,7 +333,7 @@ class _OpenAI:
             yield self.chunk({"role": "assistant", "content": ""})
             async for content, thinking in _pieces(out, first, events):
                 if out.error is not None:
-                    yield _sse(self.error_body(out.error_status, out.error, _ERROR_CODES[out.error_status]))
+                    yield _sse(self.error_body(*out.failure()))
                 elif out.finished:
                     yield self.chunk({}, "stop")
                     if self.include_usage:
@@ -595,9 +599,7 @@ class LlamaProxyPlugin(BasePlugin):
 
             if await routes.unless_disconnected(request, collect()) is None:
                 return Response(status_code=499)  # nobody is listening any more
-            if out.error is not None:
-                return fmt.error_response(out.error_status, out.error, _ERROR_CODES[out.error_status])
-            return fmt.whole(out)
+            return fmt.error_response(*out.failure()) if out.error is not None else fmt.whole(out)
         # Wait for the first event before answering, so an error before any output gets an
         # error status instead of a 200 stream.
         first = await routes.unless_disconnected(request, anext(events))
@@ -607,5 +609,5 @@ class LlamaProxyPlugin(BasePlugin):
         if out.error is not None:
             async for _ in events:
                 pass
-            return fmt.error_response(out.error_status, out.error, _ERROR_CODES[out.error_status])
+            return fmt.error_response(*out.failure())
         return fmt.stream(out, piece, events)
