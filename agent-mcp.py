@@ -15,7 +15,9 @@ import logging
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -71,6 +73,23 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def check_data_dir(path: Path) -> None:
+    """Create the data directory if needed and prove it writable; StartupError names it and the fix.
+
+    Checked before anything starts: the session store, the MCP approval store and the token files
+    live there, and a failure halfway through start-up would leave a traceback, not an answer.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise StartupError(
+            f"data directory {path} is not writable ({exc.strerror or type(exc).__name__}): set AGENT_DATA_DIR "
+            "to a writable directory or fix its permissions"
+        ) from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -214,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging(args.log_level, config.env)
     try:
+        check_data_dir(config.data_dir())
         return asyncio.run(serve(config))
-    except (StartupError, ConfigError) as exc:
-        logger.error("%s", exc)
+    except (StartupError, ConfigError, state.SessionError) as exc:
+        # One line on stderr, not a log record as well: the log handler writes to stderr too.
         print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)
         return 1
 

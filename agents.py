@@ -14,9 +14,12 @@ import json
 import logging
 import re
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import httpx
+import openai
+from langchain_core.exceptions import ModelConnectionError, ModelError, ModelRateLimitError, ModelTimeoutError
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -39,6 +42,12 @@ logger = logging.getLogger("agent_mcp.agents")
 
 class LLMError(Exception):
     """A model call failed; the message names the model, the cause and what to do."""
+
+
+#: HTTP statuses of a backend that may answer a second attempt (overloaded, restarting, rate-limited).
+_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+#: Seconds before retry n (1, 2, …) of a model call that failed before any output: 0.5, 1, 2, … at most 8.
+_RETRY_BACKOFF = 0.5
 
 
 # ── Models ──────────────────────────────────────────────────────────────────────────────────
@@ -67,7 +76,7 @@ def _build_lc_llm(rt: state.Runtime, key: str) -> BaseChatModel:
             api_key=api_key,
             streaming=True,
             timeout=cfg.llm_call_timeout,
-            max_retries=cfg.max_retries,
+            max_retries=0,  # _stream_once retries, and never after a timeout (see there)
         )
     else:
         from langchain_google_genai import ChatGoogleGenerativeAI
@@ -77,7 +86,7 @@ def _build_lc_llm(rt: state.Runtime, key: str) -> BaseChatModel:
             model=cfg.model_id,
             google_api_key=api_key,
             timeout=cfg.llm_call_timeout,
-            max_retries=cfg.max_retries,
+            max_retries=0,  # one attempt: _stream_once owns the retry policy
             **extra,
         )
     rt.llms[key] = llm
@@ -99,27 +108,67 @@ def _content_to_str(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from (SDKs and LangChain wrap the transport's errors)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _status_code(exc: BaseException) -> int | None:
+    """The HTTP status a backend answered with, if `exc` reports one (openai or google-genai)."""
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code
+    try:
+        from google.genai import errors as genai_errors
+    except ImportError:  # pragma: no cover - a dependency of langchain-google-genai
+        return None
+    return exc.code if isinstance(exc, genai_errors.APIError) and isinstance(exc.code, int) else None
+
+
+def llm_error_kind(exc: BaseException) -> Literal["timeout", "backend"]:
+    """"timeout" when the model did not answer within llm_call_timeout, else "backend" (any other failure)."""
+    timeouts = (openai.APITimeoutError, httpx.TimeoutException, TimeoutError, ModelTimeoutError)
+    return "timeout" if any(isinstance(e, timeouts) for e in _chain(exc)) else "backend"
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Whether a model call that failed this way, before any output, may be tried again: a refused
+    connection or a 429/5xx answer, never a timeout (a hanging backend would be waited on again)."""
+    if llm_error_kind(exc) == "timeout":
+        return False
+    connection = (openai.APIConnectionError, httpx.ConnectError, ConnectionError, ModelConnectionError,
+                  ModelRateLimitError)
+    return any(isinstance(e, connection) or _status_code(e) in _RETRY_STATUSES for e in _chain(exc))
+
+
+def _from_backend(exc: BaseException) -> bool:
+    """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
+    reported = (LLMError, openai.APIError, httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
+                json.JSONDecodeError)
+    return any(isinstance(e, reported) or _status_code(e) is not None for e in _chain(exc))
+
+
 def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) -> str:
     """One line for the user: which model failed, why, and what to do."""
     if isinstance(exc, LLMError):
         return str(exc)
     where = f"model '{key}'" + (f" at {cfg.host}" if cfg and cfg.host else "")
-    timeout = cfg.llm_call_timeout if cfg else "?"
-    try:
-        import openai
-
-        if isinstance(exc, openai.APITimeoutError):
-            return f"{where}: no answer within {timeout} s (llm_call_timeout); is the backend overloaded?"
-        if isinstance(exc, openai.APIConnectionError):
-            return f"{where}: cannot connect ({exc.__cause__ or exc}); is the server running and the host right?"
-        if isinstance(exc, openai.AuthenticationError):
-            return f"{where}: the backend refused the API key (HTTP 401); check {cfg.env_key if cfg else 'the key'}"
-        if isinstance(exc, openai.APIStatusError):
-            return f"{where}: the backend answered HTTP {exc.status_code}: {_short(exc.message)}"
-        if isinstance(exc, openai.APIError):
-            return f"{where}: the backend reported an error: {_short(exc.message)}"
-    except ImportError:  # pragma: no cover - openai is a dependency of langchain-openai
-        pass
+    if llm_error_kind(exc) == "timeout":
+        timeout = f"{cfg.llm_call_timeout:g}" if cfg else "?"
+        return (f"{where}: no answer within {timeout} s (llm_call_timeout), not retried. Check that the model "
+                f"server runs and is not overloaded, or raise the limit with !llm_timeout {key} <seconds>")
+    if isinstance(exc, openai.APIConnectionError):
+        return f"{where}: cannot connect ({exc.__cause__ or exc}); is the server running and the host right?"
+    if isinstance(exc, openai.AuthenticationError):
+        return f"{where}: the backend refused the API key (HTTP 401); check {cfg.env_key if cfg else 'the key'}"
+    if isinstance(exc, openai.APIStatusError):
+        return f"{where}: the backend answered HTTP {exc.status_code}: {_short(exc.message)}"
+    if isinstance(exc, openai.APIError):
+        return f"{where}: the backend reported an error: {_short(exc.message)}"
     try:
         from google.genai import errors as genai_errors
 
@@ -127,8 +176,6 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
             return f"{where}: the backend answered HTTP {exc.code}: {_short(str(exc.message or exc))}"
     except ImportError:  # pragma: no cover
         pass
-    if isinstance(exc, httpx.TimeoutException | TimeoutError):
-        return f"{where}: no answer within {timeout} s (llm_call_timeout); is the backend overloaded?"
     if isinstance(exc, httpx.ConnectError | ConnectionError):
         return f"{where}: cannot connect ({exc}); is the server running and the host right?"
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
@@ -495,6 +542,8 @@ async def router_wants_tools(llm: Any, cfg: ModelConfig, question: str, tools: l
     except asyncio.CancelledError:
         raise
     except Exception as exc:
+        if llm_error_kind(exc) == "timeout":
+            raise  # the backend hangs: one llm_call_timeout per turn is enough
         logger.warning("router call failed (%s); tools stay bound", describe_llm_error(exc, cfg.model_id, cfg))
         return True
     answer = re.match(r"\W*(yes|no)\b", _content_to_str(reply.content).strip().lower())
@@ -524,18 +573,44 @@ def tool_manifest(tools: list[StructuredTool]) -> str:
 
 
 async def _stream_once(
-    rt: state.Runtime, llm: Any, context: list[BaseMessage], client_id: str, hold: TextCallFilter | None = None
+    rt: state.Runtime, llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
+    hold: TextCallFilter | None = None,
 ) -> AIMessageChunk:
-    """One model call, streaming its text to the session as it arrives (through `hold`, if given)."""
-    full: AIMessageChunk | None = None
-    async for chunk in llm.astream(context):
-        text = _content_to_str(chunk.content)
-        if text:
-            rt.hub.tok(client_id, hold.feed(text) if hold else text)
-        full = chunk if full is None else full + chunk
-    if full is None:
-        raise LLMError("the backend closed the stream without sending anything")
-    return full
+    """One model call, streaming its text to the session as it arrives (through `hold`, if given).
+
+    Each piece is waited for at most `llm_call_timeout` s; a timeout ends the call at once. A call
+    that failed before any output with a refused connection or a 429/5xx is tried again, up to
+    `max_retries` times (the SDKs' own retries are off: they would wait on a hanging backend again).
+    """
+    loop = asyncio.get_running_loop()
+    attempt = 0
+    while True:
+        attempt += 1
+        full: AIMessageChunk | None = None
+        try:
+            # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
+            # without ever producing a token is cut off too.
+            async with asyncio.timeout(cfg.llm_call_timeout) as limit:
+                async for chunk in llm.astream(context):
+                    limit.reschedule(loop.time() + cfg.llm_call_timeout)
+                    text = _content_to_str(chunk.content)
+                    if text:
+                        rt.hub.tok(client_id, hold.feed(text) if hold else text)
+                    full = chunk if full is None else full + chunk
+        except Exception as exc:
+            if full is not None or attempt > cfg.max_retries or not _retryable(exc):
+                raise
+            logger.info("model call of %s failed (%s); attempt %d of %d in %.1f s", client_id,
+                        type(exc).__name__, attempt + 1, cfg.max_retries + 1, _backoff(attempt))
+            await asyncio.sleep(_backoff(attempt))
+            continue
+        if full is None:
+            raise LLMError("the backend closed the stream without sending anything")
+        return full
+
+
+def _backoff(attempt: int) -> float:
+    return min(_RETRY_BACKOFF * 2 ** (attempt - 1), 8.0)
 
 
 async def _run_call(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any], done: dict[str, str]) -> str:
@@ -575,7 +650,7 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
     for _ in range(MAX_TOOL_ITERATIONS):
         context = [SystemMessage(system), *to_lc_messages(trim_history(session.history, cfg.max_context))]
         hold = TextCallFilter() if tools else None
-        reply = await _stream_once(rt, bound, context, client_id, hold)
+        reply = await _stream_once(rt, bound, cfg, context, client_id, hold)
         text = _content_to_str(reply.content)
         calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c["name"], "args": c["args"]}
                  for c in reply.tool_calls]
@@ -628,7 +703,7 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         del session.history[mark:]
         raise
     except Exception as exc:
-        if not isinstance(exc, LLMError):
+        if not _from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
             logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
         del session.history[mark:]
         cfg = rt.config.models.get(key)
@@ -637,6 +712,6 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
             # Proxy, Slack and API users learn what failed, not where the backends live.
             logger.warning("LLM turn of %s failed: %s", session.client_id, message)
             message = _redact_hosts(message, cfg.host)
-        rt.hub.error(session.client_id, message)
+        rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

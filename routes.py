@@ -337,6 +337,9 @@ CLIENT_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
 MAX_TEXT = 200_000
 #: The largest JSON request body read, in bytes (a MAX_TEXT message with every character escaped fits).
 MAX_BODY = 8 * MAX_TEXT
+#: The deepest nesting of arrays and objects a JSON request body may have (chat bodies need about 5).
+#: Deeper values would later break json.dumps, repr and copies of the history with a RecursionError.
+MAX_JSON_DEPTH = 64
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -350,6 +353,22 @@ class BadRequest(Exception):
         self.status = status
 
 
+_TOO_DEEP = (f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and objects "
+             "are accepted")
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests arrays/objects more than `limit` levels deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
 async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY) -> M:
     """The request body as `model`; BadRequest (400, or 413 when over `max_bytes`) says what is wrong."""
     declared = request.headers.get("content-length", "")
@@ -361,10 +380,16 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
         if size > max_bytes:
             raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
         chunks.append(chunk)
+    body = b"".join(chunks)
     try:
-        raw = json.loads(b"".join(chunks))
+        raw = json.loads(body)
+    except RecursionError:  # json.loads gives up (fast) at the interpreter's recursion limit
+        raise BadRequest(400, _TOO_DEEP) from None
     except ValueError:
         raise BadRequest(400, "request body must be JSON") from None
+    # Fewer brackets than the limit cannot nest deeper than it: most bodies skip the walk.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nested_deeper(raw, MAX_JSON_DEPTH):
+        raise BadRequest(400, _TOO_DEEP)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

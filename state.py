@@ -11,6 +11,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import sqlite3
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -121,12 +122,18 @@ class SqliteFile:
         self._db: aiosqlite.Connection | None = None
 
     async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = await aiosqlite.connect(self.path)
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        for statement in self.SCHEMA:
-            await self._db.execute(statement)
-        await self._db.commit()
+        """Open (creating the file and its directory); SessionError names the file when that fails."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = await aiosqlite.connect(self.path)
+            await self._db.execute("PRAGMA journal_mode=WAL")
+            for statement in self.SCHEMA:
+                await self._db.execute(statement)
+            await self._db.commit()
+        except (OSError, sqlite3.Error) as exc:
+            await self.close()
+            raise SessionError(f"cannot open {self.path} ({exc}): make it and its directory writable, "
+                               "or set AGENT_DATA_DIR (or SESSION_STORE) to a writable place") from None
 
     async def close(self) -> None:
         if self._db is not None:
@@ -401,8 +408,10 @@ class EventHub:
     def done(self, client_id: str) -> None:
         self.publish(client_id, "done", {})
 
-    def error(self, client_id: str, message: str) -> None:
-        self.publish(client_id, "error", {"message": message})
+    def error(self, client_id: str, message: str, kind: str | None = None) -> None:
+        """An `error` event; `kind` ("timeout": the model did not answer in time, "backend": the model
+        call failed) lets a plugin answer in its protocol's terms (the proxy: 504 / 502)."""
+        self.publish(client_id, "error", {"message": message, **({"kind": kind} if kind else {})})
 
 
 @dataclass

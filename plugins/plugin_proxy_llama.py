@@ -50,7 +50,12 @@ _SESSION_HEADERS = (("x-openwebui-chat-id", "chat"), ("x-openwebui-user-id", "us
 _UNSUPPORTED_OLLAMA = {"embed": "POST", "embeddings": "POST", "pull": "POST", "push": "POST",
                        "create": "POST", "copy": "POST", "delete": "DELETE"}
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                       405: "invalid_request_error", 413: "invalid_request_error", 501: "not_implemented"}
+                       405: "invalid_request_error", 413: "invalid_request_error"}
+#: Every error answer says so: SDKs (openai's retries 408/409/429/5xx twice by default) must never
+#: send a chat request again, because the turn's tools may already have run.
+_NO_RETRY = {"x-should-retry": "false"}
+#: The OpenAI error `code` of each status a failed turn gets.
+_ERROR_CODES = {502: "backend_error", 503: "cancelled", 504: "backend_timeout"}
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -181,6 +186,9 @@ class _Output:
         self.text: list[str] = []
         self.thinking: list[str] = []
         self.error: str | None = None
+        #: The HTTP status of a failed turn: 504 the model did not answer in time, 503 the turn was
+        #: cancelled, 502 any other failure of the agent's backend.
+        self.error_status = 502
         self._tail = "\n\n"
 
     @property
@@ -197,13 +205,15 @@ class _Output:
                 self.first = time.monotonic_ns()
         elif ev.name == "status" and ev.data.get("cancelled"):
             self.error = "the request was cancelled: the server is stopping or the session was deleted"
+            self.error_status = 503
             self.ended = time.monotonic_ns()
         elif ev.name in ("status", "gate"):
             line = str(ev.data.get("text", "")) if ev.name == "status" else (
                 f"[{ev.data.get('tool_name', 'tool')}] waits for approval in shell.py")
             content, thinking = self._status(line)
-        elif ev.name == "error":
-            self.error = self.error or str(ev.data.get("message", "error"))
+        elif ev.name == "error" and self.error is None:
+            self.error = str(ev.data.get("message", "error"))
+            self.error_status = 504 if ev.data.get("kind") == "timeout" else 502
         elif ev.name == "done":
             self.ended = time.monotonic_ns()
         if content:
@@ -212,6 +222,10 @@ class _Output:
         if thinking:
             self.thinking.append(thinking)
         return content, thinking
+
+    def failure(self) -> tuple[int, str, str]:
+        """(HTTP status, message, OpenAI error code) of the failed turn."""
+        return self.error_status, self.error or "", _ERROR_CODES[self.error_status]
 
     def _status(self, line: str) -> tuple[str, str]:
         if not line or self.mode == "off":
@@ -262,7 +276,7 @@ class _Ollama:
 
     @staticmethod
     def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
+        return JSONResponse({"error": message}, status_code=status, headers=_NO_RETRY)
 
     def whole(self, out: _Output) -> JSONResponse:
         return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
@@ -296,7 +310,7 @@ class _OpenAI:
 
     @staticmethod
     def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-        return JSONResponse(_OpenAI.error_body(status, message, code), status_code=status)
+        return JSONResponse(_OpenAI.error_body(status, message, code), status_code=status, headers=_NO_RETRY)
 
     def whole(self, out: _Output) -> JSONResponse:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(out.text), "refusal": None}
@@ -320,7 +334,7 @@ class _OpenAI:
             yield self.chunk({"role": "assistant", "content": ""})
             async for content, thinking in _pieces(out, first, events):
                 if out.error is not None:
-                    yield _sse(self.error_body(500, out.error))
+                    yield _sse(self.error_body(*out.failure()))
                 elif out.finished:
                     yield self.chunk({}, "stop")
                     if self.include_usage:
@@ -451,7 +465,9 @@ class LlamaProxyPlugin(BasePlugin):
 
     async def unsupported(self, request: Request) -> Response:
         name = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        raise ProxyError(501, f"{name} is not supported: this server is an agent, not a model store")
+        # 404, not 501: a missing feature is no server failure, and SDKs retry every 5xx.
+        raise ProxyError(404, f"{name} is not supported: this server is an agent, not a model store",
+                         "unsupported_endpoint")
 
     # ── models ──
 
@@ -585,7 +601,7 @@ class LlamaProxyPlugin(BasePlugin):
 
             if await routes.unless_disconnected(request, collect()) is None:
                 return Response(status_code=499)  # nobody is listening any more
-            return fmt.error_response(500, out.error) if out.error is not None else fmt.whole(out)
+            return fmt.error_response(*out.failure()) if out.error is not None else fmt.whole(out)
         # Wait for the first event before answering, so an error before any output gets an
         # error status instead of a 200 stream.
         first = await routes.unless_disconnected(request, anext(events))
@@ -595,5 +611,5 @@ class LlamaProxyPlugin(BasePlugin):
         if out.error is not None:
             async for _ in events:
                 pass
-            return fmt.error_response(500, out.error)
+            return fmt.error_response(*out.failure())
         return fmt.stream(out, piece, events)

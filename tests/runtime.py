@@ -56,7 +56,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     finally:
         await routes.close_runtime(rt)
         for llm in rt.llms.values():
-            if getattr(llm, "async_client", None) is not None:
+            if getattr(llm, "root_async_client", None) is not None:  # ChatOpenAI's pool (Gemini has none)
                 await llm.root_async_client.close()
         state.set_current(None)
 

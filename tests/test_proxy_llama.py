@@ -390,7 +390,7 @@ def test_format_follows_the_path_not_the_user_agent(proxy, chat):
     assert httpx.get(proxy.url + "/nope").json()["error"]["code"] == "unknown_endpoint"
     wrong = httpx.post(proxy.url + "/api/tags", json={})
     assert wrong.status_code == 405 and "GET" in wrong.json()["error"] and "GET" in wrong.headers["allow"]
-    assert httpx.post(proxy.url + "/api/pull", json={"model": "x"}).status_code == 501
+    assert httpx.post(proxy.url + "/api/pull", json={"model": "x"}).status_code == 404
 
 
 def test_bad_requests_get_clear_errors_in_each_format(proxy):
@@ -457,7 +457,7 @@ def test_backend_error_before_output_is_an_error_status(proxy, oll, oai):
     proxy.gpt.script(error(500, "backend exploded"), error(500, "backend exploded"), error(500, "backend exploded"))
     with pytest.raises(ollama.ResponseError) as err:
         list(oll.chat(model=AGENT, messages=HI, stream=True))
-    assert err.value.status_code == 500 and "backend exploded" in err.value.error
+    assert err.value.status_code == 502 and "backend exploded" in err.value.error
     client = oai
     with pytest.raises(openai.InternalServerError, match="backend exploded"):
         client.chat.completions.create(model=AGENT, messages=HI, stream=True)
