@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import inspect
 import json
 import logging
 import re
@@ -74,14 +73,6 @@ class Target:
     paths: list[tuple[str, list[str]]]
 
 
-def _build_app(rt: state.Runtime, plugin: Any) -> Any:
-    """agent-mcp.build_app for `plugin`. Its third argument is the plugin's token today and its whole
-    `get_config()` once the HTTP guard lands; both are served, so this suite runs before and after."""
-    cfg = plugin.get_config()
-    third = list(inspect.signature(agent_mcp.build_app).parameters)[2]
-    return agent_mcp.build_app(rt, plugin, cfg if third == "cfg" else cfg.get("token"))
-
-
 def _templates(plugin: Any) -> list[tuple[str, list[str]]]:
     out = []
     for r in plugin.get_routes():
@@ -128,7 +119,7 @@ class Server:
                   "plugin_client_mcp": MCP_HUMAN}
         for plugin in rt.plugins.client_plugins():
             name = plugin.PLUGIN_NAME
-            self.targets.append(Target(name, _build_app(rt, plugin), plugin.get_config()["port"],
+            self.targets.append(Target(name, agent_mcp.build_app(rt, plugin, plugin.get_config()), plugin.get_config()["port"],
                                        {"authorization": f"Bearer {bearer[name]}"}, _templates(plugin)))
         assert sorted(t.name for t in self.targets) == sorted(PLUGINS)
         await self.slack.until(lambda: self.slack.connections >= 1)  # so /slack/health is healthy
