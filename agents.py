@@ -31,6 +31,7 @@ from langchain_core.messages import (
 )
 from langchain_core.tools import StructuredTool
 from pydantic import ValidationError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 import gate
 import state
@@ -583,34 +584,38 @@ async def _stream_once(
     `max_retries` times (the SDKs' own retries are off: they would wait on a hanging backend again).
     """
     loop = asyncio.get_running_loop()
-    attempt = 0
-    while True:
-        attempt += 1
+    streamed = False  # once the backend sent anything, a retry could repeat output or tool calls
+
+    async def attempt() -> AIMessageChunk:
+        nonlocal streamed
         full: AIMessageChunk | None = None
-        try:
-            # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
-            # without ever producing a token is cut off too.
-            async with asyncio.timeout(cfg.llm_call_timeout) as limit:
-                async for chunk in llm.astream(context):
-                    limit.reschedule(loop.time() + cfg.llm_call_timeout)
-                    text = _content_to_str(chunk.content)
-                    if text:
-                        rt.hub.tok(client_id, hold.feed(text) if hold else text)
-                    full = chunk if full is None else full + chunk
-        except Exception as exc:
-            if full is not None or attempt > cfg.max_retries or not _retryable(exc):
-                raise
-            logger.info("model call of %s failed (%s); attempt %d of %d in %.1f s", client_id,
-                        type(exc).__name__, attempt + 1, cfg.max_retries + 1, _backoff(attempt))
-            await asyncio.sleep(_backoff(attempt))
-            continue
+        # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
+        # without ever producing a token is cut off too.
+        async with asyncio.timeout(cfg.llm_call_timeout) as limit:
+            async for chunk in llm.astream(context):
+                limit.reschedule(loop.time() + cfg.llm_call_timeout)
+                streamed = True
+                text = _content_to_str(chunk.content)
+                if text:
+                    rt.hub.tok(client_id, hold.feed(text) if hold else text)
+                full = chunk if full is None else full + chunk
         if full is None:
             raise LLMError("the backend closed the stream without sending anything")
         return full
 
+    def log_retry(state_: RetryCallState) -> None:
+        exc = state_.outcome.exception() if state_.outcome else None
+        logger.info("model call of %s failed (%s); attempt %d of %d", client_id, type(exc).__name__,
+                    state_.attempt_number + 1, cfg.max_retries + 1)
 
-def _backoff(attempt: int) -> float:
-    return min(_RETRY_BACKOFF * 2 ** (attempt - 1), 8.0)
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(lambda exc: not streamed and _retryable(exc)),
+        stop=stop_after_attempt(cfg.max_retries + 1),
+        wait=wait_exponential(multiplier=_RETRY_BACKOFF, max=8),
+        before_sleep=log_retry,
+        reraise=True,
+    )
+    return await retrying(attempt)
 
 
 async def _run_call(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any], done: dict[str, str]) -> str:
