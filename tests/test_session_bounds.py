@@ -279,3 +279,23 @@ async def test_the_sweeper_runs_every_sweep_interval_until_close(tmp_path):
     assert m.get("api-a") is None
     await m.close()
     assert m._sweeper is None
+
+
+async def test_the_mcp_approval_store_keeps_the_newest_decisions_and_every_open_gate(tmp_path):
+    from plugins.plugin_client_mcp import ApprovalStore
+
+    store = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=3)
+    await store.open()
+    for i in range(6):
+        await store.record_open({"gate_id": f"g{i}", "session": "api-a", "tool_name": "t", "request": {},
+                                 "opened_at": float(i)})
+    for i in range(5):  # g5 stays open
+        await store.record_decision(f"g{i}", "reject", "test", 100.0 + i)
+    assert [r["gate_id"] for r in await store.history()] == ["g4", "g3", "g2"]
+    async with store._conn().execute("SELECT gate_id FROM approvals WHERE decision IS NULL") as cur:
+        assert [row[0] async for row in cur] == ["g5"]
+    await store.close()
+    reopened = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=2)
+    await reopened.open()  # g5 becomes 'abandoned' (decided now), and the cap applies at open
+    assert [r["gate_id"] for r in await reopened.history()] == ["g5", "g4"]
+    await reopened.close()
