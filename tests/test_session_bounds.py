@@ -33,17 +33,27 @@ def policy(**sessions) -> state.SessionPolicy:
     return routes.session_policy(SessionsConfig.model_validate(sessions))
 
 
-async def manager(path, clock, pol=None, **kw) -> state.SessionManager:
-    m = state.SessionManager(state.SqliteStore(path), pol or policy(), clock=clock, **kw)
-    await m.open()
-    return m
+@pytest.fixture
+async def manager():
+    """Opens managers over SQLite files; closes whatever a test left open, failed or not."""
+    opened: list[state.SessionManager] = []
+
+    async def open_manager(path, clock, pol=None, **kw) -> state.SessionManager:
+        m = state.SessionManager(state.SqliteStore(path), pol or policy(), clock=clock, **kw)
+        opened.append(m)
+        await m.open()
+        return m
+
+    yield open_manager
+    for m in opened:
+        await m.close()
 
 
 def stored_ids(m: state.SessionManager) -> set[str]:
     return {s.client_id for s in m.all()}
 
 
-async def test_non_interactive_sessions_expire_after_their_idle_time_and_the_shell_never(tmp_path):
+async def test_non_interactive_sessions_expire_after_their_idle_time_and_the_shell_never(manager, tmp_path):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock, policy(classes={"proxy": {"idle_days": 30}}))
     for cid in ("shell-1", "api-a", "api-swarm-b", "llama-10.0.0.1", "slack-C1-T1", "mcp-x"):
@@ -63,7 +73,7 @@ async def test_non_interactive_sessions_expire_after_their_idle_time_and_the_she
     await again.close()
 
 
-async def test_activity_resets_the_idle_time(tmp_path):
+async def test_activity_resets_the_idle_time(manager, tmp_path):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock)
     s = await m.get_or_create("api-a", "m")
@@ -77,7 +87,7 @@ async def test_activity_resets_the_idle_time(tmp_path):
     await m.close()
 
 
-async def test_restart_keeps_last_activity_and_applies_expiry_at_open(tmp_path):
+async def test_restart_keeps_last_activity_and_applies_expiry_at_open(manager, tmp_path):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock)
     await m.get_or_create("api-old", "m")
@@ -91,7 +101,7 @@ async def test_restart_keeps_last_activity_and_applies_expiry_at_open(tmp_path):
     await m2.close()
 
 
-async def test_cap_evicts_the_least_recently_active_of_the_class_only(tmp_path):
+async def test_cap_evicts_the_least_recently_active_of_the_class_only(manager, tmp_path):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock, policy(non_interactive={"max_sessions": 3}))
     for cid in ("api-1", "api-2", "api-3", "slack-1"):
@@ -113,7 +123,7 @@ async def test_cap_evicts_the_least_recently_active_of_the_class_only(tmp_path):
     await m3.close()
 
 
-async def test_interactive_sessions_have_their_own_cap(tmp_path):
+async def test_interactive_sessions_have_their_own_cap(manager, tmp_path):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock, policy(interactive={"idle_days": None, "max_sessions": 2}))
     for cid in ("alice", "bob", "carol"):
@@ -123,7 +133,7 @@ async def test_interactive_sessions_have_their_own_cap(tmp_path):
     await m.close()
 
 
-async def test_a_busy_session_is_neither_expired_nor_evicted(tmp_path):
+async def test_a_busy_session_is_neither_expired_nor_evicted(manager, tmp_path):
     clock = Clock()
     running: set[str] = set()
     m = await manager(tmp_path / "s.db", clock, policy(non_interactive={"max_sessions": 2}),
@@ -142,7 +152,7 @@ async def test_a_busy_session_is_neither_expired_nor_evicted(tmp_path):
     await m.close()
 
 
-async def test_shorthand_ids_are_never_reused_after_expiry_eviction_and_restart(tmp_path):
+async def test_shorthand_ids_are_never_reused_after_expiry_eviction_and_restart(manager, tmp_path):
     clock = Clock()
     pol = policy(non_interactive={"max_sessions": 1})
     m = await manager(tmp_path / "s.db", clock, pol)
@@ -182,7 +192,7 @@ def assert_whole_turns(history: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("cap", [2, 5, 9, 10, 11, 17, 40])
-async def test_history_cap_drops_the_oldest_whole_turns(tmp_path, cap):
+async def test_history_cap_drops_the_oldest_whole_turns(manager, tmp_path, cap):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock, policy(max_history_messages=cap))
     s = await m.get_or_create("alice", "m")
@@ -204,7 +214,7 @@ async def test_history_cap_drops_the_oldest_whole_turns(tmp_path, cap):
     await m2.close()
 
 
-async def test_overlong_stored_messages_are_cut(tmp_path):
+async def test_overlong_stored_messages_are_cut(manager, tmp_path):
     clock = Clock()
     m = await manager(tmp_path / "s.db", clock, policy(max_message_chars=1000))
     s = await m.get_or_create("alice", "m")
@@ -228,7 +238,7 @@ def test_settings_are_checked_with_the_file_and_field_named(tmp_path):
     assert "field 'sessions.classes.api.idle_days'" in text and "field 'sessions.max_history_messages'" in text
 
 
-async def test_the_server_expires_through_the_delete_path(tmp_path, fake_openai):
+async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fake_openai):
     """build_runtime wires the bounds: expiry drops the event channel and rate-limit windows, spares running turns."""
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(fake_openai)}
@@ -240,19 +250,17 @@ async def test_the_server_expires_through_the_delete_path(tmp_path, fake_openai)
     clock = Clock()
     rt.sessions.clock = clock
     try:
-        for cid in ("api-idle", "api-running", "me"):
+        for cid in ("api-running", "api-idle", "me"):  # the sweep looks at api-running first
             answer = await routes.wait_turn(rt, cid, "!help", None, 30)
             assert answer["status"] == "complete"
         rt.rate_limiter.disabled["api-idle"] = {"search"}
         assert "api-idle" in rt.hub._channels
         clock.advance(2)
-        hold = rt.sessions.get("api-running").lock
-        await hold.acquire()  # a turn runs on api-running
+        # A request submitted (in rt.active_tasks) that has not yet touched its session.
         queued = await routes.submit(rt, "api-running", "!help", cancel_running=False)
         assert await rt.sessions.sweep() == ["api-idle"]
         assert "api-idle" not in rt.hub._channels and "api-idle" not in rt.rate_limiter.disabled
         assert rt.sessions.get("me") is not None  # the shell
-        hold.release()
         await queued.task
         assert rt.sessions.get("api-running").updated == clock.now  # its request was activity
     finally:
@@ -260,17 +268,14 @@ async def test_the_server_expires_through_the_delete_path(tmp_path, fake_openai)
         for llm in rt.llms.values():
             if getattr(llm, "async_client", None) is not None:
                 await llm.root_async_client.close()
-    reopened = state.SessionManager(state.SqliteStore(tmp_path / "sessions.sqlite3"), clock=clock)
-    await reopened.open()
+    reopened = await manager(tmp_path / "sessions.sqlite3", clock)
     assert stored_ids(reopened) == {"api-running", "me"}
-    await reopened.close()
 
 
-async def test_the_sweeper_runs_every_sweep_interval_until_close(tmp_path):
+async def test_the_sweeper_runs_every_sweep_interval_until_close(manager, tmp_path):
     clock = Clock()
     swept = asyncio.Event()
-    m = state.SessionManager(state.SqliteStore(tmp_path / "s.db"), policy(sweep_minutes=0.0001), clock=clock)
-    await m.open()
+    m = await manager(tmp_path / "s.db", clock, policy(sweep_minutes=0.0001))
     await m.get_or_create("api-a", "m")
     clock.advance(8)
     m.forgotten.append(lambda cid: swept.set())
@@ -285,6 +290,15 @@ async def test_the_mcp_approval_store_keeps_the_newest_decisions_and_every_open_
     from plugins.plugin_client_mcp import ApprovalStore
 
     store = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=3)
+    reopened = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=2)
+    try:
+        await _decide_and_reopen(store, reopened)
+    finally:
+        await store.close()
+        await reopened.close()
+
+
+async def _decide_and_reopen(store, reopened) -> None:
     await store.open()
     for i in range(6):
         await store.record_open({"gate_id": f"g{i}", "session": "api-a", "tool_name": "t", "request": {},
@@ -295,7 +309,5 @@ async def test_the_mcp_approval_store_keeps_the_newest_decisions_and_every_open_
     async with store._conn().execute("SELECT gate_id FROM approvals WHERE decision IS NULL") as cur:
         assert [row[0] async for row in cur] == ["g5"]
     await store.close()
-    reopened = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=2)
     await reopened.open()  # g5 becomes 'abandoned' (decided now), and the cap applies at open
     assert [r["gate_id"] for r in await reopened.history()] == ["g5", "g4"]
-    await reopened.close()
