@@ -66,6 +66,10 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
 
 def session_policy(bounds: SessionsConfig) -> state.SessionPolicy:
     """The session bounds of plugins-enabled.json `sessions`, per client class of the gate."""
+    unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
+    if unknown:
+        logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
+                       "session; the classes are %s", ", ".join(unknown), ", ".join(gate.CLIENT_LABELS))
 
     def limits(kind: str) -> state.SessionLimits:
         limit = bounds.limit(kind, interactive=kind == gate.SHELL)

@@ -238,6 +238,11 @@ def test_settings_are_checked_with_the_file_and_field_named(tmp_path):
     assert "field 'sessions.classes.api.idle_days'" in text and "field 'sessions.max_history_messages'" in text
 
 
+def test_a_class_name_that_names_no_client_class_is_reported(caplog):
+    policy(classes={"prxy": {"idle_days": 1}, "proxy": {"idle_days": 2}})
+    assert "field 'sessions.classes': prxy name no client class" in caplog.text
+
+
 async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fake_openai):
     """build_runtime wires the bounds: expiry drops the event channel and rate-limit windows, spares running turns."""
     cfg = ConfigDir(tmp_path)
