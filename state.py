@@ -401,8 +401,7 @@ class SessionManager:
             kind, limits = self.policy.limits_of(session.client_id)
             by_class[kind] = limits
             if limits.idle_seconds is not None and now - session.updated > limits.idle_seconds \
-                    and not self.busy(session):
-                await self._forget(session.client_id)
+                    and await self._remove_idle(session):
                 removed.append(session.client_id)
         if removed:
             logger.info("expired %d idle session(s)", len(removed))
@@ -418,12 +417,17 @@ class SessionManager:
             return []
         victims = sorted((s for s in members if s.client_id != keep and not self.busy(s)),
                          key=lambda s: (s.updated, s.shorthand))[:excess]
-        if not victims:
-            return []
-        for s in victims:
-            await self._forget(s.client_id)
-        logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(victims), kind, cap)
-        return [s.client_id for s in victims]
+        evicted = [s.client_id for s in victims if await self._remove_idle(s)]
+        if evicted:
+            logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(evicted), kind, cap)
+        return evicted
+
+    async def _remove_idle(self, session: Session) -> bool:
+        """Forget `session` unless it is busy or already gone (another task may have run meanwhile)."""
+        if self._sessions.get(session.client_id) is not session or self.busy(session):
+            return False
+        await self._forget(session.client_id)
+        return True
 
 
 # ── Events ──────────────────────────────────────────────────────────────────────────────────

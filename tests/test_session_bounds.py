@@ -152,6 +152,17 @@ async def test_a_busy_session_is_neither_expired_nor_evicted(manager, tmp_path):
     await m.close()
 
 
+async def test_a_sweep_skips_sessions_deleted_while_it_runs(manager, tmp_path):
+    clock = Clock()
+    m = await manager(tmp_path / "s.db", clock)
+    for cid in ("api-a", "api-b"):
+        await m.get_or_create(cid, "m")
+    clock.advance(8)
+    deleting = asyncio.ensure_future(m.delete("api-b"))  # runs while the sweep waits for the store
+    assert await m.sweep() == ["api-a"]
+    assert (await deleting).client_id == "api-b" and m.all() == []
+
+
 async def test_shorthand_ids_are_never_reused_after_expiry_eviction_and_restart(manager, tmp_path):
     clock = Clock()
     pol = policy(non_interactive={"max_sessions": 1})
