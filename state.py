@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import itertools
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,10 +249,6 @@ class SessionPolicy:
     #: Seconds between two sweeps of the running server (expiry, then caps).
     sweep_seconds: float = 3600.0
 
-    def limits_of(self, client_id: str) -> tuple[str, SessionLimits]:
-        kind = self.classify(client_id)
-        return kind, self.limits(kind)
-
 
 #: Called with the client id of every session the manager forgets (deleted, expired or evicted).
 ForgetHook = Callable[[str], None]
@@ -276,15 +273,17 @@ class SessionManager:
         self._by_short: dict[int, str] = {}
         self._last_short = FIRST_SHORTHAND - 1
         self._unsaved: set[str] = set()  # added, never saved: their class's cap is checked at the first save
+        #: Per client class, its sessions from the least to the most recently active (eviction order).
+        self._lru: dict[str, OrderedDict[str, Session]] = {}
+        self._kind: dict[str, str] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         """Load the stored sessions, then expire and evict what the bounds no longer allow."""
         await self.store.open()
         sessions, last = await self.store.load()
-        for s in sessions:
-            self._sessions[s.client_id] = s
-            self._by_short[s.shorthand] = s.client_id
+        for s in sorted(sessions, key=lambda s: (s.updated, s.shorthand)):
+            self._add(s)
         self._last_short = max(last, FIRST_SHORTHAND - 1)
         await self.sweep()
 
@@ -319,15 +318,24 @@ class SessionManager:
         """The client's session, added in memory if new (then True), marked active now; the caller saves it."""
         session = self._sessions.get(client_id)
         if session is not None:
-            session.updated = self.clock()
+            self._touch(session)
             return session, False
         self._last_short += 1
         now = self.clock()
         session = Session(client_id=client_id, shorthand=self._last_short, model=model, created=now, updated=now)
-        self._sessions[client_id] = session
-        self._by_short[session.shorthand] = client_id
+        self._add(session)
         self._unsaved.add(client_id)
         return session, True
+
+    def _add(self, session: Session) -> None:
+        kind = self._kind[session.client_id] = self.policy.classify(session.client_id)
+        self._sessions[session.client_id] = session
+        self._by_short[session.shorthand] = session.client_id
+        self._lru.setdefault(kind, OrderedDict())[session.client_id] = session
+
+    def _touch(self, session: Session) -> None:
+        session.updated = self.clock()
+        self._lru[self._kind[session.client_id]].move_to_end(session.client_id)
 
     async def get_or_create(self, client_id: str, model: str) -> Session:
         """The client's session, created and saved if new."""
@@ -350,12 +358,12 @@ class SessionManager:
         if self._sessions.get(session.client_id) is not session:
             return
         self._bound_history(session)
-        session.updated = self.clock()
+        self._touch(session)
         await self.store.save(session, self._last_short)
         if session.client_id in self._unsaved:
             self._unsaved.discard(session.client_id)
-            kind, limits = self.policy.limits_of(session.client_id)
-            await self._evict(kind, limits.max_sessions, keep=session.client_id)
+            kind = self._kind[session.client_id]
+            await self._evict(kind, self.policy.limits(kind).max_sessions, keep=session.client_id)
 
     def _bound_history(self, session: Session) -> None:
         """Drop the oldest whole turns beyond `max_history` messages; cut texts over `max_message_chars`."""
@@ -377,6 +385,7 @@ class SessionManager:
         session = self._sessions.pop(client_id)
         self._by_short.pop(session.shorthand, None)
         self._unsaved.discard(client_id)
+        del self._lru[self._kind.pop(client_id)][client_id]
         await self.store.delete(client_id)
         for hook in list(self.forgotten):
             try:
@@ -396,27 +405,25 @@ class SessionManager:
         """
         now = self.clock()
         removed = []
-        by_class: dict[str, SessionLimits] = {}
-        for session in list(self._sessions.values()):
-            kind, limits = self.policy.limits_of(session.client_id)
-            by_class[kind] = limits
-            if limits.idle_seconds is not None and now - session.updated > limits.idle_seconds \
-                    and await self._remove_idle(session):
-                removed.append(session.client_id)
+        for kind, members in list(self._lru.items()):
+            idle = self.policy.limits(kind).idle_seconds
+            if idle is not None:
+                removed += [s.client_id for s in list(members.values())
+                            if now - s.updated > idle and await self._remove_idle(s)]
         if removed:
             logger.info("expired %d idle session(s)", len(removed))
-        for kind, limits in by_class.items():
-            removed += await self._evict(kind, limits.max_sessions)
+        for kind in list(self._lru):
+            removed += await self._evict(kind, self.policy.limits(kind).max_sessions)
         return removed
 
     async def _evict(self, kind: str, cap: int, keep: str | None = None) -> list[str]:
         """Forget the least recently active idle sessions of class `kind` beyond `cap` (never `keep`)."""
-        members = [s for s in self._sessions.values() if self.policy.classify(s.client_id) == kind]
+        members = self._lru.get(kind, {})
         excess = len(members) - cap
         if excess <= 0:
             return []
-        victims = sorted((s for s in members if s.client_id != keep and not self.busy(s)),
-                         key=lambda s: (s.updated, s.shorthand))[:excess]
+        idle = (s for s in members.values() if s.client_id != keep and not self.busy(s))
+        victims = list(itertools.islice(idle, excess))  # the least recently active first
         evicted = [s.client_id for s in victims if await self._remove_idle(s)]
         if evicted:
             logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(evicted), kind, cap)
