@@ -279,13 +279,12 @@ class SessionManager:
         self._sweeper: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        """Load the stored sessions, then expire and evict what the bounds no longer allow."""
+        """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them)."""
         await self.store.open()
         sessions, last = await self.store.load()
-        for s in sorted(sessions, key=lambda s: (s.updated, s.shorthand)):
+        for s in sessions:
             self._add(s)
         self._last_short = max(last, FIRST_SHORTHAND - 1)
-        await self.sweep()
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -296,17 +295,20 @@ class SessionManager:
         await self.store.close()
 
     def start_sweeping(self) -> None:
-        """Sweep every `policy.sweep_seconds` until `close()`."""
+        """Sweep now, then every `policy.sweep_seconds` until `close()`.
+
+        Call it once every client class is known (classes declared by plugins: after they load).
+        """
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="session-sweeper")
 
     async def _sweep_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.policy.sweep_seconds)
             try:
                 await self.sweep()
             except Exception:  # a failing store must not end the sweeping; the next round retries
                 logger.exception("session sweep failed")
+            await asyncio.sleep(self.policy.sweep_seconds)
 
     def get(self, client_id: str) -> Session | None:
         return self._sessions.get(client_id)
@@ -328,10 +330,20 @@ class SessionManager:
         return session, True
 
     def _add(self, session: Session) -> None:
-        kind = self._kind[session.client_id] = self.policy.classify(session.client_id)
         self._sessions[session.client_id] = session
         self._by_short[session.shorthand] = session.client_id
+        self._place(session)
+
+    def _place(self, session: Session) -> None:
+        """Put the session last (most recently active) in its class's eviction order."""
+        kind = self._kind[session.client_id] = self.policy.classify(session.client_id)
         self._lru.setdefault(kind, OrderedDict())[session.client_id] = session
+
+    def _reclassify(self) -> None:
+        """Sort every session into its class again (classes may have been declared since it was added)."""
+        self._lru.clear()
+        for s in sorted(self._sessions.values(), key=lambda s: (s.updated, s.shorthand)):
+            self._place(s)
 
     def _touch(self, session: Session) -> None:
         session.updated = self.clock()
@@ -403,6 +415,7 @@ class SessionManager:
 
         Returns the client ids removed. Busy sessions are skipped (a later sweep takes them).
         """
+        self._reclassify()
         now = self.clock()
         removed = []
         for kind, members in list(self._lru.items()):

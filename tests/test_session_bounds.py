@@ -39,6 +39,7 @@ async def manager():
     opened: list[state.SessionManager] = []
 
     async def open_manager(path, clock, pol=None, **kw) -> state.SessionManager:
+        """A manager over `path`, opened (bounds apply at its first `sweep()`, as in the server)."""
         m = state.SessionManager(state.SqliteStore(path), pol or policy(), clock=clock, **kw)
         opened.append(m)
         await m.open()
@@ -96,6 +97,7 @@ async def test_restart_keeps_last_activity_and_applies_expiry_at_open(manager, t
     await m.close()
     clock.advance(5)  # the server was down; api-old is now 8 days idle, api-new 5
     m2 = await manager(tmp_path / "s.db", clock)
+    assert await m2.sweep() == ["api-old"]  # the server's first sweep, when it starts
     assert stored_ids(m2) == {"api-new"}
     assert m2.get("api-new").updated == clock.now - 5 * DAY  # read back from the `updated` column
     await m2.close()
@@ -115,11 +117,11 @@ async def test_cap_evicts_the_least_recently_active_of_the_class_only(manager, t
     assert stored_ids(m) == {"api-1", "api-3", "api-4", "slack-1"}
     await m.close()
     m2 = await manager(tmp_path / "s.db", clock, policy(non_interactive={"max_sessions": 3}))
-    assert stored_ids(m2) == {"api-1", "api-3", "api-4", "slack-1"}
+    assert await m2.sweep() == [] and stored_ids(m2) == {"api-1", "api-3", "api-4", "slack-1"}
     await m2.close()
-    # A lower cap after a restart applies at open: the least recently active go.
+    # A lower cap after a restart applies at the first sweep: the least recently active go.
     m3 = await manager(tmp_path / "s.db", clock, policy(non_interactive={"max_sessions": 1}))
-    assert stored_ids(m3) == {"api-4", "slack-1"}
+    assert await m3.sweep() == ["api-3", "api-1"] and stored_ids(m3) == {"api-4", "slack-1"}
     await m3.close()
 
 
@@ -150,6 +152,21 @@ async def test_a_busy_session_is_neither_expired_nor_evicted(manager, tmp_path):
     assert sorted(await m.sweep()) == ["api-locked", "api-queued"]
     assert stored_ids(m) == {"api-new"}
     await m.close()
+
+
+async def test_a_sweep_uses_the_classes_known_when_it_runs(manager, tmp_path):
+    """Classes declared after the sessions were loaded (plugins load later) decide the sweep."""
+    clock = Clock()
+    owners: dict[str, str] = {}
+    limits = {"interactive": state.SessionLimits(None, 10), "other": state.SessionLimits(DAY, 10)}
+    pol = state.SessionPolicy(classify=lambda cid: owners.get(cid.split("-")[0], "other"), limits=limits.__getitem__)
+    m = await manager(tmp_path / "s.db", clock, pol)
+    await m.get_or_create("term-1", "m")
+    await m.close()
+    clock.advance(2)
+    m2 = await manager(tmp_path / "s.db", clock, pol)  # loaded while no plugin has declared `term-`
+    owners["term"] = "interactive"
+    assert await m2.sweep() == [] and stored_ids(m2) == {"term-1"}
 
 
 async def test_a_sweep_skips_sessions_deleted_while_it_runs(manager, tmp_path):
