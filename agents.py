@@ -36,6 +36,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 import gate
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, resolve_api_key
+from state import trim_history
 from tools import _lc_tool_to_openai_dict
 
 logger = logging.getLogger("agent_mcp.agents")
@@ -200,26 +201,6 @@ def _short(text: str, limit: int = 300) -> str:
 
 
 # ── History ─────────────────────────────────────────────────────────────────────────────────
-
-
-def _starts_turn(msg: dict[str, Any]) -> bool:
-    # Results of text tool calls are user messages too, but they belong to the turn before them.
-    return msg.get("role") == "user" and not msg.get("tool_results")
-
-
-def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[str, Any]]:
-    """The last `max_messages` messages, starting at a user message so no tool result loses its call."""
-    if len(history) <= max_messages:
-        return history
-    kept = history[-max_messages:]
-    for i, msg in enumerate(kept):
-        if _starts_turn(msg):
-            return kept[i:]
-    # A single turn longer than the limit: keep it whole from its user message.
-    for i in range(len(history) - 1, -1, -1):
-        if _starts_turn(history[i]):
-            return history[i:]
-    return []
 
 
 def to_lc_messages(history: list[dict[str, Any]]) -> list[BaseMessage]:

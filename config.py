@@ -92,6 +92,36 @@ class RateLimit(_Model):
     auto_disable: bool = False
 
 
+class SessionLimit(_Model):
+    """Bounds of the sessions of one client class."""
+
+    #: Days without activity after which a session is deleted; null: never.
+    idle_days: float | None = Field(default=7, gt=0)
+    #: Sessions of the class kept at most; beyond it the least recently active idle one is deleted.
+    max_sessions: int = Field(default=1000, ge=1)
+
+
+class SessionsConfig(_Model):
+    """`sessions` of `plugins-enabled.json`: how long sessions live, how many are kept, how much they store."""
+
+    #: Interactive clients (shell.py): never expire unless configured.
+    interactive: SessionLimit = SessionLimit(idle_days=None)
+    #: Every other client (API, swarm, proxy, Slack, MCP, ids no plugin owns).
+    non_interactive: SessionLimit = SessionLimit()
+    #: Per client class (shell, api, swarm, proxy, slack, mcp): replaces the entry above for that class.
+    classes: dict[str, SessionLimit] = {}
+    #: Messages of history stored per session; the oldest whole turns go first.
+    max_history_messages: int = Field(default=1000, ge=2)
+    #: Characters of one stored message; longer texts are cut when the session is saved.
+    max_message_chars: int = Field(default=200_000, ge=1000)
+    #: Minutes between two sweeps (expiry and caps) of the running server.
+    sweep_minutes: float = Field(default=60, gt=0)
+
+    def limit(self, kind: str, interactive: bool) -> SessionLimit:
+        """The bounds of client class `kind`."""
+        return self.classes.get(kind) or (self.interactive if interactive else self.non_interactive)
+
+
 class EnabledConfig(_Model):
     """`plugins-enabled.json`: the operator's control panel."""
 
@@ -100,6 +130,7 @@ class EnabledConfig(_Model):
     enabled_plugins: list[str] = []
     plugin_config: dict[str, dict[str, Any]] = {}
     rate_limits: dict[str, RateLimit] = {}
+    sessions: SessionsConfig = SessionsConfig()
 
 
 class Manifest(_Model):

@@ -25,7 +25,7 @@ from starlette.requests import Request
 import agents
 import gate
 import state
-from config import AppConfig, ConfigError, save_model_fields
+from config import AppConfig, ConfigError, SessionsConfig, save_model_fields
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptError, PromptTree
 from tools import AGENT_CALL_STREAM, CORE_GATES, ToolRegistry, make_core_tools
@@ -40,7 +40,8 @@ CANCEL_GRACE_SECONDS = 5
 
 async def build_runtime(config: AppConfig, store: state.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
-    sessions = state.SessionManager(store or state.open_store(config.env.get("SESSION_STORE"), config.data_dir()))
+    sessions = state.SessionManager(store or state.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
+                                    session_policy(config.enabled.sessions))
     await sessions.open()
     rt = state.Runtime(
         config=config,
@@ -53,10 +54,30 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
     rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    # Whatever removes a session (delete, expiry, eviction) also drops its stream and rate-limit windows.
+    sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget]
+    sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
+    sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
     rt.commands.update(CORE_COMMANDS)
     rt.plugins = PluginLoader(rt)
     return rt
+
+
+def session_policy(bounds: SessionsConfig) -> state.SessionPolicy:
+    """The session bounds of plugins-enabled.json `sessions`, per client class of the gate."""
+    unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
+    if unknown:
+        logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
+                       "session; the classes are %s", ", ".join(unknown), ", ".join(gate.CLIENT_LABELS))
+
+    def limits(kind: str) -> state.SessionLimits:
+        limit = bounds.limit(kind, interactive=kind == gate.SHELL)
+        idle = None if limit.idle_days is None else limit.idle_days * 86400
+        return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
+
+    return state.SessionPolicy(classify=gate.client_class, limits=limits, max_history=bounds.max_history_messages,
+                               max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
 
 
 async def close_runtime(rt: state.Runtime) -> None:
@@ -131,10 +152,7 @@ def ends_turn(ev: state.Event) -> bool:
 async def delete_session(rt: state.Runtime, client_id: str) -> state.Session:
     """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows."""
     await cancel_active_task(rt, client_id)
-    deleted = await rt.sessions.delete(client_id)
-    rt.hub.drop(client_id)
-    rt.rate_limiter.forget(client_id)
-    return deleted
+    return await rt.sessions.delete(client_id)  # its `forgotten` hooks drop the channel and the windows
 
 
 async def run_turn(
@@ -523,9 +541,7 @@ async def cmd_session(rt: state.Runtime, session: state.Session, args: str) -> s
     if action == "delete":
         if client_id != session.client_id:
             await cancel_active_task(rt, client_id)
-            rt.hub.drop(client_id)
         deleted = await rt.sessions.delete(client_id)
-        rt.rate_limiter.forget(client_id)
         return f"Deleted session ID [{deleted.shorthand}]: {client_id}"
     if action == "attach":
         return "!session <ID> attach is a shell.py command: it switches the terminal to that session."

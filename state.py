@@ -8,12 +8,14 @@ One `Runtime` per server instance owns every mutable object; it is built once (s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import itertools
 import json
 import logging
 import sqlite3
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,11 @@ logger = logging.getLogger("agent_mcp.state")
 
 FIRST_SHORTHAND = 101
 DEFAULT_TOOL_PREVIEW = 500
+#: Defaults of the session bounds (plugins-enabled.json `sessions`; see SessionPolicy).
+DEFAULT_MAX_SESSIONS = 1000
+DEFAULT_MAX_HISTORY = 1000
+DEFAULT_MAX_MESSAGE_CHARS = 200_000
+TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 EVENT_BUFFER = 2000
 #: Channels without subscribers kept for replay; beyond this the least recently used go.
 MAX_IDLE_CHANNELS = 1000
@@ -61,6 +68,8 @@ class Session:
     tool_preview_length: int = DEFAULT_TOOL_PREVIEW
     settings: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    #: Last activity (a request or a saved change), by the manager's clock; expiry and LRU go by it.
+    updated: float = field(default_factory=time.time)
     # Only during a turn: set by the `@model` prefix, never persisted.
     temp_model_active: bool = False
     # Held by the request running on this session; later requests wait their turn.
@@ -76,7 +85,7 @@ class Session:
         }
 
     @classmethod
-    def from_record(cls, client_id: str, shorthand: int, record: dict[str, Any]) -> Session:
+    def from_record(cls, client_id: str, shorthand: int, record: dict[str, Any], updated: float) -> Session:
         return cls(
             client_id=client_id,
             shorthand=shorthand,
@@ -85,7 +94,31 @@ class Session:
             tool_preview_length=int(record.get("tool_preview_length", DEFAULT_TOOL_PREVIEW)),
             settings=dict(record.get("settings", {})),
             created=float(record.get("created", time.time())),
+            updated=float(updated),
         )
+
+
+def _starts_turn(msg: dict[str, Any]) -> bool:
+    # Results of text tool calls are user messages too, but they belong to the turn before them.
+    return msg.get("role") == "user" and not msg.get("tool_results")
+
+
+def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[str, Any]]:
+    """The last `max_messages` messages, starting at a user message so no tool result loses its call.
+
+    Older turns go whole (a turn: a user message and everything up to the next one); a single
+    turn longer than the limit is kept whole from its user message.
+    """
+    if len(history) <= max_messages:
+        return history
+    kept = history[-max_messages:]
+    for i, msg in enumerate(kept):
+        if _starts_turn(msg):
+            return kept[i:]
+    for i in range(len(history) - 1, -1, -1):
+        if _starts_turn(history[i]):
+            return history[i:]
+    return []
 
 
 class SessionStore:
@@ -159,10 +192,10 @@ class SqliteStore(SqliteFile, SessionStore):
     async def load(self) -> tuple[list[Session], int]:
         db = self._conn()
         sessions = []
-        async with db.execute("SELECT client_id, shorthand, record FROM sessions ORDER BY shorthand") as cur:
-            async for client_id, shorthand, record in cur:
+        async with db.execute("SELECT client_id, shorthand, record, updated FROM sessions ORDER BY shorthand") as cur:
+            async for client_id, shorthand, record, updated in cur:
                 try:
-                    sessions.append(Session.from_record(client_id, shorthand, json.loads(record)))
+                    sessions.append(Session.from_record(client_id, shorthand, json.loads(record), updated))
                 except (ValueError, KeyError, TypeError) as exc:
                     # One damaged row must not take the others down; it stays in the file.
                     logger.error("session %s in %s is damaged and was skipped: %s", client_id, self.path, exc)
@@ -175,7 +208,7 @@ class SqliteStore(SqliteFile, SessionStore):
         db = self._conn()
         await db.execute(
             "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
-            (session.client_id, session.shorthand, json.dumps(session.to_record()), time.time()),
+            (session.client_id, session.shorthand, json.dumps(session.to_record()), session.updated),
         )
         await db.execute(
             "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
@@ -200,25 +233,89 @@ def open_store(url: str | None, data_dir: Path) -> SessionStore:
     raise SessionError(f"SESSION_STORE={url!r} is not supported; use 'sqlite', 'sqlite:///<path>' or 'memory'")
 
 
-class SessionManager:
-    """The live sessions, their shorthand ids, and write-through persistence."""
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds of one client class: idle seconds before a session expires (None: never) and how many are kept."""
 
-    def __init__(self, store: SessionStore):
+    idle_seconds: float | None = None
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """How long sessions live, how many are kept and how much history each stores.
+
+    `classify` names a client id's class; `limits` gives that class's bounds. Both are injected
+    (routes.build_runtime wires the gate's client classes), so this module knows no client kinds.
+    """
+
+    classify: Callable[[str], str] = lambda client_id: "default"
+    limits: Callable[[str], SessionLimits] = lambda kind: SessionLimits()
+    max_history: int = DEFAULT_MAX_HISTORY
+    max_message_chars: int = DEFAULT_MAX_MESSAGE_CHARS
+    #: Seconds between two sweeps of the running server (expiry, then caps).
+    sweep_seconds: float = 3600.0
+
+
+#: Called with the client id of every session the manager forgets (deleted, expired or evicted).
+ForgetHook = Callable[[str], None]
+
+
+class SessionManager:
+    """The live sessions, their shorthand ids, write-through persistence, and their bounds.
+
+    Every session removed (by `delete`, expiry or eviction) passes through `_forget`, which runs
+    the `forgotten` hooks (the runtime drops the event channel and the rate-limit windows there).
+    A session is never expired or evicted while `busy`: its lock is held or `is_busy(client_id)`.
+    """
+
+    def __init__(self, store: SessionStore, policy: SessionPolicy | None = None,
+                 clock: Callable[[], float] = time.time, is_busy: Callable[[str], bool] | None = None):
         self.store = store
+        self.policy = policy or SessionPolicy()
+        self.clock = clock
+        self.is_busy = is_busy
+        self.forgotten: list[ForgetHook] = []
         self._sessions: dict[str, Session] = {}
         self._by_short: dict[int, str] = {}
         self._last_short = FIRST_SHORTHAND - 1
+        self._unsaved: set[str] = set()  # added, never saved: their class's cap is checked at the first save
+        #: Per client class, its sessions from the least to the most recently active (eviction order).
+        self._lru: dict[str, OrderedDict[str, Session]] = {}
+        self._kind: dict[str, str] = {}
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
+        """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them)."""
         await self.store.open()
         sessions, last = await self.store.load()
         for s in sessions:
-            self._sessions[s.client_id] = s
-            self._by_short[s.shorthand] = s.client_id
+            self._add(s)
         self._last_short = max(last, FIRST_SHORTHAND - 1)
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         await self.store.close()
+
+    def start_sweeping(self) -> None:
+        """Sweep now, then every `policy.sweep_seconds` until `close()`.
+
+        Call it once every client class is known (classes declared by plugins: after they load).
+        """
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="session-sweeper")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception:  # a failing store must not end the sweeping; the next round retries
+                logger.exception("session sweep failed")
+            await asyncio.sleep(self.policy.sweep_seconds)
 
     def get(self, client_id: str) -> Session | None:
         return self._sessions.get(client_id)
@@ -227,15 +324,37 @@ class SessionManager:
         return sorted(self._sessions.values(), key=lambda s: s.shorthand)
 
     def get_or_add(self, client_id: str, model: str) -> tuple[Session, bool]:
-        """The client's session, added in memory if new (then True); the caller saves it."""
+        """The client's session, added in memory if new (then True), marked active now; the caller saves it."""
         session = self._sessions.get(client_id)
         if session is not None:
+            self._touch(session)
             return session, False
         self._last_short += 1
-        session = Session(client_id=client_id, shorthand=self._last_short, model=model)
-        self._sessions[client_id] = session
-        self._by_short[session.shorthand] = client_id
+        now = self.clock()
+        session = Session(client_id=client_id, shorthand=self._last_short, model=model, created=now, updated=now)
+        self._add(session)
+        self._unsaved.add(client_id)
         return session, True
+
+    def _add(self, session: Session) -> None:
+        self._sessions[session.client_id] = session
+        self._by_short[session.shorthand] = session.client_id
+        self._place(session)
+
+    def _place(self, session: Session) -> None:
+        """Put the session last (most recently active) in its class's eviction order."""
+        kind = self._kind[session.client_id] = self.policy.classify(session.client_id)
+        self._lru.setdefault(kind, OrderedDict())[session.client_id] = session
+
+    def _reclassify(self) -> None:
+        """Sort every session into its class again (classes may have been declared since it was added)."""
+        self._lru.clear()
+        for s in sorted(self._sessions.values(), key=lambda s: (s.updated, s.shorthand)):
+            self._place(s)
+
+    def _touch(self, session: Session) -> None:
+        session.updated = self.clock()
+        self._lru[self._kind[session.client_id]].move_to_end(session.client_id)
 
     async def get_or_create(self, client_id: str, model: str) -> Session:
         """The client's session, created and saved if new."""
@@ -254,17 +373,88 @@ class SessionManager:
         return None
 
     async def save(self, session: Session) -> None:
-        if self._sessions.get(session.client_id) is session:
-            await self.store.save(session, self._last_short)
+        """Store the session (its history bounded first) as active now; a new one may evict its class's LRU."""
+        if self._sessions.get(session.client_id) is not session:
+            return
+        self._bound_history(session)
+        self._touch(session)
+        await self.store.save(session, self._last_short)
+        if session.client_id in self._unsaved:
+            self._unsaved.discard(session.client_id)
+            kind = self._kind[session.client_id]
+            await self._evict(kind, self.policy.limits(kind).max_sessions, keep=session.client_id)
+
+    def _bound_history(self, session: Session) -> None:
+        """Drop the oldest whole turns beyond `max_history` messages; cut texts over `max_message_chars`."""
+        history, policy = session.history, self.policy
+        if len(history) > policy.max_history:
+            history[:] = trim_history(history, policy.max_history)
+        for msg in history:
+            content = msg.get("content")
+            if isinstance(content, str) and len(content) > policy.max_message_chars:
+                msg["content"] = content[: policy.max_message_chars] + TRUNCATED
 
     async def delete(self, ident: str) -> Session:
         client_id = self.resolve(ident)
         if client_id is None:
             raise SessionError(f"no session '{ident}'; use !session to list sessions")
+        return await self._forget(client_id)
+
+    async def _forget(self, client_id: str) -> Session:
         session = self._sessions.pop(client_id)
         self._by_short.pop(session.shorthand, None)
+        self._unsaved.discard(client_id)
+        del self._lru[self._kind.pop(client_id)][client_id]
         await self.store.delete(client_id)
+        for hook in list(self.forgotten):
+            try:
+                hook(client_id)
+            except Exception:
+                logger.exception("session hook %r failed for %s", hook, client_id)
         return session
+
+    def busy(self, session: Session) -> bool:
+        """Whether a request runs on (or waits for) the session: then it is never expired or evicted."""
+        return session.lock.locked() or (self.is_busy is not None and self.is_busy(session.client_id))
+
+    async def sweep(self) -> list[str]:
+        """Expire sessions idle longer than their class allows, then evict each class down to its cap.
+
+        Returns the client ids removed. Busy sessions are skipped (a later sweep takes them).
+        """
+        self._reclassify()
+        now = self.clock()
+        removed = []
+        for kind, members in list(self._lru.items()):
+            idle = self.policy.limits(kind).idle_seconds
+            if idle is not None:
+                removed += [s.client_id for s in list(members.values())
+                            if now - s.updated > idle and await self._remove_idle(s)]
+        if removed:
+            logger.info("expired %d idle session(s)", len(removed))
+        for kind in list(self._lru):
+            removed += await self._evict(kind, self.policy.limits(kind).max_sessions)
+        return removed
+
+    async def _evict(self, kind: str, cap: int, keep: str | None = None) -> list[str]:
+        """Forget the least recently active idle sessions of class `kind` beyond `cap` (never `keep`)."""
+        members = self._lru.get(kind, {})
+        excess = len(members) - cap
+        if excess <= 0:
+            return []
+        idle = (s for s in members.values() if s.client_id != keep and not self.busy(s))
+        victims = list(itertools.islice(idle, excess))  # the least recently active first
+        evicted = [s.client_id for s in victims if await self._remove_idle(s)]
+        if evicted:
+            logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(evicted), kind, cap)
+        return evicted
+
+    async def _remove_idle(self, session: Session) -> bool:
+        """Forget `session` unless it is busy or already gone (another task may have run meanwhile)."""
+        if self._sessions.get(session.client_id) is not session or self.busy(session):
+            return False
+        await self._forget(session.client_id)
+        return True
 
 
 # ── Events ──────────────────────────────────────────────────────────────────────────────────

@@ -79,6 +79,7 @@ HUMAN, AGENT = "human", "agent"
 MAX_SUBSCRIPTIONS_PER_SESSION = 200
 MAX_SUBSCRIPTIONS = 20_000
 HISTORY_LIMIT = 500
+KEPT_APPROVALS = 10_000
 #: The SDK's Host/Origin checks, off: guard.Guard in front of the listener is the one place they live.
 _NO_SDK_CHECKS = TransportSecuritySettings(enable_dns_rebinding_protection=False)
 #: Management tools and the roles that may call them.
@@ -252,9 +253,11 @@ class ApprovalStore(state.SqliteFile):
         "CREATE INDEX IF NOT EXISTS approvals_session ON approvals (session, opened_at)",
     )
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, kept: int = KEPT_APPROVALS):
         super().__init__(path)
         self.pending: dict[str, dict[str, Any]] = {}
+        #: Decided approvals kept in the file; older ones are deleted as new decisions come.
+        self.kept = kept
 
     async def open(self) -> None:
         await super().open()
@@ -262,7 +265,14 @@ class ApprovalStore(state.SqliteFile):
         db = self._conn()
         await db.execute("UPDATE approvals SET decision = 'abandoned', decided_by = 'server restart', "
                          "decided_at = ? WHERE decision IS NULL", (time.time(),))
+        await self._prune()
         await db.commit()
+
+    async def _prune(self) -> None:
+        """Delete the decided approvals beyond the newest `kept` (open ones are always kept)."""
+        await self._conn().execute(
+            "DELETE FROM approvals WHERE decision IS NOT NULL AND gate_id NOT IN (SELECT gate_id FROM approvals"
+            " WHERE decision IS NOT NULL ORDER BY decided_at DESC LIMIT ?)", (self.kept,))
 
     async def record_open(self, row: dict[str, Any]) -> None:
         db = self._conn()
@@ -275,6 +285,7 @@ class ApprovalStore(state.SqliteFile):
         db = self._conn()
         await db.execute("UPDATE approvals SET decision = ?, decided_by = ?, decided_at = ? WHERE gate_id = ?",
                          (decision, decided_by, decided_at, gate_id))
+        await self._prune()
         await db.commit()
 
     async def history(self, session: str | None = None, limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
@@ -307,6 +318,8 @@ class McpServerConfig(PluginSettings, guard.ListenerSettings):
     token_file: str = TOKENS_FILE
     #: The longest a `send_message` call waits for the answer, in seconds.
     max_wait_seconds: float = Field(default=600, gt=0)
+    #: Decided approvals kept in mcp-approvals.sqlite3 (the newest); older ones are deleted.
+    kept_approvals: int = Field(default=KEPT_APPROVALS, ge=HISTORY_LIMIT)
 
 
 def _json(data: Any) -> str:
@@ -354,7 +367,7 @@ class McpServerPlugin(BasePlugin):
                            "(it is never logged) and add agent tokens there", self.token_path)
         table = load_tokens(self.token_path)
         resource = f"http://{self._url_host()}:{self.cfg.port}/mcp"
-        self.store = ApprovalStore(rt.config.data_dir() / "mcp-approvals.sqlite3")
+        self.store = ApprovalStore(rt.config.data_dir() / "mcp-approvals.sqlite3", self.cfg.kept_approvals)
         await self.store.open()
         self.mcp = self._build_server(TokenTable(table, resource), resource)
         # Host and Origin are checked by the server's guard in front of every listener (guard.py), from

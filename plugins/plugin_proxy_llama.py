@@ -574,8 +574,9 @@ class LlamaProxyPlugin(BasePlugin):
             await events.aclose()
             await routes.cancel_active_task(self.rt, client_id)  # a request cut short: wait for its cleanup
             if self.rt.sessions.get(client_id) is not None:
-                await self.rt.sessions.delete(client_id)
-            self.rt.hub.drop(client_id)
+                await self.rt.sessions.delete(client_id)  # which also drops its event channel
+            else:
+                self.rt.hub.drop(client_id)
 
     async def _answer(self, request: Request, fmt: _Ollama | _OpenAI, text: str, key: str | None,
                       stream: bool) -> Response:

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 import state
-from agents import trim_history
+from state import trim_history
 
 
 async def take(it, n):
