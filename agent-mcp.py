@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -80,16 +81,22 @@ def check_data_dir(path: Path) -> None:
 
     Checked before anything starts: the session store, the MCP approval store and the token files
     live there, and a failure halfway through start-up would leave a traceback, not an answer.
+    A new directory is private (0700): it holds every conversation. An existing one that other
+    users can read is kept as it is, with a warning.
     """
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
+        mode = stat.S_IMODE(path.stat().st_mode)
     except OSError as exc:
         raise StartupError(
             f"data directory {path} is not writable ({exc.strerror or type(exc).__name__}): set AGENT_DATA_DIR "
             "to a writable directory or fix its permissions"
         ) from None
+    if mode & 0o077:
+        logger.warning("data directory %s can be read by other users of this machine, and it holds every "
+                       "session's history: run chmod 700 %s", path, path)
 
 
 def _is_loopback(host: str) -> bool:

@@ -169,6 +169,19 @@ def test_without_a_configured_token_the_first_start_writes_one_and_shell_py_find
     assert f"{path} is readable by other users" in out and f"chmod 600 {path}" in out and token not in out
 
 
+def test_the_data_dir_is_created_private_and_a_readable_one_is_reported(config_dir, fake_openai, start_server):
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    data = config_dir.path / "data"
+    assert not data.exists()
+    server = start_server(config_dir)
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700  # it holds every conversation
+    assert "can be read by other users" not in server.stop()
+    os.chmod(data, 0o755)
+    server.start()
+    assert f"data directory {data} can be read by other users" in server.stop()
+    assert stat.S_IMODE(data.stat().st_mode) == 0o755  # reported, not changed behind the operator's back
+
+
 def test_malformed_config_stops_startup_naming_file_and_field(config_dir, fake_openai, start_server):
     config_dir.models = {"fake": {**openai_model(fake_openai), "max_context": "many"}}
     server = start_server(config_dir, wait=False)
