@@ -694,7 +694,7 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         del session.history[mark:]
         cfg = rt.config.models.get(key)
         message = describe_llm_error(exc, key, cfg)
-        if cfg and cfg.host and not gate.is_interactive(session.client_id):
+        if cfg and cfg.host and not gate.may_administer():
             # Proxy, Slack and API users learn what failed, not where the backends live.
             logger.warning("LLM turn of %s failed: %s", session.client_id, message)
             message = _redact_hosts(message, cfg.host)

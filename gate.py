@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sqlglot
@@ -57,38 +58,87 @@ DECISIONS = ("allow", "allow_session", "reject")
 
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 
-SHELL, API, SWARM, PROXY, SLACK, MCP = "shell", "api", "swarm", "proxy", "slack", "mcp"
-_PREFIXES = (("api-swarm-", SWARM), ("api-", API), ("llama-", PROXY), ("slack-", SLACK), ("mcp-", MCP))
-CLIENT_LABELS = {SHELL: "the shell", API: "an API client", SWARM: "another agent (swarm call)",
-                 PROXY: "the chat proxy", SLACK: "Slack", MCP: "an MCP client"}
+SHELL, API, SWARM, PROXY, SLACK, MCP, UNKNOWN = "shell", "api", "swarm", "proxy", "slack", "mcp", "unknown"
+#: How a gate of a client class is answered: a person waits for it ("human", GATE_TIMEOUT), a program
+#: may answer within the API window ("window", API_GATE_TIMEOUT), or nobody can ("reject", at once).
+HUMAN_WAIT, WINDOW_WAIT, NO_WAIT = "human", "window", "reject"
 
 
-def client_class(client_id: str | None) -> str:
-    """The client class of a client id: shell, api, swarm, proxy, slack or mcp (spec "Session Model")."""
-    for prefix, kind in _PREFIXES:
-        if (client_id or "").startswith(prefix):
-            return kind
-    return SHELL
+@dataclass(frozen=True)
+class ClientClass:
+    """What the clients of one class are; privileges come from the request (see `may_administer`)."""
+
+    name: str
+    label: str
+    gate_wait: str = NO_WAIT
 
 
-def is_interactive(client_id: str | None) -> bool:
-    """True for shell.py sessions: a person at a terminal who can answer a gate."""
-    return client_class(client_id) == SHELL
+#: Every client class. Plugins declare which client-id namespace belongs to which class
+#: (`BasePlugin.CLIENT_NAMESPACES`); an id no loaded plugin owns is UNKNOWN: the least privilege.
+CLASSES = {c.name: c for c in (
+    ClientClass(SHELL, "the shell", HUMAN_WAIT),
+    ClientClass(API, "an API client", WINDOW_WAIT),
+    ClientClass(SWARM, "another agent (swarm call)"),
+    ClientClass(PROXY, "the chat proxy"),
+    ClientClass(SLACK, "Slack"),
+    ClientClass(MCP, "an MCP client", HUMAN_WAIT),  # answered by a person holding a human MCP token
+    ClientClass(UNKNOWN, "a client no plugin vouches for"),
+)}
+CLIENT_LABELS = {name: c.label for name, c in CLASSES.items()}
 
 
-def may_administer(client_id: str | None = None) -> bool:
-    """Whether the current request may change gates or run privileged commands (such as `!db`).
+def client_class(client_id: str | None, rt: state.Runtime | None = None) -> str:
+    """The class of the loaded plugin's namespace that owns `client_id` (the longest prefix), else UNKNOWN."""
+    rt = rt or state.installed()
+    return _owner_class(rt.client_namespaces if rt else {}, client_id or "")
 
-    Accepted: the interactive shell, or a request whose client plugin vouched for an admin
-    (payload `"admin": True`, e.g. the API plugin when the caller holds the admin token).
+
+def _owner_class(namespaces: dict[str, tuple[str, str]], client_id: str) -> str:
+    best, kind = -1, UNKNOWN
+    for prefix, (declared, _plugin) in namespaces.items():
+        if client_id.startswith(prefix) and len(prefix) > best:
+            best, kind = len(prefix), declared
+    return kind
+
+
+def request_class(rt: state.Runtime, client_id: str, payload: dict[str, Any]) -> str:
+    """The class of a request: the shell's when its endpoint vouched for it, else its id's namespace's."""
+    return SHELL if payload.get("interactive") is True else client_class(client_id, rt)
+
+
+def session_class(namespaces: dict[str, tuple[str, str]], session: state.Session) -> str:
+    """The class a session is bounded and listed as: the class of the client that created it.
+
+    Sessions stored before classes were recorded: their id's namespace, and bare ids are the
+    shell's (the only client that created them). Never a source of privilege.
     """
-    client_id = client_id if client_id is not None else state.current_client_id.get()
-    return is_interactive(client_id) or state.current_admin.get()
+    recorded = session.settings.get(state.CLIENT_CLASS)
+    if recorded in CLASSES:
+        return str(recorded)
+    kind = _owner_class(namespaces, session.client_id)
+    return SHELL if kind == UNKNOWN and state.CLIENT_CLASS not in session.settings else kind
 
 
-def refusal(command: str, client_id: str | None = None) -> str:
+def current_class(rt: state.Runtime, client_id: str) -> str:
+    """The class of the request running for `client_id` (set by process_request), else its namespace's."""
+    kind = state.current_class.get()
+    return kind if kind is not None and state.current_client_id.get() == client_id else client_class(client_id, rt)
+
+
+def may_administer() -> bool:
+    """Whether the current request may change gates or run privileged (★) commands such as `!db`.
+
+    Accepted: a request the token-authenticated shell endpoint vouched for (payload
+    `"interactive": True`), or one whose client plugin vouched for an administrator (payload
+    `"admin": True`: the API plugin when the caller holds the admin token). Nothing else, whatever
+    its client id.
+    """
+    return state.current_interactive.get() or state.current_admin.get()
+
+
+def refusal(command: str) -> str:
     """The message a client gets for a privileged command it may not run."""
-    kind = client_class(client_id if client_id is not None else state.current_client_id.get())
+    kind = state.current_class.get() or UNKNOWN
     return (f"ERROR: {command} is accepted only from the interactive shell (shell.py) or an API client "
             f"holding the admin token; this request comes from {CLIENT_LABELS[kind]}.")
 
@@ -332,19 +382,19 @@ class GateKeeper:
             op, section, keys, tables = resolve_operation(spec, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op) for k in keys):
             return None
-        kind = client_class(client_id)
-        if kind == SHELL and session is not None and session.temp_model_active:
+        kind = current_class(rt, client_id)
+        if state.current_interactive.get() and session is not None and session.temp_model_active:
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
         what = f"{op} on {', '.join(tables)}" if tables else op
-        if kind in (SWARM, PROXY, SLACK):
+        wait = CLASSES[kind].gate_wait
+        if wait == NO_WAIT:
             rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {CLIENT_LABELS[kind]} "
                                      "cannot give — rejected")
             return (f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this client "
                     f"({CLIENT_LABELS[kind]}) cannot give it, so it was not run. Do not retry it; tell the user "
                     "that an operator can allow it from the shell (!autogate / !autoAIdb) or in gate-defaults.json.")
-        # MCP sessions are answered by a person holding a human token (plugin_client_mcp), as patiently as the shell.
-        timeout = self.timeout if kind in (SHELL, MCP) else self.api_timeout
+        timeout = self.timeout if wait == HUMAN_WAIT else self.api_timeout
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
                    "timeout_seconds": timeout}
         decision, gate_id = await self.ask(rt, client_id, payload, timeout)

@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import re
 import sys
 import traceback
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+import gate
 import state
 from config import CODE_DIR, AppConfig, EnabledConfig
 
@@ -75,6 +77,10 @@ class BasePlugin(ABC):
     DESCRIPTION: str = ""
     DEPENDENCIES: list[str] = []
     ENV_VARS: list[str] = []
+    #: client_interface: the client-id prefixes this plugin's sessions use, and their client class
+    #: (`gate.CLASSES`: "api", "proxy", …), e.g. `{"api-": "api", "api-swarm-": "swarm"}`. A request
+    #: whose id no loaded plugin declared gets the least privilege ("unknown").
+    CLIENT_NAMESPACES: dict[str, str] = {}
 
     def __init__(self) -> None:
         self.enabled = False
@@ -301,6 +307,7 @@ class PluginLoader:
             self._register(name, plugin)
         except Exception as exc:
             self.rt.tools.unregister_owner(name)
+            self._forget_namespaces(name)
             for cmd in [c for c, spec in self.rt.commands.items() if spec.owner == name]:
                 del self.rt.commands[cmd]
             await self._shutdown_one(plugin)
@@ -310,7 +317,29 @@ class PluginLoader:
         self.loaded.append(plugin)
         return report
 
+    def _declare_namespaces(self, name: str, plugin: BasePlugin) -> None:
+        """Record the plugin's client-id namespaces; a class that does not exist, an empty prefix or one
+        that overlaps another plugin's namespace is refused (it could take over that plugin's sessions)."""
+        declared = dict(plugin.CLIENT_NAMESPACES or {})
+        for prefix, kind in declared.items():
+            if kind not in gate.CLASSES or kind == gate.UNKNOWN:
+                raise ValueError(f"CLIENT_NAMESPACES: '{prefix}' names class {kind!r}; use one of "
+                                 f"{', '.join(k for k in gate.CLASSES if k != gate.UNKNOWN)}")
+            if not prefix or not re.fullmatch(r"[A-Za-z0-9._:@-]+", prefix):
+                raise ValueError(f"CLIENT_NAMESPACES: {prefix!r} is not a client-id prefix (letters, digits, . _ : @ -)")
+            for other, (_, owner) in self.rt.client_namespaces.items():
+                if owner != name and (other.startswith(prefix) or prefix.startswith(other)):
+                    raise ValueError(f"CLIENT_NAMESPACES: '{prefix}' overlaps '{other}' of {owner}")
+        for prefix, kind in declared.items():
+            self.rt.client_namespaces[prefix] = (kind, name)
+
+    def _forget_namespaces(self, name: str) -> None:
+        for prefix in [p for p, (_, owner) in self.rt.client_namespaces.items() if owner == name]:
+            del self.rt.client_namespaces[prefix]
+
     def _register(self, name: str, plugin: BasePlugin) -> None:
+        if plugin.PLUGIN_TYPE == "client_interface":
+            self._declare_namespaces(name, plugin)
         if plugin.PLUGIN_TYPE == "data_tool":
             self.rt.tools.register_plugin_tools(name, plugin.get_tools())
             self.rt.tools.register_gate_tools(name, plugin.get_gate_tools())
@@ -340,6 +369,7 @@ class PluginLoader:
         return [p for p in self.loaded if p.PLUGIN_TYPE == "client_interface"]
 
     async def _shutdown_one(self, plugin: BasePlugin) -> None:
+        self._forget_namespaces(plugin.PLUGIN_NAME)
         try:
             await _maybe_await(plugin.shutdown())
         except Exception:

@@ -40,12 +40,14 @@ CANCEL_GRACE_SECONDS = 5
 
 async def build_runtime(config: AppConfig, store: state.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
+    namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     sessions = state.SessionManager(store or state.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
-                                    session_policy(config.enabled.sessions))
+                                    session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
     rt = state.Runtime(
         config=config,
         sessions=sessions,
+        client_namespaces=namespaces,
         hub=state.EventHub(),
         tools=ToolRegistry(),
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),
@@ -64,8 +66,10 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
     return rt
 
 
-def session_policy(bounds: SessionsConfig) -> state.SessionPolicy:
-    """The session bounds of plugins-enabled.json `sessions`, per client class of the gate."""
+def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
+                   ) -> state.SessionPolicy:
+    """The session bounds of plugins-enabled.json `sessions`, per client class (`gate.session_class`,
+    with the client-id `namespaces` the runtime's plugins declare)."""
     unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
     if unknown:
         logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
@@ -76,7 +80,10 @@ def session_policy(bounds: SessionsConfig) -> state.SessionPolicy:
         idle = None if limit.idle_days is None else limit.idle_days * 86400
         return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
 
-    return state.SessionPolicy(classify=gate.client_class, limits=limits, max_history=bounds.max_history_messages,
+    def classify(session: state.Session) -> str:
+        return gate.session_class(namespaces or {}, session)
+
+    return state.SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
                                max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
 
 
@@ -226,7 +233,12 @@ async def process_request(
     Requests on one session run one at a time, in the order they were submitted. Payload keys:
     `default_model` (the model of a session created now), `model` (answer this request's LLM
     turn with that registry model; the session keeps its own model), `admin` (True only when the
-    client plugin authenticated an administrator; see `gate.may_administer`).
+    client plugin authenticated an administrator; see `gate.may_administer`), `interactive` (True
+    only from the token-authenticated shell endpoint: ★ commands and the `@model` gate bypass).
+    The request's client class is the shell's when vouched interactive, else that of the plugin
+    namespace owning `client_id` (`gate.request_class`; an id no plugin owns gets the least
+    privilege). A plugin may call this directly (the spec's path): the request is then tracked
+    in `rt.active_tasks` like a submitted one, so a newer request or a delete cancels it.
     """
     rt = rt or state.current()
     payload = payload or {}
@@ -235,12 +247,16 @@ async def process_request(
     turn_model = payload.get("model") or None
     turn_token = state.current_turn.set(turn_id or uuid.uuid4().hex[:16])
     token = state.current_client_id.set(client_id)
+    kind = gate.request_class(rt, client_id, payload)
     admin_token = state.current_admin.set(payload.get("admin") is True)
+    interactive_token = state.current_interactive.set(payload.get("interactive") is True)
+    class_token = state.current_class.set(kind)
+    untrack = _track(rt, client_id)
     session: state.Session | None = None
     cancelled = False
     try:
         # Added without awaiting, so requests take the session's lock in the order they arrived.
-        session, created = rt.sessions.get_or_add(client_id, model)
+        session, created = rt.sessions.get_or_add(client_id, model, kind)
         async with session.lock:
             if created:
                 await rt.sessions.save(session)
@@ -256,15 +272,35 @@ async def process_request(
         raise
     except Exception as exc:
         logger.exception("request of %s failed", client_id)
-        rt.hub.error(client_id, f"internal error: {type(exc).__name__}: {exc}")
+        detail = f": {type(exc).__name__}: {exc}" if gate.may_administer() else " (details are in the server log)"
+        rt.hub.error(client_id, f"internal error{detail}")
     finally:
+        untrack()
         state.current_client_id.reset(token)
         state.current_admin.reset(admin_token)
+        state.current_interactive.reset(interactive_token)
+        state.current_class.reset(class_token)
         if session is not None and rt.sessions.get(client_id) is session:
             await rt.sessions.save(session)
         if not cancelled:
             rt.hub.done(client_id)
         state.current_turn.reset(turn_token)
+
+
+def _track(rt: state.Runtime, client_id: str) -> Any:
+    """Put the running task among the client's requests unless `submit` did; returns the undo."""
+    task = asyncio.current_task()
+    if task is None or task in rt.active_tasks.get(client_id, ()):
+        return lambda: None
+    group = rt.active_tasks.setdefault(client_id, set())
+    group.add(task)
+
+    def untrack() -> None:
+        group.discard(task)
+        if not group and rt.active_tasks.get(client_id) is group:
+            del rt.active_tasks[client_id]
+
+    return untrack
 
 
 async def _process(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
@@ -526,7 +562,7 @@ async def cmd_session(rt: state.Runtime, session: state.Session, args: str) -> s
     API user sees and deletes only their own.
     """
     parts = args.split()
-    everyone = gate.may_administer(session.client_id)
+    everyone = gate.may_administer()
     if not parts:
         rows = [
             f"  ID [{s.shorthand}] {s.client_id}: model={s.model}, history={len(s.history)} messages"

@@ -46,6 +46,11 @@ MAX_IDLE_CHANNELS = 1000
 current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
 #: Whether the client plugin vouched for an administrator (payload `"admin": True`); see gate.may_administer.
 current_admin: contextvars.ContextVar[bool] = contextvars.ContextVar("current_admin", default=False)
+#: Whether the request was vouched interactive by the token-authenticated shell endpoint (payload
+#: `"interactive": True`): only then do ★ commands and the `@model` gate bypass apply.
+current_interactive: contextvars.ContextVar[bool] = contextvars.ContextVar("current_interactive", default=False)
+#: The client class of the request being processed (see gate.request_class).
+current_class: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_class", default=None)
 #: The request (turn) being processed; every event published meanwhile carries it.
 current_turn: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_turn", default=None)
 
@@ -245,17 +250,20 @@ class SessionLimits:
 class SessionPolicy:
     """How long sessions live, how many are kept and how much history each stores.
 
-    `classify` names a client id's class; `limits` gives that class's bounds. Both are injected
+    `classify` names a session's client class; `limits` gives that class's bounds. Both are injected
     (routes.build_runtime wires the gate's client classes), so this module knows no client kinds.
     """
 
-    classify: Callable[[str], str] = lambda client_id: "default"
+    classify: Callable[[Session], str] = lambda session: "default"
     limits: Callable[[str], SessionLimits] = lambda kind: SessionLimits()
     max_history: int = DEFAULT_MAX_HISTORY
     max_message_chars: int = DEFAULT_MAX_MESSAGE_CHARS
     #: Seconds between two sweeps of the running server (expiry, then caps).
     sweep_seconds: float = 3600.0
 
+
+#: Session setting: the class of the client that created the session (bounds and listings, never privileges).
+CLIENT_CLASS = "client_class"
 
 #: Called with the client id of every session the manager forgets (deleted, expired or evicted).
 ForgetHook = Callable[[str], None]
@@ -323,15 +331,20 @@ class SessionManager:
     def all(self) -> list[Session]:
         return sorted(self._sessions.values(), key=lambda s: s.shorthand)
 
-    def get_or_add(self, client_id: str, model: str) -> tuple[Session, bool]:
-        """The client's session, added in memory if new (then True), marked active now; the caller saves it."""
+    def get_or_add(self, client_id: str, model: str, client_class: str | None = None) -> tuple[Session, bool]:
+        """The client's session, added in memory if new (then True), marked active now; the caller saves it.
+
+        A new session records `client_class`, the class of the client that created it (for its bounds).
+        """
         session = self._sessions.get(client_id)
         if session is not None:
             self._touch(session)
             return session, False
         self._last_short += 1
         now = self.clock()
-        session = Session(client_id=client_id, shorthand=self._last_short, model=model, created=now, updated=now)
+        settings = {CLIENT_CLASS: client_class} if client_class else {}
+        session = Session(client_id=client_id, shorthand=self._last_short, model=model, created=now, updated=now,
+                          settings=settings)
         self._add(session)
         self._unsaved.add(client_id)
         return session, True
@@ -343,7 +356,7 @@ class SessionManager:
 
     def _place(self, session: Session) -> None:
         """Put the session last (most recently active) in its class's eviction order."""
-        kind = self._kind[session.client_id] = self.policy.classify(session.client_id)
+        kind = self._kind[session.client_id] = self.policy.classify(session)
         self._lru.setdefault(kind, OrderedDict())[session.client_id] = session
 
     def _reclassify(self) -> None:
@@ -637,6 +650,8 @@ class Runtime:
     #: that becomes the tool result. A check that refuses tells the user itself (a status event).
     tool_checks: list[Any] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    #: Client-id namespaces declared by the loaded client plugins: prefix → (client class, plugin).
+    client_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Gate decisions awaited by running tool calls: gate id → future of the decision string.
     pending_gates: dict[str, asyncio.Future[str]] = field(default_factory=dict)
     #: The session each pending gate belongs to: gate id → client id (see gate.gate_owner).
@@ -660,6 +675,11 @@ def set_current(rt: Runtime | None) -> None:
 def current() -> Runtime:
     if _current is None:
         raise RuntimeError("no agent-mcp runtime is running")
+    return _current
+
+
+def installed() -> Runtime | None:
+    """The runtime `set_current()` installed, or None."""
     return _current
 
 

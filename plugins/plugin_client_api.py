@@ -109,6 +109,7 @@ class ApiPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_api"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
+    CLIENT_NAMESPACES = {PREFIX: gate.API, "api-swarm-": gate.SWARM}
     DESCRIPTION = "JSON/SSE API for programs and swarm calls between agents"
     DEPENDENCIES = ["sse-starlette"]
 

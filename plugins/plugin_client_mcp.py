@@ -332,6 +332,7 @@ class McpServerPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_mcp"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
+    CLIENT_NAMESPACES = {PREFIX: gate.MCP}
     DESCRIPTION = "MCP server: sessions, approvals and tools over Streamable HTTP at /mcp"
     DEPENDENCIES = ["mcp"]
 

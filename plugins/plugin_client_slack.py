@@ -45,11 +45,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
+import gate
 import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
 
+#: Client ids of this plugin's sessions start with this (its client-id namespace).
+PREFIX = "slack-"
 logger = logging.getLogger("agent_mcp.slack")
 
 WORKING = "_⏳ working…_"
@@ -228,7 +231,7 @@ class InboundMessage:
 
     @property
     def client_id(self) -> str:
-        return f"slack-{self.channel}-{self.thread_ts}"
+        return f"{PREFIX}{self.channel}-{self.thread_ts}"
 
 
 class _Seen:
@@ -507,6 +510,7 @@ class SlackPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_slack"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
+    CLIENT_NAMESPACES = {PREFIX: gate.SLACK}
     DESCRIPTION = "Slack thread bot: Socket Mode in, chat.postMessage out"
     DEPENDENCIES = ["slack-sdk>=3.30", "slackify-markdown>=0.2.4"]
     ENV_VARS = ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"]
@@ -754,7 +758,7 @@ class SlackPlugin(BasePlugin):
     # ── HTTP ──
 
     def _sessions(self) -> list[state.Session]:
-        return [s for s in self.rt.sessions.all() if s.client_id.startswith("slack-")]
+        return [s for s in self.rt.sessions.all() if s.client_id.startswith(PREFIX)]
 
     def _connected(self) -> bool:
         return self.socket is not None and self.socket.is_connected()

@@ -29,11 +29,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import gate
 import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
 
+#: Client ids of this plugin's sessions start with this (its client-id namespace).
+PREFIX = "llama-"
 logger = logging.getLogger("agent_mcp.proxy")
 
 #: The Ollama API version we answer like (open-webui parses it as dotted numbers).
@@ -380,6 +383,7 @@ class LlamaProxyPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_proxy_llama"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
+    CLIENT_NAMESPACES = {PREFIX: gate.PROXY}
     DESCRIPTION = "Ollama- and OpenAI-compatible proxy (open-webui, Enchanted, LM Studio, SDKs)"
     DEPENDENCIES = ["sse-starlette"]
 
@@ -556,7 +560,7 @@ class LlamaProxyPlugin(BasePlugin):
 
     def client_id(self, request: Request) -> str:
         """`llama-<client ip>`, plus the open-webui chat (or user) when it forwards one."""
-        base = f"llama-{request.client.host if request.client else 'unknown'}"
+        base = f"{PREFIX}{request.client.host if request.client else 'unknown'}"
         if self.cfg.session_per_chat:
             for header, kind in _SESSION_HEADERS:
                 value = request.headers.get(header, "").strip()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import shutil
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,33 @@ from tests.conftest import ROOT, ConfigDir
 ALL_GATED: dict[str, Any] = {"db": {}, "tools": {}}
 ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True}},
                             "tools": {"*": {"read": True, "write": True}}}
+
+
+#: The client-id namespaces the shipped client plugins declare (CLIENT_NAMESPACES), by owner.
+SHIPPED_NAMESPACES = {"api-": (gate.API, "plugin_client_api"), "api-swarm-": (gate.SWARM, "plugin_client_api"),
+                      "llama-": (gate.PROXY, "plugin_proxy_llama"), "slack-": (gate.SLACK, "plugin_client_slack"),
+                      "mcp-": (gate.MCP, "plugin_client_mcp")}
+
+
+def shell_payload(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`payload`, vouched interactive as the shell endpoint does when `client_id` is a bare (shell.py) id."""
+    if payload is None and gate.client_class(client_id, rt) == gate.UNKNOWN:
+        return {"interactive": True}
+    return payload
+
+
+@contextlib.contextmanager
+def as_request(rt: state.Runtime, client_id: str) -> Iterator[None]:
+    """Within: the context a request of `client_id` runs in (a bare id: a vouched shell.py request)."""
+    kind = gate.request_class(rt, client_id, shell_payload(rt, client_id, None) or {})
+    tokens = [(state.current_client_id, state.current_client_id.set(client_id)),
+              (state.current_class, state.current_class.set(kind)),
+              (state.current_interactive, state.current_interactive.set(kind == gate.SHELL))]
+    try:
+        yield
+    finally:
+        for var, token in reversed(tokens):
+            var.reset(token)
 
 
 @contextlib.asynccontextmanager
@@ -46,6 +73,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
     rt = await routes.build_runtime(load_config(path), store=state.MemoryStore())
+    rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
     state.set_current(rt)
     try:
         for name in plugins:
@@ -86,7 +114,7 @@ async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dic
                answer: str | None = None) -> tuple[str, list[state.Event]]:
     """Submit and collect the events up to the turn's `done`, answering gates with `answer` if given."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    await routes.submit(rt, client_id, text, payload)
+    await routes.submit(rt, client_id, text, shell_payload(rt, client_id, payload))
     events = []
     async for ev in sub:
         events.append(ev)
@@ -102,7 +130,8 @@ async def with_events(rt: state.Runtime, client_id: str, work: Awaitable[Any], a
                       ) -> tuple[Any, list[state.Event]]:
     """Run `work`, collecting the session's events meanwhile and answering gates with `answer`."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    task = asyncio.ensure_future(work)
+    with as_request(rt, client_id):  # the task copies this context
+        task = asyncio.ensure_future(work)
     task.add_done_callback(lambda _: rt.hub.publish(client_id, "status", {"text": "", "end_of_test": True}))
     events = []
     async for ev in sub:

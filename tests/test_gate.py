@@ -16,7 +16,16 @@ import state
 from config import GateDefaults, RateLimit
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
-from tests.runtime import ALL_GATED, ALL_OPEN, Recorder, add_plugin_tools, runtime, turn, with_events
+from tests.runtime import (
+    ALL_GATED,
+    ALL_OPEN,
+    Recorder,
+    add_plugin_tools,
+    as_request,
+    runtime,
+    turn,
+    with_events,
+)
 
 # ── SQL classification ──────────────────────────────────────────────────────────────────────
 
@@ -127,20 +136,25 @@ CLIENTS = {"shell": "4f1c2a9e-shell", "api": "api-1a2b3c4d", "swarm": "api-swarm
            "proxy": "llama-127.0.0.1", "slack": "slack-C123-1700000000.1", "mcp": "mcp-worker"}
 
 
-def test_client_classes() -> None:
-    assert {kind: gate.client_class(cid) for kind, cid in CLIENTS.items()} == {k: k for k in CLIENTS}
-    assert gate.is_interactive(CLIENTS["shell"]) and not gate.is_interactive(CLIENTS["api"])
+async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path, fake_openai) -> None:
+    async with runtime(tmp_path, {"fake": openai_model(fake_openai)}) as rt:
+        classes = {kind: gate.client_class(cid, rt) for kind, cid in CLIENTS.items()}
+        # A bare id belongs to no plugin: only the shell endpoint's vouching makes a request the shell's.
+        assert classes == {**{k: k for k in CLIENTS}, "shell": gate.UNKNOWN}
+        assert gate.request_class(rt, CLIENTS["shell"], {"interactive": True}) == gate.SHELL
+        assert gate.request_class(rt, "api-x", {"interactive": True}) == gate.SHELL  # the shell acts anywhere
+        rt.client_namespaces.clear()  # no plugin loaded: nobody vouches for any id
+        assert {gate.client_class(cid, rt) for cid in CLIENTS.values()} == {gate.UNKNOWN}
 
 
-async def test_may_administer_follows_client_and_admin_flag() -> None:
-    assert gate.may_administer(CLIENTS["shell"])
-    for kind in ("api", "swarm", "proxy", "slack", "mcp"):
-        assert not gate.may_administer(CLIENTS[kind]), kind
-    token = state.current_admin.set(True)
-    try:
-        assert gate.may_administer(CLIENTS["api"])
-    finally:
-        state.current_admin.reset(token)
+async def test_may_administer_follows_the_request_not_the_client_id() -> None:
+    assert not gate.may_administer()  # outside a request: nobody
+    for var in (state.current_interactive, state.current_admin):
+        token = var.set(True)
+        try:
+            assert gate.may_administer()
+        finally:
+            var.reset(token)
 
 
 # ── The matrix: gate type × client × gate on/off ────────────────────────────────────────────
@@ -313,7 +327,7 @@ async def test_a_new_submit_cancels_a_waiting_gate_and_cleans_it(grt, fake_opena
     grt.gate.timeout = 30
     fake_openai.script(tool_call("web_search", {"query": "q"}))
     sub = grt.hub.subscribe("c1", grt.hub.last_id("c1"))
-    await routes.submit(grt, "c1", "search something")
+    await routes.submit(grt, "c1", "search something", {"interactive": True})
     async for ev in sub:
         if ev.name == "gate":
             break
@@ -501,7 +515,8 @@ async def test_gate_waits_do_not_block_other_sessions(grt) -> None:
     grt.gate.timeout = 30
     await grt.sessions.get_or_create("c1", "fake")
     sub = grt.hub.subscribe("c1", grt.hub.last_id("c1"))
-    waiting = asyncio.ensure_future(agents.execute_tool(grt, "c1", "web_search", {"query": "slow"}))
+    with as_request(grt, "c1"):
+        waiting = asyncio.ensure_future(agents.execute_tool(grt, "c1", "web_search", {"query": "slow"}))
     gate_id = next(iter([ev async for ev in _until_gate(sub)])).data["gate_id"]
     assert (await agents.execute_tool(grt, "c2", "get_system_info", {})).startswith("Local time")
     assert gate.resolve_gate(grt, gate_id, "allow") and not gate.resolve_gate(grt, gate_id, "allow")

@@ -230,7 +230,7 @@ async def test_stdio_tools_become_registry_tools_with_the_servers_schema_and_gat
         text("all done"),
     )
     sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
-    await routes.submit(rt, "c1", "use the tools")
+    await routes.submit(rt, "c1", "use the tools", {"interactive": True})
     async for ev in sub:
         if ev.name == "done":
             break

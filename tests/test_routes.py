@@ -13,6 +13,7 @@ import state
 from config import load_config
 from tests.conftest import ConfigDir, gemini_model, openai_model
 from tests.fakes.backend import error, hang, malformed, text, tool_call
+from tests.runtime import SHIPPED_NAMESPACES, shell_payload
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ async def rt(tmp_path, fake_openai, fake_gemini):
     }
     cfg.env = {"FAKE_GEMINI_KEY": "k"}
     runtime = await routes.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    runtime.client_namespaces.update(SHIPPED_NAMESPACES)
     state.set_current(runtime)
     yield runtime
     await routes.close_runtime(runtime)
@@ -39,7 +41,7 @@ async def rt(tmp_path, fake_openai, fake_gemini):
 async def turn(rt: state.Runtime, text_: str, client_id: str = "c1") -> tuple[str, list[state.Event]]:
     """Submit and collect this client's events up to the turn's `done`: (answer text, events)."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    await routes.submit(rt, client_id, text_)
+    await routes.submit(rt, client_id, text_, shell_payload(rt, client_id, None))
     events = []
     async for ev in sub:
         events.append(ev)

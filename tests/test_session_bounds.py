@@ -11,6 +11,7 @@ import routes
 import state
 from config import ConfigError, SessionsConfig, load_config
 from tests.conftest import ConfigDir, openai_model
+from tests.runtime import SHIPPED_NAMESPACES
 
 DAY = 86400.0
 
@@ -30,7 +31,7 @@ class Clock:
 
 def policy(**sessions) -> state.SessionPolicy:
     """The policy the server builds from `plugins-enabled.json` `sessions` (gate's client classes)."""
-    return routes.session_policy(SessionsConfig.model_validate(sessions))
+    return routes.session_policy(SessionsConfig.model_validate(sessions), SHIPPED_NAMESPACES)
 
 
 @pytest.fixture
@@ -159,7 +160,7 @@ async def test_a_sweep_uses_the_classes_known_when_it_runs(manager, tmp_path):
     clock = Clock()
     owners: dict[str, str] = {}
     limits = {"interactive": state.SessionLimits(None, 10), "other": state.SessionLimits(DAY, 10)}
-    pol = state.SessionPolicy(classify=lambda cid: owners.get(cid.split("-")[0], "other"), limits=limits.__getitem__)
+    pol = state.SessionPolicy(classify=lambda s: owners.get(s.client_id.split("-")[0], "other"), limits=limits.__getitem__)
     m = await manager(tmp_path / "s.db", clock, pol)
     await m.get_or_create("term-1", "m")
     await m.close()
@@ -280,11 +281,13 @@ async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fak
     enabled["sessions"] = {"non_interactive": {"idle_days": 1}}
     (tmp_path / "plugins-enabled.json").write_text(json.dumps(enabled))
     rt = await routes.build_runtime(load_config(tmp_path), store=state.SqliteStore(tmp_path / "sessions.sqlite3"))
+    rt.client_namespaces.update(SHIPPED_NAMESPACES)
     clock = Clock()
     rt.sessions.clock = clock
     try:
         for cid in ("api-running", "api-idle", "me"):  # the sweep looks at api-running first
-            answer = await routes.wait_turn(rt, cid, "!help", None, 30)
+            shell = {"interactive": True} if cid == "me" else None  # as the shell endpoint vouches
+            answer = await routes.wait_turn(rt, cid, "!help", shell, 30)
             assert answer["status"] == "complete"
         rt.rate_limiter.disabled["api-idle"] = {"search"}
         assert "api-idle" in rt.hub._channels
