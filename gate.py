@@ -153,12 +153,38 @@ _NOT_READ_NODES = (exp.DML, exp.DDL, exp.Drop, exp.Alter, exp.TruncateTable, exp
                    exp.Lock, exp.LoadData, exp.Grant, exp.Revoke, exp.Kill, exp.Use, exp.Transaction,
                    exp.Commit, exp.Rollback, exp.Analyze, exp.Pragma, exp.Cache, exp.Uncache, exp.Refresh,
                    exp.Comment)
-# Functions with side effects (files, locks, time, replication) make a SELECT more than a read.
+# Builtins with side effects (files, locks, time, sequences, replication): a statement calling one is a write.
 _SIDE_EFFECT_FUNCTIONS = frozenset({
     "load_file", "sleep", "benchmark", "get_lock", "release_lock", "release_all_locks", "is_free_lock",
     "is_used_lock", "master_pos_wait", "source_pos_wait", "wait_for_executed_gtid_set",
     "sys_exec", "sys_eval", "setval", "nextval", "lastval", "last_insert_id", "uuid_short",
 })
+# Side-effect-free MySQL/MariaDB builtins sqlglot does not model (it parses them as anonymous calls).
+# Any other function it does not model is a user-defined or stored function: it may write anything.
+_SAFE_UNMODELLED_FUNCTIONS = frozenset({
+    "adddate", "addtime", "aes_decrypt", "aes_encrypt", "bin", "charset", "coercibility", "conv", "crc32",
+    "export_set", "field", "find_in_set", "found_rows", "from_days", "inet_aton", "inet_ntoa", "inet6_aton",
+    "inet6_ntoa", "json_array", "json_arrayagg", "json_contains", "json_contains_path", "json_depth",
+    "json_insert", "json_length", "json_merge_patch", "json_merge_preserve", "json_quote", "json_replace",
+    "json_search", "json_unquote", "json_valid", "makedate", "microsecond", "mid", "now", "oct",
+    "octet_length", "ord", "period_add", "period_diff", "quote", "row_count", "sec_to_time", "strcmp",
+    "subdate", "subtime", "sysdate", "system_user", "time_format", "time_to_sec", "timediff", "to_seconds",
+    "uncompress", "unix_timestamp", "user", "weekday", "yearweek", "connection_id", "database", "schema",
+})
+# MySQL statement modifiers, per statement verb: sqlglot takes some of them for a table name
+# (`UPDATE LOW_PRIORITY users` would be keyed `low_priority`), so they are dropped before parsing.
+_MODIFIERS = {
+    "UPDATE": frozenset({"LOW_PRIORITY", "IGNORE"}),
+    "INSERT": frozenset({"LOW_PRIORITY", "DELAYED", "HIGH_PRIORITY", "IGNORE"}),
+    "REPLACE": frozenset({"LOW_PRIORITY", "DELAYED"}),
+    "DELETE": frozenset({"LOW_PRIORITY", "QUICK", "IGNORE"}),
+}
+_ALL_MODIFIERS = frozenset().union(*_MODIFIERS.values())
+#: Schemas of the server itself (accounts, grants, status): gated by their own keys, never by `*`.
+SYSTEM_SCHEMAS = frozenset({"mysql", "information_schema", "performance_schema", "sys"})
+# Objects of CREATE/DROP/ALTER that are tables (keyed by name); any other object (database, routine,
+# event, trigger, view, user, …) may touch anything.
+_TABLE_OBJECTS = frozenset({"TABLE", "INDEX"})
 # MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
 EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 _TABLE_KEYWORDS = frozenset({"FROM", "JOIN", "INTO", "UPDATE", "TABLE", "TABLES", "LOCK TABLES", "HANDLER", "TO"})
@@ -172,8 +198,18 @@ class _WordTokenizer(MySQL.Tokenizer):
     COMMANDS: frozenset[Any] = frozenset()
 
 
+def table_key(name: str, schema: str | None = None) -> str:
+    """The gate key of a table: `name`, or `schema.name` when the statement names its schema (lower case)."""
+    return f"{schema}.{name}".lower() if schema else name.lower()
+
+
+def is_system_key(key: str) -> bool:
+    """Whether a gate key names a table of a system schema (`mysql.user`, `information_schema.tables`)."""
+    return key.partition(".")[0] in SYSTEM_SCHEMAS and "." in key
+
+
 def _tables(tree: exp.Expression) -> set[str]:
-    """Real table names in a statement (lower case, schema dropped), without CTE names and DUAL."""
+    """Gate keys of the real tables in a statement (schema kept when named), without CTE names and DUAL."""
     ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
     names = set()
     for table in tree.find_all(exp.Table):
@@ -182,7 +218,7 @@ def _tables(tree: exp.Expression) -> set[str]:
         name = table.name.lower()
         if name in _NOT_TABLES or (name in ctes and not table.db):
             continue
-        names.add(name)
+        names.add(table_key(name, table.db))
     return names
 
 
@@ -198,18 +234,43 @@ def _guess_tables(sql: str) -> set[str]:
     for i in range(1, len(tokens)):
         if tokens[i - 1].text.upper() not in _TABLE_KEYWORDS or kinds[i] not in _NAME_TOKENS:
             continue
-        name = tokens[i].text
+        name, schema = tokens[i].text, None
         if i + 2 < len(tokens) and kinds[i + 1] == "DOT" and kinds[i + 2] in _NAME_TOKENS:
-            name = tokens[i + 2].text  # schema.table: gates are keyed by the table name
-        if name.lower() not in _NOT_TABLES:
-            names.add(name.lower())
+            name, schema = tokens[i + 2].text, tokens[i].text
+        if name.lower() not in _NOT_TABLES and name.upper() not in _ALL_MODIFIERS:
+            names.add(table_key(name, schema))
     return names
 
 
-def _side_effect_call(tree: exp.Expression) -> bool:
+def _without_modifiers(sql: str) -> str:
+    """`sql` without the MySQL modifiers that follow UPDATE/INSERT/REPLACE/DELETE (see `_MODIFIERS`)."""
+    try:
+        tokens = _WordTokenizer().tokenize(sql)
+    except SqlglotError:
+        return sql
+    cut: list[tuple[int, int]] = []
+    allowed: frozenset[str] = frozenset()
+    for token in tokens:
+        word = token.text.upper()
+        if token.token_type.name not in ("IDENTIFIER", "STRING") and word in allowed:  # `ignore` is a name
+            cut.append((token.start, token.end + 1))
+            continue
+        allowed = _MODIFIERS.get(word, frozenset())
+    for start, end in reversed(cut):
+        sql = sql[:start] + " " + sql[end:]
+    return sql
+
+
+def _risky_call(tree: exp.Expression) -> bool:
+    """Whether the statement calls a builtin with side effects, or a function that is no known builtin."""
     for func in tree.find_all(exp.Func):
-        name = func.name if isinstance(func, exp.Anonymous) else func.sql_name()
-        if str(name).lower() in _SIDE_EFFECT_FUNCTIONS:
+        if isinstance(func, exp.Anonymous):
+            name = str(func.name).lower()
+            if name in _SIDE_EFFECT_FUNCTIONS or name not in _SAFE_UNMODELLED_FUNCTIONS:
+                return True
+            if isinstance(func.parent, exp.Dot):  # db.f(…): a stored function, whatever its name
+                return True
+        elif str(func.sql_name()).lower() in _SIDE_EFFECT_FUNCTIONS:
             return True
     return False
 
@@ -224,12 +285,19 @@ def _classify_statement(tree: exp.Expression) -> tuple[str, set[str]] | None:
             return READ, {META}
         # EXPLAIN <statement>: EXPLAIN ANALYZE runs it, so judge the statement itself.
         return _classify_statement(inner) if isinstance(inner, exp.Expression) else None
+    if any(t.name.upper() in _ALL_MODIFIERS and not t.this.quoted for t in tree.find_all(exp.Table)
+           if isinstance(t.this, exp.Identifier)):
+        return None  # a modifier the parser took for a table: do not trust the names it found
+    if _risky_call(tree):
+        return WRITE, _tables(tree) | {ANY_TABLE}
     if isinstance(tree, _READ_ROOTS):
-        plain = not any(isinstance(n, _NOT_READ_NODES) for n in tree.walk()) and not _side_effect_call(tree)
         tables = _tables(tree)
-        if plain:
+        if not any(isinstance(n, _NOT_READ_NODES) for n in tree.walk()):
             return READ, tables or {META}
         return (WRITE, tables) if tables and not tree.find(exp.Command) else None
+    if isinstance(tree, (exp.Create, exp.Drop, exp.Alter)) and str(tree.args.get("kind") or "").upper() \
+            not in _TABLE_OBJECTS:
+        return WRITE, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
     if isinstance(tree, _KNOWN_WRITE_ROOTS) and not tree.find(exp.Command):
         tables = _tables(tree)
         return (WRITE, tables) if tables else None
@@ -257,7 +325,7 @@ def _classify(sql: str) -> tuple[str, frozenset[str]]:
     if EXECUTABLE_COMMENT.search(sql):
         return WRITE, frozenset(_guess_tables(sql) | {ANY_TABLE})
     try:
-        statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
+        statements = [s for s in sqlglot.parse(_without_modifiers(sql), read="mysql") if s is not None]
     except (SqlglotError, RecursionError, ValueError):  # does not parse: fail closed
         statements = []
         unknown = True
@@ -355,6 +423,8 @@ class GateKeeper:
             return wildcard and all(self.explicit(session, "db", t, op) is not False
                                     for t in named - {ANY_TABLE, META})
         own = self.explicit(session, section, key, op)
+        if section == "db" and is_system_key(key):
+            return own is True  # the server's own schemas (accounts, grants): never through `*`
         return own if own is not None else wildcard
 
     def keys(self, section: str, session: state.Session | None) -> list[str]:

@@ -26,88 +26,9 @@ from tests.runtime import (
     turn,
     with_events,
 )
+from tests.sql_cases import SQL_CORPUS
 
 # ── SQL classification ──────────────────────────────────────────────────────────────────────
-
-R, W, META, ANY = "read", "write", "__meta__", "*"
-
-SQL_CORPUS = [
-    # plain reads
-    ("SELECT * FROM users", R, {"users"}),
-    ("select * from USERS where name = 'DROP TABLE x'", R, {"users"}),
-    ("SELECT 1", R, {META}),
-    ("SELECT NOW() FROM DUAL", R, {META}),
-    # leading comments
-    ("-- list everyone\nSELECT * FROM users", R, {"users"}),
-    ("/* harmless */ DELETE FROM users WHERE id = 1", W, {"users"}),
-    ("# mysql comment\nUPDATE users SET name = 'x'", W, {"users"}),
-    # executable comments run in MySQL: never a read
-    ("SELECT 1 /*!50000 ; DROP TABLE users */", W, {"users", ANY}),
-    ("/*!50000 DELETE FROM users */ SELECT 1", W, {"users", ANY}),
-    ("SELECT 1 /*M! DROP TABLE accounts */", W, {"accounts", ANY}),
-    # several statements
-    ("SELECT 1; DROP TABLE users", W, {META, "users"}),
-    ("SELECT * FROM a; SELECT * FROM b;", R, {"a", "b"}),
-    ("SELECT * FROM a; CALL purge()", W, {"a", ANY}),
-    # CTEs: CTE names are not tables; a CTE that writes is a write
-    ("WITH recent AS (SELECT id FROM orders) SELECT * FROM recent", R, {"orders"}),
-    ("WITH d AS (SELECT id FROM a) DELETE FROM b WHERE id IN (SELECT id FROM d)", W, {"a", "b"}),
-    ("WITH d AS (DELETE FROM users RETURNING *) SELECT * FROM d", W, {"users"}),
-    ("WITH x AS (SELECT * FROM a) INSERT INTO t SELECT * FROM x", W, {"a", "t"}),
-    # files, procedures, session state, privileges, renames, handlers, DO, REPLACE
-    ("SELECT * INTO OUTFILE '/tmp/users.csv' FROM users", W, {"users", ANY}),
-    ("SELECT name FROM users INTO DUMPFILE '/tmp/x'", W, {"users", ANY}),
-    ("LOAD DATA INFILE '/tmp/x.csv' INTO TABLE users", W, {"users", ANY}),
-    ("LOAD DATA LOCAL INFILE '/tmp/x.csv' INTO TABLE `my db`.users", W, {"users", ANY}),
-    ("CALL reset_everything()", W, {ANY}),
-    ("SET @a = (SELECT password FROM users)", W, {"users", ANY}),
-    ("SET GLOBAL general_log = 1", W, {ANY}),
-    ("GRANT ALL PRIVILEGES ON *.* TO 'eve'@'%'", W, {ANY}),
-    ("RENAME TABLE users TO old_users", W, {"users", "old_users", ANY}),
-    ("HANDLER users OPEN", W, {"users", ANY}),
-    ("DO SLEEP(5)", W, {ANY}),
-    ("REPLACE INTO users VALUES (1, 'x')", W, {"users", ANY}),
-    ("LOCK TABLES users WRITE", W, {"users", ANY}),
-    ("USE mysql", W, {ANY}),
-    ("BEGIN", W, {ANY}),
-    # reads that are not plain: locks, INTO variables, side-effect functions
-    ("SELECT * FROM users FOR UPDATE", W, {"users"}),
-    ("SELECT * FROM users LOCK IN SHARE MODE", W, {"users"}),
-    ("SELECT password INTO @p FROM users WHERE id = 1", W, {"users"}),
-    ("SELECT LOAD_FILE('/etc/passwd')", W, {ANY}),
-    ("SELECT SLEEP(100) FROM users", W, {"users"}),
-    ("SELECT GET_LOCK('x', 10)", W, {ANY}),
-    # names: backticks, schema qualifiers (gates are keyed by table name), comma joins
-    ("SELECT * FROM `my db`.`Users` u JOIN mymcp.orders o ON u.id = o.uid", R, {"users", "orders"}),
-    ("SELECT * FROM `orders`", R, {"orders"}),
-    ("SELECT * FROM a, b, c WHERE a.id = b.id AND b.id = c.id", R, {"a", "b", "c"}),
-    # subqueries and UNIONs touching several tables
-    ("SELECT * FROM a WHERE id IN (SELECT id FROM b) UNION SELECT * FROM c", R, {"a", "b", "c"}),
-    ("SELECT (SELECT MAX(x) FROM t2) FROM t1 WHERE EXISTS (SELECT 1 FROM t3)", R, {"t1", "t2", "t3"}),
-    ("INSERT INTO logs SELECT * FROM users", W, {"logs", "users"}),
-    # DML and DDL
-    ("UPDATE users SET a = 1", W, {"users"}),
-    ("DELETE a, b FROM a JOIN b ON a.id = b.id", W, {"a", "b"}),
-    ("INSERT INTO a VALUES (1) ON DUPLICATE KEY UPDATE x = 1", W, {"a"}),
-    ("TRUNCATE TABLE users", W, {"users"}),
-    ("DROP TABLE IF EXISTS `a`, b", W, {"a", "b"}),
-    ("ALTER TABLE users ADD c INT", W, {"users"}),
-    ("CREATE TABLE t2 AS SELECT * FROM users", W, {"t2", "users"}),
-    # metadata reads
-    ("SHOW TABLES", R, {META}),
-    ("SHOW COLUMNS FROM users", R, {META}),
-    ("SHOW CREATE TABLE users", R, {META}),
-    ("DESCRIBE users", R, {META}),
-    ("DESC users", R, {META}),
-    ("EXPLAIN SELECT * FROM users", R, {"users"}),
-    ("EXPLAIN ANALYZE DELETE FROM users", W, {"users"}),
-    # garbage and emptiness fail closed
-    ("SELEC * FORM users", W, {ANY}),
-    ("FLUSH PRIVILEGES", W, {ANY}),
-    ("", W, {ANY}),
-    ("   ;  ", W, {ANY}),
-]
-
 
 @pytest.mark.parametrize(("sql", "operation", "tables"), SQL_CORPUS, ids=[c[0][:50] for c in SQL_CORPUS])
 def test_sql_classification(sql: str, operation: str, tables: set[str]) -> None:
@@ -531,3 +452,23 @@ async def _until_gate(events):
         if ev.name == "gate":
             yield ev
             return
+
+
+def test_system_schemas_are_allowed_only_by_their_own_keys() -> None:
+    keeper = gate.GateKeeper(GateDefaults.model_validate({"db": {"*": {"read": True, "write": True}}, "tools": {}}))
+    assert keeper.allowed(None, "db", "users", "read") and keeper.allowed(None, "db", "shop.users", "write")
+    for key in ("mysql.user", "information_schema.tables", "performance_schema.threads", "sys.session"):
+        assert not keeper.allowed(None, "db", key, "read"), key  # `*` never reaches the server's own schemas
+    session = state.Session("c1", 101, "fake")
+    keeper.set_override(session, "db", "mysql.user", "read", True)  # what `!autoAIdb mysql.user read true` does
+    assert keeper.allowed(session, "db", "mysql.user", "read") and not keeper.allowed(session, "db", "mysql.user", "write")
+    # An unqualified entry is not a qualified one: allowing `users` leaves `shop.users` to `*` (here: gated).
+    narrow = gate.GateKeeper(GateDefaults.model_validate({"db": {"users": {"read": True}}, "tools": {}}))
+    assert narrow.allowed(None, "db", "users", "read") and not narrow.allowed(None, "db", "shop.users", "read")
+
+
+async def test_autoaidb_takes_a_schema_qualified_table(grt) -> None:
+    out, _ = await turn(grt, "!autoAIdb mysql.user read true")
+    assert out == "autoAIdb mysql.user read: auto-allow (gate OFF) for this session."
+    session = grt.sessions.get("c1")
+    assert grt.gate.allowed(session, "db", "mysql.user", "read")
