@@ -22,6 +22,7 @@ from typing import Any
 import pymysql
 import pytest
 
+import agents
 import gate
 from config import ConfigError
 from database import (
@@ -38,6 +39,7 @@ from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, report
 from tests.runtime import ALL_OPEN, runtime, turn
+from tests.sql_cases import SQL_CORPUS
 from tests.turns import answer, collect_turn
 
 SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
@@ -98,10 +100,11 @@ def mariadb() -> Iterator[RunDatabase]:
             for role, (user, password) in db.users.items():
                 cur.execute("CREATE USER %s@'%%' IDENTIFIED BY %s", (user, password))
                 cur.execute(f"GRANT {grants[role]} ON `{db.name}`.* TO %s@'%%'", (user,))
-        # A function that writes: a SELECT calling it parses as a plain read.
+        # A function that writes, and a view that hides it: a SELECT on the view parses as a plain read.
         db.query("CREATE TABLE audit (n INT)")
         db.query("CREATE FUNCTION bump() RETURNS INT MODIFIES SQL DATA BEGIN INSERT INTO audit VALUES (1); "
                  "RETURN 1; END")
+        db.query("CREATE VIEW bumped AS SELECT bump() AS b")
         yield db
     finally:
         with admin.cursor() as cur:
@@ -191,11 +194,14 @@ async def test_select_shows_a_table_with_its_row_count_and_writes_rows_affected(
     assert capped.splitlines()[2:4] == ["1", "2"]
 
 
-async def test_a_read_that_writes_is_refused_by_the_read_only_transaction(people: RunDatabase) -> None:
-    # The parser cannot know that bump() writes: the gate sees a plain read...
-    assert gate.classify_sql("SELECT bump()") == ("read", frozenset({"__meta__"}))
-    # ...but the database refuses the write inside the read-only transaction.
-    (out,) = await run_text(people.settings(), "SELECT bump()")
+async def test_a_stored_function_is_a_write_and_a_view_hiding_one_runs_read_only(people: RunDatabase) -> None:
+    # bump() writes, and nothing in the statement says so: a function that is no known builtin
+    # is a write on any table for the gate...
+    assert gate.classify_sql("SELECT bump()") == ("write", frozenset({"*"}))
+    # ...but a view can hide one: the gate sees a read of `bumped`, and the read-only transaction
+    # it runs in refuses the write.
+    assert gate.classify_sql("SELECT b FROM bumped") == ("read", frozenset({"bumped"}))
+    (out,) = await run_text(people.settings(), "SELECT b FROM bumped")
     assert out.startswith("ERROR: MySQL error 1792: Cannot execute statement in a READ ONLY transaction")
     assert people.query("SELECT COUNT(*) FROM audit") == ((0,),)
 
@@ -318,6 +324,41 @@ def tool_results(backend: Any) -> list[str]:
     messages = backend.requests[-1].json["messages"]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     return [m["content"] for m in messages[last_user:] if m["role"] == "tool"]
+
+
+def _snapshot(db: RunDatabase) -> dict[str, Any]:
+    """Everything a statement could change, as the administrator sees it: this database's tables
+    (names and checksums), routines, events, triggers, views; the server's databases and accounts."""
+    tables = [row[0] for row in db.query("SHOW TABLES")]
+    schema = "SELECT {} FROM information_schema.{} WHERE {} = %s ORDER BY 1"
+    return {
+        "tables": {t: db.query(f"CHECKSUM TABLE `{t}` EXTENDED") for t in tables},
+        "routines": db.query(schema.format("routine_name", "routines", "routine_schema"), db.name),
+        "events": db.query(schema.format("event_name", "events", "event_schema"), db.name),
+        "triggers": db.query(schema.format("trigger_name", "triggers", "trigger_schema"), db.name),
+        "views": db.query(schema.format("table_name", "views", "table_schema"), db.name),
+        "databases": db.query("SHOW DATABASES"),
+        "accounts": db.query("SELECT user, host FROM mysql.user ORDER BY 1, 2"),
+    }
+
+
+async def test_every_write_of_the_sql_table_is_gated_and_changes_nothing(people: RunDatabase, fake_openai: Any,
+                                                                         tmp_path: Path) -> None:
+    """Reads allowed on every table, writes gated, a client that cannot approve: each write-classified
+    statement of tests/sql_cases.py through the real db_query path is refused, and the server is unchanged."""
+    for table in ("users", "orders", "logs", "staging", "t", "a", "b", "docs", "items"):
+        people.query(f"CREATE TABLE IF NOT EXISTS `{table}` (id INT PRIMARY KEY, a INT, note VARCHAR(20))")
+        people.query(f"REPLACE INTO `{table}` VALUES (1, 1, 'x'), (2, 2, 'y')")
+    writes = [sql for sql, op, _ in SQL_CORPUS if op == "write" and sql.strip(" ;")]
+    gates = {"db": {"*": {"read": True}, "__meta__": {"read": True}}, "tools": {}}
+    before = _snapshot(people)
+    async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=people.env(), gates=gates,
+                       rate_limits={}, plugins=(PLUGIN,)) as rt:
+        for sql in writes:
+            result = await agents.execute_tool(rt, "llama-10.0.0.9", "db_query", {"sql": sql})
+            assert result.startswith("TOOL CALL REJECTED") and "cannot give it" in result, (sql, result)
+    assert _snapshot(people) == before
+    assert len(writes) > 150
 
 
 async def test_db_query_through_the_gate(people: RunDatabase, fake_openai: Any, tmp_path: Path) -> None:

@@ -75,9 +75,11 @@ async def test_gate_round_trip_allow_reject_timeout_and_session(config_dir, fake
     events, _, _ = await gated_turn(server, "shell-d", None)
     assert "gate" not in [e.name for e in events] and tool_results(fake_openai)[-1].startswith("id | name")
 
-    # A Slack-style client never sees a gate: rejected at once.
-    fake_openai.script(ask, text("Not allowed."))
+    # The endpoint decides who answers, not the id: a session named like a Slack thread, driven from
+    # the token-authenticated shell, is asked of the human at the shell (Slack's own requests are
+    # rejected at once: tests/test_gate.py).
+    fake_openai.script(ask, text("Asked."))
     events, _, _ = await gated_turn(server, "slack-C1-1.2", "a")
-    assert "gate" not in [e.name for e in events] and "cannot give it" in tool_results(fake_openai)[0]
+    assert [e.name for e in events].count("gate") == 1 and tool_results(fake_openai)[0].startswith("id | name")
 
-    assert server.stop().count("db_query ran:") == 3
+    assert server.stop().count("db_query ran:") == 4
