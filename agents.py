@@ -185,16 +185,6 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
     return f"{where}: {type(exc).__name__}: {_short(str(exc))}"
 
 
-def _redact_hosts(message: str, host: str) -> str:
-    """`message` without the backend's address (as URL or host:port)."""
-    url = httpx.URL(host)
-    forms = {host.rstrip("/"), f"{url.scheme}://{url.netloc.decode()}", url.netloc.decode(), url.host}
-    for shown in sorted(forms, key=len, reverse=True):  # the longest first: each contains the next
-        if shown:
-            message = message.replace(shown, "<backend>")
-    return message
-
-
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -267,8 +257,14 @@ async def run_checked_tool(rt: state.Runtime, client_id: str, tool: StructuredTo
         raise
     except Exception as exc:
         logger.exception("tool %s failed for %s", name, client_id)
-        return f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}"
+        result = f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}"
     text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+    if text.startswith("ERROR"):
+        # The model (and whoever reads its answers) learns what failed, never where: the log keeps it.
+        hidden = gate.without_locations(rt, text)
+        if hidden != text:
+            logger.warning("tool %s for %s: %s", name, client_id, text)
+        text = hidden
     session = rt.sessions.get(client_id)
     limit = session.tool_preview_length if session else state.DEFAULT_TOOL_PREVIEW
     rt.hub.status(client_id, f"[{name} ◀] {_preview(text, limit)}")
@@ -694,10 +690,12 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         del session.history[mark:]
         cfg = rt.config.models.get(key)
         message = describe_llm_error(exc, key, cfg)
-        if cfg and cfg.host and not gate.may_administer():
+        if not gate.may_administer():
             # Proxy, Slack and API users learn what failed, not where the backends live.
-            logger.warning("LLM turn of %s failed: %s", session.client_id, message)
-            message = _redact_hosts(message, cfg.host)
+            hidden = gate.without_locations(rt, message)
+            if hidden != message:
+                logger.warning("LLM turn of %s failed: %s", session.client_id, message)
+            message = hidden
         rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

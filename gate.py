@@ -20,6 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlglot
@@ -27,8 +28,9 @@ from sqlglot import exp
 from sqlglot.dialects.mysql import MySQL
 from sqlglot.errors import SqlglotError
 
+import guard
 import state
-from config import ConfigError, GateDefaults, RateLimit
+from config import CODE_DIR, ConfigError, GateDefaults, RateLimit
 
 if TYPE_CHECKING:
     from tools import RegisteredTool
@@ -134,6 +136,13 @@ def may_administer() -> bool:
     its client id.
     """
     return state.current_interactive.get() or state.current_admin.get()
+
+
+def without_locations(rt: state.Runtime, text: str) -> str:
+    """`text` with no file path, hostname, address or DSN in it, for readers nobody vouched for
+    (non-admin clients and the model): known directories by name, anything else `<hidden>`."""
+    return guard.hide_locations(text, {"<config dir>": rt.config.config_dir, "<data dir>": rt.config.data_dir,
+                                       "<install dir>": CODE_DIR, "~": Path.home()})
 
 
 def refusal(command: str) -> str:

@@ -12,7 +12,8 @@ listener's app once (agent-mcp.py `build_app`) and checks, in this order:
    → else 415 (a browser sends text/plain, form and multipart bodies cross-site unasked).
 
 This module also owns the shell endpoint's generated token file (`ensure_token_file`,
-`read_token_file`). It imports nothing of ours.
+`read_token_file`) and `hide_locations`, which takes where things are (paths, hosts, DSNs) out of
+text for readers nobody vouched for. It imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, field_validator
@@ -253,3 +254,34 @@ def ensure_token_file(path: Path) -> str:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(secrets.token_urlsafe(32) + "\n")
     return read_token_file(path)
+
+
+# ── What a reader nobody vouched for may see ───────────────────────────────────────────────────
+
+#: Addresses, most specific first: a URL with a host (`agentmcp://` names a resource, not a place),
+#: `user@host:port[/db]` (database.DatabaseSettings.where), `host:port`, a bare IPv4 address, and an
+#: absolute path under a system root. An address glued to a name (`llama-10.0.0.1`, a client id the
+#: client knows) and a time (`12:30`) are not locations.
+_LOCATIONS = re.compile(
+    r"\b(?!agentmcp://)[a-z][a-z0-9+.-]*://[^\s'\"<>)]+"
+    r"|[\w.+-]+@[\w.-]+:\d{1,5}(?:/[\w$.-]*)?"
+    r"|(?:\[[0-9a-f:.]+\]|(?<![\w.-])[a-z][\w-]*(?:\.[\w-]+)*|(?<![\w.-])\d{1,3}(?:\.\d{1,3}){3}):\d{2,5}\b"
+    r"|(?<![\w.-])\d{1,3}(?:\.\d{1,3}){3}(?![\w.-])"
+    r"|(?<![\w./~-])(?:/(?:home|Users|root|etc|var|tmp|opt|srv|usr|mnt|media|run|private|Volumes|data|work)"
+    r"|[A-Za-z]:\\)[^\s'\"<>),;]*",
+    re.IGNORECASE,
+)
+HIDDEN = "<hidden>"
+
+
+def hide_locations(text: str, places: Mapping[str, str | Path] = {}) -> str:
+    """`text` without the file paths, hostnames, addresses and DSNs in it.
+
+    `places` names known directories (label → path, e.g. "<data dir>" → the data dir): each is
+    replaced by its label first, longest first, so a reader still learns which file is meant.
+    Anything else that looks like a location becomes `<hidden>`.
+    """
+    for label, path in sorted(places.items(), key=lambda item: -len(str(item[1]))):
+        if len(str(path)) > 1:
+            text = text.replace(str(path), label)
+    return _LOCATIONS.sub(HIDDEN, text)

@@ -492,7 +492,8 @@ async def run_command(rt: state.Runtime, session: state.Session, line: str) -> N
     except Exception as exc:
         logger.exception("command !%s failed", name)
         out = f"ERROR: !{name} failed: {type(exc).__name__}: {exc}"
-    rt.hub.tok(session.client_id, str(out) if out is not None else "")
+    text = str(out) if out is not None else ""
+    rt.hub.tok(session.client_id, text if gate.may_administer() else gate.without_locations(rt, text))
 
 
 def _models_list(rt: state.Runtime, current: str | None) -> str:

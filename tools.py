@@ -197,7 +197,7 @@ class _CleanToolArgs(BaseModel):
 
 
 class _AgentCallArgs(BaseModel):
-    agent_url: str = Field(description="Name or URL of a configured agent (listed in this tool's description)")
+    agent_url: str = Field(description="Name of a configured agent (listed in this tool's description)")
     message: str = Field(description="The complete message for the other agent: it does not see this conversation, "
                                      "only its own earlier exchanges with you")
     target_client_id: str = Field(default="", description="Optional: the remote session to use instead of this "
@@ -246,7 +246,8 @@ def find_agent(agents: dict[str, AgentTarget], ref: str) -> tuple[str, AgentTarg
 
 
 def _agents_listing(agents: dict[str, AgentTarget]) -> str:
-    return "; ".join(f"{n} ({t.url}){': ' + t.description if t.description else ''}" for n, t in agents.items()) \
+    """The configured agents for the model: names and descriptions, never where they run."""
+    return "; ".join(f"{n}{': ' + t.description if t.description else ''}" for n, t in agents.items()) \
         or "none configured (an operator lists them in agents.json)"
 
 

@@ -92,10 +92,9 @@ class MySQLPlugin(BasePlugin):
         return await query_text(self._database(), sql)
 
     def get_tools(self) -> dict[str, Any]:
-        where = self.db.settings.where() if self.db else "MySQL"
         tool = StructuredTool.from_function(
             coroutine=self.db_query, name="db_query", args_schema=DbQueryArgs,
-            description=(f"Run SQL on the MySQL/MariaDB database ({where}). Returns result sets as text tables "
+            description=("Run SQL on the MySQL/MariaDB database. Returns result sets as text tables "
                          "with row counts, and rows affected for writes. Reads and writes of each table may need "
                          "a person's approval."),
         )

@@ -284,4 +284,4 @@ async def test_backend_address_is_shown_to_the_shell_but_not_to_remote_users(rt,
         fake_openai.script(error(500, "boom"))
         _, events = await turn(rt, "hi", client_id=remote)
         message = events[-2].data["message"]
-        assert "HTTP 500" in message and "<backend>" in message and port not in message
+        assert "HTTP 500" in message and "<hidden>" in message and port not in message
