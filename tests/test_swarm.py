@@ -221,7 +221,7 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert "!stream [on|off]" in (await turn(rt, "!help"))[0]
         entry = rt.tools.entry("agent_call")
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
-        assert "b (http://127.0.0.1:9)" in entry.tool.description
+        assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
         result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # no session: not a swarm
         assert "failed" in result and "cannot reach" in result
