@@ -4,15 +4,17 @@ Ollama API on `/api/*` (and `/v1/api/*`, where Enchanted sends it when its URL e
 NDJSON streams, JSON otherwise. OpenAI API on `/v1/*`, `/models` and `/chat/completions`: SSE
 `chat.completion.chunk` streams, JSON otherwise. The path decides the format; the User-Agent only
 decides the error format of paths that belong to neither. Each chat request is one turn of the
-session `llama-<client ip>` (one per chat when open-webui forwards its chat or user headers); its
-prompt is the last user message, because the server keeps the history itself. Tokens are written
-the moment the model produces them. Binds 127.0.0.1:11435 by default; with `AGENT_PROXY_TOKEN`
+session of its conversation (`plugins._conversations`: the resent transcript says which; one per
+chat or user when open-webui forwards its headers; `sessions_by: "address"` keeps the reference
+behaviour, one session `llama-<client ip>`); its prompt is the last user message, because the
+server keeps the history itself. Tokens are written the moment the model produces them. Binds 127.0.0.1:11435 by default; with `AGENT_PROXY_TOKEN`
 set, every request needs `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -34,6 +36,7 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
+from plugins._conversations import ConversationIndex, Turn, content_text, fingerprint, seed
 
 #: Client ids of this plugin's sessions start with this (its client-id namespace).
 PREFIX = "llama-"
@@ -78,6 +81,9 @@ class ProxyConfig(guard.ListenerSettings):
     status_lines: Literal["quote", "thinking", "off"] = "quote"
     #: One session per open-webui chat (or user) when its forwarded headers are present.
     session_per_chat: bool = True
+    #: Without those headers: a session per conversation (told by the transcript the client resends),
+    #: or one per client address (the reference behaviour: one memory across all chats of a host).
+    sessions_by: Literal["conversation", "address"] = "conversation"
     #: open-webui's background tasks (titles, tags, follow-ups: prompts starting with `### Task:`)
     #: run in a throwaway session, so they never enter the chat's history.
     task_sessions: bool = True
@@ -140,14 +146,13 @@ async def _body(request: Request, model: type[T]) -> T:
         raise ProxyError(exc.status, str(exc)) from None
 
 
-def _last_user_text(messages: list[_Message]) -> str:
-    """The prompt: the last user message's text (string content or its text parts)."""
-    for msg in reversed(messages):
-        if msg.role == "user":
-            if isinstance(msg.content, list):
-                return "".join(str(p.get("text", "")) for p in msg.content if p.get("type") == "text")
-            return msg.content or ""
-    raise ProxyError(400, "no user message: send at least one message with role 'user'")
+def _transcript(messages: list[_Message]) -> list[Turn]:
+    """The conversation up to its last user message (the prompt), as (role, text) pairs."""
+    turns = [(m.role, content_text(m.content)) for m in messages]
+    users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+    if not users:
+        raise ProxyError(400, "no user message: send at least one message with role 'user'")
+    return turns[: users[-1] + 1]
 
 
 def _unloads(keep_alive: Any) -> bool:
@@ -398,6 +403,10 @@ class LlamaProxyPlugin(BasePlugin):
         self.cfg = parse_settings(self.PLUGIN_NAME, ProxyConfig, config)
         return True
 
+    @functools.cached_property
+    def conversations(self) -> ConversationIndex:
+        return ConversationIndex(self.rt.sessions, PREFIX)
+
     def shutdown(self) -> None:
         """Nothing to release: every request's turn ends with its connection."""
 
@@ -542,7 +551,7 @@ class LlamaProxyPlugin(BasePlugin):
         fmt = _Ollama(name, "chat")
         if not body.messages:  # Ollama's load / unload request
             return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if _unloads(body.keep_alive) else "load"})
-        return await self._answer(request, fmt, _last_user_text(body.messages), key, body.stream is not False)
+        return await self._answer(request, fmt, _transcript(body.messages), key, body.stream is not False)
 
     async def ollama_generate(self, request: Request) -> Response:
         body = await _body(request, _OllamaGenerate)
@@ -550,24 +559,58 @@ class LlamaProxyPlugin(BasePlugin):
         fmt = _Ollama(name, "generate")
         if not body.prompt.strip():
             return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if _unloads(body.keep_alive) else "load"})
-        return await self._answer(request, fmt, body.prompt, key, body.stream is not False)
+        return await self._answer(request, fmt, [("user", body.prompt)], key, body.stream is not False)
 
     async def openai_chat(self, request: Request) -> Response:
         body = await _body(request, _OpenAIChat)
         name, key = self._resolve(body.model)
         fmt = _OpenAI(name, bool(body.stream_options and body.stream_options.include_usage))
-        return await self._answer(request, fmt, _last_user_text(body.messages), key, body.stream is True)
+        return await self._answer(request, fmt, _transcript(body.messages), key, body.stream is True)
 
-    def client_id(self, request: Request) -> str:
-        """`llama-<client ip>`, plus the open-webui chat (or user) when it forwards one."""
-        base = f"{PREFIX}{request.client.host if request.client else 'unknown'}"
+    def _address(self, request: Request) -> str:
+        return f"{PREFIX}{request.client.host if request.client else 'unknown'}"
+
+    def _by_header(self, request: Request) -> str | None:
+        """`llama-<client ip>-chat-<id>` (or `-user-<id>`) when open-webui forwards its chat or user."""
         if self.cfg.session_per_chat:
             for header, kind in _SESSION_HEADERS:
                 value = request.headers.get(header, "").strip()
                 if value:
                     safe = value if _SAFE_ID.match(value) else hashlib.sha256(value.encode()).hexdigest()[:16]
-                    return f"{base}-{kind}-{safe}"
-        return base
+                    return f"{self._address(request)}-{kind}-{safe}"
+        return None
+
+    def _scope(self, request: Request) -> str:
+        """What narrows a conversation match: the client address, its API key (digested), a forwarded user."""
+        auth = request.headers.get("authorization", "")
+        return "\x00".join((self._address(request), hashlib.sha256(auth.encode()).hexdigest() if auth else "",
+                             request.headers.get("x-openwebui-user-id", "")))
+
+    async def _session_of(self, request: Request, transcript: list[Turn]) -> tuple[str, str | None]:
+        """(client id, scope) of the session this request continues or starts; the scope is None when
+        the session is not told by the transcript (forwarded headers, `sessions_by: "address"`)."""
+        by_header = self._by_header(request)
+        if by_header is not None or self.cfg.sessions_by == "address":
+            return by_header or self._address(request), None
+        scope, prior = self._scope(request), transcript[:-1]
+        client_id = self.conversations.claim(fingerprint(scope, prior)) if prior else None
+        if client_id is None:
+            client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
+            session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, gate.PROXY)
+            session.history = seed(prior)
+            await self.rt.sessions.save(session)
+        return client_id, scope
+
+    async def _then_remember(self, events: AsyncIterator[state.Event], out: _Output, client_id: str, scope: str,
+                             transcript: list[Turn]) -> AsyncIterator[state.Event]:
+        """`events`, remembering the transcript the client will send back next when the turn ends well:
+        before its `done` is passed on, so the client cannot send it before it is known (and stored)."""
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                if ev.name == "done" and out.error is None:  # every event before it has been fed to `out`
+                    answer = ("assistant", "".join(out.text))
+                    await self.conversations.remember(client_id, fingerprint(scope, [*transcript, answer]))
+                yield ev
 
     async def _then_forget(self, events: AsyncIterator[state.Event], client_id: str) -> AsyncIterator[state.Event]:
         """`events`; then, once the request has ended, the throwaway session is deleted."""
@@ -582,21 +625,24 @@ class LlamaProxyPlugin(BasePlugin):
             else:
                 self.rt.hub.drop(client_id)
 
-    async def _answer(self, request: Request, fmt: _Ollama | _OpenAI, text: str, key: str | None,
+    async def _answer(self, request: Request, fmt: _Ollama | _OpenAI, transcript: list[Turn], key: str | None,
                       stream: bool) -> Response:
-        """Run the prompt as one turn and answer in `fmt`, streamed or whole."""
+        """Run the conversation's last user message as one turn and answer in `fmt`, streamed or whole."""
+        text = transcript[-1][1]
         if not text.strip():
             raise ProxyError(400, "the last user message is empty")
         if len(text) > MAX_PROMPT:
             raise ProxyError(413, f"the message is {len(text)} characters; the limit is {MAX_PROMPT}")
         out = _Output(self.cfg.status_lines, text)
-        client_id = self.client_id(request)
         payload = {"model": key} if key else None
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
-            client_id = f"{client_id}-task-{uuid.uuid4().hex[:12]}"
+            client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
             events = self._then_forget(routes.run_turn(self.rt, client_id, text, payload), client_id)
         else:
+            client_id, scope = await self._session_of(request, transcript)
             events = routes.run_turn(self.rt, client_id, text, payload)
+            if scope is not None:
+                events = self._then_remember(events, out, client_id, scope, transcript)
         if not stream:
             async def collect() -> bool:
                 async with contextlib.aclosing(events):

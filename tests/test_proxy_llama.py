@@ -569,15 +569,142 @@ def test_open_webui_task_prompts_stay_out_of_the_chat_history(proxy, chat, oai):
     assert not [s for s in sessions if "-task-" in s]
 
 
-def test_session_per_client_ip_without_chat_headers(proxy):
-    with _openai(proxy.url) as client:
+# ── One session per conversation (no forwarded headers) ───────────────────────────────────
+
+
+class Conversation:
+    """A chat client without forwarded headers, as open-webui by default and the SDKs are: it
+    resends the whole transcript, with each answer exactly as it was streamed."""
+
+    def __init__(self, proxy: Proxy, api_key: str = "unused", messages: list[dict[str, str]] | None = None):
+        self.proxy, self.api_key = proxy, api_key
+        self.messages = list(messages or [])
+
+    def say(self, content: str, stream: bool = True) -> str:
+        self.messages.append({"role": "user", "content": content})
+        with _openai(self.proxy.url, api_key=self.api_key) as client:
+            got = client.chat.completions.create(model=AGENT, messages=self.messages, stream=stream)
+            answer = "".join(c.choices[0].delta.content or "" for c in got) if stream else got.choices[0].message.content
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+    def sent(self) -> list[tuple[str, str]]:
+        """What the agent sent its backend for the last turn, after its system prompt."""
+        return [(m["role"], m["content"]) for m in self.proxy.gpt.requests[-1].json["messages"][1:]]
+
+
+def _new_sessions(proxy: Proxy, before: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in proxy.sessions().items() if k not in before}
+
+
+def test_two_new_conversations_from_one_address_are_two_sessions(proxy):
+    before = proxy.sessions()
+    first, second = Conversation(proxy), Conversation(proxy)
+    assert first.say("my secret is 4711") == "echo: my secret is 4711"
+    assert second.say("hello", stream=False) == "echo: hello"
+    assert second.sent() == [("user", "hello")]  # nothing of the first conversation
+    assert "4711" not in json.dumps(proxy.gpt.requests[-1].json)
+    made = _new_sessions(proxy, before)
+    assert len(made) == 2 and all(re.fullmatch(r"llama-[0-9a-f]{16}", k) for k in made)
+    assert [v["history_length"] for v in made.values()] == [2, 2]
+
+
+def test_a_conversation_keeps_its_session_and_an_edit_forks_it(proxy):
+    before = proxy.sessions()
+    chat = Conversation(proxy)
+    for i in range(5):
+        assert chat.say(f"step {i}", stream=i % 2 == 0) == f"echo: step {i}"
+    (session,) = _new_sessions(proxy, before).items()
+    assert session[1]["history_length"] == 10
+    assert chat.sent()[:2] == [("user", "step 0"), ("assistant", "echo: step 0")]
+
+    # Editing the second message: the client resends the edited transcript, a new session takes it.
+    edited = Conversation(proxy, messages=[*chat.messages[:2], {"role": "user", "content": "step 1, edited"}][:2])
+    assert edited.say("step 1, edited") == "echo: step 1, edited"
+    assert edited.sent() == [("user", "step 0"), ("assistant", "echo: step 0"), ("user", "step 1, edited")]
+    made = _new_sessions(proxy, before)
+    assert len(made) == 2 and made[session[0]]["history_length"] == 10
+    assert sorted(v["history_length"] for v in made.values()) == [4, 10]
+
+    # Regenerating the last answer resends the same prior messages: a new session again, never the
+    # old one with the answer being replaced still in its history.
+    regenerate = Conversation(proxy, messages=chat.messages[:-2])
+    assert regenerate.say("step 4") == "echo: step 4"
+    assert [r for r, _ in regenerate.sent()].count("user") == 5 and len(_new_sessions(proxy, before)) == 3
+
+
+def test_identical_conversations_of_two_users_are_two_sessions(proxy):
+    before = proxy.sessions()
+    ada, bob = Conversation(proxy, api_key="key-of-ada"), Conversation(proxy, api_key="key-of-bob")
+    for who in (ada, bob, ada, bob):
+        who.say("the same words")
+    made = _new_sessions(proxy, before)
+    assert len(made) == 2 and [v["history_length"] for v in made.values()] == [4, 4]
+    # open-webui's user header narrows the same way (and decides directly when session_per_chat is on).
+    with _openai(proxy.url, {"X-OpenWebUI-User-Id": "u/1 2"}) as client:
         client.chat.completions.create(model=AGENT, messages=HI)
-        # uvicorn takes the client address from X-Forwarded-For when the proxy in front is local.
-        client.chat.completions.create(model=AGENT, messages=HI, extra_headers={"X-Forwarded-For": "10.9.8.7"})
-        client.chat.completions.create(model=AGENT, messages=HI, extra_headers={"X-OpenWebUI-User-Id": "u/1 2"})
-    sessions = proxy.sessions()
-    assert {"llama-127.0.0.1", "llama-10.9.8.7"} <= set(sessions)
-    assert any(re.fullmatch(r"llama-127\.0\.0\.1-user-[0-9a-f]{16}", s) for s in sessions)
+    assert any(re.fullmatch(r"llama-127\.0\.0\.1-user-[0-9a-f]{16}", s) for s in proxy.sessions())
+
+
+async def test_sixteen_new_conversations_run_concurrently(proxy):
+    """A reply takes 0.6 s; 16 conversations from one address, at once, take about that long (one
+    session per address would queue them: ~10 s)."""
+    proxy.gpt.script(*[text("slow ", "answer", delay=0.6) for _ in range(17)])
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+    async def chat(i: int) -> str:
+        stream = await client.chat.completions.create(
+            model=AGENT, messages=[{"role": "user", "content": f"conversation {i}"}], stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    try:
+        started = time.monotonic()
+        await chat(99)
+        one = time.monotonic() - started
+        started = time.monotonic()
+        answers = await asyncio.gather(*(chat(i) for i in range(16)))
+        sixteen = time.monotonic() - started
+    finally:
+        await client.close()
+    assert answers == ["slow answer"] * 16
+    assert sixteen < one + 3, (one, sixteen)  # generous: fails only when they queue
+
+
+def test_sessions_by_address_keeps_one_session_per_host(tmp_path):
+    with FakeOpenAI() as gpt, FakeOpenAI() as other:
+        p = _start(tmp_path, gpt, other, {"sessions_by": "address"})
+        try:
+            Conversation(p).say("one")
+            Conversation(p).say("two")
+            with _openai(p.url) as client:
+                # uvicorn takes the client address from X-Forwarded-For when the proxy in front is local.
+                client.chat.completions.create(model=AGENT, messages=HI, extra_headers={"X-Forwarded-For": "10.9.8.7"})
+            sessions = p.sessions()
+            assert sessions["llama-127.0.0.1"]["history_length"] == 4 and "llama-10.9.8.7" in sessions
+            assert [m["content"] for m in gpt.requests[1].json["messages"][1:]] == ["one", "echo: one", "two"]
+        finally:
+            p.server.stop()
+
+
+def test_a_restart_between_two_requests_continues_the_conversation(tmp_path):
+    with FakeOpenAI() as gpt, FakeOpenAI() as other:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"gpt": openai_model(gpt), "other": openai_model(other)}
+        port = free_port()
+        cfg.plugins.append("plugin_proxy_llama")
+        cfg.plugin_config["plugin_proxy_llama"] = {"port": port}
+        server = AgentServer(cfg.write()).start()  # the default store: SQLite in the data dir
+        p = Proxy(f"http://127.0.0.1:{port}", server, gpt, other)
+        try:
+            chat = Conversation(p)
+            chat.say("before the restart")
+            server.stop()
+            server.start()
+            chat.say("after the restart")
+            (session,) = p.sessions().values()
+            assert session["history_length"] == 4
+        finally:
+            server.stop()
 
 
 def test_a_registry_model_answers_that_turn_only(proxy, chat, oai, oll):
