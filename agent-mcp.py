@@ -17,6 +17,7 @@ import socket
 import stat
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
+import agents
 import routes
 import state
 from config import SECRET_NAME, AppConfig, ConfigError, load_config
@@ -176,6 +178,11 @@ async def serve(config: AppConfig) -> int:
         assert rt.plugins is not None
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
+        # Before any port listens: no request waits for an import, no event loop stalls on one.
+        started = time.monotonic()
+        cold = await asyncio.to_thread(agents.warm_up, rt)
+        logger.info("models ready in %.2f s%s", time.monotonic() - started,
+                    f" (prepared at first use: {', '.join(cold)})" if cold else "")
         prepared = _prepare_servers(rt)
         if not prepared:
             failed = "; ".join(r.line() for r in problems)

@@ -95,6 +95,30 @@ def _build_lc_llm(rt: state.Runtime, key: str) -> BaseChatModel:
     return llm
 
 
+def warm_up(rt: state.Runtime) -> list[str]:
+    """Build what a first turn would build, so no request waits for it: each usable model's chat
+    client (importing its LangChain package), its tool binding and request payload, the system
+    prompt. Blocking (imports, schema generation): run it off the event loop before serving.
+    Returns the models that could not be prepared (no API key yet, …): they build at their first use."""
+    skipped = []
+    for key, cfg in rt.config.models.items():
+        try:
+            llm = _build_lc_llm(rt, key)
+            tools = rt.tools.for_model(cfg)
+            bound = llm.bind_tools(tools) if tools and cfg.tool_mode == "native" else llm
+            messages = [SystemMessage(rt.prompt.assemble(t.name for t in tools)),
+                        *to_lc_messages([{"role": "user", "content": "warm-up"}])]
+            payload = getattr(getattr(bound, "bound", bound), "_get_request_payload", None)
+            if payload is not None:  # OpenAI-type: the request body, as the first call would build it
+                payload(messages, **getattr(bound, "kwargs", {}))
+        except LLMError:
+            skipped.append(key)
+        except Exception:  # the first turn on this model reports it to its user
+            logger.warning("model %s could not be prepared before start", key, exc_info=True)
+            skipped.append(key)
+    return skipped
+
+
 def _content_to_str(content: Any) -> str:
     """Plain text of a message content: a string, or the text blocks of a content list (Gemini)."""
     if isinstance(content, str):

@@ -772,3 +772,38 @@ def test_a_gated_tool_through_the_proxy_is_rejected_and_the_model_is_told(proxy,
 def test_a_bad_setting_is_named_with_its_file(config, field):
     with pytest.raises(PluginConfigError, match=rf"^plugin_config\.plugin_proxy_llama in plugins-enabled\.json: {field}:"):
         LlamaProxyPlugin().init(config)
+
+
+# ── Warm from the first request ─────────────────────────────────────────────────────────────
+
+
+async def test_the_first_request_after_start_finds_everything_built(tmp_path):
+    """Models are built (imports included) before any port listens, so the first chat request stalls
+    no listener: /health on the shell port keeps answering while it runs. The bound is generous
+    (bench/first_request.py measures it); it fails when the import is back on the request path."""
+    with FakeOpenAI() as gpt, FakeOpenAI() as other:
+        p = _start(tmp_path, gpt, other)
+        try:
+            gaps: list[float] = []
+            done = asyncio.Event()
+
+            async def poll() -> None:
+                async with httpx.AsyncClient(headers=p.server.auth, timeout=10) as http:
+                    last = time.monotonic()
+                    while not done.is_set():
+                        assert (await http.get(f"{p.server.url}/health")).status_code == 200
+                        gaps.append(time.monotonic() - last)
+                        last = time.monotonic()
+                        await asyncio.sleep(0.005)
+
+            poller = asyncio.create_task(poll())
+            await asyncio.sleep(0.1)
+            async with openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+                answer = await client.chat.completions.create(model=AGENT, messages=HI)
+            done.set()
+            await poller
+            assert answer.choices[0].message.content == "echo: hi"
+            assert len(gaps) > 3 and max(gaps[1:]) < 0.5, gaps
+        finally:
+            log = p.server.stop()
+    assert log.index("models ready in") < log.index("listening:")
