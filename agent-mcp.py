@@ -18,7 +18,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +238,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """Run the server on uvloop where it exists (a faster event loop: every turn is many small I/O
+    callbacks), else on asyncio's own loop. uvicorn parses HTTP with httptools when it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # Windows
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -248,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.log_level, config.env)
     try:
         check_data_dir(config.data_dir())
-        return asyncio.run(serve(config))
+        return _run(serve(config))
     except (StartupError, ConfigError, state.SessionError) as exc:
         # One line on stderr, not a log record as well: the log handler writes to stderr too.
         print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)

@@ -97,26 +97,47 @@ def _build_lc_llm(rt: state.Runtime, key: str) -> BaseChatModel:
 
 def warm_up(rt: state.Runtime) -> list[str]:
     """Build what a first turn would build, so no request waits for it: each usable model's chat
-    client (importing its LangChain package), its tool binding and request payload, the system
-    prompt. Blocking (imports, schema generation): run it off the event loop before serving.
+    client (importing its LangChain package), the system prompt, and for OpenAI-type models one
+    dry streamed call with the tools bound (`_dry_stream`, answered in memory). Blocking (imports,
+    schema generation, its own event loop): run it in a thread before serving.
     Returns the models that could not be prepared (no API key yet, …): they build at their first use."""
     skipped = []
     for key, cfg in rt.config.models.items():
         try:
-            llm = _build_lc_llm(rt, key)
+            _build_lc_llm(rt, key)
             tools = rt.tools.for_model(cfg)
-            bound = llm.bind_tools(tools) if tools and cfg.tool_mode == "native" else llm
             messages = [SystemMessage(rt.prompt.assemble(t.name for t in tools)),
                         *to_lc_messages([{"role": "user", "content": "warm-up"}])]
-            payload = getattr(getattr(bound, "bound", bound), "_get_request_payload", None)
-            if payload is not None:  # OpenAI-type: the request body, as the first call would build it
-                payload(messages, **getattr(bound, "kwargs", {}))
+            if cfg.type == "OPENAI":
+                asyncio.run(_dry_stream(cfg, tools if cfg.tool_mode == "native" else [], messages))
         except LLMError:
             skipped.append(key)
         except Exception:  # the first turn on this model reports it to its user
             logger.warning("model %s could not be prepared before start", key, exc_info=True)
             skipped.append(key)
     return skipped
+
+
+_DRY_ANSWER = (b'data: {"id":"dry","object":"chat.completion.chunk","created":0,"model":"dry","choices":'
+               b'[{"index":0,"delta":{"role":"assistant","content":"ok"},"finish_reason":null}]}\n\n'
+               b'data: {"id":"dry","object":"chat.completion.chunk","created":0,"model":"dry","choices":'
+               b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+
+
+async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: list[BaseMessage]) -> None:
+    """One streamed call through a copy of the model's client whose transport answers in memory:
+    the request body, the SDK's chunk parsing and LangChain's chunk merging all run once (their
+    first run builds caches), and nothing leaves the process."""
+    from langchain_openai import ChatOpenAI
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=_DRY_ANSWER, headers={"content-type": "text/event-stream"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        dry = ChatOpenAI(model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry", streaming=True,
+                         max_retries=0, http_async_client=http)
+        async for _ in (dry.bind_tools(tools) if tools else dry).astream(messages):
+            pass
 
 
 def _content_to_str(content: Any) -> str:
@@ -302,6 +323,8 @@ async def run_checked_tool(rt: state.Runtime, client_id: str, tool: StructuredTo
 # names of tools bound for this turn run, and prose is never taken for SQL.
 
 _OPENERS = ("<tool_call>", "<tool_code>", "<function=", "<|python_tag|>", "```json", "```tool")
+_OPENER_STARTS = frozenset(o[:i] for o in _OPENERS for i in range(1, len(o)))
+_LONGEST_OPENER = max(map(len, _OPENERS))
 _BLOCKS = re.compile(
     r"<tool_call>(?P<tool_call>.*?)(?:</tool_call>|\Z)"
     r"|<tool_code>(?P<tool_code>.*?)(?:</tool_code>|\Z)"
@@ -504,9 +527,10 @@ class TextCallFilter:
         if hits:
             self.holding = True
             cut = min(hits)
-        else:
-            keep = next((k for k in range(min(len(body), max(map(len, _OPENERS))), 0, -1)
-                         if any(o.startswith(body[-k:]) for o in _OPENERS)), 0)
+        else:  # keep back a tail that may be the start of an opener split across chunks
+            tail = body[-_LONGEST_OPENER:]
+            keep = 0 if "<" not in tail and "`" not in tail else next(
+                (k for k in range(min(len(body), _LONGEST_OPENER), 0, -1) if body[-k:] in _OPENER_STARTS), 0)
             cut = len(body) - keep
         self.sent += cut
         self.pending = body[cut:]

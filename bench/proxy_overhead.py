@@ -2,19 +2,22 @@
 """Added latency and throughput of the Ollama/OpenAI proxy, against the fake backend and LiteLLM.
 
 The same openai SDK client (AsyncOpenAI, streaming) asks the same instant fake OpenAI backend
-(32 tokens per answer) by three paths, in the same run, interleaved round by round:
+(32 tokens per answer) by three paths, in the same run:
 
   direct:    client → fake backend
   agent-mcp: client → plugin_proxy_llama (/v1/chat/completions) → agent turn (system prompt, tools,
              history) → ChatOpenAI → fake backend
   litellm:   client → LiteLLM proxy (`litellm --config`, its own venv) → fake backend
 
-For each path it reports the median and p95 time to the first and to the last token of sequential
-requests, the added time over direct, and streams per second with `--concurrency` clients at once
-(each agent-mcp client in its own open-webui chat, so its own session). Only 127.0.0.1 is used.
-With two or more cores the servers run on core 1 and the client and fake on core 0.
+No forwarded headers, and every request is a new conversation (its own first message), as
+open-webui's new chats and SDK programs send them: each agent-mcp request starts a session.
+For each path: the first request after the server said it was ready (cold), then, after a
+warm-up, the median and p95 time to the first and to the last token at concurrency 1 (sequential,
+interleaved round by round) and at `--concurrency` clients at once, the added time over direct
+at each, and streams per second at each. Only 127.0.0.1 is used. With two or more cores both
+servers are pinned to core 1 (the same one core) and the client and fake to core 0.
 
-    python bench/proxy_overhead.py [--requests 200] [--rounds 10] [--tokens 32] [--concurrency 8]
+    python bench/proxy_overhead.py [--requests 200] [--rounds 10] [--tokens 32] [--concurrency 16]
                                    [--litellm .venv/litellm/bin/litellm]
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import secrets
 import statistics
@@ -42,28 +46,31 @@ from tests.conftest import AgentServer, ConfigDir, free_port, openai_model  # no
 from tests.fakes.backend import tokens  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 
-PROMPT = [{"role": "user", "content": "say something"}]
+_conversations = itertools.count()
 
 
 class Target:
     """One way to reach the backend: an AsyncOpenAI client, a model name and extra headers per stream."""
 
-    def __init__(self, name: str, base_url: str, model: str, chat_headers: bool = False, api_key: str = "bench"):
-        self.name, self.model, self.chat_headers = name, model, chat_headers
+    def __init__(self, name: str, base_url: str, model: str, api_key: str = "bench"):
+        self.name, self.model = name, model
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+        self.cold = 0.0
         self.first: list[float] = []
         self.last: list[float] = []
         self.streams_per_second = 0.0
+        self.busy_first: list[float] = []
+        self.busy_last: list[float] = []
+        self.busy_streams_per_second = 0.0
         self.pid: int | None = None  # the server process in the path, for its CPU time
         self.cpu = 0.0
 
-    async def stream(self, chat: str = "bench") -> tuple[float, float]:
-        """Time to the first and to the last content token of one streamed answer."""
-        headers = {"X-OpenWebUI-Chat-Id": chat} if self.chat_headers else None
+    async def stream(self) -> tuple[float, float]:
+        """Time to the first and to the last content token of one streamed answer in a new conversation."""
+        prompt = [{"role": "user", "content": f"say something #{next(_conversations)}"}]
         start = time.perf_counter()
         first = last = 0.0
-        resp = await self.client.chat.completions.create(model=self.model, messages=PROMPT, stream=True,
-                                                         extra_headers=headers)
+        resp = await self.client.chat.completions.create(model=self.model, messages=prompt, stream=True)
         async for chunk in resp:
             if chunk.choices and chunk.choices[0].delta.content:
                 last = time.perf_counter() - start
@@ -72,14 +79,17 @@ class Target:
             raise RuntimeError(f"{self.name}: the stream carried no text")
         return first, last
 
-    async def throughput(self, concurrency: int, per_client: int) -> None:
-        async def worker(w: int) -> None:
+    async def busy(self, concurrency: int, per_client: int) -> None:
+        """`concurrency` clients at once, each streaming `per_client` answers one after another."""
+        async def worker() -> None:
             for _ in range(per_client):
-                await self.stream(f"bench-{w}")
+                first, last = await self.stream()
+                self.busy_first.append(first)
+                self.busy_last.append(last)
 
         start = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-        self.streams_per_second = concurrency * per_client / (time.perf_counter() - start)
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        self.busy_streams_per_second = concurrency * per_client / (time.perf_counter() - start)
 
 
 def start_litellm(exe: str, backend: FakeOpenAI, tmp: Path, key: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -114,11 +124,15 @@ def start_litellm(exe: str, backend: FakeOpenAI, tmp: Path, key: str) -> tuple[s
     raise RuntimeError("litellm did not start within 120 s")
 
 
+def added(values: list[float], direct: list[float]) -> float:
+    return statistics.median(values) - statistics.median(direct)
+
+
 def cells(values: list[float], direct: list[float]) -> str:
     """p50 | p95 | added p50 over direct, in ms."""
     p50, p95 = statistics.median(values), pct(values, 0.95)
-    added = "—" if values is direct else f"**+{(p50 - statistics.median(direct)) * 1e3:.2f}**"
-    return f"{p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {added}"
+    extra = "—" if values is direct else f"**+{added(values, direct) * 1e3:.2f}**"
+    return f"{p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {extra}"
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -135,7 +149,7 @@ async def run(args: argparse.Namespace) -> None:
         server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
         procs = [server.proc]
         paths = [Target("direct", backend.base_url, "fake-model"),
-                 Target("agent-mcp proxy", f"http://127.0.0.1:{port}/v1", "agent-mcp:latest", chat_headers=True)]
+                 Target("agent-mcp proxy", f"http://127.0.0.1:{port}/v1", "agent-mcp:latest")]
         paths[1].pid = server.proc.pid if server.proc else None
         litellm = None
         if exe:
@@ -152,6 +166,7 @@ async def run(args: argparse.Namespace) -> None:
                 os.sched_setaffinity(proc.pid, {1})
         try:
             for p in paths:
+                p.cold = (await p.stream())[1]  # the first request after the server said it was ready
                 for _ in range(args.warmup):
                     await p.stream()
             per_round = max(1, args.requests // args.rounds)
@@ -164,7 +179,8 @@ async def run(args: argparse.Namespace) -> None:
                         p.last.append(last)
                     p.cpu += cpu_seconds(p.pid) - before if p.pid else 0.0
             for p in paths:
-                await p.throughput(args.concurrency, args.per_client)
+                p.streams_per_second = len(p.first) / sum(p.last)
+                await p.busy(args.concurrency, args.per_client)
         finally:
             for p in paths:
                 await p.client.close()
@@ -173,16 +189,29 @@ async def run(args: argparse.Namespace) -> None:
                 litellm.wait(15)
             server.stop()
     direct = paths[0]
-    print(f"\n{len(direct.first)} sequential streams per path in {args.rounds} interleaved rounds, {args.tokens} "
-          f"tokens per answer; throughput: {args.concurrency} concurrent clients × {args.per_client} streams; "
-          f"{'servers on core 1, client and fake on core 0' if pinned else 'no pinning (1 core)'}\n")
-    print("| path | first token p50 (ms) | p95 | added p50 | last token p50 (ms) | p95 | added p50 | streams/s "
-          "| server CPU per stream (ms) |")
+    c = args.concurrency
+    print(f"\n{len(direct.first)} sequential streams per path in {args.rounds} interleaved rounds, then {c} "
+          f"concurrent clients × {args.per_client} streams; {args.tokens} tokens per answer; every request a new "
+          f"conversation; {'both servers on core 1, client and fake on core 0' if pinned else 'no pinning (1 core)'}\n")
+    print("| path | concurrency | first token p50 (ms) | p95 | added p50 | last token p50 (ms) | p95 | added p50 "
+          "| streams/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for p in paths:
-        cpu = f"{p.cpu / len(p.first) * 1e3:.1f}" if p.pid else "—"
-        print(f"| {p.name} | {cells(p.first, direct.first)} | {cells(p.last, direct.last)} "
-              f"| {p.streams_per_second:.0f} | {cpu} |")
+        print(f"| {p.name} | 1 | {cells(p.first, direct.first)} | {cells(p.last, direct.last)} "
+              f"| {p.streams_per_second:.0f} |")
+        print(f"| {p.name} | {c} | {cells(p.busy_first, direct.busy_first)} | {cells(p.busy_last, direct.busy_last)} "
+              f"| {p.busy_streams_per_second:.0f} |")
+    print("\n| path | first request after start, whole answer (ms) | warm p50 (ms) | ratio | server CPU per stream (ms) |")
+    print("|---|---|---|---|---|")
+    for p in paths[1:]:
+        warm = statistics.median(p.last)
+        print(f"| {p.name} | {p.cold * 1e3:.1f} | {warm * 1e3:.1f} | {p.cold / warm:.2f}× "
+              f"| {p.cpu / len(p.first) * 1e3:.1f} |")
+    if len(paths) == 3:
+        ours, theirs = paths[1], paths[2]
+        print(f"\nagent-mcp / LiteLLM: added first token {added(ours.first, direct.first) / added(theirs.first, direct.first):.2f}× "
+              f"at 1, {added(ours.busy_first, direct.busy_first) / added(theirs.busy_first, direct.busy_first):.2f}× "
+              f"at {c}; streams/s {ours.busy_streams_per_second / theirs.busy_streams_per_second:.2f}× at {c}")
 
 
 def main() -> None:
@@ -191,7 +220,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--per-client", type=int, default=25, help="streams per concurrent client")
     p.add_argument("--litellm", default=str(ROOT / ".venv" / "litellm" / "bin" / "litellm"),
                    help="the litellm executable (default: the one 'make bench-proxy' installs)")
