@@ -633,6 +633,20 @@ def test_a_conversation_keeps_its_session_and_an_edit_forks_it(proxy):
     assert [r for r, _ in regenerate.sent()].count("user") == 5 and len(_new_sessions(proxy, before)) == 3
 
 
+def test_an_ollama_conversation_with_a_system_message_keeps_its_session(proxy):
+    """Enchanted and ollama-python resend the system message and the transcript on every request."""
+    before = proxy.sessions()
+    messages = [{"role": "system", "content": "You are terse."}]
+    with ollama.Client(host=proxy.url, timeout=30) as client:
+        for i, stream in enumerate((True, False, True)):
+            messages.append({"role": "user", "content": f"ollama step {i}"})
+            reply = client.chat(model=AGENT, messages=messages, stream=stream)
+            answer = "".join(p.message.content for p in reply) if stream else reply.message.content
+            messages.append({"role": "assistant", "content": answer})
+    (session,) = _new_sessions(proxy, before).values()
+    assert session["history_length"] == 6
+
+
 def test_identical_conversations_of_two_users_are_two_sessions(proxy):
     before = proxy.sessions()
     ada, bob = Conversation(proxy, api_key="key-of-ada"), Conversation(proxy, api_key="key-of-bob")
