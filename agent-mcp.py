@@ -181,8 +181,10 @@ async def serve(config: AppConfig) -> int:
         # Before any port listens: no request waits for an import, no event loop stalls on one.
         started = time.monotonic()
         cold = await asyncio.to_thread(agents.warm_up, rt)
-        logger.info("models ready in %.2f s%s", time.monotonic() - started,
-                    f" (prepared at first use: {', '.join(cold)})" if cold else "")
+        windows = await asyncio.gather(*(agents.model_window(rt, key) for key in config.models))
+        logger.info("models ready in %.2f s%s; context windows: %s", time.monotonic() - started,
+                    f" (prepared at first use: {', '.join(cold)})" if cold else "",
+                    ", ".join(f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)))
         prepared = _prepare_servers(rt)
         if not prepared:
             failed = "; ".join(r.line() for r in problems)

@@ -14,7 +14,8 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -33,6 +34,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
+import budget
 import gate
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, resolve_api_key
@@ -659,6 +661,89 @@ def _last_user_text(history: list[dict[str, Any]]) -> str:
                  if m.get("role") == "user" and not m.get("tool_results")), "")
 
 
+async def model_window(rt: state.Runtime, key: str) -> tuple[int, str]:
+    """(context window in tokens, where that number comes from) of a model, found once per server."""
+    found = rt.windows.get(key)
+    if found is None:
+        found = rt.windows[key] = await budget.discover_window(rt.config.models[key])
+    return found
+
+
+def _overflowed(exc: BaseException) -> bool:
+    return any(budget.is_overflow(_status_code(e), str(e)) for e in _chain(exc))
+
+
+@dataclass
+class Request:
+    """What every model call of one turn shares: the system prompt and tool schemas, sent whole,
+    and the window the history is fitted into (budget.py)."""
+
+    cfg: ModelConfig
+    system: str
+    fixed_tokens: int  # the system prompt and the tool schemas
+    window: int
+    count: Callable[[str], int]
+    notes: set[str] = field(default_factory=set)
+
+    @classmethod
+    async def build(cls, rt: state.Runtime, key: str, tools: list[StructuredTool]) -> Request:
+        """The system prompt for these tools (in `text` tool mode with their manifest; in `native` mode
+        their schemas travel beside it) and its size."""
+        cfg = rt.config.models[key]
+        native = cfg.tool_mode == "native"
+        system = rt.prompt.assemble(t.name for t in tools) + ("\n" + tool_manifest(tools) if tools and not native else "")
+        count, _ = budget.counter_for(cfg)
+        window, _ = await model_window(rt, key)
+        schemas = sum(count(json.dumps(_lc_tool_to_openai_dict(t), ensure_ascii=False)) for t in tools) if native else 0
+        return cls(cfg, system, budget.MESSAGE_OVERHEAD + count(system) + schemas, window, count)
+
+    def fit(self, history: list[dict[str, Any]], tighter: float = 1.0) -> budget.Fit:
+        """The history this call sends (after `max_context` in messages, the window in tokens)."""
+        try:
+            return budget.fit(trim_history(history, self.cfg.max_context), self.fixed_tokens, self.window,
+                              self.cfg.answer_share, self.count, tighter)
+        except budget.DoesNotFit as exc:
+            raise LLMError(f"the request does not fit the model's context window: {exc}") from None
+
+    async def send(self, rt: state.Runtime, llm: Any, session: state.Session, hold: TextCallFilter | None
+                   ) -> AIMessageChunk:
+        """One model call with the fitted history; when the backend still says the context was exceeded,
+        once more with a tighter budget."""
+        tighter = 1.0
+        while True:
+            fitted = self.fit(session.history, tighter)
+            note = fitted.note()
+            if note and note not in self.notes:  # each new shortening once per turn
+                self.notes.add(note)
+                rt.hub.status(session.client_id, note)
+            context = [SystemMessage(self.system), *to_lc_messages(fitted.history)]
+            try:
+                return await _stream_once(rt, llm, self.cfg, context, session.client_id, hold)
+            except Exception as exc:
+                if tighter < 1 or not _overflowed(exc):
+                    raise
+                tighter = budget.RETRY_SHARE
+                rt.hub.status(session.client_id, "[context] the backend said the request exceeds its context window: "
+                                                 "sending it again with less history (the stored history is unchanged)")
+
+
+async def context_report(rt: state.Runtime, session: state.Session) -> str:
+    """For `!model`: the session model's window, where it comes from, and the size of its next request."""
+    key = session.model if session.model in rt.config.models else rt.config.default_model
+    cfg = rt.config.models[key]
+    window, source = await model_window(rt, key)
+    request = await Request.build(rt, key, rt.tools.for_model(cfg))
+    line = f"Context of '{key}': {window:,}-token window ({source}), {cfg.answer_share:.0%} kept for the answer"
+    try:
+        fitted = request.fit(session.history)
+    except LLMError as exc:
+        return f"{line}.\n{exc}"
+    note = fitted.note()
+    return (f"{line}; the next request is about {fitted.prompt_tokens:,} tokens (system prompt and tools "
+            f"{request.fixed_tokens:,}, history {fitted.prompt_tokens - request.fixed_tokens:,}; counted by "
+            f"{budget.counter_for(cfg)[1]})" + (f".\n{note}" if note else "."))
+
+
 async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str:
     """Run the tool-calling loop for one turn on model `key`; return the final answer text.
 
@@ -674,13 +759,12 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
         tools = []
     native = cfg.tool_mode == "native"
     bound = llm.bind_tools(tools) if tools and native else llm
-    system = rt.prompt.assemble(t.name for t in tools) + ("\n" + tool_manifest(tools) if tools and not native else "")
     by_name = {t.name: t for t in tools}
     done: dict[str, str] = {}
+    request = await Request.build(rt, key, tools)
     for _ in range(MAX_TOOL_ITERATIONS):
-        context = [SystemMessage(system), *to_lc_messages(trim_history(session.history, cfg.max_context))]
         hold = TextCallFilter() if tools else None
-        reply = await _stream_once(rt, bound, cfg, context, client_id, hold)
+        reply = await request.send(rt, bound, session, hold)
         text = _content_to_str(reply.content)
         calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c["name"], "args": c["args"]}
                  for c in reply.tool_calls]

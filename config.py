@@ -61,6 +61,10 @@ class ModelConfig(_Model):
     #: "native": tools go through the API's tool calling; "text": they are described in the system
     #: prompt and the model answers with `<tool_code>` blocks (servers without tool calling).
     tool_mode: Literal["native", "text"] = "native"
+    #: The model's context window in tokens; None: asked from the backend, else a default (budget.py).
+    context_tokens: int | None = Field(default=None, ge=512)
+    #: Share of the window kept free for the answer; the request gets the rest.
+    answer_share: float = Field(default=0.25, gt=0, le=0.75)
 
     @field_validator("host")
     @classmethod

@@ -539,7 +539,7 @@ async def cmd_help(rt: state.Runtime, session: state.Session, args: str) -> str:
 async def cmd_model(rt: state.Runtime, session: state.Session, args: str) -> str:
     """!model [key] — list models, or switch this session to one."""
     if not args:
-        return _models_list(rt, session.model)
+        return _models_list(rt, session.model) + "\n\n" + await agents.context_report(rt, session)
     if args not in rt.config.models:
         return (f"ERROR: Unknown model '{args}'\nAvailable models: {', '.join(rt.config.models)}\n"
                 "Use !model to list all models")

