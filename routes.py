@@ -151,6 +151,22 @@ async def submit(
     return Turn(turn_id, task)
 
 
+async def stop(rt: state.Runtime, client_id: str) -> bool:
+    """Cancel the client's requests without starting another; each cancelled one also ends with a
+    `done` (clients that wait for `done`, as the original API client does, stop waiting). Returns
+    whether anything was running."""
+    tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done()]
+    await cancel_active_task(rt, client_id)
+    for task in tasks:
+        kind, _, turn_id = task.get_name().rpartition(":")
+        token = state.current_turn.set(turn_id if kind.startswith("request:") else None)
+        try:
+            rt.hub.done(client_id)
+        finally:
+            state.current_turn.reset(token)
+    return bool(tasks)
+
+
 def ends_turn(ev: state.Event) -> bool:
     """Whether `ev` is the last event of its request: its `done`, or the status of its cancellation."""
     return ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
@@ -220,6 +236,11 @@ async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[
     return answer
 
 
+_GONE = {"deleted": "with !session … delete or the API, maybe from another window",
+         "expired": "idle longer than its client class keeps sessions",
+         "evicted": "the least recently used over its client class's cap"}
+
+
 async def process_request(
     client_id: str,
     text: str,
@@ -260,6 +281,11 @@ async def process_request(
         async with session.lock:
             if created:
                 await rt.sessions.save(session)
+                why = rt.sessions.take_gone(client_id)
+                if why is not None:
+                    rt.hub.publish(client_id, "status", {"text": f"[session] this session was {why} ({_GONE[why]}); "
+                                                                 "this message starts a new, empty one",
+                                                         "session_gone": why})
             if turn_model is not None and turn_model not in rt.config.models:
                 rt.hub.error(client_id, f"unknown model '{turn_model}'; available: {', '.join(rt.config.models)}")
             else:

@@ -41,6 +41,8 @@ TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 EVENT_BUFFER = 2000
 #: Channels without subscribers kept for replay; beyond this the least recently used go.
 MAX_IDLE_CHANNELS = 1000
+#: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
+MAX_GONE = 4096
 
 #: The client whose request is being processed (set around each turn and tool call).
 current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
@@ -292,6 +294,9 @@ class SessionManager:
         self._lru: dict[str, OrderedDict[str, Session]] = {}
         self._kind: dict[str, str] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        #: Why recently removed sessions went (client id → "deleted", …), so a client that comes back
+        #: is told instead of silently getting an empty session (bounded: MAX_GONE, oldest dropped).
+        self._gone: OrderedDict[str, str] = OrderedDict()
 
     async def open(self) -> None:
         """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them)."""
@@ -411,9 +416,17 @@ class SessionManager:
         client_id = self.resolve(ident)
         if client_id is None:
             raise SessionError(f"no session '{ident}'; use !session to list sessions")
-        return await self._forget(client_id)
+        return await self._forget(client_id, "deleted")
 
-    async def _forget(self, client_id: str) -> Session:
+    def take_gone(self, client_id: str) -> str | None:
+        """Why `client_id`'s session was removed ("deleted", "expired", "evicted"), once, or None."""
+        return self._gone.pop(client_id, None)
+
+    async def _forget(self, client_id: str, why: str) -> Session:
+        self._gone[client_id] = why
+        self._gone.move_to_end(client_id)
+        if len(self._gone) > MAX_GONE:
+            self._gone.popitem(last=False)
         session = self._sessions.pop(client_id)
         self._by_short.pop(session.shorthand, None)
         self._unsaved.discard(client_id)
@@ -442,7 +455,7 @@ class SessionManager:
             idle = self.policy.limits(kind).idle_seconds
             if idle is not None:
                 removed += [s.client_id for s in list(members.values())
-                            if now - s.updated > idle and await self._remove_idle(s)]
+                            if now - s.updated > idle and await self._remove_idle(s, "expired")]
         if removed:
             logger.info("expired %d idle session(s)", len(removed))
         for kind in list(self._lru):
@@ -457,16 +470,16 @@ class SessionManager:
             return []
         idle = (s for s in members.values() if s.client_id != keep and not self.busy(s))
         victims = list(itertools.islice(idle, excess))  # the least recently active first
-        evicted = [s.client_id for s in victims if await self._remove_idle(s)]
+        evicted = [s.client_id for s in victims if await self._remove_idle(s, "evicted")]
         if evicted:
             logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(evicted), kind, cap)
         return evicted
 
-    async def _remove_idle(self, session: Session) -> bool:
+    async def _remove_idle(self, session: Session, why: str) -> bool:
         """Forget `session` unless it is busy or already gone (another task may have run meanwhile)."""
         if self._sessions.get(session.client_id) is not session or self.busy(session):
             return False
-        await self._forget(session.client_id)
+        await self._forget(session.client_id, why)
         return True
 
 

@@ -3,7 +3,7 @@
 Endpoints (those of the reference `AgentClient`, so programs written for it keep working):
 `POST /api/v1/submit`, `GET /api/v1/stream/{client_id}` (SSE with ids, `Last-Event-ID` replay,
 `?turn_id=` for one turn's events only), `POST /api/v1/gate/{gate_id}`, `GET /api/v1/sessions`,
-`GET /api/v1/health`, `DELETE /api/v1/session/{id}`.
+`GET /api/v1/health`, `DELETE /api/v1/session/{id}`, `POST /api/v1/stop`.
 
 Client ids live in the `api-` namespace: an id without that prefix gets it (`myapp` → `api-myapp`),
 so an API caller can never reach an interactive shell session (whose gates it could otherwise
@@ -70,6 +70,10 @@ class _SubmitBody(_Body):
 
 class _GateBody(_Body):
     approve: bool
+
+
+class _StopBody(_Body):
+    client_id: str = Field(pattern=routes.CLIENT_ID_PATTERN)
 
 
 def api_client_id(raw: str) -> str:
@@ -154,6 +158,7 @@ class ApiPlugin(BasePlugin):
             Route("/api/v1/submit", _endpoint(self.submit), methods=["POST"]),
             Route("/api/v1/stream/{client_id}", _endpoint(self.stream), methods=["GET"]),
             Route("/api/v1/gate/{gate_id}", _endpoint(self.gate_answer), methods=["POST"]),
+            Route("/api/v1/stop", _endpoint(self.stop), methods=["POST"]),
             Route("/api/v1/sessions", _endpoint(self.sessions), methods=["GET"]),
             Route("/api/v1/health", _endpoint(self.health), methods=["GET"]),
             Route("/api/v1/session/{sid}", _endpoint(self.delete_session), methods=["DELETE"]),
@@ -193,7 +198,11 @@ class ApiPlugin(BasePlugin):
         if body.wait:
             answer = await routes.unless_disconnected(
                 request, routes.wait_turn(self.rt, client_id, body.text, payload, body.timeout, cancel_running=True))
-            return Response(status_code=499) if answer is None else JSONResponse({"client_id": client_id, **answer})
+            if answer is None:
+                return Response(status_code=499)
+            if answer["status"] == "error":  # the message in `text` too, as the original API answers
+                answer = {**answer, "partial": answer["text"], "text": answer["error"]}
+            return JSONResponse({"client_id": client_id, **answer})
         after = self.rt.hub.last_id(client_id)
         turn = await routes.submit(self.rt, client_id, body.text, payload)
         self._remember(turn.id, client_id, after)
@@ -221,6 +230,15 @@ class ApiPlugin(BasePlugin):
             return _error(404, f"unknown gate '{gate_id[:64]}': it was answered, timed out "
                                f"(after {self.rt.gate.api_timeout:g} s) or never existed")
         return JSONResponse({"status": "ok"})
+
+    async def stop(self, request: Request) -> Response:
+        """Cancel a client's running request without starting another: `{"status": "OK", "cancelled"}`."""
+        body = await routes.read_json(request, _StopBody)
+        client_id = api_client_id(body.client_id)
+        if not self._visible(client_id, self._is_admin(request)):
+            return _error(404, f"no session '{client_id}' you may stop")
+        return JSONResponse({"status": "OK", "cancelled": await routes.stop(self.rt, client_id),
+                             "client_id": client_id})
 
     async def sessions(self, request: Request) -> Response:
         admin = self._is_admin(request)

@@ -106,6 +106,7 @@ ENDPOINTS = [  # method, path, body, status with the right key
     ("GET", "/api/v1/sessions", None, 200),
     ("GET", "/api/v1/health", None, 200),
     ("DELETE", "/api/v1/session/api-nobody", None, 404),
+    ("POST", "/api/v1/stop", {"client_id": "api-nobody"}, 200),
     ("GET", "/no/such/path", None, 404),
 ]
 
@@ -143,6 +144,7 @@ async def test_wait_complete_error_and_timeout_with_partial_text(api) -> None:
     api.gpt.script(error(500, "backend exploded"))
     body = (await _post(api, "/api/v1/submit", {"client_id": cid, "text": "again", "wait": True})).json()
     assert body["status"] == "error" and "HTTP 500" in body["error"] and "backend exploded" in body["error"]
+    assert body["text"] == body["error"] and body["partial"] == ""  # the message in `text`, as the original
     assert "127.0.0.1" not in body["error"]  # API users are not told where the backends live
 
     release = threading.Event()
@@ -213,6 +215,83 @@ async def test_a_reference_style_client_reads_the_plain_stream(api) -> None:
     assert all(e.id.isdigit() for e in events) and [e.event for e in events].count("done") == 1
     assert "".join(json.loads(e.data)["text"] for e in events if e.event == "tok") == "All fine."
     assert any(e.event == "status" and "[get_system_info ◀]" in json.loads(e.data)["text"] for e in events)
+
+
+class OriginalStyleClient:
+    """A client written the way the original project's `api_client.py` is (its shapes, not its code):
+    a new HTTP client per call, a hand-rolled SSE line parser that ends at the first `done`, a
+    synchronous `send` that raises with the `text` of an error, `stop`, `sessions`."""
+
+    def __init__(self, url: str, client_id: str):
+        self.url, self.client_id, self.headers = url, client_id, dict(AUTH)
+
+    async def stream(self, text_: str) -> list[str]:
+        async with httpx.AsyncClient(headers=self.headers, timeout=10) as http:
+            (await http.post(f"{self.url}/api/v1/submit", json={"client_id": self.client_id, "text": text_,
+                                                                 "wait": False})).raise_for_status()
+        tokens, event, data = [], "message", []
+        async with httpx.AsyncClient(headers={**self.headers, "Accept": "text/event-stream"}, timeout=30) as http:
+            async with http.stream("GET", f"{self.url}/api/v1/stream/{self.client_id}") as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].strip())
+                    elif line == "":
+                        raw, data = "\n".join(data), []
+                        if event in ("", "message", "tok"):
+                            tokens.append(json.loads(raw).get("text", ""))
+                        elif event == "done":
+                            return tokens
+                        elif event == "error":
+                            raise RuntimeError(f"Agent error: {json.loads(raw).get('message', raw)}")
+                        event = "message"
+        return tokens
+
+    async def send(self, text_: str) -> str:
+        async with httpx.AsyncClient(headers=self.headers, timeout=30) as http:
+            body = (await http.post(f"{self.url}/api/v1/submit", json={"client_id": self.client_id, "text": text_,
+                                                                       "wait": True, "timeout": 30})).json()
+        if body["status"] == "error":
+            raise RuntimeError(f"Agent error: {body['text']}")
+        return body["text"]
+
+    async def stop(self) -> dict[str, Any]:
+        async with httpx.AsyncClient(headers=self.headers, timeout=10) as http:
+            resp = await http.post(f"{self.url}/api/v1/stop", json={"client_id": self.client_id})
+            resp.raise_for_status()
+            return resp.json()
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(headers=self.headers, timeout=10) as http:
+            return (await http.get(f"{self.url}/api/v1/sessions")).json()["sessions"]
+
+
+async def test_a_client_written_like_the_originals_works_unmodified(api) -> None:
+    client = OriginalStyleClient(api.url, f"api-orig-{uuid.uuid4().hex[:6]}")
+    api.gpt.script(text("Four", "."))
+    assert "".join(await client.stream("What is 2+2?")) == "Four."
+    api.gpt.script(text("Still ", "four."))
+    assert await client.send("And now?") == "Still four."
+    api.gpt.script(error(500, "backend exploded"))
+    with pytest.raises(RuntimeError, match=r"Agent error: .+HTTP 500.+backend exploded"):
+        await client.send("again")
+    # stop: nothing running, then a turn held by the backend is stopped and its stream ends with `done`.
+    assert await client.stop() == {"status": "OK", "cancelled": False, "client_id": client.client_id}
+    release = threading.Event()
+    api.gpt.script(text("never ", "finished", hold=release))
+    try:
+        streaming = asyncio.ensure_future(client.stream("a long story"))
+        for _ in range(100):
+            if api.gpt.requests and api.gpt.requests[-1].last_user_text == "a long story":
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.stop())["cancelled"] is True
+        assert "".join(await asyncio.wait_for(streaming, 10)) == "never "
+    finally:
+        release.set()
+    rows = {r["client_id"]: r for r in await client.sessions()}
+    assert rows[client.client_id]["history_length"] == 4 and isinstance(rows[client.client_id]["shorthand_id"], int)
 
 
 async def test_client_ids_sessions_health_and_delete(api) -> None:
