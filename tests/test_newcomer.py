@@ -1,0 +1,93 @@
+"""What a new user trips on (issue 17), each through the real interface it concerns: a server
+subprocess and shell.py's own client, agentctl as a subprocess, the fake backend's command line."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from rich.console import Console
+
+from shell import ShellClient, ShellEvent, ShellUI
+from tests.conftest import AgentServer, ConfigDir, openai_model
+from tests.fakes.openai_backend import FakeOpenAI
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[AgentServer]:
+    with FakeOpenAI() as gpt:
+        cfg = ConfigDir(tmp_path_factory.mktemp("newcomer"))
+        cfg.models = {"gpt": openai_model(gpt)}
+        started = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        try:
+            yield started
+        finally:
+            started.stop()
+
+
+async def say(server: AgentServer, client_id: str, text: str) -> tuple[list[ShellEvent], str]:
+    """One message from a shell window on `client_id`: its events and what the window showed."""
+    out = io.StringIO()
+    async with ShellClient(server.url, client_id, token=server.token) as client:
+        await client.connect(max_wait=10)
+        ui = ShellUI(Console(file=out, width=160), client)
+        ui.begin_turn()
+        await client.submit(text)
+        events = []
+        async for ev in client.events():
+            events.append(ev)
+            await ui.handle_event(ev)
+            if ev.name == "done":
+                break
+    return events, out.getvalue()
+
+
+def history_length(server: AgentServer, client_id: str) -> int:
+    rows = httpx.get(f"{server.url}/sessions", headers=server.auth, timeout=5).json()["sessions"]
+    return next(r["history_length"] for r in rows if r["client_id"] == client_id)
+
+
+async def test_a_session_deleted_in_another_window_is_said_and_started_anew(server) -> None:
+    await say(server, "window-one", "hello")
+    assert history_length(server, "window-one") == 2
+    _, shown = await say(server, "window-two", "!session window-one delete")
+    assert "deleted" in shown.lower()
+
+    events, shown = await say(server, "window-one", "still there?")
+    (notice,) = [e for e in events if e.name == "status" and e.data.get("session_gone")]
+    assert notice.data["session_gone"] == "deleted"
+    assert "this session was deleted" in shown and "starts a new, empty one" in shown
+    assert history_length(server, "window-one") == 2  # the new session: this message and its answer
+    # Said once: the next message continues the new session quietly.
+    events, _ = await say(server, "window-one", "and now?")
+    assert not [e for e in events if e.data.get("session_gone")] and history_length(server, "window-one") == 4
+
+
+async def test_a_window_that_stays_open_sees_the_notice_and_its_answer(server) -> None:
+    """The window whose session is deleted keeps its event stream open the whole time, as shell.py does."""
+    out = io.StringIO()
+    async with ShellClient(server.url, "window-three", token=server.token) as client:
+        await client.connect(max_wait=10)
+        ui = ShellUI(Console(file=out, width=160), client)
+
+        async def turn(text: str) -> list[ShellEvent]:
+            ui.begin_turn()
+            await client.submit(text)
+            events = []
+            async for ev in client.events():
+                events.append(ev)
+                await ui.handle_event(ev)
+                if ev.name == "done":
+                    return events
+            return events
+
+        await turn("first")
+        await say(server, "window-four", "!session window-three delete")
+        events = await turn("second")
+    assert [e.data.get("session_gone") for e in events if e.data.get("session_gone")] == ["deleted"]
+    assert "echo: second" in "".join(e.data.get("text", "") for e in events if e.name == "tok")
+    assert "this session was deleted" in out.getvalue()
