@@ -38,6 +38,7 @@ from rich.table import Table
 
 from config import (
     CODE_DIR,
+    CORE_GATES,
     ENABLED_FILE,
     GATE_DEFAULTS_FILE,
     MANIFEST_FILE,
@@ -47,7 +48,6 @@ from config import (
     ConfigError,
     EnabledConfig,
     GateDefaults,
-    GatePermission,
     Manifest,
     ModelConfig,
     ModelsFile,
@@ -68,7 +68,7 @@ FILE_MODELS: dict[str, type[BaseModel]] = {
 ALL_GATED = {"db": {"*": {"read": False, "write": False}, "__meta__": {"read": False, "write": False}},
              "tools": {"*": {"read": False, "write": False}}}
 #: Rate-limit types of the spec; plugins may add their own (the type of a tool is its gate type).
-RATE_TYPES = ("llm_call", "search", "extract", "drive", "db", "system", "agent_call")
+RATE_TYPES = ("llm_call", "search", "extract", "drive", "db", "system", "agent_call", "mcp")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RATE_TYPE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 RESTART = "Restart agent-mcp.py for the change to take effect."
@@ -243,17 +243,22 @@ class Terminal:
                 self._session = PromptSession(history=InMemoryHistory())
             completer = WordCompleter(words, sentence=True) if words else None
             return self._session.prompt(question, completer=completer)
-        self.out.print(question, end="", markup=False)
+        if question:  # piped input: questions go to stderr, so stdout holds only the answers (--json)
+            self.err.print(question, end="", markup=False)
         line = sys.stdin.readline()
         if not line:
             raise EOFError
         return line.rstrip("\n")
 
     def say(self, text: str, style: str | None = None) -> None:
-        self.out.print(text, style=style, markup=False)
+        """A remark; with --json on stderr, so stdout holds one JSON document per command."""
+        (self.err if self.json_output else self.out).print(text, style=style, markup=False)
 
     def done(self, text: str) -> None:
         """A change was written: say what, and that the server reads it at start."""
+        if self.json_output:
+            self.json({"done": text, "note": RESTART})
+            return
         self.out.print(f"✓ {text}", style="green", markup=False)
         self.out.print(RESTART, style="dim", markup=False)
 
@@ -278,8 +283,14 @@ class _ArgParser(argparse.ArgumentParser):
         raise InputError(f"{message}\nusage: {self.format_usage().removeprefix('usage: ').strip()}")
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
 def _bool(text: str) -> bool:
-    return field_value(GatePermission, "read", text, {})
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise InputError(f"{text} is not true/false")
+    return word in _TRUE
 
 
 # --------------------------------------------------------------------------- commands
@@ -329,11 +340,12 @@ class AgentCtl:
 
     def prompt(self) -> int:
         """The interactive prompt: one command per line until quit, exit or end of input."""
-        self.term.say("agentctl: type help for the commands, quit to leave.", style="bold")
+        if self.term.tty:  # piped commands get no banner and no prompt: only each command's output
+            self.term.say("agentctl: type help for the commands, quit to leave.", style="bold")
         worst = 0
         while True:
             try:
-                line = self.term.ask("agentctl> ", [*self.commands(), "quit", "exit"])
+                line = self.term.ask("agentctl> " if self.term.tty else "", [*self.commands(), "quit", "exit"])
             except EOFError:
                 break
             except KeyboardInterrupt:
@@ -443,11 +455,10 @@ class AgentCtl:
                 raise self._unknown("command", args[0], list(commands))
             self.term.say(_dedent(handler.__doc__ or ""))
             return
-        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
-        for handler in commands.values():
-            usage, _, what = (handler.__doc__ or "").strip().splitlines()[0].partition(": ")
-            table.add_row(escape(usage), escape(what))
-        self.term.table(table)
+        rows = [(handler.__doc__ or "").strip().splitlines()[0].partition(": ")[::2] for handler in commands.values()]
+        width = max(len(usage) for usage, _ in rows)
+        for usage, what in rows:  # plain lines: no padding after the text
+            self.term.say(f"{usage:<{width}}  {what}".rstrip())
         extra = "quit or exit leaves the prompt. " if self.in_prompt else ""
         self.term.say(f"{extra}Global options: --config-dir DIR, --json (every listing as JSON).", style="dim")
 
@@ -792,8 +803,16 @@ class AgentCtl:
         self._model_setter(args, self.cmd_model_timeout, "llm_call_timeout")
 
     def cmd_model_tools(self, args: list[str]) -> None:
-        """model-tools <name> <all|tool1,tool2>: the tools the model may call (llm_tools)."""
-        self._model_setter(args, self.cmd_model_tools, "llm_tools")
+        """model-tools <name> <all|tool1,tool2> [--force]: the tools the model may call (llm_tools).
+
+        Names no plugin or core module declares are refused unless --force is given (tools of MCP servers).
+        """
+        force = "--force" in args
+        name, text = self._args([a for a in args if a != "--force"], self.cmd_model_tools, 2)
+        value = model_value("llm_tools", text)
+        if isinstance(value, list):
+            self._check_tools(value, force)
+        self._set_model_field(name, "llm_tools", value)
 
     def cmd_model_router(self, args: list[str]) -> None:
         """model-router <name> <true|false>: ask the model first whether this turn needs tools (router step)."""
@@ -828,7 +847,9 @@ class AgentCtl:
                            "plugin's tools use that gate type")
         limits.setdefault(kind, {"auto_disable": False}).update(values)
         self.files.save(ENABLED_FILE, raw)
-        self.term.done(f"rate limit {kind}: {values['calls']} calls per {values['window_seconds']}s")
+        unlimited = not values["calls"] or not values["window_seconds"]
+        self.term.done(f"rate limit {kind}: unlimited (0 means no limit)" if unlimited
+                       else f"rate limit {kind}: {values['calls']} calls per {values['window_seconds']}s")
 
     def cmd_ratelimit_autodisable(self, args: list[str]) -> None:
         """ratelimit-autodisable <type> <true|false>: whether hitting the limit switches the tool type off."""
@@ -868,14 +889,39 @@ class AgentCtl:
             raise InputError(f"invalid {'table' if section == 'db' else 'tool'} name {words[0]!r}")
         return section, words[0], words[1:]
 
+    def _known_tools(self) -> list[str]:
+        """Tools the core and the manifest's plugins declare (an MCP server's tools are known only when it runs)."""
+        plugins = [t for entry in self.files.manifest.plugins.values() for t in entry.tools]
+        return sorted({*CORE_GATES, *plugins})
+
+    def _check_tools(self, names: list[str], force: bool) -> None:
+        """Refuse tool names nobody declares (a typo would silently gate or open nothing), unless forced."""
+        known = self._known_tools()
+        for name in names:
+            if name == "*" or name in known:
+                continue
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            message = (f"no plugin or core module declares a tool '{name}'; {hint}known: {', '.join(known)}. "
+                       "Tools of MCP servers (<server>_<tool>) are known only while they run")
+            if not force:
+                raise InputError(f"{message}; add --force to use the name anyway")
+            self.term.warn(message)
+
     def cmd_gate_set(self, args: list[str]) -> None:
-        """gate-set [db] <table|tool|*|__meta__> <read|write> <true|false>: true = auto-allow, false = ask.
+        """gate-set [db] <table|tool|*|__meta__> <read|write> <true|false> [--force]: true = auto-allow, false = ask.
 
         `gate-set db users write false` gates writes to the table users; `gate-set db * read true`
         lets reads of every other table run unasked; `gate-set ddgs_search read true` lets that tool
         run unasked; `gate-set * write false` gates writes of every tool without its own entry.
+        A tool name that no plugin or core module declares is refused (a typo would change nothing)
+        unless --force is given (tools of MCP servers).
         """
-        section, key, (operation, text) = self._gate_target(args, self.cmd_gate_set, 2)
+        force = "--force" in args
+        section, key, (operation, text) = self._gate_target([a for a in args if a != "--force"],
+                                                            self.cmd_gate_set, 2)
+        if section == "tools":
+            self._check_tools([key], force)
         if operation not in ("read", "write"):
             raise InputError(f"invalid operation '{operation}': read or write")
         value = _bool(text)

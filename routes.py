@@ -25,10 +25,10 @@ from starlette.requests import Request
 import agents
 import gate
 import state
-from config import AppConfig, ConfigError, SessionsConfig, save_model_fields
+from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig, save_model_fields
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptError, PromptTree
-from tools import AGENT_CALL_STREAM, CORE_GATES, ToolRegistry, make_core_tools
+from tools import AGENT_CALL_STREAM, ToolRegistry, make_core_tools
 
 logger = logging.getLogger("agent_mcp.routes")
 

@@ -204,17 +204,6 @@ class _AgentCallArgs(BaseModel):
                                                           "conversation's own one (always an api-swarm- session)")
 
 
-#: Gate declarations of the core tools (same contract as a plugin's get_gate_tools()).
-CORE_GATES: dict[str, dict[str, Any]] = {
-    "get_system_info": {"type": "system", "operation": "read"},
-    "read_system_prompt": {"type": "system", "operation": "read"},
-    "update_system_prompt": {"type": "system", "operation": "write"},
-    "llm_list": {"type": "system", "operation": "read"},
-    "llm_clean_text": {"type": "llm_call", "operation": "read"},
-    "llm_clean_tool": {"type": "llm_call", "operation": "read"},
-    # It sends data to another system and sets off work there.
-    "agent_call": {"type": "agent_call", "operation": "write"},
-}
 #: Tools llm_clean_tool refuses to hand to another model (no delegation chains, no swarm hops).
 NOT_DELEGABLE = frozenset({"llm_clean_text", "llm_clean_tool", "agent_call"})
 

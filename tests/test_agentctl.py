@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -329,7 +331,10 @@ INVALID = [
     (("ratelimit-set", "Search!", "1", "10"), "invalid type 'Search!'"),
     (("ratelimit-autodisable", "nope", "true"), "unknown rate-limit type 'nope'"),
     (("gate-set", "db", "users", "delete", "true"), "invalid operation 'delete'"),
-    (("gate-set", "db_query", "read", "sure"), "invalid read 'sure'"),
+    (("gate-set", "db_query", "read", "sure"), "sure is not true/false"),
+    (("gate-set", "db", "*", "write", "maybe"), "maybe is not true/false"),
+    (("gate-set", "dbquery", "read", "true"), "no plugin or core module declares a tool 'dbquery'; did you mean db_query"),
+    (("model-tools", "local", "db_query,web_serch"), "no plugin or core module declares a tool 'web_serch'"),
     (("gate-set", "db", "users"), "usage: agentctl gate-set"),
     (("model-context", "local"), "usage: agentctl model-context <name> <n>"),
     (("frobnicate",), "unknown command 'frobnicate'"),
@@ -498,3 +503,58 @@ def test_an_edit_made_meanwhile_is_never_overwritten(cdir):
     with pytest.raises(agentctl.FileProblem, match="changed by someone else meanwhile"):
         files.save(config.MODELS_FILE, raw)
     assert read(cdir, config.MODELS_FILE) == theirs
+
+
+# ── what a new user trips on (issue 17) ──
+
+
+def _documents(text: str) -> list[Any]:
+    """Consecutive JSON documents in `text` (what `--json` prints, one per command)."""
+    decoder, docs, at = json.JSONDecoder(), [], 0
+    while at < len(text.rstrip()):
+        doc, at = decoder.raw_decode(text, at)
+        docs.append(doc)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    return docs
+
+
+def test_piped_commands_print_one_json_document_each(cdir):
+    result = ctl(cdir, "--json", stdin="models\nratelimit-list\ngate-set db t read true\n")
+    assert result.returncode == 0, result.stderr
+    models, limits, done = _documents(result.stdout)  # no banner, no prompt: only the documents
+    assert "local" in json.dumps(models) and "search" in limits["rate_limits"]
+    assert done == {"done": "db t: read auto-allowed", "note": agentctl.RESTART}
+
+
+def test_an_undeclared_tool_name_needs_force_and_is_warned_about(cdir):
+    result = ctl(cdir, "gate-set", "files_read_file", "read", "true", "--force")
+    assert result.returncode == 0 and "no plugin or core module declares a tool 'files_read_file'" in result.stderr
+    assert read(cdir, config.GATE_DEFAULTS_FILE)["tools"]["files_read_file"]["read"] is True
+    assert ctl(cdir, "model-tools", "local", "db_query,llm_list").returncode == 0
+    assert read(cdir, config.MODELS_FILE)["models"]["local"]["llm_tools"] == ["db_query", "llm_list"]
+
+
+def test_rate_limit_zero_says_unlimited_and_mcp_is_a_known_type(cdir):
+    assert "rate limit search: unlimited (0 means no limit)" in ctl(cdir, "ratelimit-set", "search", "0", "0").stdout
+    result = ctl(cdir, "ratelimit-set", "mcp", "5", "60")
+    assert result.returncode == 0 and "warning" not in result.stderr
+
+
+def test_help_lines_have_no_trailing_padding(cdir):
+    lines = ctl(cdir, "help").stdout.splitlines()
+    assert len(lines) > 20 and all(line == line.rstrip() for line in lines)
+
+
+def test_tab_completes_a_unique_prefix_in_place(cdir, capsys):
+    with create_pipe_input() as pipe:
+        def typist() -> None:
+            for keys in ("model-inf", "\t", " local\r", "quit\r"):
+                time.sleep(0.3)
+                pipe.send_text(keys)
+
+        threading.Thread(target=typist, daemon=True).start()
+        session: PromptSession[str] = PromptSession(input=pipe, output=DummyOutput())
+        assert agentctl.AgentCtl(cdir, agentctl.Terminal(session=session), in_prompt=True).prompt() == 0
+    out = capsys.readouterr()
+    assert "unknown command" not in out.err and "qwen2.5:7b-instruct" in out.out
