@@ -3,7 +3,10 @@ subprocess and shell.py's own client, agentctl as a subprocess, the fake backend
 
 from __future__ import annotations
 
+import asyncio
 import io
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -11,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from shell import ShellClient, ShellEvent, ShellUI
-from tests.conftest import AgentServer, ConfigDir, openai_model
+from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.openai_backend import FakeOpenAI
 
 pytestmark = pytest.mark.slow
@@ -91,3 +94,33 @@ async def test_a_window_that_stays_open_sees_the_notice_and_its_answer(server) -
     assert [e.data.get("session_gone") for e in events if e.data.get("session_gone")] == ["deleted"]
     assert "echo: second" in "".join(e.data.get("text", "") for e in events if e.name == "tok")
     assert "this session was deleted" in out.getvalue()
+
+
+# ── Trying it without a model: the fake backend's script mode, from its command line ────────
+
+
+def test_the_fake_backend_can_be_scripted_by_hand(tmp_path) -> None:
+    port = free_port()
+    fake = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_backend", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "CALL <tool> <json arguments>" in fake.stdout.readline() + fake.stdout.readline() + "".join(
+            fake.stdout.readline() for _ in range(2))
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": {"model_id": "demo", "type": "OPENAI", "host": f"http://127.0.0.1:{port}/v1",
+                               "env_key": None, "max_retries": 0}}
+        agent = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        try:
+            events, shown = asyncio.run(say(agent, "demo", 'CALL get_system_info {}'))
+            answer = "".join(e.data.get("text", "") for e in events if e.name == "tok")
+            assert answer.startswith("The tool returned:") and "get_system_info" in shown
+            events, _ = asyncio.run(say(agent, "demo", "SLOW one two three"))
+            toks = [e for e in events if e.name == "tok"]
+            assert "".join(e.data["text"] for e in toks) == "one two three" and len(toks) == 3
+            events, _ = asyncio.run(say(agent, "demo", "FAIL 503 overloaded"))
+            assert any(e.name == "error" and "503" in e.data["message"] for e in events)
+        finally:
+            agent.stop()
+    finally:
+        fake.terminate()
+        fake.communicate(timeout=10)  # and close its pipe

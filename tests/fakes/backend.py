@@ -170,6 +170,48 @@ def echo_reply(request: RecordedRequest) -> Reply:
     return text(*words("echo: " + request.last_user_text))
 
 
+DEMO_HELP = """\
+Messages starting with one of these words are scripts; anything else is echoed back:
+  CALL <tool> <json arguments>   call that tool (then say what it returned)  CALL get_system_info {}
+  SLOW <text>                    stream <text> one word every 0.3 s            SLOW one two three four
+  FAIL <status> <message>        answer with that HTTP error                   FAIL 503 overloaded
+  HANG <seconds>                 send nothing for that long (try a timeout)    HANG 200"""
+
+
+def _tool_result(body: Any) -> str | None:
+    """The tool result a request ends with (OpenAI `role: tool`, Gemini `functionResponse`), if any."""
+    if not isinstance(body, dict):
+        return None
+    messages = body.get("messages") or []
+    if messages and messages[-1].get("role") == "tool":
+        return str(messages[-1].get("content", ""))
+    parts = (body.get("contents") or [{}])[-1].get("parts") or []
+    found = [p["functionResponse"].get("response") for p in parts if isinstance(p, dict) and "functionResponse" in p]
+    return json.dumps(found[0]) if found else None
+
+
+def demo_reply(request: RecordedRequest) -> Reply:
+    """Replies a person can script from a chat window (DEMO_HELP), for trying gates, tools and streaming."""
+    result = _tool_result(request.json)
+    if result is not None:
+        return text(*words(f"The tool returned: {result[:300]}"))
+    verb, _, rest = request.last_user_text.strip().partition(" ")
+    try:
+        if verb == "CALL":
+            name, _, raw = rest.strip().partition(" ")
+            return tool_call(name, json.loads(raw or "{}"))
+        if verb == "SLOW":
+            return text(*words(rest or "slowly, one word at a time"), delay=0.3)
+        if verb == "FAIL":
+            status, _, message = rest.strip().partition(" ")
+            return error(int(status), message or "failing on purpose")
+        if verb == "HANG":
+            return hang(float(rest))
+    except ValueError as exc:
+        return text(*words(f"cannot read that script line ({exc}).\n{DEMO_HELP}"))
+    return echo_reply(request)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Server
 # ---------------------------------------------------------------------------------------------------------
@@ -325,13 +367,15 @@ class FakeBackend(ThreadedServer):
 
 
 def run_cli(backend_class: type[FakeBackend], argv: Sequence[str] | None = None) -> None:
-    """Run `backend_class` in the foreground in echo mode until Ctrl-C (for manual demos)."""
-    parser = argparse.ArgumentParser(description=f"Run {backend_class.__name__} (echo mode) on 127.0.0.1.")
+    """Run `backend_class` in the foreground until Ctrl-C, answering by `demo_reply` (for trying things by hand)."""
+    parser = argparse.ArgumentParser(description=f"Run {backend_class.__name__} on 127.0.0.1 for trying the agent "
+                                                 "without a model.", epilog=DEMO_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    parser.add_argument("--echo", action="store_true", help="only echo, no scripts")
     args = parser.parse_args(argv)
-    with backend_class(port=args.port) as backend:
-        print(
-            f"{backend_class.__name__} listening; base URL: {backend.base_url}  (Ctrl-C to stop)", flush=True
-        )
+    with backend_class(port=args.port, default_reply=echo_reply if args.echo else demo_reply) as backend:
+        print(f"{backend_class.__name__} listening; base URL: {backend.base_url}  (Ctrl-C to stop)\n"
+              + ("" if args.echo else DEMO_HELP), flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()
