@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import uvicorn
+from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
@@ -68,6 +69,28 @@ def _setup_logging(level: str, env: dict[str, str]) -> None:
     root.setLevel(level.upper())
     for noisy in ("httpx", "httpx2", "httpcore", "google_genai.models"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("uvicorn.error").addFilter(_OncePerProcess())
+
+
+class _OncePerProcess(logging.Filter):
+    """uvicorn's lifecycle lines once, not once per listener (every plugin port is a uvicorn server)."""
+
+    LINES = ("Started server process", "Waiting for application", "Application startup complete",
+             "Shutting down", "Waiting for connections to close", "Finished server process")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        line = next((start for start in self.LINES if message.startswith(start)), None)
+        if line is None:
+            return True
+        if line in self.seen:
+            return False
+        self.seen.add(line)
+        return True
 
 
 class _Server(uvicorn.Server):
@@ -185,6 +208,10 @@ async def serve(config: AppConfig) -> int:
         logger.info("models ready in %.2f s%s; context windows: %s", time.monotonic() - started,
                     f" (prepared at first use: {', '.join(cold)})" if cold else "",
                     ", ".join(f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)))
+        problem = await agents.unreachable(rt, config.default_model)
+        if problem:
+            logger.warning("the default model '%s' cannot answer yet: %s. Or use another model: !model <name> in "
+                           "shell.py, or default_model in plugins-enabled.json", config.default_model, problem)
         prepared = _prepare_servers(rt)
         if not prepared:
             failed = "; ".join(r.line() for r in problems)
@@ -198,6 +225,10 @@ async def serve(config: AppConfig) -> int:
                 s.should_exit = True
             if rt.stopping is not None:
                 rt.stopping.set()
+            # Open event streams end now, each with a complete response (sse-starlette's own watcher
+            # of this flag is the fallback), so a stop with shell windows attached is quick and clean.
+            rt.hub.close()
+            AppStatus.should_exit = True
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)

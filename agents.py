@@ -142,6 +142,28 @@ async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: l
             pass
 
 
+async def unreachable(rt: state.Runtime, key: str) -> str | None:
+    """Why model `key` cannot answer right now, as far as can be told without calling it: a missing
+    API key, or nothing listening at a local server's address (hosted APIs are not probed). None: fine."""
+    cfg = rt.config.models[key]
+    if resolve_api_key(cfg, rt.config.env) is None:
+        return f"it needs an API key: set {cfg.env_key} in .env"
+    if not cfg.host or not budget.is_local(cfg.host):
+        return None
+    url = httpx.URL(cfg.host)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(url.host, port), 2)
+    except (OSError, TimeoutError):
+        hint = ("start Ollama: ollama serve; ollama pull " + cfg.model_id if port == 11434 else
+                "start llama.cpp's server: llama-server --jinja -m <model.gguf> --port 8080" if port == 8080 else
+                "start its server")
+        return (f"nothing answers at {url.host}:{port} ({hint}; or, to try everything without a model, run the "
+                f"fake backend there: .venv/bin/python -m tests.fakes.openai_backend --port {port})")
+    writer.close()
+    return None
+
+
 def _content_to_str(content: Any) -> str:
     """Plain text of a message content: a string, or the text blocks of a content list (Gemini)."""
     if isinstance(content, str):
@@ -822,12 +844,10 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         del session.history[mark:]
         cfg = rt.config.models.get(key)
         message = describe_llm_error(exc, key, cfg)
+        logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
         if not gate.may_administer():
             # Proxy, Slack and API users learn what failed, not where the backends live.
-            hidden = gate.without_locations(rt, message)
-            if hidden != message:
-                logger.warning("LLM turn of %s failed: %s", session.client_id, message)
-            message = hidden
+            message = gate.without_locations(rt, message)
         rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

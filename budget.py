@@ -223,7 +223,7 @@ def is_overflow(status: int | None, message: str) -> bool:
 # ── The window ──────────────────────────────────────────────────────────────────────────────
 
 
-def _local(host: str) -> bool:
+def is_local(host: str) -> bool:
     name = urlsplit(host).hostname or ""
     if name == "localhost" or name.endswith((".local", ".lan", ".internal")):
         return True
@@ -240,7 +240,7 @@ async def discover_window(cfg: ModelConfig) -> tuple[int, str]:
         return cfg.context_tokens, "llm-models.json"
     if cfg.type == "GEMINI":
         return GEMINI_WINDOW, "Gemini's window"
-    if not cfg.host or not _local(cfg.host):  # hosted APIs have large windows and no endpoint that says
+    if not cfg.host or not is_local(cfg.host):  # hosted APIs have large windows and no endpoint that says
         return HOSTED_DEFAULT_WINDOW, "default for a hosted API (set context_tokens)"
     base = re.sub(r"/v1/?$", "", cfg.host.rstrip("/"))
     async with httpx.AsyncClient(timeout=_PROBE_TIMEOUT, trust_env=False) as http:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import re
 import secrets
@@ -41,6 +42,7 @@ SHELL_TOKEN_FILE = "shell-token"
 _HOST_ENTRY = re.compile(r"^(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:(\d{1,5}|\*))?$")
 _ORIGIN_ENTRY = re.compile(r"^[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:(\d{1,5}|\*))?$")
 _PREFLIGHT_MAX_AGE = "600"
+logger = logging.getLogger("agent_mcp.guard")
 
 
 class TokenFileError(Exception):
@@ -147,10 +149,15 @@ class Guard:
             send = _with_cors(send, origin)
         if refusal is None:
             await self.app(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
         else:
-            await refusal(scope, receive, send)
+            if refusal.status_code >= 400:  # one line per refused request, never a traceback
+                client = (scope.get("client") or ("?",))[0]
+                logger.info("refused %s %s from %s: %d %s", scope.get("method", "WEBSOCKET"), scope.get("path", ""),
+                            client, refusal.status_code, bytes(refusal.body).decode(errors="replace")[:300])
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await refusal(scope, receive, send)
 
     def _check(self, scope: Scope, headers: Headers) -> tuple[Response | None, str | None]:
         """(the refusal or None, the allowed cross-site Origin whose responses carry CORS headers, or None)."""

@@ -548,6 +548,7 @@ class EventHub:
         self._channels: dict[str, _Channel] = {}
         self.max_idle_channels = max_idle_channels
         self.observers: list[HubObserver] = []
+        self.closed = False
 
     def _notify(self, client_id: str, event: Event | None) -> None:
         for observer in list(self.observers):
@@ -579,6 +580,12 @@ class EventHub:
     def last_id(self, client_id: str) -> int:
         return self._channel(client_id).last_id
 
+    def close(self) -> None:
+        """The server stops: every subscription ends after the events it has not yet received."""
+        self.closed = True
+        for ch in self._channels.values():
+            ch._wake.set()
+
     def drop(self, client_id: str) -> None:
         ch = self._channels.pop(client_id, None)
         if ch is not None:
@@ -600,6 +607,8 @@ class EventHub:
                     cursor = ch.seen
                 event = ch.after(cursor)
                 if event is None:
+                    if self.closed:
+                        return
                     await ch._wake.wait()
                     continue
                 cursor = event.id
