@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,10 @@ class AgentServer:
             [sys.executable, str(ROOT / "agent-mcp.py"), "--config-dir", str(self.cfg.path)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
+        # Read the output as it comes: a server that logs more than a pipe holds must never block.
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._lines.extend, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
         if wait:
             self.wait_ready()
         return self
@@ -186,11 +191,14 @@ class AgentServer:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
             try:
-                out, _ = self.proc.communicate(timeout=15)
+                self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                out, _ = self.proc.communicate()
-            self.output += out or ""
+                self.proc.wait()
+            self._reader.join(10)
+            assert self.proc.stdout is not None
+            self.proc.stdout.close()
+            self.output += "".join(self._lines)
             self.proc = None
         return self.output
 

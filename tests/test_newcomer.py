@@ -15,6 +15,7 @@ from rich.console import Console
 
 from shell import ShellClient, ShellEvent, ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
+from tests.fakes.backend import hang
 from tests.fakes.openai_backend import FakeOpenAI
 
 pytestmark = pytest.mark.slow
@@ -124,3 +125,44 @@ def test_the_fake_backend_can_be_scripted_by_hand(tmp_path) -> None:
     finally:
         fake.terminate()
         fake.communicate(timeout=10)  # and close its pipe
+
+
+# ── Logs an operator can read; start-up tells what is missing ──────────────────────────────
+
+
+def test_the_log_has_one_line_per_failure_and_a_clean_stop(tmp_path) -> None:
+    down = free_port()  # nothing listens there
+    with FakeOpenAI() as gpt:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"down": {"model_id": "qwen", "type": "OPENAI", "host": f"http://127.0.0.1:{down}/v1",
+                               "env_key": None, "max_retries": 0},
+                      "gpt": openai_model(gpt, llm_call_timeout=1)}
+        cfg.plugins.append("plugin_proxy_llama")
+        cfg.plugin_config["plugin_proxy_llama"] = {"port": free_port()}
+        agent = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+
+        async def scenario() -> None:
+            await say(agent, "ops", "unreachable backend")  # the default model: down
+            gpt.script(hang(5))
+            await say(agent, "ops", "@gpt a backend that hangs")
+            async with httpx.AsyncClient() as http:
+                refused = await http.post(f"{agent.url}/submit", content=b"hi",
+                                          headers={**agent.auth, "Content-Type": "text/plain"})
+            assert refused.status_code == 415
+            # Stop while a shell window follows its event stream.
+            async with ShellClient(agent.url, "watching", token=agent.token) as client:
+                await client.connect(max_wait=10)
+                await client.submit("!help")
+                async for ev in client.events():
+                    if ev.name == "done":
+                        break
+                await asyncio.to_thread(agent.stop)
+
+        asyncio.run(scenario())
+    log = agent.output
+    assert "Traceback" not in log and "Exception in ASGI application" not in log and "ERROR" not in log, log
+    assert log.count("Started server process") == 1 and log.count("Finished server process") == 1
+    assert f"the default model 'down' cannot answer yet: nothing answers at 127.0.0.1:{down}" in log
+    assert log.count(f"turn of ops failed: model 'down' at http://127.0.0.1:{down}/v1: cannot connect") == 1
+    assert log.count("turn of ops failed: model 'gpt'") == 1 and "no answer within 1 s" in log
+    assert "refused POST /submit from 127.0.0.1: 415" in log and "agent-mcp stopped" in log

@@ -731,7 +731,7 @@ async def test_shell_attach_and_delete_current_session(fake: FakeServer, tmp_pat
 
     fake.on_submit = on_submit
     async with running_shell(fake, session_file) as (sh, term):
-        term.feed("!session 102 attach", "hi", "!session 102 delete", "after", "!exit")
+        term.feed("!session 102", "hi", "!session 102 delete", "after", "!exit")  # bare: attaches in shell.py
         assert await asyncio.wait_for(sh.run(), 10) == 0
     new_id = session_file.read_text().strip()
     assert uuid.UUID(new_id).version == 4
