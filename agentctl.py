@@ -19,6 +19,7 @@ import difflib
 import importlib.metadata
 import json
 import logging
+import os
 import re
 import shlex
 import socket
@@ -994,4 +995,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `agentctl --json … | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        code = 0
+    sys.exit(code)

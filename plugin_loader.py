@@ -7,6 +7,7 @@ or fails to init is reported with its reason and skipped, and the server starts 
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -363,6 +364,12 @@ class PluginLoader:
         for r in reports:
             log = logger.info if r.status in ("loaded", "disabled") else logger.error
             log("plugin %s", r.line())
+        for name in self.rt.config.enabled.plugin_config:  # settings nobody reads: said, not silently ignored
+            if name not in manifest or name not in names:
+                close = difflib.get_close_matches(name, list(manifest), n=1)
+                why = (f"names no plugin of plugin-manifest.json{f' (did you mean {close[0]}?)' if close else ''}"
+                       if name not in manifest else "belongs to a plugin that is not in enabled_plugins")
+                logger.warning("plugins-enabled.json: plugin_config.%s %s; its settings are not used", name, why)
         return reports
 
     def client_plugins(self) -> list[BasePlugin]:

@@ -476,12 +476,9 @@ def _prompt_bindings() -> KeyBindings:
         event.current_buffer.insert_text("\n")
 
     @bindings.add("c-c")
-    def _clear_or_exit(event: Any) -> None:
-        if event.current_buffer.text:
-            event.current_buffer.reset()
-        else:
-            # EOFError, not KeyboardInterrupt: a KeyboardInterrupt escaping a task stops the event loop.
-            event.app.exit(exception=EOFError())
+    def _clear(event: Any) -> None:
+        # Clears the line and never quits (as in other REPLs); Ctrl-D or !exit quits.
+        event.current_buffer.reset()
 
     return bindings
 
@@ -490,7 +487,8 @@ class Terminal:
     """The real terminal: prompt-toolkit reads lines and keys, a rich Console writes.
 
     Shell needs only: ``console``, ``await prompt(default, toolbar, should_abort)`` (raises
-    EOFError on Ctrl-D or Ctrl-C at an empty prompt, PromptInterrupted after interrupt_prompt()),
+    EOFError on Ctrl-D at an empty prompt, PromptInterrupted after interrupt_prompt(); Ctrl-C only
+    clears the line),
     ``interrupt_prompt()``, and ``key_mode()`` (async context manager giving an asyncio.Queue of
     key names such as "a" or "c-c" while the terminal is in raw mode). Tests substitute a fake.
     """
@@ -526,8 +524,8 @@ class Terminal:
                 return await self._session.prompt_async(
                     [("ansicyan bold", "› ")], default=default, bottom_toolbar=toolbar, pre_run=pre_run
                 )
-            except KeyboardInterrupt:  # prompt-toolkit's own SIGINT handling
-                raise EOFError from None
+            except KeyboardInterrupt:  # prompt-toolkit's own SIGINT handling: a cleared line, not a quit
+                return ""
 
     def interrupt_prompt(self) -> None:
         """Close a running prompt with PromptInterrupted, keeping what was typed."""
@@ -628,7 +626,7 @@ class Shell:
     # ---- local commands: return True when handled here, False to send the line to the server
 
     async def cmd_exit(self, arg: str) -> bool:
-        """!exit — leave the shell (also !quit, Ctrl-D, or Ctrl-C on an empty prompt)."""
+        """!exit — leave the shell (also !quit, or Ctrl-D on an empty prompt; Ctrl-C never quits)."""
         self._running = False
         return True
 

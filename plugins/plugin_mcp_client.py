@@ -52,7 +52,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from config import ConfigError, read_json
-from plugin_loader import BasePlugin
+from plugin_loader import BasePlugin, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -714,6 +714,7 @@ class McpClientPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         assert self.runtime is not None
+        parse_settings(self.PLUGIN_NAME, PluginSettings, config)  # no settings but `enabled` (servers: mcp-servers.json)
         app = self.runtime.config
         self.config_file = app.path(MCP_SERVERS_FILE)
         servers = load_servers(self.config_file)

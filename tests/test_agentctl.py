@@ -558,3 +558,13 @@ def test_tab_completes_a_unique_prefix_in_place(cdir, capsys):
         assert agentctl.AgentCtl(cdir, agentctl.Terminal(session=session), in_prompt=True).prompt() == 0
     out = capsys.readouterr()
     assert "unknown command" not in out.err and "qwen2.5:7b-instruct" in out.out
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(cdir):
+    """`agentctl --json list | head -2`: the pipe closes before agentctl has written everything."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "agentctl.py"), "--config-dir", str(cdir), "--json", "list"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "{"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err

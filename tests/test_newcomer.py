@@ -166,3 +166,22 @@ def test_the_log_has_one_line_per_failure_and_a_clean_stop(tmp_path) -> None:
     assert log.count(f"turn of ops failed: model 'down' at http://127.0.0.1:{down}/v1: cannot connect") == 1
     assert log.count("turn of ops failed: model 'gpt'") == 1 and "no answer within 1 s" in log
     assert "refused POST /submit from 127.0.0.1: 415" in log and "agent-mcp stopped" in log
+
+
+def test_unknown_plugin_settings_are_reported_at_start(tmp_path) -> None:
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"gpt": {"model_id": "x", "type": "OPENAI", "host": "https://api.example.com/v1", "env_key": None}}
+    cfg.plugins += ["plugin_search_ddgs", "plugin_mcp_client"]
+    cfg.plugin_config.update({
+        "plugin_search_ddgs": {"max_resluts": 3},  # a typo in a plugin's settings: that plugin stops, named
+        "plugin_mcp_client": {"servers": {}},  # settings of a plugin that takes none (they live in mcp-servers.json)
+        "plugin_serach_google": {"enabled": True},  # a typo in a plugin's name
+        "plugin_client_slack": {"enabled": True},  # a plugin that is not in enabled_plugins
+    })
+    log = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start().stop()
+    assert "plugin_config.plugin_search_ddgs in plugins-enabled.json: max_resluts: Extra inputs are not permitted" in log
+    assert "plugin_config.plugin_mcp_client in plugins-enabled.json: servers: Extra inputs are not permitted" in log
+    assert ("plugins-enabled.json: plugin_config.plugin_serach_google names no plugin of plugin-manifest.json "
+            "(did you mean plugin_search_google?); its settings are not used") in log
+    assert ("plugin_config.plugin_client_slack belongs to a plugin that is not in enabled_plugins; its settings are "
+            "not used") in log

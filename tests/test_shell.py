@@ -821,9 +821,8 @@ async def test_terminal_prompt_keys(typed: str, expected: str) -> None:
 async def test_terminal_exits_interrupts_and_reads_keys() -> None:
     with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
         terminal = Terminal(None, console=Console(file=io.StringIO()))
-        pipe.send_text("\x03")
-        with pytest.raises(EOFError):
-            await asyncio.wait_for(terminal.prompt(), 5)
+        pipe.send_text("\x03\x03after two Ctrl-C\r")  # Ctrl-C on an empty prompt does not quit
+        assert await asyncio.wait_for(terminal.prompt(), 5) == "after two Ctrl-C"
         pipe.send_text("\x04")
         with pytest.raises(EOFError):
             await asyncio.wait_for(terminal.prompt(), 5)
