@@ -82,7 +82,8 @@ class AgentTimeout(AgentTurnError, TimeoutError):
 
 
 class AgentCancelled(AgentTurnError):
-    """The turn was cancelled on the server, by a newer message on the same session or its deletion."""
+    """The turn was cancelled on the server (a newer message on the same session, its deletion), or
+    interrupted (the server restarted while it ran)."""
 
 
 class _StreamBroke(Exception):
@@ -238,6 +239,10 @@ class AgentClient:
                             item = await queue.get()
                     except TimeoutError:
                         raise AgentTimeout(f"no end of the turn within {limit:g} s", "".join(received)) from None
+                    if isinstance(item, AgentRequestError) and item.status == 404 and turn_id:
+                        # The server no longer knows the turn (it restarted meanwhile): say so, keep the text.
+                        raise AgentCancelled(f"the turn was interrupted before it ended: the server restarted or "
+                                             f"lost it ({item})", "".join(received)) from None
                     if isinstance(item, BaseException):
                         raise item
                     if item.name == "tok":

@@ -190,18 +190,20 @@ class ApiPlugin(BasePlugin):
         body = await routes.read_json(request, _SubmitBody)
         if not body.text.strip():
             raise routes.BadRequest(400, "text is empty: send {\"text\": \"<your message>\"}")
-        if body.timeout > self.cfg.max_wait_seconds:
-            raise routes.BadRequest(400, f"timeout {body.timeout:g} is too long; the limit is "
-                                         f"{self.cfg.max_wait_seconds:g} seconds")
+        clamped = body.timeout > self.cfg.max_wait_seconds  # the original accepted any timeout: clamp, and say so
+        timeout = min(body.timeout, self.cfg.max_wait_seconds)
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
         payload = {"default_model": body.default_model, "admin": self._is_admin(request)}
         if body.wait:
             answer = await routes.unless_disconnected(
-                request, routes.wait_turn(self.rt, client_id, body.text, payload, body.timeout, cancel_running=True))
+                request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))
             if answer is None:
                 return Response(status_code=499)
             if answer["status"] == "error":  # the message in `text` too, as the original API answers
                 answer = {**answer, "partial": answer["text"], "text": answer["error"]}
+            if clamped:
+                answer["note"] = (f"timeout {body.timeout:g} s is above this server's limit; waited at most "
+                                  f"{timeout:g} s (plugin_config.plugin_client_api.max_wait_seconds)")
             return JSONResponse({"client_id": client_id, **answer})
         after = self.rt.hub.last_id(client_id)
         turn = await routes.submit(self.rt, client_id, body.text, payload)

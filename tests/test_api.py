@@ -22,6 +22,7 @@ from httpx_sse import aconnect_sse
 import routes
 from api_client import (
     AgentAuthError,
+    AgentCancelled,
     AgentClient,
     AgentError,
     AgentRequestError,
@@ -485,3 +486,45 @@ async def test_agent_client_timeout_keeps_the_partial_answer(api) -> None:
     finally:
         release.set()
     assert caught.value.partial == "slow "
+
+
+async def test_a_timeout_above_the_limit_is_clamped_and_said(api) -> None:
+    api.gpt.script(text("quick"))
+    body = (await _post(api, "/api/v1/submit", {"text": "hi", "wait": True, "timeout": 3600})).json()
+    assert body["status"] == "complete" and body["text"] == "quick"
+    assert body["note"].startswith("timeout 3600 s is above this server's limit; waited at most 600 s")
+
+
+async def test_agent_client_says_a_turn_was_interrupted_by_a_restart(tmp_path) -> None:
+    """kill -9 in the middle of a turn, restart: the client keeps what it had and says the turn was interrupted."""
+    with FakeOpenAI() as gpt:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"gpt": openai_model(gpt)}
+        port = free_port()
+        cfg.plugins.append("plugin_client_api")
+        cfg.plugin_config["plugin_client_api"] = {"port": port}
+        server = AgentServer(cfg.write()).start()
+        release = threading.Event()
+        gpt.script(text("half ", "of it", hold=release))
+        client = AgentClient(f"http://127.0.0.1:{port}", default_timeout=60)
+        pieces: list[str] = []
+        try:
+            async def follow() -> None:
+                async for piece in client.stream("tell me"):
+                    pieces.append(piece)
+
+            task = asyncio.ensure_future(follow())
+            for _ in range(200):
+                if pieces:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.proc is not None
+            server.proc.kill()  # kill -9
+            await asyncio.to_thread(server.stop)
+            server.start()
+            with pytest.raises(AgentCancelled, match="interrupted before it ended: the server restarted") as err:
+                await asyncio.wait_for(task, 60)
+            assert err.value.partial == "half " and pieces == ["half "]
+        finally:
+            release.set()
+            server.stop()
