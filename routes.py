@@ -286,6 +286,7 @@ async def process_request(
                     rt.hub.publish(client_id, "status", {"text": f"[session] this session was {why} ({_GONE[why]}); "
                                                                  "this message starts a new, empty one",
                                                          "session_gone": why})
+            rt.hub.publish(client_id, "user", {"text": text})  # every window shows who said what, in order
             if turn_model is not None and turn_model not in rt.config.models:
                 rt.hub.error(client_id, f"unknown model '{turn_model}'; available: {', '.join(rt.config.models)}")
             else:

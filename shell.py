@@ -209,6 +209,7 @@ class ShellUI:
         self._deadlines: dict[str, float] = {}
         self._hinted = False
         self._connection = "idle"
+        self._mine: list[str] = []  # texts this window sent whose `user` event has not come back yet
 
     @property
     def busy(self) -> bool:
@@ -219,11 +220,14 @@ class ShellUI:
         """Return once ``busy`` is false."""
         await self._idle.wait()
 
-    def begin_turn(self, plain: bool = False) -> None:
+    def begin_turn(self, plain: bool = False, text: str | None = None) -> None:
         """Mark the start of a turn the user submitted: its answer streams live until ``done``.
 
-        ``plain`` shows the output as it is instead of as Markdown (for ``!command`` output).
+        ``plain`` shows the output as it is instead of as Markdown (for ``!command`` output);
+        ``text`` is what was sent, which this window already shows (its ``user`` event is not repeated).
         """
+        if text is not None:
+            self._mine.append(text)
         self._flush()
         self._turn = True
         self._plain = plain
@@ -321,6 +325,15 @@ class ShellUI:
         if self._turn and self.console.is_terminal and self._live_kind != "answer":
             self._stop_countdown()
             self._start_live("answer", _LiveAnswer(self._parts, self._plain), fps=12)
+
+    def _on_user(self, data: dict[str, Any]) -> None:
+        """A message sent to this session: shown unless this window sent it (another window did)."""
+        text = str(data.get("text", ""))
+        if text in self._mine:
+            self._mine.remove(text)
+            return
+        self._flush()
+        self.console.print(Text.assemble((f"› {text}", "cyan"), ("  (sent from another window)", "dim")))
 
     def _on_status(self, data: dict[str, Any]) -> None:
         self.note(str(data.get("text", "")), "dim")
@@ -700,7 +713,7 @@ class Shell:
             self.ui.note(f"this session was deleted — now using a new session {_short(new_id)}", "green")
 
     async def _submit(self, text: str) -> None:
-        self.ui.begin_turn(plain=text.lstrip().startswith("!"))
+        self.ui.begin_turn(plain=text.lstrip().startswith("!"), text=text)
         try:
             await self.client.submit(text)
         except AuthRequired as exc:

@@ -33,20 +33,25 @@ def server(tmp_path_factory) -> Iterator[AgentServer]:
             started.stop()
 
 
+async def turn(client: ShellClient, ui: ShellUI, text: str) -> list[ShellEvent]:
+    """One message through an open shell window (its client and UI): the events up to its `done`."""
+    ui.begin_turn()
+    await client.submit(text)
+    events = []
+    async for ev in client.events():
+        events.append(ev)
+        await ui.handle_event(ev)
+        if ev.name == "done":
+            break
+    return events
+
+
 async def say(server: AgentServer, client_id: str, text: str) -> tuple[list[ShellEvent], str]:
-    """One message from a shell window on `client_id`: its events and what the window showed."""
+    """One message from a new shell window on `client_id`: its events and what the window showed."""
     out = io.StringIO()
     async with ShellClient(server.url, client_id, token=server.token) as client:
         await client.connect(max_wait=10)
-        ui = ShellUI(Console(file=out, width=160), client)
-        ui.begin_turn()
-        await client.submit(text)
-        events = []
-        async for ev in client.events():
-            events.append(ev)
-            await ui.handle_event(ev)
-            if ev.name == "done":
-                break
+        events = await turn(client, ShellUI(Console(file=out, width=160), client), text)
     return events, out.getvalue()
 
 
@@ -77,21 +82,9 @@ async def test_a_window_that_stays_open_sees_the_notice_and_its_answer(server) -
     async with ShellClient(server.url, "window-three", token=server.token) as client:
         await client.connect(max_wait=10)
         ui = ShellUI(Console(file=out, width=160), client)
-
-        async def turn(text: str) -> list[ShellEvent]:
-            ui.begin_turn()
-            await client.submit(text)
-            events = []
-            async for ev in client.events():
-                events.append(ev)
-                await ui.handle_event(ev)
-                if ev.name == "done":
-                    return events
-            return events
-
-        await turn("first")
+        await turn(client, ui, "first")
         await say(server, "window-four", "!session window-three delete")
-        events = await turn("second")
+        events = await turn(client, ui, "second")
     assert [e.data.get("session_gone") for e in events if e.data.get("session_gone")] == ["deleted"]
     assert "echo: second" in "".join(e.data.get("text", "") for e in events if e.name == "tok")
     assert "this session was deleted" in out.getvalue()
@@ -185,3 +178,35 @@ def test_unknown_plugin_settings_are_reported_at_start(tmp_path) -> None:
             "(did you mean plugin_search_google?); its settings are not used") in log
     assert ("plugin_config.plugin_client_slack belongs to a plugin that is not in enabled_plugins; its settings are "
             "not used") in log
+
+
+async def test_every_window_sees_the_whole_conversation(server) -> None:
+    """Two shell windows on one session: each shows the other's question before its answer."""
+    outs = [io.StringIO(), io.StringIO()]
+    async with ShellClient(server.url, "shared", token=server.token) as one, \
+            ShellClient(server.url, "shared", token=server.token) as two:
+        for client in (one, two):
+            await client.connect(max_wait=10)
+        ui_one, ui_two = (ShellUI(Console(file=out, width=160), c) for out, c in zip(outs, (one, two), strict=True))
+
+        async def watch(client: ShellClient, ui: ShellUI, count: int) -> None:
+            """Draw events until `count` turns have ended."""
+            async for ev in client.events():
+                await ui.handle_event(ev)
+                count -= ev.name == "done"
+                if not count:
+                    return
+
+        watcher = asyncio.ensure_future(watch(two, ui_two, 2))
+        ui_one.begin_turn(text="hello from one")
+        await one.submit("hello from one")
+        await watch(one, ui_one, 1)
+        ui_two.begin_turn(text="and from two")
+        await two.submit("and from two")
+        await asyncio.wait_for(watcher, 10)
+        await watch(one, ui_one, 1)
+    shown_one, shown_two = (out.getvalue() for out in outs)
+    assert "› hello from one  (sent from another window)" in shown_two
+    assert "› and from two  (sent from another window)" in shown_one
+    assert "(sent from another window)" not in shown_one.replace("› and from two  (sent from another window)", "")
+    assert shown_two.index("› hello from one") < shown_two.index("echo: hello from one")
