@@ -31,7 +31,7 @@ from starlette.types import ASGIApp
 import agents
 import routes
 import state
-from config import SECRET_NAME, AppConfig, ConfigError, load_config
+from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
 from guard import Guard
 from plugin_loader import BasePlugin
 
@@ -284,11 +284,20 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        # A config dir of its own holds everything this instance writes (prompt edits, models, gates).
+        created = own_copies(Path(args.config_dir)) if args.config_dir else []
+    except OSError as exc:
+        print(f"agent-mcp: cannot start: cannot copy the default config files into {args.config_dir} "
+              f"({exc.strerror}): make that directory writable", file=sys.stderr)
+        return 1
+    try:
         config = load_config(args.config_dir)
     except ConfigError as exc:
         print(f"agent-mcp: configuration error: {exc}", file=sys.stderr)
         return 2
     _setup_logging(args.log_level, config.env)
+    if created:
+        logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
     try:
         check_data_dir(config.data_dir())
         return _run(serve(config))

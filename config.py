@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -304,6 +305,30 @@ def _warn_unknown(obj: Any, path: Path, prefix: str) -> None:
     elif isinstance(obj, dict):
         for key, value in obj.items():
             _warn_unknown(value, path, f"{prefix}{key}.")
+
+
+#: What an instance writes and must therefore own: created in its config dir from the shipped
+#: copies at the first start (`own_copies`). The manifest stays the checkout's (it describes code).
+OWN_FILES = (".system_prompt", MODELS_FILE, ENABLED_FILE, GATE_DEFAULTS_FILE, "mcp-servers.json")
+
+
+def own_copies(config_dir: Path) -> list[str]:
+    """Copy each of OWN_FILES that a config dir other than the checkout lacks from the shipped
+    defaults, so edits (prompt, models, gates) stay this instance's. Returns the names created."""
+    config_dir = Path(config_dir)
+    if config_dir.resolve() == CODE_DIR:
+        return []
+    created = []
+    for name in OWN_FILES:
+        source, target = CODE_DIR / name, config_dir / name
+        if target.exists() or not source.exists():
+            continue
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copy2(source, target)
+        created.append(name + ("/" if source.is_dir() else ""))
+    return created
 
 
 def load_env(config_dir: Path) -> dict[str, str]:

@@ -8,6 +8,7 @@ import io
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from rich.console import Console
 
 from shell import ShellClient, ShellEvent, ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
-from tests.fakes.backend import hang
+from tests.fakes.backend import hang, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 
 pytestmark = pytest.mark.slow
@@ -210,3 +211,31 @@ async def test_every_window_sees_the_whole_conversation(server) -> None:
     assert "› and from two  (sent from another window)" in shown_one
     assert "(sent from another window)" not in shown_one.replace("› and from two  (sent from another window)", "")
     assert shown_two.index("› hello from one") < shown_two.index("echo: hello from one")
+
+
+# ── A config dir is its own ─────────────────────────────────────────────────────────────────
+
+
+def test_an_instance_edits_only_its_own_config_dir(tmp_path) -> None:
+    """Two instances from one checkout, each with its own config dir and no prompt tree of its own:
+    an approved prompt edit on one changes neither the other's prompt nor the checkout's."""
+    leaf = Path(".system_prompt") / ".system_prompt_behavior"
+    checkout_before = (ROOT / leaf).read_bytes()
+    with FakeOpenAI() as gpt:
+        servers = []
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            cfg = ConfigDir(tmp_path / name)
+            cfg.models = {"gpt": openai_model(gpt)}
+            cfg.gates = {"db": {}, "tools": {"*": {"read": True, "write": True}}}  # the edit runs unasked
+            servers.append(AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start())
+        try:
+            gpt.script(tool_call("update_system_prompt", {"section": "behavior", "operation": "append",
+                                                          "content": "Always answer in haiku."}), text("Done."))
+            asyncio.run(say(servers[0], "editor", "change your behaviour"))
+        finally:
+            logs = [s.stop() for s in servers]
+    assert "Always answer in haiku." in (tmp_path / "a" / leaf).read_text()
+    assert (tmp_path / "b" / leaf).read_bytes() == checkout_before == (ROOT / leaf).read_bytes()
+    for name, log in zip("ab", logs, strict=True):  # the files the test did not write were created, and said so
+        assert f"created in {tmp_path / name} from the shipped defaults: .system_prompt/, mcp-servers.json" in log
