@@ -210,6 +210,7 @@ class ShellUI:
         self._hinted = False
         self._connection = "idle"
         self._mine: list[str] = []  # texts this window sent whose `user` event has not come back yet
+        self._checking: asyncio.Future[None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -308,12 +309,29 @@ class ShellUI:
             self.note(f"server offline — retrying ({detail})", "yellow")
         elif state == "connected" and previous == "offline":
             self.note("server back online", "green")
+            if self._turn:  # the turn we wait for may have died with the server
+                self._checking = asyncio.ensure_future(self._check_turn_alive())
         elif state == "unauthorized":
             self.fatal = detail
             self.note(detail, "bold red")
             self._update_idle()
             if self.on_attention is not None:
                 self.on_attention()
+
+    async def _check_turn_alive(self) -> None:
+        """After a reconnect: if the server runs no request of this session, the turn was interrupted
+        (the server restarted meanwhile); say so and give the prompt back instead of waiting forever."""
+        try:
+            rows = await self.client.sessions(self.client.client_id)
+        except (ServerOffline, RequestRejected):
+            return  # still unsure: the next reconnect asks again
+        if self._turn and not any(row.get("running") for row in rows):
+            self._flush()
+            self.note("the turn was interrupted: the server restarted while it ran. Send the message again.",
+                      "yellow")
+            self._turn = False
+            self._drop_gates(None)
+            self._update_idle()
 
     # ---- event handlers
 

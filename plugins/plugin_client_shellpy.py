@@ -60,8 +60,11 @@ async def _json_body(request: Request, model: type[BaseModel]) -> Any:
         return _error(exc.status, str(exc))
 
 
-def _session_row(s: state.Session) -> dict[str, Any]:
-    return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history)}
+def _session_row(rt: state.Runtime, s: state.Session) -> dict[str, Any]:
+    """A session for /sessions; `running`: a request of it runs or waits (a shell back online after a
+    restart asks, to tell a turn that still runs from one the restart interrupted)."""
+    return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),
+            "running": any(not t.done() for t in rt.active_tasks.get(s.client_id, ()))}
 
 
 class ShellpyPlugin(BasePlugin):
@@ -151,10 +154,10 @@ class ShellpyPlugin(BasePlugin):
     async def sessions(self, request: Request) -> JSONResponse:
         wanted = request.query_params.get("client_id")
         if wanted is None:
-            return JSONResponse({"sessions": [_session_row(s) for s in self.rt.sessions.all()]})
+            return JSONResponse({"sessions": [_session_row(self.rt, s) for s in self.rt.sessions.all()]})
         client_id = self.rt.sessions.resolve(wanted)
         session = self.rt.sessions.get(client_id) if client_id else None
-        return JSONResponse({"sessions": [_session_row(session)] if session else []})
+        return JSONResponse({"sessions": [_session_row(self.rt, session)] if session else []})
 
     async def delete_session(self, request: Request) -> JSONResponse:
         rt = self.rt

@@ -7,6 +7,7 @@ import asyncio
 import io
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -239,3 +240,49 @@ def test_an_instance_edits_only_its_own_config_dir(tmp_path) -> None:
     assert (tmp_path / "b" / leaf).read_bytes() == checkout_before == (ROOT / leaf).read_bytes()
     for name, log in zip("ab", logs, strict=True):  # the files the test did not write were created, and said so
         assert f"created in {tmp_path / name} from the shipped defaults: .system_prompt/, mcp-servers.json" in log
+
+
+def test_a_shell_waiting_for_a_turn_the_restart_killed_gets_its_prompt_back(tmp_path) -> None:
+    """kill -9 in the middle of a turn, restart: the shell says the turn was interrupted and is idle again."""
+    release = threading.Event()
+    with FakeOpenAI() as gpt:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"gpt": openai_model(gpt)}
+        agent = AgentServer(cfg.write()).start()
+        gpt.script(text("half ", "of it", hold=release))
+        out = io.StringIO()
+
+        async def scenario() -> bool:
+            async with ShellClient(agent.url, "restarted", token=agent.token) as client:
+                await client.connect(max_wait=10)
+                ui = ShellUI(Console(file=out, width=160), client)
+                client.on_state = ui.connection_changed
+                ui.begin_turn(text="tell me")
+                await client.submit("tell me")
+
+                async def draw() -> None:
+                    async for ev in client.events():
+                        await ui.handle_event(ev)
+
+                drawing = asyncio.ensure_future(draw())
+                for _ in range(200):
+                    if "half" in out.getvalue():
+                        break
+                    await asyncio.sleep(0.05)
+                assert agent.proc is not None
+                agent.proc.kill()  # kill -9
+                await asyncio.to_thread(agent.stop)
+                await asyncio.to_thread(agent.start)
+                try:
+                    await asyncio.wait_for(ui.wait_idle(), 30)
+                    return ui.busy
+                finally:
+                    drawing.cancel()
+
+        try:
+            assert asyncio.run(scenario()) is False
+        finally:
+            release.set()
+            agent.stop()
+    shown = out.getvalue()
+    assert "server back online" in shown and "the turn was interrupted: the server restarted while it ran" in shown
