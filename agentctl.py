@@ -23,7 +23,9 @@ import os
 import re
 import shlex
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -112,7 +114,8 @@ class ConfigFiles:
                 raw = read_json(path) if name != GATE_DEFAULTS_FILE or path.exists() else copy.deepcopy(ALL_GATED)
                 validate_data(model, raw, path)
             except ConfigError as exc:
-                raise FileProblem(f"{exc}\nFix the file by hand (agentctl changes only valid files).") from None
+                raise FileProblem(f"{exc}\nRun `agentctl repair {name}` to save it aside and start from the shipped "
+                                  "defaults, or fix it by hand (agentctl changes only valid files).") from None
             self.data[name] = raw
             self._read[name] = path, _contents(path)
 
@@ -462,6 +465,54 @@ class AgentCtl:
             self.term.say(f"{usage:<{width}}  {what}".rstrip())
         extra = "quit or exit leaves the prompt. " if self.in_prompt else ""
         self.term.say(f"{extra}Global options: --config-dir DIR, --json (every listing as JSON).", style="dim")
+
+    def cmd_repair(self, args: list[str]) -> None:
+        """repair [file…]: re-create each broken or missing config file from the shipped defaults, the broken one saved aside.
+
+        A file that is not JSON, or not valid for the server, is renamed to `<file>.broken-<time>`
+        and replaced by the shipped copy (in the checkout itself: the committed version, from git).
+        Valid files are left alone. Without arguments every config file agentctl manages is checked.
+        """
+        names = args or list(FILE_MODELS)
+        unknown = [n for n in names if n not in FILE_MODELS]
+        if unknown:
+            raise self._unknown("config file", unknown[0], list(FILE_MODELS))
+        if not self.config_dir.is_dir():
+            raise FileProblem(f"{self.config_dir}: config directory does not exist")
+        report = [self._repair(name) for name in names]
+        if self.term.json_output:
+            self.term.json({"repair": report})
+            return
+        for row in report:
+            self.term.say(f"{'✓' if row['action'] != 'failed' else '✗'} {row['file']}: {row['detail']}")
+        if any(r["action"] in ("repaired", "created") for r in report):
+            self.term.say(RESTART, style="dim")
+
+    def _repair(self, name: str) -> dict[str, Any]:
+        target = self.config_dir / name
+        own = target.exists()
+        if own:
+            try:
+                validate_data(FILE_MODELS[name], read_json(target), target)
+                return {"file": name, "action": "ok", "detail": "valid, left alone"}
+            except ConfigError as exc:
+                problem = str(exc).splitlines()[0]
+        elif self.config_dir == CODE_DIR:
+            problem = "missing"
+        else:
+            return {"file": name, "action": "ok", "detail": "not here: the shipped copy is used"}
+        default = _shipped_default(name, self.config_dir)
+        if default is None:
+            return {"file": name, "action": "failed", "detail": f"{problem}; no default to restore it from (the "
+                    "checkout's copy is the default: restore it with git checkout or reinstall)"}
+        saved = None
+        if own:
+            saved = target.with_name(f"{name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")
+            target.rename(saved)
+        atomic_write(target, default)
+        return {"file": name, "action": "repaired" if own else "created", "saved_as": str(saved) if saved else None,
+                "detail": f"{problem}; " + (f"saved as {saved.name}, " if saved else "") +
+                          "re-created from the shipped defaults"}
 
     # ── plugins ──
 
@@ -947,6 +998,27 @@ class AgentCtl:
         del raw[section][key]
         self.files.save(GATE_DEFAULTS_FILE, raw)
         self.term.done(f"removed the {section} entry '{key}'")
+
+
+def _shipped_default(name: str, config_dir: Path) -> str | None:
+    """The shipped copy of a config file when it is valid: the checkout's, or (for the checkout
+    itself) the committed version from git; None when there is none."""
+    if config_dir != CODE_DIR:
+        source = CODE_DIR / name
+        text = source.read_text(encoding="utf-8") if source.exists() else None
+    else:
+        try:
+            text = subprocess.run(["git", "show", f"HEAD:{name}"], cwd=CODE_DIR, capture_output=True, text=True,
+                                  check=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    if text is None:
+        return None
+    try:
+        validate_data(FILE_MODELS[name], json.loads(text), CODE_DIR / name)
+    except (ValueError, ConfigError):
+        return None
+    return text
 
 
 def _dedent(doc: str) -> str:

@@ -568,3 +568,18 @@ def test_a_reader_that_stops_early_gets_no_traceback(cdir):
     proc.stdout.close()
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_repair_saves_a_broken_file_aside_and_restores_the_default(cdir):
+    (cdir / config.MODELS_FILE).write_text('{"models": {"local": ')  # cut short: not JSON
+    broken = ctl(cdir, "models")
+    assert broken.returncode == 2 and "agentctl repair llm-models.json" in broken.stderr
+    repaired = ctl(cdir, "repair")
+    assert repaired.returncode == 0, repaired.stderr
+    assert "✓ llm-models.json:" in repaired.stdout and "re-created from the shipped defaults" in repaired.stdout
+    assert "✓ gate-defaults.json: " in repaired.stdout  # the others are left alone
+    (aside,) = cdir.glob("llm-models.json.broken-*")
+    assert aside.read_text() == '{"models": {"local": '
+    assert read(cdir, config.MODELS_FILE) == json.loads((ROOT / config.MODELS_FILE).read_text())
+    assert ctl(cdir, "models").returncode == 0
+    assert json.loads(ctl(cdir, "--json", "repair", config.MODELS_FILE).stdout)["repair"][0]["action"] == "ok"
