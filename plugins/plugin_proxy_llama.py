@@ -379,6 +379,14 @@ async def _pieces(out: _Output, first: tuple[str, str], events: AsyncIterator[st
         await events.aclose()  # cancels the turn if the client went away before its end
 
 
+async def _first_output(events: AsyncIterator[state.Event]) -> state.Event:
+    """The turn's first event that says something to the client (not the echo of its own message)."""
+    async for ev in events:
+        if ev.name != "user":
+            return ev
+    raise StopAsyncIteration
+
+
 # ── The plugin ──────────────────────────────────────────────────────────────────────────────
 
 
@@ -655,7 +663,7 @@ class LlamaProxyPlugin(BasePlugin):
             return fmt.error_response(*out.failure()) if out.error is not None else fmt.whole(out)
         # Wait for the first event before answering, so an error before any output gets an
         # error status instead of a 200 stream.
-        first = await routes.unless_disconnected(request, anext(events))
+        first = await routes.unless_disconnected(request, _first_output(events))
         if first is None:
             return Response(status_code=499)
         piece = out.feed(first)

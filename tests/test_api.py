@@ -426,7 +426,6 @@ BAD_SUBMITS: list[tuple[Any, int, str]] = [
     ({"text": "hi", "wait": "yes"}, 400, "wait: Input should be a valid boolean"),
     ({"text": "hi", "wait": True, "timeout": "5"}, 400, "timeout: Input should be a valid number"),
     ({"text": "hi", "wait": True, "timeout": -1}, 400, "timeout: Input should be greater than 0"),
-    ({"text": "hi", "wait": True, "timeout": 10**9}, 400, "the limit is 600 seconds"),
     (b'{"text": "hi", "wait": true, "timeout": NaN}', 400, "timeout"),
     ({"text": "hi", "client_id": "bad id!"}, 400, "client_id: String should match pattern"),
     ({"text": "hi", "client_id": "x" * 129}, 400, "client_id"),
