@@ -296,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agent-mcp: configuration error: {exc}", file=sys.stderr)
         return 2
     _setup_logging(args.log_level, config.env)
-    if created:
-        logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
     try:
         check_data_dir(config.data_dir())
+        if created:
+            logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
         return _run(serve(config))
     except (StartupError, ConfigError, state.SessionError) as exc:
         # One line on stderr, not a log record as well: the log handler writes to stderr too.

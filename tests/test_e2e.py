@@ -18,7 +18,8 @@ async def _first_token_before_backend_finishes(server: AgentServer, backend, hol
         await client.connect(max_wait=10)
         await client.submit("tell me a story")
         events = client.events()
-        first = await asyncio.wait_for(anext(events), 10)
+        echo, first = await asyncio.wait_for(anext(events), 10), await asyncio.wait_for(anext(events), 10)
+        assert echo.name == "user" and echo.text == "tell me a story"  # every window sees the question first
         # The backend is still holding the rest of its stream: the token came through live.
         assert first.name == "tok" and first.text == "Once " and not hold.is_set()
         hold.set()

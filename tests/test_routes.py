@@ -174,12 +174,12 @@ async def test_new_submit_cancels_the_running_turn_cleanly(rt, fake_openai):
     fake_openai.script(text("partial ", "never finished", hold=hold))
     sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
     await routes.submit(rt, "c1", "slow question")
-    assert (await anext(sub)).data["text"] == "partial "
+    assert [(await anext(sub)).data["text"] for _ in range(2)] == ["slow question", "partial "]  # its echo first
     out, events = await turn(rt, "quick question")
     hold.set()
     assert out == "echo: quick question"
     # The replaced turn says so and sends no `done` of its own: exactly one `done`, the new turn's.
-    assert events[0].name == "status" and events[0].data["text"] == "[cancelled]"
+    assert events[0].name == "status" and events[0].data["text"] == "[cancelled]" and events[1].name == "user"
     assert [e.name for e in events].count("done") == 1
     history = rt.sessions.get("c1").history
     assert [m["content"] for m in history] == ["quick question", "echo: quick question"]
@@ -187,7 +187,7 @@ async def test_new_submit_cancels_the_running_turn_cleanly(rt, fake_openai):
 
 async def test_empty_message_gets_a_hint(rt, fake_openai):
     _, events = await turn(rt, "   ")
-    assert "empty message" in events[0].data["message"] and fake_openai.requests == []
+    assert "empty message" in events[1].data["message"] and fake_openai.requests == []
 
 
 async def test_plugin_command_signature_and_conflicts(rt):
@@ -224,7 +224,7 @@ async def test_run_turn_cancels_its_request_when_the_caller_leaves(rt, fake_open
     hold = threading.Event()
     fake_openai.script(text("partial ", "rest", hold=hold))
     events = routes.run_turn(rt, "c1", "slow")
-    assert (await anext(events)).data["text"] == "partial "
+    assert [(await anext(events)).data["text"] for _ in range(2)] == ["slow", "partial "]
     await events.aclose()
     hold.set()
     await asyncio.sleep(0.1)
@@ -237,7 +237,7 @@ async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("partial ", "rest", hold=hold))
     events = routes.run_turn(rt, "c1", "slow")
-    assert (await anext(events)).data["text"] == "partial "
+    assert [(await anext(events)).data["text"] for _ in range(2)] == ["slow", "partial "]
     await routes.submit(rt, "c1", "replacement")
     last = [ev async for ev in events][-1]
     hold.set()
@@ -256,7 +256,7 @@ async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fa
     out, _ = await _collect(routes.run_turn(rt, "c1", "again"))
     assert out == "echo: again" and [m["content"] for m in session.history][:2] == ["hi", "from gemini"]
     out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "nosuch"}))
-    assert [e.name for e in events] == ["user", "error", "done"] and "unknown model 'nosuch'" in events[0].data["message"]
+    assert [e.name for e in events] == ["user", "error", "done"] and "unknown model 'nosuch'" in events[1].data["message"]
 
 
 async def test_the_first_requests_of_a_new_session_keep_their_order(rt, fake_openai, monkeypatch):
