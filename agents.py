@@ -37,7 +37,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 import budget
 import gate
 import state
-from config import MAX_TOOL_ITERATIONS, ModelConfig, resolve_api_key
+from config import MAX_TOOL_ITERATIONS, ModelConfig, field_problems, resolve_api_key
 from state import trim_history
 from tools import _lc_tool_to_openai_dict
 
@@ -304,7 +304,7 @@ async def execute_tool(rt: state.Runtime, client_id: str, name: str, args: dict[
         try:
             parsed = tool.args_schema.model_validate(args or {})
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors())
+            problems = field_problems(exc, "arguments")
             return f"ERROR: invalid arguments for {name}: {problems}. Fix them and call again."
         args = parsed.model_dump()
         for check in rt.tool_checks:

@@ -281,16 +281,19 @@ def atomic_write(path: Path, text: str, check: Callable[[Path], None] | None = N
         raise
 
 
+def field_problems(exc: ValidationError, top: str, template: str = "{where}: {msg}", sep: str = "; ") -> str:
+    """Every error of a pydantic validation as `template` lines (`where`: the dotted field path, or
+    `top` for the whole value) joined by `sep`: the one formatter of validation errors."""
+    return sep.join(template.format(where=".".join(map(str, e["loc"])) or top, msg=e["msg"]) for e in exc.errors())
+
+
 def validate_data(model: type[BaseModel], data: Any, path: Path) -> Any:
     """`data` (parsed JSON of `path`) as `model`; a ConfigError lists every invalid field by name."""
     try:
         obj = model.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            lines.append(f"  field '{where}': {err['msg']}")
-        raise ConfigError(f"{path}: invalid configuration\n" + "\n".join(lines)) from None
+        lines = field_problems(exc, "(top level)", "  field '{where}': {msg}", "\n")
+        raise ConfigError(f"{path}: invalid configuration\n{lines}") from None
     _warn_unknown(obj, path, "")
     return obj
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 import gate
 import state
-from config import CODE_DIR, AppConfig, EnabledConfig
+from config import CODE_DIR, AppConfig, EnabledConfig, field_problems
 
 logger = logging.getLogger("agent_mcp.plugins")
 
@@ -60,9 +60,7 @@ def parse_settings(plugin_name: str, model: type[M], config: dict[str, Any],
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '(block)'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = field_problems(exc, "(block)")
         raise PluginConfigError(f"plugin_config.{plugin_name} in plugins-enabled.json: {problems}") from None
 
 

@@ -25,7 +25,7 @@ from starlette.requests import Request
 import agents
 import gate
 import state
-from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig, save_model_fields
+from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig, field_problems, save_model_fields
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptError, PromptTree
 from tools import AGENT_CALL_STREAM, ToolRegistry, make_core_tools
@@ -474,7 +474,7 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        problems = field_problems(exc, "body")
         raise BadRequest(400, f"invalid request: {problems}") from None
 
 

@@ -62,7 +62,7 @@ import gate
 import guard
 import routes
 import state
-from config import GatePermission, save_gate_defaults
+from config import GatePermission, field_problems, save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.mcp_server")
@@ -168,7 +168,7 @@ def load_tokens(path: Path) -> list[tuple[bytes, Principal]]:
     try:
         parsed = TokenFile.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"field '{'.'.join(map(str, e['loc'])) or '(top level)'}': {e['msg']}" for e in exc.errors())
+        problems = field_problems(exc, "(top level)", "field '{where}': {msg}")
         raise PluginConfigError(f"{path}: {problems}") from None
     table: list[tuple[bytes, Principal]] = []
     seen: dict[bytes, str] = {}
@@ -837,7 +837,7 @@ class McpServerPlugin(BasePlugin):
         try:
             args = tool.args_schema.model_validate(arguments if isinstance(arguments, dict) else {}).model_dump()
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors())
+            problems = field_problems(exc, "arguments")
             raise MCPError(INVALID_PARAMS, f"invalid arguments for {name}: {problems}") from None
         session = await rt.sessions.get_or_create(client_id, rt.config.default_model)
         if client_id not in self._known_sessions:
