@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 import gate
@@ -62,6 +63,31 @@ def parse_settings(plugin_name: str, model: type[M], config: dict[str, Any],
     except ValidationError as exc:
         problems = field_problems(exc, "(block)")
         raise PluginConfigError(f"plugin_config.{plugin_name} in plugins-enabled.json: {problems}") from None
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    names = set()
+    for text in requirements:
+        try:
+            names.add(canonicalize_name(Requirement(text).name))
+        except InvalidRequirement:
+            names.add(text)
+    return names
+
+
+def _metadata_mismatch(plugin: BasePlugin, entry: Any) -> list[str]:
+    """Where the plugin class's own metadata (DESCRIPTION, DEPENDENCIES, ENV_VARS; optional) disagrees
+    with its plugin-manifest.json entry: both are shown, so the author can make them one."""
+    problems = []
+    if plugin.DEPENDENCIES and _requirement_names(plugin.DEPENDENCIES) != _requirement_names(entry.dependencies):
+        problems.append(f"DEPENDENCIES {sorted(plugin.DEPENDENCIES)} disagree with the manifest's dependencies "
+                        f"{sorted(entry.dependencies)} (package names must match)")
+    if plugin.ENV_VARS and set(plugin.ENV_VARS) != set(entry.env_vars):
+        problems.append(f"ENV_VARS {sorted(plugin.ENV_VARS)} disagree with the manifest's env_vars {sorted(entry.env_vars)}")
+    if plugin.DESCRIPTION and entry.description and plugin.DESCRIPTION != entry.description:
+        problems.append(f"DESCRIPTION {plugin.DESCRIPTION!r} disagrees with the manifest's description "
+                        f"{entry.description!r}")
+    return problems
 
 
 class BasePlugin(ABC):
@@ -255,8 +281,9 @@ class PluginLoader:
         return (named or classes)[0]
 
     def _check_interface(self, name: str, plugin: BasePlugin) -> list[str]:
-        expected = self.rt.config.manifest.plugins[name].type
-        problems = []
+        entry = self.rt.config.manifest.plugins[name]
+        expected = entry.type
+        problems = _metadata_mismatch(plugin, entry)
         if plugin.PLUGIN_TYPE != expected:
             problems.append(f"PLUGIN_TYPE is {plugin.PLUGIN_TYPE!r} but the manifest says {expected!r}")
         if plugin.PLUGIN_NAME and plugin.PLUGIN_NAME != name:

@@ -333,8 +333,8 @@ class McpServerPlugin(BasePlugin):
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
     CLIENT_NAMESPACES = {PREFIX: gate.MCP}
-    DESCRIPTION = "MCP server: sessions, approvals and tools over Streamable HTTP at /mcp"
-    DEPENDENCIES = ["mcp"]
+    DESCRIPTION = "MCP server: sessions, approvals and the agent's tools over Streamable HTTP at /mcp"
+    DEPENDENCIES = ["mcp", "aiosqlite"]
 
     def __init__(self) -> None:
         super().__init__()

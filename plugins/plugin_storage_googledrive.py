@@ -412,7 +412,7 @@ class GoogleDrivePlugin(BasePlugin):
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "data_tool"
     DESCRIPTION = "google_drive: list, read, create, append, update, delete within one folder"
-    DEPENDENCIES = ["google-api-python-client", "google-auth"]
+    DEPENDENCIES = ["google-api-python-client", "google-auth", "google-auth-httplib2"]
     ENV_VARS = ["FOLDER_ID"]
 
     def __init__(self) -> None:

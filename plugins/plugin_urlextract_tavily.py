@@ -99,7 +99,7 @@ class UrlExtractPlugin(_tavily.TavilyPlugin):
     PLUGIN_NAME = "plugin_urlextract_tavily"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "data_tool"
-    DESCRIPTION = "url_extract: a web page as markdown with numbered link references (Tavily extract)"
+    DESCRIPTION = "url_extract: a page as markdown with numbered link references (Tavily extract)"
     DEPENDENCIES = ["tavily-python"]
     ENV_VARS = ["TAVILY_API_KEY"]
     SETTINGS = UrlExtractSettings

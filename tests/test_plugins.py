@@ -77,6 +77,9 @@ def test_plugin_failures_are_reported_and_the_server_still_serves(config_dir, fa
     cfg.add_plugin("plugin_test_boom", FAILS_IN_INIT)
     cfg.add_plugin("plugin_test_off", GOOD.replace("plugin_test_shout", "plugin_test_off"), enabled=False)
     cfg.add_plugin("plugin_test_syntax", "def broken(:\n    pass\n")
+    mismatch = GOOD.replace("plugin_test_shout", "plugin_test_mismatch").replace(
+        'PLUGIN_TYPE = "data_tool"', 'PLUGIN_TYPE = "data_tool"\n    DEPENDENCIES = ["httpx"]\n    ENV_VARS = ["SHOUT_KEY"]')
+    cfg.add_plugin("plugin_test_mismatch", mismatch, dependencies=["anyio>=4"])
     server = start_server(cfg)
     plugins = server.health()["plugins"]
     assert plugins["plugin_client_shellpy"]["status"] == "loaded"
@@ -88,6 +91,10 @@ def test_plugin_failures_are_reported_and_the_server_still_serves(config_dir, fa
     assert plugins["plugin_test_off"]["status"] == "disabled"
     assert plugins["plugin_test_syntax"]["status"] == "failed"
     assert 'Error importing plugin "plugin_test_syntax": SyntaxError' in plugins["plugin_test_syntax"]["reasons"][0]
+    # The class's own metadata must agree with its manifest entry: both are named.
+    assert plugins["plugin_test_mismatch"] == {"status": "invalid", "reasons": [
+        "DEPENDENCIES ['httpx'] disagree with the manifest's dependencies ['anyio>=4'] (package names must match)",
+        "ENV_VARS ['SHOUT_KEY'] disagree with the manifest's env_vars []"]}
 
     # The loaded plugin's command and tool work without any change to routes.py or agent-mcp.py.
     events = run_turn(server, "c1", "!ping hello")
