@@ -687,7 +687,9 @@ async def model_window(rt: state.Runtime, key: str) -> tuple[int, str]:
     """(context window in tokens, where that number comes from) of a model, found once per server."""
     found = rt.windows.get(key)
     if found is None:
-        found = rt.windows[key] = await budget.discover_window(rt.config.models[key])
+        found = await budget.discover_window(rt.config.models[key])
+        if found[1] != budget.UNSURE:
+            rt.windows[key] = found
     return found
 
 

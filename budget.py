@@ -59,8 +59,10 @@ RETRY_SHARE = 0.6
 RESULT_SHARE = 0.5
 _OPENAI_FAMILY = re.compile(r"^(gpt-|o\d|chatgpt-|text-davinci)", re.IGNORECASE)
 _OVERFLOW = re.compile(r"context|too long|maximum.{0,40}tokens|exceed", re.IGNORECASE)
-_PROBE_TIMEOUT = 2.0
+_PROBE_TIMEOUT = 5.0
 CACHED_CHARS = 20_000
+#: The source of a window guessed because the backend was too slow to say: not remembered.
+UNSURE = "default for now: the local server did not answer in time (asked again at the next turn)"
 
 
 # ── Counting ────────────────────────────────────────────────────────────────────────────────
@@ -254,6 +256,8 @@ async def discover_window(cfg: ModelConfig) -> tuple[int, str]:
             show = await http.post(f"{base}/api/show", json={"model": cfg.model_id})
             if show.status_code == 200:
                 return _ollama_window(show.json())
+        except httpx.TimeoutException:  # busy, not silent: a guess for now, asked again next time
+            return LOCAL_DEFAULT_WINDOW, UNSURE
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             logger.info("model %s: the backend did not say its context window (%s)", cfg.model_id, exc)
     return LOCAL_DEFAULT_WINDOW, "default for a local server that does not say (set context_tokens)"

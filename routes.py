@@ -603,9 +603,7 @@ async def cmd_session(rt: state.Runtime, session: state.Session, args: str) -> s
     if client_id is None or (client_id != session.client_id and not everyone):
         return f"Session not found: {ident}\nUse !session to list sessions."
     if action == "delete":
-        if client_id != session.client_id:
-            await cancel_active_task(rt, client_id)
-        deleted = await rt.sessions.delete(client_id)
+        deleted = await delete_session(rt, client_id)  # never cancels this request itself
         return f"Deleted session ID [{deleted.shorthand}]: {client_id}"
     if action == "attach":
         return "!session <ID> attach is a shell.py command: it switches the terminal to that session."
