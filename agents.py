@@ -31,6 +31,7 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.tools import StructuredTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -39,7 +40,6 @@ import gate
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, field_problems, resolve_api_key
 from state import trim_history
-from tools import _lc_tool_to_openai_dict
 
 logger = logging.getLogger("agent_mcp.agents")
 
@@ -57,7 +57,7 @@ _RETRY_BACKOFF = 0.5
 # ── Models ──────────────────────────────────────────────────────────────────────────────────
 
 
-def _build_lc_llm(rt: state.Runtime, key: str) -> BaseChatModel:
+def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
     """The chat model of a registry entry, built once per server and reused (one HTTP pool each)."""
     llm = rt.llms.get(key)
     if llm is not None:
@@ -106,7 +106,7 @@ def warm_up(rt: state.Runtime) -> list[str]:
     skipped = []
     for key, cfg in rt.config.models.items():
         try:
-            _build_lc_llm(rt, key)
+            chat_model(rt, key)
             tools = rt.tools.for_model(cfg)
             messages = [SystemMessage(rt.prompt.assemble(t.name for t in tools)),
                         *to_lc_messages([{"role": "user", "content": "warm-up"}])]
@@ -164,7 +164,7 @@ async def unreachable(rt: state.Runtime, key: str) -> str | None:
     return None
 
 
-def _content_to_str(content: Any) -> str:
+def content_text(content: Any) -> str:
     """Plain text of a message content: a string, or the text blocks of a content list (Gemini)."""
     if isinstance(content, str):
         return content
@@ -596,7 +596,7 @@ async def router_wants_tools(llm: Any, cfg: ModelConfig, question: str, tools: l
             raise  # the backend hangs: one llm_call_timeout per turn is enough
         logger.warning("router call failed (%s); tools stay bound", describe_llm_error(exc, cfg.model_id, cfg))
         return True
-    answer = re.match(r"\W*(yes|no)\b", _content_to_str(reply.content).strip().lower())
+    answer = re.match(r"\W*(yes|no)\b", content_text(reply.content).strip().lower())
     return not (answer and answer.group(1) == "no")
 
 
@@ -614,7 +614,7 @@ def tool_manifest(tools: list[StructuredTool]) -> str:
     """The system-prompt part that describes tools to a model in `text` tool mode (seed 004)."""
     entries = []
     for tool in tools:
-        params = _lc_tool_to_openai_dict(tool)["function"].get("parameters", {})
+        params = convert_to_openai_tool(tool)["function"].get("parameters", {})
         entries.append(f"- {tool.name}: {tool.description}\n  arguments: {json.dumps(params, ensure_ascii=False)}")
     return TEXT_TOOLS_PROMPT.format(manifest="\n".join(entries))
 
@@ -644,7 +644,7 @@ async def _stream_once(
             async for chunk in llm.astream(context):
                 limit.reschedule(loop.time() + cfg.llm_call_timeout)
                 streamed = True
-                text = _content_to_str(chunk.content)
+                text = content_text(chunk.content)
                 if text:
                     rt.hub.tok(client_id, hold.feed(text) if hold else text)
                 full = chunk if full is None else full + chunk
@@ -718,7 +718,7 @@ class Request:
         system = rt.prompt.assemble(t.name for t in tools) + ("\n" + tool_manifest(tools) if tools and not native else "")
         count, _ = budget.counter_for(cfg)
         window, _ = await model_window(rt, key)
-        schemas = sum(count(json.dumps(_lc_tool_to_openai_dict(t), ensure_ascii=False)) for t in tools) if native else 0
+        schemas = sum(count(json.dumps(convert_to_openai_tool(t), ensure_ascii=False)) for t in tools) if native else 0
         return cls(cfg, system, budget.MESSAGE_OVERHEAD + count(system) + schemas, window, count)
 
     def fit(self, history: list[dict[str, Any]], tighter: float = 1.0) -> budget.Fit:
@@ -777,7 +777,7 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
     """
     cfg = rt.config.models[key]
     client_id = session.client_id
-    llm = _build_lc_llm(rt, key)
+    llm = chat_model(rt, key)
     tools = rt.tools.for_model(cfg)
     if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
         tools = []
@@ -789,7 +789,7 @@ async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str
     for _ in range(MAX_TOOL_ITERATIONS):
         hold = TextCallFilter() if tools else None
         reply = await request.send(rt, bound, session, hold)
-        text = _content_to_str(reply.content)
+        text = content_text(reply.content)
         calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c["name"], "args": c["args"]}
                  for c in reply.tool_calls]
         broken = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c.get("name") or "unknown",

@@ -22,6 +22,7 @@ from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
+import agents
 import gate
 import state
 from api_client import AgentClient, AgentClientError, AgentTimeout
@@ -308,7 +309,6 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
-    import agents  # agents imports tools at module level: importing it here avoids the cycle
 
     async def get_system_info() -> str:
         client_id = state.current_client_id.get()
@@ -370,14 +370,14 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         if cfg is None:
             return error
         try:
-            llm = agents._build_lc_llm(rt, model)
+            llm = agents.chat_model(rt, model)
             async with asyncio.timeout(cfg.llm_call_timeout):
                 reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             return f"ERROR: llm_clean_text: {agents.describe_llm_error(exc, model, cfg)}"
-        return agents._content_to_str(reply.content)
+        return agents.content_text(reply.content)
 
     def tool_instructions(tool: StructuredTool) -> str:
         for ident in (f"tool-{tool.name.replace('_', '-')}", f"tool_{tool.name}"):
@@ -396,7 +396,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"ERROR: unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}"
         if tool in NOT_DELEGABLE:
             return f"ERROR: {tool} cannot be delegated; call it yourself."
-        llm = agents._build_lc_llm(rt, model)
+        llm = agents.chat_model(rt, model)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
             async with asyncio.timeout(cfg.llm_call_timeout):
@@ -405,7 +405,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             raise
         except Exception as exc:
             return f"ERROR: llm_clean_tool: {agents.describe_llm_error(exc, model, cfg)}"
-        said = agents._content_to_str(first.content)
+        said = agents.content_text(first.content)
         native = [c for c in first.tool_calls if c["name"] == tool]
         calls = native or agents.try_force_tool_calls(said, {tool: target})[0]
         if not calls:
@@ -427,7 +427,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}) but could not summarise "
                     f"({agents.describe_llm_error(exc, model, cfg)}). Raw result:\n{result}")
         return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}).\n"
-                f"{agents._content_to_str(final.content)}")
+                f"{agents.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
         return await call_agent(rt, state.current_client_id.get() or "", agent_url, message, target_client_id)

@@ -207,10 +207,10 @@ async def test_llm_call_and_llm_timeout_commands_persist(crt, tmp_path) -> None:
     assert out.startswith("ERROR: Unknown model 'nosuch'")
     out, _ = await turn(crt, "!llm_call locked perhaps")
     assert out.startswith("ERROR: Invalid arguments")
-    before = agents._build_lc_llm(crt, "helper")
+    before = agents.chat_model(crt, "helper")
     out, _ = await turn(crt, "!llm_timeout helper 7.5")
     assert out.startswith("llm_call_timeout=7.5s set for helper\nChanges persisted to")
-    after = agents._build_lc_llm(crt, "helper")  # the model's own calls use the new timeout too
+    after = agents.chat_model(crt, "helper")  # the model's own calls use the new timeout too
     assert after is not before and (before.request_timeout, after.request_timeout) == (2, 7.5)
     assert json.loads((tmp_path / "llm-models.json").read_text())["models"]["helper"]["llm_call_timeout"] == 7.5
     out, _ = await turn(crt, "!llm_timeout")

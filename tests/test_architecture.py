@@ -1,0 +1,72 @@
+"""The core modules import each other in one direction only (issue 16, item 3).
+
+The project's own import graph is read from the source (top-level imports; imports under
+`if TYPE_CHECKING:` are for type checkers only): it must have no cycle, and no core module may
+import a sibling core module inside a function to get around one. Each module must also import
+alone in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+CORE = ("config", "guard", "prompt", "state", "budget", "gate", "plugin_loader", "api_client", "agents", "tools",
+        "database", "routes")
+
+
+def _imports(module: str) -> tuple[set[str], list[str]]:
+    """(core modules imported at module level, core modules imported inside functions)."""
+    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    top: set[str] = set()
+    nested: list[str] = []
+
+    def names(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name.split(".")[0] for a in node.names]
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            return [node.module.split(".")[0]]
+        return []
+
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        top.update(n for n in names(node) if n in CORE)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            nested += [n for inner in ast.walk(node) for n in names(inner) if n in CORE]
+    return top - {module}, nested
+
+
+def test_the_core_import_graph_has_no_cycle_and_no_function_level_imports() -> None:
+    graph = {m: _imports(m)[0] for m in CORE}
+    for module in CORE:
+        assert _imports(module)[1] == [], f"{module} imports a core module inside a function"
+    order: list[str] = []
+    visiting: list[str] = []
+
+    def visit(module: str) -> None:
+        if module in order:
+            return
+        assert module not in visiting, f"import cycle: {' → '.join([*visiting[visiting.index(module):], module])}"
+        visiting.append(module)
+        for dependency in sorted(graph[module]):
+            visit(dependency)
+        visiting.pop()
+        order.append(module)
+
+    for module in CORE:
+        visit(module)
+    # The lowest layers import nothing of ours.
+    assert graph["config"] == set() and graph["guard"] == set() and graph["state"] == set()
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_each_core_module_imports_alone(module: str) -> None:
+    result = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
