@@ -173,7 +173,7 @@ async def test_text_call_runs_and_its_result_is_fed_back_as_a_user_message(trt, 
     fake_openai.script(text("Checking.\n<tool", '_call>{"name": "get_weather", "arguments": {"city": "Paris"}}',
                             "</tool_call>"), text("It is ", "sunny in Paris."))
     out, events = await turn(trt, "weather in Paris?")
-    assert out == "Checking.\nIt is sunny in Paris." and "<tool_call>" not in out
+    assert out == "Checking.\nIt is sunny in Paris." and "<tool_call>" not in out, [(e.name, e.data) for e in events]
     assert trt.recorder.calls == [("get_weather", {"city": "Paris"})]
     assert any(e.name == "status" and e.data["text"].startswith("[get_weather ▶]") for e in events)
     sent = fake_openai.requests[-1].json["messages"]
@@ -188,7 +188,7 @@ async def test_a_repeated_identical_text_call_is_not_run_again(trt, fake_openai)
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     fake_openai.script(text(call), text(call), text("Sunny."))
     out, events = await turn(trt, "weather?")
-    assert out == "Sunny." and len(trt.recorder.calls) == 1
+    assert out == "Sunny." and len(trt.recorder.calls) == 1, [(e.name, e.data) for e in events]
     assert any("↺" in e.data.get("text", "") for e in events if e.name == "status")
     assert "already called get_weather" in fake_openai.requests[-1].json["messages"][-1]["content"]
 
