@@ -412,21 +412,24 @@ class SessionManager:
             if isinstance(content, str) and len(content) > policy.max_message_chars:
                 msg["content"] = content[: policy.max_message_chars] + TRUNCATED
 
-    async def delete(self, ident: str) -> Session:
+    async def delete(self, ident: str, remember: bool = True) -> Session:
+        """Forget a session; with `remember`, a client that comes back is told it was deleted
+        (`take_gone`). Throwaway sessions (the proxy's background tasks) are not remembered."""
         client_id = self.resolve(ident)
         if client_id is None:
             raise SessionError(f"no session '{ident}'; use !session to list sessions")
-        return await self._forget(client_id, "deleted")
+        return await self._forget(client_id, "deleted" if remember else None)
 
     def take_gone(self, client_id: str) -> str | None:
         """Why `client_id`'s session was removed ("deleted", "expired", "evicted"), once, or None."""
         return self._gone.pop(client_id, None)
 
-    async def _forget(self, client_id: str, why: str) -> Session:
-        self._gone[client_id] = why
-        self._gone.move_to_end(client_id)
-        if len(self._gone) > MAX_GONE:
-            self._gone.popitem(last=False)
+    async def _forget(self, client_id: str, why: str | None) -> Session:
+        if why is not None:
+            self._gone[client_id] = why
+            self._gone.move_to_end(client_id)
+            if len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
         session = self._sessions.pop(client_id)
         self._by_short.pop(session.shorthand, None)
         self._unsaved.discard(client_id)

@@ -629,7 +629,7 @@ class LlamaProxyPlugin(BasePlugin):
             await events.aclose()
             await routes.cancel_active_task(self.rt, client_id)  # a request cut short: wait for its cleanup
             if self.rt.sessions.get(client_id) is not None:
-                await self.rt.sessions.delete(client_id)  # which also drops its event channel
+                await self.rt.sessions.delete(client_id, remember=False)  # which also drops its event channel
             else:
                 self.rt.hub.drop(client_id)
 

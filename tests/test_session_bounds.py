@@ -347,3 +347,16 @@ async def _decide_and_reopen(store, reopened) -> None:
     await store.close()
     await reopened.open()  # g5 becomes 'abandoned' (decided now), and the cap applies at open
     assert [r["gate_id"] for r in await reopened.history()] == ["g5", "g4"]
+
+
+async def test_why_a_session_went_is_told_once_and_throwaway_ones_are_not_remembered(manager, tmp_path):
+    clock = Clock()
+    m = await manager(tmp_path / "s.db", clock, policy(classes={"api": {"idle_days": 1}}))
+    for cid in ("api-deleted", "api-throwaway", "api-idle"):
+        await m.get_or_create(cid, "m")
+    await m.delete("api-deleted")
+    await m.delete("api-throwaway", remember=False)
+    clock.advance(2)
+    assert await m.sweep() == ["api-idle"]
+    assert [m.take_gone(c) for c in ("api-deleted", "api-throwaway", "api-idle")] == ["deleted", None, "expired"]
+    assert m.take_gone("api-deleted") is None  # told once
