@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -286,3 +291,74 @@ def test_a_shell_waiting_for_a_turn_the_restart_killed_gets_its_prompt_back(tmp_
             agent.stop()
     shown = out.getvalue()
     assert "server back online" in shown and "the turn was interrupted: the server restarted while it ran" in shown
+
+
+# ── The same, with shell.py itself under pseudo-terminals ───────────────────────────────────
+
+
+class Window:
+    """shell.py in a pseudo-terminal of its own: keys in, everything it draws collected."""
+
+    def __init__(self, server: AgentServer, session_file: Path):
+        self.master, slave = pty.openpty()
+        env = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "shell.py", "--url", server.url, "--token", server.token, "--session-file",
+             str(session_file)], cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+        os.close(slave)
+        self.out = b""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                if select.select([self.master], [], [], 0.1)[0]:
+                    data = os.read(self.master, 65536)
+                    if not data:
+                        return
+                    self.out += data
+            except OSError:  # the terminal closed
+                return
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    @property
+    def text(self) -> str:
+        """What the window shows, without the terminal's control sequences (colours, cursor moves)."""
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r", "", self.out.decode(errors="replace"))
+
+    def shows(self, needle: str, timeout: float = 20) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.text:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.master)
+        self._reader.join(5)
+
+
+def test_two_shell_windows_under_terminals_share_the_transcript_and_hear_of_a_deletion(server, tmp_path) -> None:
+    shared, other = tmp_path / "shared", tmp_path / "other"
+    shared.write_text("pty-shared")
+    other.write_text("pty-other")
+    one, two, three = Window(server, shared), Window(server, shared), Window(server, other)
+    try:
+        assert one.shows("›") and two.shows("›") and three.shows("›")
+        one.type("hello from one\r")
+        assert one.shows("echo: hello from one") and two.shows("› hello from one  (sent from another window)")
+        assert two.shows("echo: hello from one")
+        three.type("!session pty-shared delete\r")  # a window on another session deletes this one
+        assert three.shows("Deleted session")
+        one.type("still there?\r")
+        assert one.shows("this session was deleted") and one.shows("echo: still there?")
+        assert "(sent from another window)" not in one.text  # its own messages are not repeated
+    finally:
+        for window in (one, two, three):
+            window.close()
