@@ -114,6 +114,3 @@ class ConversationIndex:
             return
         for mark in [m for m, c in self._by_print.items() if c == client_id]:
             del self._by_print[mark]
-
-    def __len__(self) -> int:
-        return len(self._index())

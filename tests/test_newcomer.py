@@ -344,7 +344,7 @@ class Window:
         self._reader.join(5)
 
 
-def test_two_shell_windows_under_terminals_share_the_transcript_and_hear_of_a_deletion(server, tmp_path) -> None:
+def test_shell_windows_under_terminals_share_the_transcript_hear_of_a_deletion_and_attach(server, tmp_path) -> None:
     shared, other = tmp_path / "shared", tmp_path / "other"
     shared.write_text("pty-shared")
     other.write_text("pty-other")
@@ -359,6 +359,8 @@ def test_two_shell_windows_under_terminals_share_the_transcript_and_hear_of_a_de
         one.type("still there?\r")
         assert one.shows("this session was deleted") and one.shows("echo: still there?")
         assert "(sent from another window)" not in one.text  # its own messages are not repeated
+        two.type("!session pty-other\r")  # in shell.py, `!session <ID>` attaches (elsewhere it shows one)
+        assert two.shows("attached to session pty-othe"), two.text[-800:]  # the id is shortened on screen
     finally:
         for window in (one, two, three):
             window.close()
