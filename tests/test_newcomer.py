@@ -197,21 +197,19 @@ async def test_every_window_sees_the_whole_conversation(server) -> None:
         ui_one, ui_two = (ShellUI(Console(file=out, width=160), c) for out, c in zip(outs, (one, two), strict=True))
 
         async def watch(client: ShellClient, ui: ShellUI, count: int) -> None:
-            """Draw events until `count` turns have ended."""
+            """Draw events until `count` turns have ended (each window has seen the other's, too)."""
             async for ev in client.events():
                 await ui.handle_event(ev)
                 count -= ev.name == "done"
                 if not count:
                     return
 
-        watcher = asyncio.ensure_future(watch(two, ui_two, 2))
         ui_one.begin_turn(text="hello from one")
         await one.submit("hello from one")
-        await watch(one, ui_one, 1)
+        await asyncio.wait_for(asyncio.gather(watch(one, ui_one, 1), watch(two, ui_two, 1)), 10)
         ui_two.begin_turn(text="and from two")
         await two.submit("and from two")
-        await asyncio.wait_for(watcher, 10)
-        await watch(one, ui_one, 1)
+        await asyncio.wait_for(asyncio.gather(watch(one, ui_one, 1), watch(two, ui_two, 1)), 10)
     shown_one, shown_two = (out.getvalue() for out in outs)
     assert "› hello from one  (sent from another window)" in shown_two
     assert "› and from two  (sent from another window)" in shown_one
