@@ -29,7 +29,7 @@ from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
 import agents
-import routes
+import build
 import state
 from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
 from guard import Guard
@@ -195,7 +195,7 @@ def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, st
 
 async def serve(config: AppConfig) -> int:
     """Run until a signal arrives or a server stops; returns the process exit code."""
-    rt = await routes.build_runtime(config)
+    rt = await build.build_runtime(config)
     state.set_current(rt)
     try:
         assert rt.plugins is not None
@@ -243,7 +243,7 @@ async def serve(config: AppConfig) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         return 0
     finally:
-        await routes.close_runtime(rt)
+        await build.close_runtime(rt)
         state.set_current(None)
         logger.info("agent-mcp stopped")
 

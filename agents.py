@@ -291,53 +291,66 @@ def _preview(text: str, limit: int) -> str:
     return text[:limit] + "\n…(truncated)"
 
 
-async def execute_tool(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any]) -> str:
-    """Run one tool call: argument validation → runtime checks (rate limit, gate) → executor.
+@dataclass(frozen=True)
+class ToolOutcome:
+    """One tool call's result as a value: `text` is what the model reads; `status` is ok, error (the
+    tool failed), refused (a check stopped it: see `refusal`) or invalid (unknown tool, bad arguments)."""
 
-    Every failure is returned as a result string the model can read; only cancellation escapes.
+    text: str
+    status: Literal["ok", "error", "refused", "invalid"]
+    refusal: gate.Refusal | None = None
+    #: For `invalid`: what is wrong, without the instructions to the model.
+    problem: str = ""
+
+
+async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
+    """Run one tool call of `turn`: validate the arguments → the runtime's checks (rate limit, gate)
+    → the executor. The one pipeline of the agent loop and the MCP server alike.
+
+    Every failure is an outcome the model can read; only cancellation escapes.
     """
-    token = state.current_client_id.set(client_id)
+    entry = rt.tools.entry(name)
+    if entry is None:
+        problem = f"unknown tool '{name}'"
+        return ToolOutcome(f"ERROR: {problem}. Available tools: {', '.join(rt.tools.names()) or 'none'}",
+                           "invalid", problem=problem)
     try:
-        tool = rt.tools.get(name)
-        if tool is None:
-            return f"ERROR: unknown tool '{name}'. Available tools: {', '.join(rt.tools.names()) or 'none'}"
-        try:
-            parsed = tool.args_schema.model_validate(args or {})
-        except ValidationError as exc:
-            problems = field_problems(exc, "arguments")
-            return f"ERROR: invalid arguments for {name}: {problems}. Fix them and call again."
-        args = parsed.model_dump()
+        parsed = entry.tool.args_schema.model_validate(args or {})
+    except ValidationError as exc:
+        problem = f"invalid arguments for {name}: {field_problems(exc, 'arguments')}"
+        return ToolOutcome(f"ERROR: {problem}. Fix them and call again.", "invalid", problem=problem)
+    args = parsed.model_dump()
+    with state.running(turn):
         for check in rt.tool_checks:
-            verdict = await check(rt, client_id, name, args)
-            if verdict is not None:
-                return verdict
-        return await run_checked_tool(rt, client_id, tool, args)
-    finally:
-        state.current_client_id.reset(token)
+            refused = await check(rt, turn, entry, args)
+            if refused is not None:
+                return ToolOutcome(refused.text, "refused", refused)
+        return await _run_tool(rt, turn, entry.tool, args)
 
 
-async def run_checked_tool(rt: state.Runtime, client_id: str, tool: StructuredTool, args: dict[str, Any]) -> str:
-    """Run a tool whose arguments are validated and whose checks passed; a failure becomes the result text."""
-    name = tool.name
+async def _run_tool(rt: state.Runtime, turn: state.Turn, tool: StructuredTool, args: dict[str, Any]) -> ToolOutcome:
+    """Run a tool whose arguments are validated and whose checks passed; a failure becomes an error outcome."""
+    name, client_id = tool.name, turn.client_id
     rt.hub.status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
+    failed = False
     try:
         result = await tool.coroutine(**args)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         logger.exception("tool %s failed for %s", name, client_id)
-        result = f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}"
+        result, failed = f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}", True
     text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    if text.startswith("ERROR"):
+    if text.startswith("ERROR"):  # a tool reports its own failures as results (STYLE 5)
+        failed = True
         # The model (and whoever reads its answers) learns what failed, never where: the log keeps it.
         hidden = gate.without_locations(rt, text)
         if hidden != text:
             logger.warning("tool %s for %s: %s", name, client_id, text)
         text = hidden
-    session = rt.sessions.get(client_id)
-    limit = session.tool_preview_length if session else state.DEFAULT_TOOL_PREVIEW
+    limit = turn.session.tool_preview_length if turn.session else state.DEFAULT_TOOL_PREVIEW
     rt.hub.status(client_id, f"[{name} ◀] {_preview(text, limit)}")
-    return text
+    return ToolOutcome(text, "error" if failed else "ok")
 
 
 # ── Text tool calls ─────────────────────────────────────────────────────────────────────────
@@ -667,17 +680,6 @@ async def _stream_once(
     return await retrying(attempt)
 
 
-async def _run_call(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any], done: dict[str, str]) -> str:
-    """execute_tool, except that a call identical to an earlier one of this turn is not run again."""
-    signature = call_signature(name, args)
-    if signature in done:
-        rt.hub.status(client_id, f"[{name} ↺] identical call already made in this turn; not run again")
-        return (f"NOTE: you already called {name} with exactly these arguments in this turn; its result is above. "
-                "Use that result instead of calling again.")
-    done[signature] = result = await execute_tool(rt, client_id, name, args)
-    return result
-
-
 def _last_user_text(history: list[dict[str, Any]]) -> str:
     return next((str(m.get("content") or "") for m in reversed(history)
                  if m.get("role") == "user" and not m.get("tool_results")), "")
@@ -768,75 +770,107 @@ async def context_report(rt: state.Runtime, session: state.Session) -> str:
             f"{budget.counter_for(cfg)[1]})" + (f".\n{note}" if note else "."))
 
 
-async def agentic_lc(rt: state.Runtime, session: state.Session, key: str) -> str:
-    """Run the tool-calling loop for one turn on model `key`; return the final answer text.
+@dataclass
+class _Loop:
+    """What every round of one LLM turn shares: the model with its tools, and the calls made so far."""
 
-    Messages of the turn (assistant tool calls, tool results, the answer) are appended to
-    `session.history` as they happen; the caller rolls them back if the turn fails. With the
-    model's `router` option on, a short yes/no call first decides whether tools are bound.
-    """
+    rt: state.Runtime
+    turn: state.Turn
+    session: state.Session
+    key: str
+    bound: Any
+    by_name: dict[str, StructuredTool]
+    request: Request
+    #: Signature of each tool call made in this turn → its result (an identical call is not run again).
+    done: dict[str, str] = field(default_factory=dict)
+
+    async def call(self, name: str, args: dict[str, Any]) -> str:
+        """execute_tool, except that a call identical to an earlier one of this turn is not run again."""
+        signature = call_signature(name, args)
+        if signature in self.done:
+            self.rt.hub.status(self.turn.client_id, f"[{name} ↺] identical call already made in this turn; not run again")
+            return (f"NOTE: you already called {name} with exactly these arguments in this turn; its result is "
+                    "above. Use that result instead of calling again.")
+        self.done[signature] = text = (await execute_tool(self.rt, self.turn, name, args)).text
+        return text
+
+
+async def _prepare(rt: state.Runtime, turn: state.Turn, session: state.Session, key: str) -> _Loop:
+    """The model of a turn with the tools it may call bound (none when its router says no)."""
     cfg = rt.config.models[key]
-    client_id = session.client_id
     llm = chat_model(rt, key)
     tools = rt.tools.for_model(cfg)
     if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
         tools = []
-    native = cfg.tool_mode == "native"
-    bound = llm.bind_tools(tools) if tools and native else llm
-    by_name = {t.name: t for t in tools}
-    done: dict[str, str] = {}
-    request = await Request.build(rt, key, tools)
+    bound = llm.bind_tools(tools) if tools and cfg.tool_mode == "native" else llm
+    return _Loop(rt, turn, session, key, bound, {t.name: t for t in tools}, await Request.build(rt, key, tools))
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:12]}"
+
+
+async def _round(loop: _Loop) -> str | None:
+    """One model call and the tool calls it asks for; the answer text when it asked for none."""
+    rt, history, client_id = loop.rt, loop.session.history, loop.turn.client_id
+    hold = TextCallFilter() if loop.by_name else None
+    reply = await loop.request.send(rt, loop.bound, loop.session, hold)
+    text = content_text(reply.content)
+    calls = [{"id": c.get("id") or _new_call_id(), "name": c["name"], "args": c["args"]} for c in reply.tool_calls]
+    broken = [{"id": c.get("id") or _new_call_id(), "name": c.get("name") or "unknown", "args": {},
+               "error": c.get("error") or "arguments were not valid JSON"} for c in reply.invalid_tool_calls]
+    if hold is not None:
+        forced, spans = try_force_tool_calls(text, loop.by_name) if not calls and not broken else ([], [])
+        rt.hub.tok(client_id, hold.finish(spans if forced else []))
+        if forced:
+            # Fed back as a user message: every chat template accepts that (Gemma's has no tool role).
+            history.append({"role": "assistant", "content": text})
+            results = [f"[Tool result for {c['name']}]:\n{await loop.call(c['name'], c['args'])}" for c in forced]
+            history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
+            return None
+    if not calls and not broken:
+        history.append({"role": "assistant", "content": text})
+        return text
+    history.append({"role": "assistant", "content": text,
+                    "tool_calls": [{k: c[k] for k in ("id", "name", "args")} for c in calls + broken]})
+    for call in calls:
+        result = await loop.call(call["name"], call["args"])
+        history.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": result})
+    for call in broken:
+        history.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"],
+                        "content": f"ERROR: {call['error']}; send the call again with a JSON object of arguments."})
+    return None
+
+
+async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
+    """Run the tool-calling loop of `turn` on model `key`; return the final answer text.
+
+    Messages of the turn (assistant tool calls, tool results, the answer) are appended to the
+    session's history as they happen; the caller rolls them back if the turn fails. With the
+    model's `router` option on, a short yes/no call first decides whether tools are bound.
+    """
+    assert turn.session is not None
+    loop = await _prepare(rt, turn, turn.session, key)
     for _ in range(MAX_TOOL_ITERATIONS):
-        hold = TextCallFilter() if tools else None
-        reply = await request.send(rt, bound, session, hold)
-        text = content_text(reply.content)
-        calls = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c["name"], "args": c["args"]}
-                 for c in reply.tool_calls]
-        broken = [{"id": c.get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": c.get("name") or "unknown",
-                   "args": {}, "error": c.get("error") or "arguments were not valid JSON"}
-                  for c in reply.invalid_tool_calls]
-        if not calls and not broken and hold is not None:
-            forced, spans = try_force_tool_calls(text, by_name)
-            rt.hub.tok(client_id, hold.finish(spans if forced else []))
-            if forced:
-                # Fed back as a user message: every chat template accepts that (Gemma's has no tool role).
-                session.history.append({"role": "assistant", "content": text})
-                results = [f"[Tool result for {c['name']}]:\n{await _run_call(rt, client_id, c['name'], c['args'], done)}"
-                           for c in forced]
-                session.history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
-                continue
-        elif hold is not None:
-            rt.hub.tok(client_id, hold.finish([]))
-        if not calls and not broken:
-            session.history.append({"role": "assistant", "content": text})
-            return text
-        session.history.append({
-            "role": "assistant",
-            "content": text,
-            "tool_calls": [{k: c[k] for k in ("id", "name", "args")} for c in calls + broken],
-        })
-        for call in calls:
-            result = await _run_call(rt, client_id, call["name"], call["args"], done)
-            session.history.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": result})
-        for call in broken:
-            session.history.append({
-                "role": "tool", "tool_call_id": call["id"], "name": call["name"],
-                "content": f"ERROR: {call['error']}; send the call again with a JSON object of arguments.",
-            })
+        answer = await _round(loop)
+        if answer is not None:
+            return answer
     raise LLMError(f"model '{key}' kept calling tools for {MAX_TOOL_ITERATIONS} rounds; stopped. Ask again more narrowly.")
 
 
-async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, model: str | None = None) -> None:
-    """Run one LLM turn of `text` on `model` (default: the session's, possibly temporary, model).
+async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+    """Run one LLM turn of `text` on the turn's model (default: the session's).
 
     On failure the history is rolled back to how it was before the turn (the user message
     included) and the client gets an `error` event; cancellation rolls back too and propagates.
     """
-    key = model or session.model
+    session = turn.session
+    assert session is not None
+    key = turn.model or session.model
     mark = len(session.history)
     session.history.append({"role": "user", "content": text})
     try:
-        await agentic_lc(rt, session, key)
+        await agentic_lc(rt, turn, key)
     except asyncio.CancelledError:
         del session.history[mark:]
         raise
@@ -847,7 +881,7 @@ async def dispatch_llm(rt: state.Runtime, session: state.Session, text: str, mod
         cfg = rt.config.models.get(key)
         message = describe_llm_error(exc, key, cfg)
         logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
-        if not gate.may_administer():
+        if not gate.may_administer(turn):
             # Proxy, Slack and API users learn what failed, not where the backends live.
             message = gate.without_locations(rt, message)
         rt.hub.error(session.client_id, message, llm_error_kind(exc))

@@ -18,10 +18,10 @@ import re
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlglot
 from sqlglot import exp
@@ -31,9 +31,7 @@ from sqlglot.errors import SqlglotError
 import guard
 import state
 from config import CODE_DIR, ConfigError, GateDefaults, RateLimit
-
-if TYPE_CHECKING:
-    from tools import RegisteredTool
+from registry import RegisteredTool
 
 logger = logging.getLogger("agent_mcp.gate")
 
@@ -57,6 +55,20 @@ DEFAULT_TYPE = "system"
 DEFAULT_GATE_TIMEOUT = 120.0
 DEFAULT_API_GATE_TIMEOUT = 2.0
 DECISIONS = ("allow", "allow_session", "reject")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A tool call a check stopped, as a value: `kind` says why (rate_limited, reject, timeout, or
+    denied: nobody could approve it), `text` is what the model reads instead of a result."""
+
+    kind: str
+    text: str
+
+
+#: A tool check: async (rt, turn, registered tool, validated args) → None to go on, or a Refusal.
+#: A check that refuses tells the user itself (a status event).
+ToolCheck = Callable[[state.Runtime, state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
 
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 
@@ -121,21 +133,25 @@ def session_class(namespaces: dict[str, tuple[str, str]], session: state.Session
     return SHELL if kind == UNKNOWN and state.CLIENT_CLASS not in session.settings else kind
 
 
-def current_class(rt: state.Runtime, client_id: str) -> str:
-    """The class of the request running for `client_id` (set by process_request), else its namespace's."""
-    kind = state.current_class.get()
-    return kind if kind is not None and state.current_client_id.get() == client_id else client_class(client_id, rt)
+def new_turn(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None = None,
+             turn_id: str | None = None) -> state.Turn:
+    """The turn of a request that enters now: its class and privileges from `payload` (see
+    `routes.process_request`), never from the client id; `model` is this turn's model, if any."""
+    payload = payload or {}
+    return state.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(rt, client_id, payload),
+                      admin=payload.get("admin") is True, interactive=payload.get("interactive") is True,
+                      model=payload.get("model") or None)
 
 
-def may_administer() -> bool:
-    """Whether the current request may change gates or run privileged (★) commands such as `!db`.
+def may_administer(turn: state.Turn | None) -> bool:
+    """Whether `turn` may change gates or run privileged (★) commands such as `!db`.
 
     Accepted: a request the token-authenticated shell endpoint vouched for (payload
     `"interactive": True`), or one whose client plugin vouched for an administrator (payload
     `"admin": True`: the API plugin when the caller holds the admin token). Nothing else, whatever
-    its client id.
+    its client id; outside a request, nobody.
     """
-    return state.current_interactive.get() or state.current_admin.get()
+    return turn is not None and turn.may_administer
 
 
 def without_locations(rt: state.Runtime, text: str) -> str:
@@ -145,9 +161,9 @@ def without_locations(rt: state.Runtime, text: str) -> str:
                                        "<install dir>": CODE_DIR, "~": Path.home()})
 
 
-def refusal(command: str) -> str:
+def refusal(command: str, turn: state.Turn | None) -> str:
     """The message a client gets for a privileged command it may not run."""
-    kind = state.current_class.get() or UNKNOWN
+    kind = turn.kind if turn is not None else UNKNOWN
     return (f"ERROR: {command} is accepted only from the interactive shell (shell.py) or an API client "
             f"holding the admin token; this request comes from {CLIENT_LABELS[kind]}.")
 
@@ -403,6 +419,8 @@ class GateKeeper:
         self.defaults = defaults
         self.timeout = timeout
         self.api_timeout = api_timeout
+        #: Gates waiting for a human: gate id → (the session's client id, future of the decision).
+        self.pending: dict[str, tuple[str, asyncio.Future[str]]] = {}
 
     @classmethod
     def from_env(cls, defaults: GateDefaults, env: dict[str, str]) -> GateKeeper:
@@ -449,30 +467,30 @@ class GateKeeper:
 
     # ── the check ──
 
-    async def check(self, rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
-        """The gate of one tool call: None to run it, or the rejection message the model receives."""
-        entry = rt.tools.entry(tool_name)
-        spec = entry.gate if entry else {}
-        session = rt.sessions.get(client_id)
+    async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+                    args: dict[str, Any]) -> Refusal | None:
+        """The gate of one tool call: None to run it, or the refusal the model receives."""
+        client_id, tool_name, session = turn.client_id, entry.tool.name, turn.session
         if gate_type(entry) == "db":
             op, found = classify_sql(args.get("sql"))
             section, keys, tables = "db", sorted(found), sorted(found)
         else:
-            op, section, keys, tables = resolve_operation(spec, args), "tools", [tool_name], []
+            op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op) for k in keys):
             return None
-        kind = current_class(rt, client_id)
-        if state.current_interactive.get() and session is not None and session.temp_model_active:
+        if turn.bypass_gates:
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
         what = f"{op} on {', '.join(tables)}" if tables else op
-        wait = CLASSES[kind].gate_wait
+        wait = CLASSES[turn.kind].gate_wait
         if wait == NO_WAIT:
-            rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {CLIENT_LABELS[kind]} "
+            label = CLIENT_LABELS[turn.kind]
+            rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {label} "
                                      "cannot give — rejected")
-            return (f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this client "
-                    f"({CLIENT_LABELS[kind]}) cannot give it, so it was not run. Do not retry it; tell the user "
-                    "that an operator can allow it from the shell (!autogate / !autoAIdb) or in gate-defaults.json.")
+            return Refusal("denied", f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this "
+                                     f"client ({label}) cannot give it, so it was not run. Do not retry it; tell "
+                                     "the user that an operator can allow it from the shell (!autogate / "
+                                     "!autoAIdb) or in gate-defaults.json.")
         timeout = self.timeout if wait == HUMAN_WAIT else self.api_timeout
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
                    "timeout_seconds": timeout}
@@ -495,22 +513,22 @@ class GateKeeper:
         if decision == "timeout":
             rt.hub.publish(client_id, "status", {
                 "text": f"[gate ✗] {tool_name}: no answer within {timeout:g} s — rejected", **resolved})
-            return (f"TOOL CALL REJECTED: nobody approved your {tool_name} request ({what}) within {timeout:g} s, "
-                    "so it was not run. Do not retry it now; tell the user it is waiting for their approval.")
+            return Refusal("timeout", f"TOOL CALL REJECTED: nobody approved your {tool_name} request ({what}) "
+                                      f"within {timeout:g} s, so it was not run. Do not retry it now; tell the user "
+                                      "it is waiting for their approval.")
         rt.hub.publish(client_id, "status", {"text": f"[gate ✗] {tool_name}: rejected by the user", **resolved})
-        return (f"TOOL CALL REJECTED: the user rejected your {tool_name} request ({what}). Do not retry it; "
-                "tell the user it was not run and ask how they want to proceed.")
+        return Refusal("reject", f"TOOL CALL REJECTED: the user rejected your {tool_name} request ({what}). Do not "
+                                 "retry it; tell the user it was not run and ask how they want to proceed.")
 
-    @staticmethod
-    async def ask(rt: state.Runtime, client_id: str, payload: dict[str, Any], wait_seconds: float) -> tuple[str, str]:
+    async def ask(self, rt: state.Runtime, client_id: str, payload: dict[str, Any],
+                  wait_seconds: float) -> tuple[str, str]:
         """Send a gate event and wait for its decision: (allow | allow_session | reject | timeout, gate id).
 
         The pending entry is always removed: on a decision, on timeout, and when the turn is cancelled.
         """
         gate_id = str(uuid.uuid4())
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        rt.pending_gates[gate_id] = future
-        rt.pending_gate_clients[gate_id] = client_id
+        self.pending[gate_id] = (client_id, future)
         try:
             rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
             try:
@@ -519,35 +537,207 @@ class GateKeeper:
             except TimeoutError:
                 decision = "timeout"
         finally:
-            rt.pending_gates.pop(gate_id, None)
-            rt.pending_gate_clients.pop(gate_id, None)
+            self.pending.pop(gate_id, None)
         return (decision if decision in (*DECISIONS, "timeout") else "reject"), gate_id
 
+    def owner(self, gate_id: str) -> str | None:
+        """The client id of the session a pending gate belongs to, or None if it is not pending."""
+        waiting = self.pending.get(gate_id)
+        return waiting[0] if waiting else None
 
-async def check_human_gate(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
-    """The gate tool check (see `GateKeeper.check`) of the runtime's current gate keeper."""
-    return await rt.gate.check(rt, client_id, tool_name, args)
+    def resolve(self, gate_id: str, decision: str) -> bool:
+        """Answer a pending gate (allow | allow_session | reject); False if it is unknown or already answered."""
+        if decision not in DECISIONS:
+            raise ValueError(f"decision must be one of: {', '.join(DECISIONS)}")
+        waiting = self.pending.get(gate_id)
+        if waiting is None or waiting[1].done():
+            return False
+        waiting[1].set_result(decision)
+        return True
 
 
-async def check_rate_limit(rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
+async def check_rate_limit(rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+                           args: dict[str, Any]) -> Refusal | None:
     """The rate-limit tool check (see `RateLimiter.check`) of the runtime's current rate limiter."""
-    return await rt.rate_limiter.check(rt, client_id, tool_name, args)
+    return await rt.rate_limiter.check(rt, turn, entry, args)
 
 
-def gate_owner(rt: state.Runtime, gate_id: str) -> str | None:
-    """The client id of the session a pending gate belongs to, or None if it is not pending."""
-    return rt.pending_gate_clients.get(gate_id)
+async def check_human_gate(rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+                           args: dict[str, Any]) -> Refusal | None:
+    """The gate tool check (see `GateKeeper.check`) of the runtime's current gate keeper."""
+    return await rt.gate.check(rt, turn, entry, args)
 
 
-def resolve_gate(rt: state.Runtime, gate_id: str, decision: str) -> bool:
-    """Answer a pending gate (allow | allow_session | reject); False if it is unknown or already answered."""
-    if decision not in DECISIONS:
-        raise ValueError(f"decision must be one of: {', '.join(DECISIONS)}")
-    future = rt.pending_gates.get(gate_id)
-    if future is None or future.done():
-        return False
-    future.set_result(decision)
-    return True
+# ── Gate commands ───────────────────────────────────────────────────────────────────────────
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_bool(word: str) -> bool | None:
+    """True / False for the words of a boolean setting (true, on, yes, 1 …), else None."""
+    word = word.lower()
+    return True if word in _TRUE else False if word in _FALSE else None
+
+
+def _state_word(allowed: bool) -> str:
+    return "auto-allow (gate OFF)" if allowed else "gated (gate ON)"
+
+
+def _perm_line(rt: state.Runtime, session: state.Session, section: str, key: str) -> str:
+    parts = []
+    for op in OPERATIONS:
+        own = op in session.settings.get("gates", {}).get(section, {}).get(key, {})
+        parts.append(f"{op}={'auto-allow' if rt.gate.allowed(session, section, key, op) else 'gated'}"
+                     + (" (this session)" if own else ""))
+    return ", ".join(parts)
+
+
+_DB_LABELS = {ANY_TABLE: "* (every table without its own entry)",
+              META: "__meta__ (statements on no table: SHOW, DESCRIBE, SELECT 1)"}
+_AUTOAIDB_USAGE = (
+    "Usage:\n  !autoAIdb status\n  !autoAIdb <table> <read|write> <true|false>\n"
+    "  !autoAIdb <read|write> <true|false>     (every table: * and __meta__)\n"
+    "  !autoAIdb <table> <true|false>          (read and write)\n"
+    "Examples: !autoAIdb users read true   !autoAIdb write false   !autoAIdb __meta__ true"
+)
+
+
+async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+    """!autoAIdb [status | <table> [read|write] <bool> | <read|write> <bool>] — database gates"""
+    session = turn.session
+    parts = args.lower().split()
+    if not parts or parts == ["status"]:
+        rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(rt, session, 'db', k)}" for k in rt.gate.keys("db", session)]
+        return ("Database gates of this session (gate-defaults.json, then this session's changes):\n"
+                + "\n".join(rows or ["  (no entries: every table is gated)"]))
+    if not may_administer(turn):
+        return refusal("!autoAIdb", turn)
+    value = parse_bool(parts[-1])
+    if value is None or len(parts) > 3:
+        return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
+    if len(parts) == 2 and parts[0] in OPERATIONS:
+        keys, ops = [ANY_TABLE, META], [parts[0]]
+    elif len(parts) == 3 and parts[1] in OPERATIONS:
+        keys, ops = [parts[0]], [parts[1]]
+    elif len(parts) == 2:
+        keys, ops = [parts[0]], list(OPERATIONS)
+    else:
+        return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
+    for key in keys:
+        for op in ops:
+            rt.gate.set_override(session, "db", key, op, value)
+    await rt.sessions.save(session)
+    what = "every table (* and __meta__)" if len(keys) > 1 else keys[0]
+    return f"autoAIdb {what} {'+'.join(ops)}: {_state_word(value)} for this session."
+
+
+_AUTOGATE_USAGE = (
+    "Usage:\n  !autogate [status]                       all tool gates of this session\n"
+    "  !autogate <type|tool>                    one group or tool\n"
+    "  !autogate <type|tool> [read|write] <true|false>\n"
+    "  !autogate <read|write> <true|false>      the default (*) for tools without their own entry\n"
+    "Examples: !autogate search true   !autogate drive write false   !autogate read true"
+)
+
+
+def _tool_groups(rt: state.Runtime) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for entry in rt.tools.entries():
+        groups.setdefault(gate_type(entry), []).append(entry.tool.name)
+    return groups
+
+
+def _autogate_status(rt: state.Runtime, session: state.Session, groups: dict[str, list[str]]) -> str:
+    lines = ["Tool gates of this session (gate-defaults.json, then this session's changes):",
+             f"  DEFAULT (*): {_perm_line(rt, session, 'tools', ANY_TABLE)}"]
+    for kind in sorted(groups):
+        lines.append(f"  {kind}:" + ("  (gated per table: see !autoAIdb)" if kind == "db" else ""))
+        if kind != "db":
+            lines += [f"    {name}: {_perm_line(rt, session, 'tools', name)}" for name in sorted(groups[kind])]
+    return "\n".join(lines)
+
+
+async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+    """!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>] — tool gates"""
+    session = turn.session
+    parts = args.split()
+    groups = _tool_groups(rt)
+    if not parts or parts == ["status"]:
+        return _autogate_status(rt, session, groups)
+    name = parts[0]
+    if len(parts) == 1:
+        if name.lower() in groups:
+            return _autogate_status(rt, session, {name.lower(): groups[name.lower()]})
+        if name in rt.tools.names():
+            return f"{name}: {_perm_line(rt, session, 'tools', name)}"
+    if not may_administer(turn):
+        return refusal("!autogate", turn)
+    value = parse_bool(parts[-1])
+    if value is None or len(parts) not in (2, 3) or (len(parts) == 3 and parts[1].lower() not in OPERATIONS):
+        return f"ERROR: Invalid arguments\n{_AUTOGATE_USAGE}"
+    if len(parts) == 2 and name.lower() in OPERATIONS:
+        names, ops, what = [ANY_TABLE], [name.lower()], "DEFAULT (*)"
+    else:
+        ops = [parts[1].lower()] if len(parts) == 3 else list(OPERATIONS)
+        if name in rt.tools.names():
+            names, what = [name], name
+        elif name.lower() in groups:
+            names, what = groups[name.lower()], f"{name.lower()} ({', '.join(groups[name.lower()])})"
+        else:
+            return (f"ERROR: Unknown tool or gate type '{name}'\nGate types: {', '.join(sorted(groups))}\n"
+                    f"Tools: {', '.join(rt.tools.names())}")
+        if gate_type(rt.tools.entry(names[0])) == "db":
+            return "ERROR: database tools are gated per table: use !autoAIdb"
+    for key in names:
+        for op in ops:
+            rt.gate.set_override(session, "tools", key, op, value)
+    await rt.sessions.save(session)
+    return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
+
+
+async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+    """!autoAISysPrompt [read|write] [bool] — gates of reading / editing the system prompt"""
+    session = turn.session
+    parts = args.lower().split()
+    targets = {"read": "read_system_prompt", "write": "update_system_prompt"}
+    if not parts:
+        return "\n".join(
+            f"autoAISysPrompt {op}:{' ' if op == 'read' else ''} "
+            f"{'OFF (auto-allow)' if rt.gate.allowed(session, 'tools', tool, op) else 'ON (human gates)'}"
+            for op, tool in targets.items())
+    if len(parts) == 1 and parts[0] in targets:
+        return f"ERROR: Missing boolean value: !autoAISysPrompt {parts[0]} <true|false>"
+    op = parts[0] if len(parts) == 2 else "write"  # a lone boolean sets write, as it always did
+    value = parse_bool(parts[-1])
+    if value is None or len(parts) > 2 or op not in targets:
+        return "ERROR: Invalid arguments\nUsage: !autoAISysPrompt [read|write] <true|false>"
+    if not may_administer(turn):
+        return refusal("!autoAISysPrompt", turn)
+    rt.gate.set_override(session, "tools", targets[op], op, value)
+    await rt.sessions.save(session)
+    return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
+
+
+async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+    """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for this session"""
+    session = turn.session
+    parts = args.lower().split()
+    if not parts:
+        kinds = {gate_type(e) for e in rt.tools.entries()}
+        return ("Rate limits (plugins-enabled.json rate_limits, per session and tool type):\n"
+                + rt.rate_limiter.describe(session.client_id, kinds))
+    if len(parts) == 2 and parts[0] == "enable":
+        if rt.rate_limiter.enable(session.client_id, parts[1]):
+            return f"{parts[1]} tools are enabled again for this session."
+        return f"{parts[1]} tools are not disabled for this session."
+    return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type>"
+
+
+#: The gate commands: name → handler (rt, turn, args).
+COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
+    "autoaidb": cmd_autoaidb, "autogate": cmd_autogate, "autoaisysprompt": cmd_autoaisysprompt,
+    "ratelimit": cmd_ratelimit,
+}
 
 
 # ── Rate limiter ────────────────────────────────────────────────────────────────────────────
@@ -616,24 +806,26 @@ class RateLimiter:
         for key in [k for k in self.windows if k[0] == client_id]:
             del self.windows[key]
 
-    async def check(self, rt: state.Runtime, client_id: str, tool_name: str, args: dict[str, Any]) -> str | None:
-        """The rate-limit check of one tool call: None to go on, or the message the model receives."""
-        tool_type = gate_type(rt.tools.entry(tool_name))
+    async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+                    args: dict[str, Any]) -> Refusal | None:
+        """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
+        client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)
         why = self.hit(client_id, tool_type)
         if why is None:
             return None
         again = f"the user can re-enable them with !ratelimit enable {tool_type}"
         if why == "disabled":
             rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for this session")
-            return (f"TOOL DISABLED: {tool_type} tools were disabled for this session after the rate limit was "
-                    f"exceeded; {again}. Do not call them again.")
+            return Refusal("rate_limited", f"TOOL DISABLED: {tool_type} tools were disabled for this session after "
+                                           f"the rate limit was exceeded; {again}. Do not call them again.")
         limit = self.limits[tool_type]
         rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for this session"
         rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} ({tool_type}): {rule}")
         message = f"RATE LIMIT EXCEEDED: {tool_name} ({tool_type}) — {rule}."
         if limit.auto_disable:
-            return f"{message} All {tool_type} tools are now disabled for this session; {again}."
-        return f"{message} Wait before calling it again."
+            return Refusal("rate_limited", f"{message} All {tool_type} tools are now disabled for this session; "
+                                           f"{again}.")
+        return Refusal("rate_limited", f"{message} Wait before calling it again.")
 
     def describe(self, client_id: str, types: Iterable[str]) -> str:
         """The limits and this session's state, one line per tool type."""

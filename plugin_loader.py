@@ -8,6 +8,7 @@ or fails to init is reported with its reason and skipped, and the server starts 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -16,6 +17,7 @@ import re
 import sys
 import traceback
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -378,7 +380,7 @@ class PluginLoader:
             if other is not None:
                 raise ValueError(f"get_commands(): !{key} is already provided by {other.owner}")
         for cmd, handler in commands.items():
-            self.rt.commands[str(cmd).lower().lstrip("!")] = state.Command(handler, owner=name)
+            self.rt.commands[str(cmd).lower().lstrip("!")] = as_command(handler, name)
 
     async def load_all(self) -> list[PluginReport]:
         """Load every plugin named in `enabled_plugins`, lowest manifest priority first."""
@@ -412,3 +414,19 @@ class PluginLoader:
         """Call every loaded plugin's `shutdown()`, last loaded first."""
         while self.loaded:
             await self._shutdown_one(self.loaded.pop())
+
+
+def as_command(handler: Callable[..., Awaitable[Any]], owner: str) -> state.Command:
+    """A plugin's command handler as a Command, called in the one form commands take: (turn, args).
+
+    Handlers written as the plugin contract shows them, `handler(args)`, are adapted; a handler
+    that also wants the request (who sent it, with which privileges) takes `(turn, args)`.
+    """
+    if len(inspect.signature(handler).parameters) >= 2:
+        call = handler
+    else:
+        @functools.wraps(handler)
+        async def call(turn: state.Turn, args: str) -> Any:
+            return await handler(args)
+
+    return state.Command(call, owner=owner, usage=state.usage_of(handler))

@@ -1,7 +1,7 @@
 """Server state: sessions (persisted in a SessionStore), the per-session event hub, the runtime.
 
 One `Runtime` per server instance owns every mutable object; it is built once (see
-`routes.build_runtime`) and passed in. The module-level functions the plugin contract names
+`build.build_runtime`) and passed in. The module-level functions the plugin contract names
 (`push_tok`, `push_done`, ...) are thin facades over the runtime that `set_current()` installed.
 """
 
@@ -10,24 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import itertools
 import json
 import logging
 import sqlite3
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiosqlite
 
-if TYPE_CHECKING:
+from registry import ToolRegistry
+
+if TYPE_CHECKING:  # annotations only (gate and plugin_loader are layers above this one)
     from config import AppConfig
+    from gate import GateKeeper, RateLimiter, ToolCheck
     from plugin_loader import PluginLoader
     from prompt import PromptTree
-    from tools import ToolRegistry
 
 logger = logging.getLogger("agent_mcp.state")
 
@@ -44,21 +47,61 @@ MAX_IDLE_CHANNELS = 1000
 #: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
 MAX_GONE = 4096
 
-#: The client whose request is being processed (set around each turn and tool call).
-current_client_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_client_id", default=None)
-#: Whether the client plugin vouched for an administrator (payload `"admin": True`); see gate.may_administer.
-current_admin: contextvars.ContextVar[bool] = contextvars.ContextVar("current_admin", default=False)
-#: Whether the request was vouched interactive by the token-authenticated shell endpoint (payload
-#: `"interactive": True`): only then do ★ commands and the `@model` gate bypass apply.
-current_interactive: contextvars.ContextVar[bool] = contextvars.ContextVar("current_interactive", default=False)
-#: The client class of the request being processed (see gate.request_class).
-current_class: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_class", default=None)
-#: The request (turn) being processed; every event published meanwhile carries it.
-current_turn: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_turn", default=None)
-
 
 class SessionError(Exception):
     """A session cannot be found or changed; the message says which and why."""
+
+
+# ── Turns ───────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Turn:
+    """One request as it runs: who sent it, on which session, and what it may do.
+
+    Built once where a request enters (`routes.process_request`, the MCP server's tool calls)
+    and passed down explicitly; tools, which the model calls with their own arguments only,
+    reach it through `current_turn()`. Privileges come from here, never from the client id.
+    """
+
+    client_id: str
+    #: Every event published while this turn runs carries this id.
+    id: str
+    #: The client class (gate.CLASSES) the request is treated as.
+    kind: str
+    #: The client plugin authenticated an administrator (the API's admin token).
+    admin: bool = False
+    #: The token-authenticated shell endpoint vouched for the request.
+    interactive: bool = False
+    #: The model of this turn's LLM call; None: the session's own.
+    model: str | None = None
+    #: Tool calls of this turn skip the human gate (an `@model` turn from the interactive shell).
+    bypass_gates: bool = False
+    #: The session, once the turn holds it.
+    session: Session | None = None
+
+    @property
+    def may_administer(self) -> bool:
+        """Whether this request may change gates and run privileged (★) commands."""
+        return self.interactive or self.admin
+
+
+_turn: contextvars.ContextVar[Turn | None] = contextvars.ContextVar("agent_mcp_turn", default=None)
+
+
+def current_turn() -> Turn | None:
+    """The turn whose code is running (for tools, which get only their own arguments), or None."""
+    return _turn.get()
+
+
+@contextlib.contextmanager
+def running(turn: Turn | None) -> Iterator[Turn | None]:
+    """Make `turn` the current one inside the block (events published meanwhile carry its id)."""
+    token = _turn.set(turn)
+    try:
+        yield turn
+    finally:
+        _turn.reset(token)
 
 
 # ── Sessions ────────────────────────────────────────────────────────────────────────────────
@@ -77,8 +120,6 @@ class Session:
     created: float = field(default_factory=time.time)
     #: Last activity (a request or a saved change), by the manager's clock; expiry and LRU go by it.
     updated: float = field(default_factory=time.time)
-    # Only during a turn: set by the `@model` prefix, never persisted.
-    temp_model_active: bool = False
     # Held by the request running on this session; later requests wait their turn.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
@@ -253,7 +294,7 @@ class SessionPolicy:
     """How long sessions live, how many are kept and how much history each stores.
 
     `classify` names a session's client class; `limits` gives that class's bounds. Both are injected
-    (routes.build_runtime wires the gate's client classes), so this module knows no client kinds.
+    (build.build_runtime wires the gate's client classes), so this module knows no client kinds.
     """
 
     classify: Callable[[Session], str] = lambda session: "default"
@@ -520,7 +561,8 @@ class _Channel:
     def publish(self, name: str, data: dict[str, Any]) -> Event:
         self.touched = time.monotonic()
         self.last_id += 1
-        event = Event(self.last_id, name, data, current_turn.get())
+        turn = _turn.get()
+        event = Event(self.last_id, name, data, turn.id if turn is not None else None)
         self.events.append(event)
         wake, self._wake = self._wake, asyncio.Event()
         wake.set()
@@ -642,13 +684,23 @@ class EventHub:
         self.publish(client_id, "error", {"message": message, **({"kind": kind} if kind else {})})
 
 
+#: A `!command` handler: async (turn, args) → the text the client is shown.
+CommandHandler = Callable[[Turn, str], Awaitable[Any]]
+
+
 @dataclass
 class Command:
-    """A `!command`: core handlers take (rt, session, args), plugin handlers take (args)."""
+    """A `!command`: its handler, who provided it ("core": the server), and its line in `!help`."""
 
-    handler: Any
+    handler: CommandHandler
     owner: str = "core"
+    #: `!name [args] — what it does`: the first line of the handler's docstring (see usage_of).
     usage: str = ""
+
+
+def usage_of(handler: Callable[..., Any]) -> str:
+    """The first line of a command handler's docstring: its `!help` line."""
+    return (inspect.getdoc(handler) or "").partition("\n")[0].strip()
 
 
 # ── Runtime ─────────────────────────────────────────────────────────────────────────────────
@@ -670,22 +722,17 @@ class Runtime:
     llms: dict[str, Any] = field(default_factory=dict)
     #: client id → its requests that are running or waiting for the session.
     active_tasks: dict[str, set[asyncio.Task[None]]] = field(default_factory=dict)
-    #: Checks run by execute_tool, in order, on validated arguments before the executor (rate
-    #: limit, then gate): async (rt, client_id, tool_name, args) → None to go on, or a message
-    #: that becomes the tool result. A check that refuses tells the user itself (a status event).
-    tool_checks: list[Any] = field(default_factory=list)
+    #: Checks run by agents.execute_tool, in order, on validated arguments before the executor
+    #: (rate limit, then gate); see gate.ToolCheck.
+    tool_checks: list[ToolCheck] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     #: model key → (context window in tokens, where that number comes from), found at first use.
     windows: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: Client-id namespaces declared by the loaded client plugins: prefix → (client class, plugin).
     client_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
-    #: Gate decisions awaited by running tool calls: gate id → future of the decision string.
-    pending_gates: dict[str, asyncio.Future[str]] = field(default_factory=dict)
-    #: The session each pending gate belongs to: gate id → client id (see gate.gate_owner).
-    pending_gate_clients: dict[str, str] = field(default_factory=dict)
-    #: The gate keeper (gate.GateKeeper) and the rate limiter (gate.RateLimiter), set by build_runtime.
-    gate: Any = None
-    rate_limiter: Any = None
+    #: The gate keeper (pending gates included) and the rate limiter, set by build_runtime.
+    gate: GateKeeper = None  # type: ignore[assignment]
+    rate_limiter: RateLimiter = None  # type: ignore[assignment]
     #: Set when the server stops, so endless event streams end (an anyio.Event).
     stopping: Any = None
 

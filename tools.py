@@ -1,8 +1,5 @@
-"""The tool registry: core tools and plugin tools, all LangChain `StructuredTool`s.
-
-Each tool's pydantic `args_schema` is the single source of truth for every backend; executors are
-taken from `StructuredTool.coroutine`. Which tools a model sees is set per model by `llm_tools`.
-"""
+"""The core tools every instance has (system info, the system prompt, delegation, agent_call) and
+the swarm client behind agent_call. The registry they are put in is `registry.py`."""
 
 from __future__ import annotations
 
@@ -13,13 +10,11 @@ import platform
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import StructuredTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
 import agents
@@ -31,138 +26,6 @@ from prompt import PromptError
 
 if TYPE_CHECKING:
     from config import ModelConfig
-
-CORE = "core"
-
-
-class ToolRegistrationError(ValueError):
-    """A plugin handed over a tool that cannot be registered; the message says what to fix."""
-
-
-@dataclass
-class RegisteredTool:
-    """A tool, who provided it, and how it is gated (filled by `register_gate_tools`)."""
-
-    tool: StructuredTool
-    owner: str
-    gate: dict[str, Any] = field(default_factory=dict)
-
-
-def _lc_tool_to_openai_dict(tool: StructuredTool) -> dict[str, Any]:
-    """The OpenAI `{"type": "function", "function": {...}}` form of a tool."""
-    return convert_to_openai_tool(tool)
-
-
-def _check_tool(tool: Any, owner: str) -> StructuredTool:
-    if not isinstance(tool, StructuredTool):
-        raise ToolRegistrationError(f"{owner}: {tool!r} is not a langchain StructuredTool")
-    if not tool.name.isidentifier():
-        raise ToolRegistrationError(f"{owner}: tool name {tool.name!r} is not a valid identifier")
-    if tool.coroutine is None:
-        raise ToolRegistrationError(f"{owner}: tool '{tool.name}' has no async coroutine executor")
-    schema = tool.args_schema
-    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
-        raise ToolRegistrationError(f"{owner}: tool '{tool.name}' needs a pydantic BaseModel args_schema")
-    return tool
-
-
-def _check_gate(spec: Any, name: str, owner: str) -> dict[str, Any]:
-    """A gate declaration `{"type": str, "operation": "read" | "write" | callable}`, checked."""
-    if not spec:
-        return {}
-    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str) or not spec["type"]:
-        raise ToolRegistrationError(f"{owner}: gate of '{name}' needs a 'type' string (db, search, drive, ...)")
-    operation = spec.get("operation", "read")
-    if not callable(operation) and operation not in ("read", "write"):
-        raise ToolRegistrationError(f"{owner}: gate of '{name}': operation must be 'read', 'write' or a callable")
-    return dict(spec)
-
-
-class ToolRegistry:
-    """Every tool of one server instance, by name, in registration order."""
-
-    def __init__(self) -> None:
-        self._tools: dict[str, RegisteredTool] = {}
-
-    def register(self, tool: StructuredTool, owner: str = CORE, gate: dict[str, Any] | None = None) -> None:
-        tool = _check_tool(tool, owner)
-        other = self._tools.get(tool.name)
-        if other is not None:
-            raise ToolRegistrationError(
-                f"{owner}: tool '{tool.name}' is already provided by {other.owner}; rename one of them"
-            )
-        self._tools[tool.name] = RegisteredTool(tool, owner, _check_gate(gate or {}, tool.name, owner))
-
-    def register_plugin_tools(self, plugin_name: str, tools: dict[str, Any]) -> list[str]:
-        """Register a plugin's `get_tools()` result (`{"lc": [StructuredTool, ...]}`); all or nothing."""
-        if not isinstance(tools, dict) or not isinstance(tools.get("lc", []), list):
-            raise ToolRegistrationError(f"{plugin_name}: get_tools() must return {{'lc': [StructuredTool, ...]}}")
-        checked = [_check_tool(t, plugin_name) for t in tools.get("lc", [])]
-        names = [t.name for t in checked]
-        clashes = [n for n in names if n in self._tools] + [n for n in set(names) if names.count(n) > 1]
-        if clashes:
-            raise ToolRegistrationError(f"{plugin_name}: tool name(s) already registered: {', '.join(clashes)}")
-        for t in checked:
-            self.register(t, plugin_name)
-        return names
-
-    def register_gate_tools(self, plugin_name: str, gates: dict[str, Any]) -> None:
-        """Record the gate description of each tool (`{"tool": {"type": ..., ...}}`)."""
-        for name, spec in (gates or {}).items():
-            entry = self._tools.get(name)
-            if entry is None or entry.owner != plugin_name:
-                raise ToolRegistrationError(f"{plugin_name}: get_gate_tools() names '{name}', not one of its tools")
-            entry.gate = _check_gate(spec, name, plugin_name)
-
-    def replace_plugin_tools(self, plugin_name: str, tools: dict[str, Any], gates: dict[str, Any]) -> list[str]:
-        """Swap every tool of a running plugin for a new set with its gates; all or nothing.
-
-        For plugins whose tools change while the server runs (an MCP server's tool list). On any
-        problem the old tools stay registered and ToolRegistrationError says why.
-        """
-        old = {n: t for n, t in self._tools.items() if t.owner == plugin_name}
-        for name in old:
-            del self._tools[name]
-        try:
-            names = self.register_plugin_tools(plugin_name, tools)
-            self.register_gate_tools(plugin_name, gates)
-        except ToolRegistrationError:
-            self.unregister_owner(plugin_name)
-            self._tools.update(old)
-            raise
-        return names
-
-    def unregister_owner(self, owner: str) -> None:
-        for name in [n for n, t in self._tools.items() if t.owner == owner]:
-            del self._tools[name]
-
-    def get(self, name: str) -> StructuredTool | None:
-        entry = self._tools.get(name)
-        return entry.tool if entry else None
-
-    def entry(self, name: str) -> RegisteredTool | None:
-        return self._tools.get(name)
-
-    def executor(self, name: str) -> Callable[..., Any] | None:
-        tool = self.get(name)
-        return tool.coroutine if tool else None
-
-    def names(self) -> list[str]:
-        return list(self._tools)
-
-    def entries(self) -> Iterable[RegisteredTool]:
-        return self._tools.values()
-
-    def for_model(self, model: ModelConfig) -> list[StructuredTool]:
-        """The tools a model may call: all, or the names in its `llm_tools` list that exist."""
-        if model.llm_tools == "all":
-            return [t.tool for t in self._tools.values()]
-        return [self._tools[n].tool for n in model.llm_tools if n in self._tools]
-
-    def openai_schemas(self, model: ModelConfig | None = None) -> list[dict[str, Any]]:
-        tools = self.for_model(model) if model else [t.tool for t in self._tools.values()]
-        return [_lc_tool_to_openai_dict(t) for t in tools]
-
 
 # ── Core tools ──────────────────────────────────────────────────────────────────────────────
 
@@ -307,12 +170,17 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
+def _this_turn(rt: state.Runtime) -> state.Turn:
+    """The turn a core tool runs in (agents.execute_tool sets it); outside one, nobody's (least privilege)."""
+    return state.current_turn() or gate.new_turn(rt, "")
+
+
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
 
     async def get_system_info() -> str:
-        client_id = state.current_client_id.get()
-        session = rt.sessions.get(client_id) if client_id else None
+        turn = state.current_turn()
+        client_id, session = (turn.client_id, turn.session) if turn else (None, None)
         lines = [
             f"Local time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
             f"Host: {platform.node()} ({platform.system()} {platform.release()}, Python {platform.python_version()})",
@@ -344,8 +212,8 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"Prompt update rejected: {exc}"
 
     async def llm_list() -> str:
-        client_id = state.current_client_id.get()
-        session = rt.sessions.get(client_id) if client_id else None
+        turn = state.current_turn()
+        session = turn.session if turn else None
         rows = []
         for key, m in rt.config.models.items():
             mark = " (this session's model)" if session and session.model == key else ""
@@ -412,7 +280,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"{model} did not call {tool}; it answered: {said}"
         call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": calls[0]["args"]}
         # The call goes through the normal pipeline: rate limit, gate, executor (outside the timeout).
-        result = await agents.execute_tool(rt, state.current_client_id.get() or "", tool, call["args"])
+        result = (await agents.execute_tool(rt, _this_turn(rt), tool, call["args"])).text
         if native:
             messages += [AIMessage(said, tool_calls=[{**call, "type": "tool_call"}]),
                          ToolMessage(result, tool_call_id=call["id"], name=tool)]
@@ -430,7 +298,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
                 f"{agents.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
-        return await call_agent(rt, state.current_client_id.get() or "", agent_url, message, target_client_id)
+        return await call_agent(rt, _this_turn(rt).client_id, agent_url, message, target_client_id)
 
     def tool(fn: Callable[..., Any], schema: type[BaseModel], description: str) -> StructuredTool:
         return StructuredTool.from_function(coroutine=fn, name=fn.__name__, description=description,

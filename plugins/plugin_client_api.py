@@ -33,9 +33,10 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugins import _http
 
 PREFIX = "api-"
-CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
+CLIENT_ID = re.compile(_http.CLIENT_ID_PATTERN)
 DEFAULT_WAIT = 60.0
 #: Turns submitted without `wait` whose stream may still be asked for by `turn_id`.
 KEPT_TURNS = 4096
@@ -61,8 +62,8 @@ class _Body(BaseModel):
 
 
 class _SubmitBody(_Body):
-    text: str = Field(max_length=routes.MAX_TEXT)
-    client_id: str | None = Field(default=None, pattern=routes.CLIENT_ID_PATTERN)
+    text: str = Field(max_length=_http.MAX_TEXT)
+    client_id: str | None = Field(default=None, pattern=_http.CLIENT_ID_PATTERN)
     wait: bool = False
     timeout: float = Field(default=DEFAULT_WAIT, gt=0, allow_inf_nan=False)
     default_model: str | None = Field(default=None, max_length=128)
@@ -73,14 +74,14 @@ class _GateBody(_Body):
 
 
 class _StopBody(_Body):
-    client_id: str = Field(pattern=routes.CLIENT_ID_PATTERN)
+    client_id: str = Field(pattern=_http.CLIENT_ID_PATTERN)
 
 
 def api_client_id(raw: str) -> str:
     """The API-namespace id for a caller's id: unchanged when it starts with `api-`, else prefixed."""
     client_id = raw if raw.startswith(PREFIX) else PREFIX + raw
     if not CLIENT_ID.match(client_id):
-        raise routes.BadRequest(400, f"invalid client_id '{raw[:140]}': use 1-124 letters, digits and . _ : @ -")
+        raise _http.BadRequest(400, f"invalid client_id '{raw[:140]}': use 1-124 letters, digits and . _ : @ -")
     return client_id
 
 
@@ -101,7 +102,7 @@ def _endpoint(handler: Handler) -> Handler:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
-        except routes.BadRequest as exc:
+        except _http.BadRequest as exc:
             return _error(exc.status, str(exc))
 
     return endpoint
@@ -187,15 +188,15 @@ class ApiPlugin(BasePlugin):
     # ── endpoints ──
 
     async def submit(self, request: Request) -> Response:
-        body = await routes.read_json(request, _SubmitBody)
+        body = await _http.read_json(request, _SubmitBody)
         if not body.text.strip():
-            raise routes.BadRequest(400, "text is empty: send {\"text\": \"<your message>\"}")
+            raise _http.BadRequest(400, "text is empty: send {\"text\": \"<your message>\"}")
         clamped = body.timeout > self.cfg.max_wait_seconds  # the original accepted any timeout: clamp, and say so
         timeout = min(body.timeout, self.cfg.max_wait_seconds)
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
         payload = {"default_model": body.default_model, "admin": self._is_admin(request)}
         if body.wait:
-            answer = await routes.unless_disconnected(
+            answer = await _http.unless_disconnected(
                 request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))
             if answer is None:
                 return Response(status_code=499)
@@ -212,30 +213,30 @@ class ApiPlugin(BasePlugin):
 
     async def stream(self, request: Request) -> Response:
         client_id = api_client_id(request.path_params["client_id"])
-        after = routes.last_event_id(request)
+        after = _http.last_event_id(request)
         turn_id = request.query_params.get("turn_id")
         if turn_id is not None:
             known = self._turns.get(turn_id)
             if known is None or known[0] != client_id:
-                raise routes.BadRequest(404, f"unknown turn_id '{turn_id[:40]}' for client {client_id}: use the "
+                raise _http.BadRequest(404, f"unknown turn_id '{turn_id[:40]}' for client {client_id}: use the "
                                              "turn_id that POST /api/v1/submit returned")
             after = known[1] if after is None else after
-        return routes.event_stream(self.rt, client_id, after, turn_id)
+        return _http.event_stream(self.rt, client_id, after, turn_id)
 
     async def gate_answer(self, request: Request) -> Response:
         gate_id = request.path_params["gate_id"]
-        body = await routes.read_json(request, _GateBody)
-        owner = gate.gate_owner(self.rt, gate_id)
+        body = await _http.read_json(request, _GateBody)
+        owner = self.rt.gate.owner(gate_id)
         # Only gates of API sessions: a shell user's gate is never answered from here.
         if owner is None or gate.client_class(owner) != gate.API or \
-                not gate.resolve_gate(self.rt, gate_id, "allow" if body.approve else "reject"):
+                not self.rt.gate.resolve(gate_id, "allow" if body.approve else "reject"):
             return _error(404, f"unknown gate '{gate_id[:64]}': it was answered, timed out "
                                f"(after {self.rt.gate.api_timeout:g} s) or never existed")
         return JSONResponse({"status": "ok"})
 
     async def stop(self, request: Request) -> Response:
         """Cancel a client's running request without starting another: `{"status": "OK", "cancelled"}`."""
-        body = await routes.read_json(request, _StopBody)
+        body = await _http.read_json(request, _StopBody)
         client_id = api_client_id(body.client_id)
         if not self._visible(client_id, self._is_admin(request)):
             return _error(404, f"no session '{client_id}' you may stop")

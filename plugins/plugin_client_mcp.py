@@ -18,7 +18,6 @@ Resources (JSON): `agentmcp://sessions`, `agentmcp://sessions/{id}/state`, `.../
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import hashlib
 import hmac
@@ -64,6 +63,7 @@ import routes
 import state
 from config import GatePermission, field_problems, save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugins import _http
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 
@@ -93,8 +93,6 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "set_gate_default": (HUMAN,),
 }
 DECISION_WORDS = {"allow_once": "allow", "allow_session": "allow_session", "reject": "reject"}
-#: Gate ids opened, and decisions taken, during the agent tool call running in this context.
-_CALL_GATES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("mcp_call_gates", default=None)
 
 
 # ── Tokens ──────────────────────────────────────────────────────────────────────────────────
@@ -108,7 +106,7 @@ class TokenEntry(BaseModel):
     role: Literal["human", "agent"]
     token: str | None = Field(default=None, min_length=16)
     token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
-    session: str | None = Field(default=None, pattern=routes.CLIENT_ID_PATTERN)
+    session: str | None = Field(default=None, pattern=_http.CLIENT_ID_PATTERN)
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenEntry:
@@ -148,7 +146,7 @@ class Principal:
 def mcp_client_id(name: str) -> str:
     """The MCP-namespace session id of a name: unchanged when it starts with `mcp-`, else prefixed."""
     client_id = name if name.startswith(PREFIX) else PREFIX + name
-    if not re.match(routes.CLIENT_ID_PATTERN, client_id):
+    if not re.match(_http.CLIENT_ID_PATTERN, client_id):
         raise ValueError(f"invalid session name {name[:140]!r}: use 1-124 letters, digits and . _ : @ -")
     return client_id
 
@@ -349,6 +347,8 @@ class McpServerPlugin(BasePlugin):
         #: gate id → who answered it through this server (set just before resolving).
         self._deciders: dict[str, str] = {}
         self._known_sessions: set[str] = set()
+        #: Turns of agent tool calls that opened a gate (a cancelled call's gates are closed after it).
+        self._gated_turns: set[str] = set()
         #: Approval writes in order, each with the URIs to notify once it is stored (history).
         self._queue: asyncio.Queue[tuple[Any, tuple[str, ...]]] = asyncio.Queue()
         #: URIs to notify at once: what they show is in memory already (pending approvals).
@@ -445,21 +445,18 @@ class McpServerPlugin(BasePlugin):
             self._queue.put_nowait((self._close_stale(client_id, "session deleted"),
                                     (f"{SCHEME}sessions", *self._session_uris(client_id, "state", "history"))))
             return
-        calls = _CALL_GATES.get()
         if event.name == "gate" and "gate_id" in event.data:
             row = {"gate_id": event.data["gate_id"], "session": client_id,
                    "tool_name": str(event.data.get("tool_name", "")), "opened_at": time.time(),
                    "request": {k: v for k, v in event.data.items() if k != "gate_id"}}
             assert self.store is not None
             self.store.pending[row["gate_id"]] = row
-            if calls is not None:
-                calls.append(row["gate_id"])
+            if event.turn is not None:
+                self._gated_turns.add(event.turn)
             self._notes.put_nowait(self._pending_uris(client_id))
             self._queue.put_nowait((self.store.record_open(row), ()))
         elif event.name == "status" and "gate_id" in event.data and "decision" in event.data:
             self._close(client_id, str(event.data["gate_id"]), str(event.data["decision"]))
-            if calls is not None:
-                calls.append(f"decision:{event.data['decision']}")
         elif routes.ends_turn(event):
             uris = self._session_uris(client_id, "state", "history")
             if client_id not in self._known_sessions and self.rt.sessions.get(client_id) is not None:
@@ -494,7 +491,7 @@ class McpServerPlugin(BasePlugin):
         """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""
         assert self.store is not None
         for gate_id, row in list(self.store.pending.items()):
-            if row["session"] == client_id and gate.gate_owner(self.rt, gate_id) is None:
+            if row["session"] == client_id and self.rt.gate.owner(gate_id) is None:
                 self._deciders[gate_id] = why
                 self._close(client_id, gate_id, "cancelled")
 
@@ -745,12 +742,12 @@ class McpServerPlugin(BasePlugin):
         async def answer_approval(gate_id: str, decision: Literal["allow_once", "allow_session", "reject"]) -> dict[str, Any]:
             """Answer a pending gate: allow_once, allow_session (this tool for the rest of the session) or reject."""
             who = _request_principal()
-            owner = gate.gate_owner(plugin.rt, gate_id)
+            owner = plugin.rt.gate.owner(gate_id)
             if owner is None:
                 raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
                                 "read agentmcp://approvals/pending")
             plugin._deciders[gate_id] = who.label
-            if not gate.resolve_gate(plugin.rt, gate_id, DECISION_WORDS[decision]):
+            if not plugin.rt.gate.resolve(gate_id, DECISION_WORDS[decision]):
                 plugin._deciders.pop(gate_id, None)
                 raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile")
             return {"status": "answered", "gate_id": gate_id, "session": owner, "decision": decision,
@@ -786,8 +783,8 @@ class McpServerPlugin(BasePlugin):
                 raise ToolError(str(exc)) from None
         if not text.strip():
             raise ToolError("text is empty: send a question or a !command")
-        if len(text) > routes.MAX_TEXT:
-            raise ToolError(f"text is {len(text)} characters; the limit is {routes.MAX_TEXT}")
+        if len(text) > _http.MAX_TEXT:
+            raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
         if model and model not in self.rt.config.models:
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
         payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None}
@@ -828,45 +825,28 @@ class McpServerPlugin(BasePlugin):
         return {"section": section, "key": key, **entries[key].model_dump(include={"read", "write"}), "note": note}
 
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
-        """An agent token calls one of the agent's tools: rate limit and gate as for the model, then the tool."""
+        """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,
+        gate, executor); its outcome maps to the tool result, INVALID_PARAMS or -32950."""
         rt = self.rt
         assert who.session is not None
         client_id = who.session
-        tool = rt.tools.get(name)
-        assert tool is not None
-        try:
-            args = tool.args_schema.model_validate(arguments if isinstance(arguments, dict) else {}).model_dump()
-        except ValidationError as exc:
-            problems = field_problems(exc, "arguments")
-            raise MCPError(INVALID_PARAMS, f"invalid arguments for {name}: {problems}") from None
         session = await rt.sessions.get_or_create(client_id, rt.config.default_model)
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        seen: list[str] = []
-        gates_token = _CALL_GATES.set(seen)
-        id_token = state.current_client_id.set(client_id)
+        turn = gate.new_turn(rt, client_id)
+        turn.session = session
         try:
-            for check in rt.tool_checks:
-                verdict = await check(rt, client_id, name, args)
-                if verdict is not None:
-                    raise MCPError(POLICY_DENIED, "policy_denied", self._denial(check, verdict, seen, name))
-            text = await agents.run_checked_tool(rt, client_id, tool, args)
+            outcome = await agents.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
         finally:
-            state.current_client_id.reset(id_token)
-            _CALL_GATES.reset(gates_token)
-            if any(not g.startswith("decision:") for g in seen):
+            if turn.id in self._gated_turns:
+                self._gated_turns.discard(turn.id)
                 await self._close_stale(client_id, "call cancelled")
+        if outcome.status == "invalid":
+            raise MCPError(INVALID_PARAMS, outcome.problem)
+        if outcome.refusal is not None:
+            refused = outcome.refusal
+            raise MCPError(POLICY_DENIED, "policy_denied", {"type": "policy_denied", "decision": refused.kind,
+                                                            "reason": refused.text, "tool": name})
         await rt.sessions.save(session)
-        return CallToolResult(content=[TextContent(type="text", text=text)], is_error=text.startswith("ERROR:"))
-
-    @staticmethod
-    def _denial(check: Any, reason: str, seen: list[str], tool: str) -> dict[str, Any]:
-        decisions = [g.removeprefix("decision:") for g in seen if g.startswith("decision:")]
-        if check is gate.check_rate_limit:
-            decision = "rate_limited"
-        elif decisions:
-            decision = decisions[-1]  # reject | timeout
-        else:
-            decision = "denied"
-        return {"type": "policy_denied", "decision": decision, "reason": reason, "tool": tool}
+        return CallToolResult(content=[TextContent(type="text", text=outcome.text)], is_error=outcome.status == "error")

@@ -23,8 +23,9 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugins import _http
 
-CLIENT_ID = re.compile(routes.CLIENT_ID_PATTERN)
+CLIENT_ID = re.compile(_http.CLIENT_ID_PATTERN)
 logger = logging.getLogger("agent_mcp.shellpy")
 
 
@@ -38,8 +39,8 @@ class ShellConfig(PluginSettings, guard.ListenerSettings):
 
 
 class _SubmitBody(BaseModel):
-    client_id: str = Field(pattern=routes.CLIENT_ID_PATTERN)
-    text: str = Field(max_length=routes.MAX_TEXT)
+    client_id: str = Field(pattern=_http.CLIENT_ID_PATTERN)
+    text: str = Field(max_length=_http.MAX_TEXT)
     default_model: str | None = None
 
 
@@ -55,8 +56,8 @@ def _error(status: int, message: str) -> JSONResponse:
 async def _json_body(request: Request, model: type[BaseModel]) -> Any:
     """The request body validated by `model`, or a 4xx response that says what is wrong."""
     try:
-        return await routes.read_json(request, model)
-    except routes.BadRequest as exc:
+        return await _http.read_json(request, model)
+    except _http.BadRequest as exc:
         return _error(exc.status, str(exc))
 
 
@@ -127,7 +128,7 @@ class ShellpyPlugin(BasePlugin):
         client_id = request.query_params.get("client_id", "")
         if not CLIENT_ID.match(client_id):
             return _error(400, "missing or invalid client_id query parameter")
-        return routes.event_stream(self.rt, client_id, routes.last_event_id(request))
+        return _http.event_stream(self.rt, client_id, _http.last_event_id(request))
 
     async def gate_response(self, request: Request) -> JSONResponse:
         body = await _json_body(request, _GateBody)
@@ -135,7 +136,7 @@ class ShellpyPlugin(BasePlugin):
             return body
         if body.decision not in gate.DECISIONS:
             return _error(400, f"decision must be one of: {', '.join(gate.DECISIONS)}")
-        if not gate.resolve_gate(self.rt, body.gate_id, body.decision):
+        if not self.rt.gate.resolve(body.gate_id, body.decision):
             return _error(404, f"unknown or already answered gate '{body.gate_id}' (it may have timed out)")
         return JSONResponse({"status": "OK"})
 

@@ -18,6 +18,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 import gate
+import state
 from config import ConfigError
 from database import Database, DatabaseSettings, query_text
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
@@ -111,10 +112,10 @@ class MySQLPlugin(BasePlugin):
         return (f"Database (plugin_database_mysql, {where}):\n"
                 "  !db <sql>                   run SQL directly, without the model or a gate (shell / admin API only)")
 
-    async def cmd_db(self, args: str) -> str:
+    async def cmd_db(self, turn: state.Turn, args: str) -> str:
         """!db <sql> — run SQL directly (privileged: no gate)."""
-        if not gate.may_administer():
-            return gate.refusal("!db")
+        if not gate.may_administer(turn):
+            return gate.refusal("!db", turn)
         db = self._database()
         if not args.strip():
             return DB_USAGE.format(where=db.settings.where())

@@ -36,6 +36,7 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
+from plugins import _http
 from plugins._conversations import ConversationIndex, Turn, content_text, fingerprint, seed
 
 #: Client ids of this plugin's sessions start with this (its client-id namespace).
@@ -141,8 +142,8 @@ class _OpenAIChat(_Wire):
 
 async def _body(request: Request, model: type[T]) -> T:
     try:
-        return await routes.read_json(request, model, MAX_BODY)
-    except routes.BadRequest as exc:
+        return await _http.read_json(request, model, MAX_BODY)
+    except _http.BadRequest as exc:
         raise ProxyError(exc.status, str(exc)) from None
 
 
@@ -658,12 +659,12 @@ class LlamaProxyPlugin(BasePlugin):
                         out.feed(ev)
                 return True
 
-            if await routes.unless_disconnected(request, collect()) is None:
+            if await _http.unless_disconnected(request, collect()) is None:
                 return Response(status_code=499)  # nobody is listening any more
             return fmt.error_response(*out.failure()) if out.error is not None else fmt.whole(out)
         # Wait for the first event before answering, so an error before any output gets an
         # error status instead of a 200 stream.
-        first = await routes.unless_disconnected(request, _first_output(events))
+        first = await _http.unless_disconnected(request, _first_output(events))
         if first is None:
             return Response(status_code=499)
         piece = out.feed(first)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import routes
+import build
 import state
 from config import load_config
 from plugin_loader import BasePlugin, PluginReport
@@ -52,13 +52,13 @@ async def plugin_runtime(path: Path, plugins: dict[str, dict[str, Any]], env: di
                          gates: dict[str, Any] | None = None) -> AsyncIterator[state.Runtime]:
     """A runtime with `plugins` loaded (each with its plugin_config), shut down on exit."""
     write_config(path, plugins, env, gates=gates)
-    rt = await routes.build_runtime(load_config(path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(path), store=state.MemoryStore())
     try:
         assert rt.plugins is not None
         await rt.plugins.load_all()
         yield rt
     finally:
-        await routes.close_runtime(rt)
+        await build.close_runtime(rt)
 
 
 def report(rt: state.Runtime, name: str) -> PluginReport:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -13,6 +14,8 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel
 
+import agents
+import build
 import gate
 import routes
 import state
@@ -38,18 +41,27 @@ def shell_payload(rt: state.Runtime, client_id: str, payload: dict[str, Any] | N
     return payload
 
 
+def request_turn(rt: state.Runtime, client_id: str) -> state.Turn:
+    """The turn a request of `client_id` runs as (a bare id: a vouched shell.py request), with its session."""
+    turn = gate.new_turn(rt, client_id, shell_payload(rt, client_id, None))
+    turn.session = rt.sessions.get(client_id)
+    return turn
+
+
 @contextlib.contextmanager
 def as_request(rt: state.Runtime, client_id: str) -> Iterator[None]:
     """Within: the context a request of `client_id` runs in (a bare id: a vouched shell.py request)."""
-    kind = gate.request_class(rt, client_id, shell_payload(rt, client_id, None) or {})
-    tokens = [(state.current_client_id, state.current_client_id.set(client_id)),
-              (state.current_class, state.current_class.set(kind)),
-              (state.current_interactive, state.current_interactive.set(kind == gate.SHELL))]
-    try:
+    with state.running(request_turn(rt, client_id)):
         yield
-    finally:
-        for var, token in reversed(tokens):
-            var.reset(token)
+
+
+async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any]) -> str:
+    """One tool call through agents.execute_tool, as the request `as_request` set up for `client_id`, else
+    as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
+    current = state.current_turn()
+    turn = current if current is not None and current.client_id == client_id else gate.new_turn(rt, client_id)
+    turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
+    return (await agents.execute_tool(rt, turn, name, args)).text
 
 
 @contextlib.asynccontextmanager
@@ -72,7 +84,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     if rate_limits is not None:
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
-    rt = await routes.build_runtime(load_config(path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(path), store=state.MemoryStore())
     rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
     state.set_current(rt)
     try:
@@ -82,7 +94,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
             assert report.status == "loaded", report.line()
         yield rt
     finally:
-        await routes.close_runtime(rt)
+        await build.close_runtime(rt)
         for llm in rt.llms.values():
             if getattr(llm, "root_async_client", None) is not None:  # ChatOpenAI's pool (Gemini has none)
                 await llm.root_async_client.close()
@@ -119,7 +131,7 @@ async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dic
     async for ev in sub:
         events.append(ev)
         if ev.name == "gate" and answer:
-            gate.resolve_gate(rt, ev.data["gate_id"], answer)
+            rt.gate.resolve(ev.data["gate_id"], answer)
         if ev.name == "done":
             break
     await sub.aclose()
@@ -139,6 +151,6 @@ async def with_events(rt: state.Runtime, client_id: str, work: Awaitable[Any], a
             break
         events.append(ev)
         if ev.name == "gate" and answer:
-            gate.resolve_gate(rt, ev.data["gate_id"], answer)
+            rt.gate.resolve(ev.data["gate_id"], answer)
     await sub.aclose()
     return await task, events

@@ -19,7 +19,6 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
-import routes
 from api_client import (
     AgentAuthError,
     AgentCancelled,
@@ -30,6 +29,7 @@ from api_client import (
     SyncAgentClient,
     gate_decision,
 )
+from plugins import _http
 from shell import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
@@ -430,8 +430,8 @@ BAD_SUBMITS: list[tuple[Any, int, str]] = [
     ({"text": "hi", "client_id": "bad id!"}, 400, "client_id: String should match pattern"),
     ({"text": "hi", "client_id": "x" * 129}, 400, "client_id"),
     ({"text": "hi", "client_id": 7}, 400, "client_id: Input should be a valid string"),
-    ({"text": "x" * (routes.MAX_TEXT + 1)}, 400, "text: String should have at most 200000 characters"),
-    (b'{"text": "' + b"y" * (routes.MAX_BODY + 10) + b'"}', 413, "the limit is"),
+    ({"text": "x" * (_http.MAX_TEXT + 1)}, 400, "text: String should have at most 200000 characters"),
+    (b'{"text": "' + b"y" * (_http.MAX_BODY + 10) + b'"}', 413, "the limit is"),
 ]
 
 

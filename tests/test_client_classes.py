@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+import build
 import gate
 import routes
 import state
@@ -60,7 +61,7 @@ async def acme(tmp_path: Path, fake_openai: Any):
     cfg.add_plugin("plugin_client_acme", ACME, type_="client_interface")
     cfg.write()
     shutil.copytree(ROOT / ".system_prompt", tmp_path / ".system_prompt")
-    rt = await routes.build_runtime(load_config(tmp_path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(tmp_path), store=state.MemoryStore())
     state.set_current(rt)
     assert rt.plugins is not None
     report = await rt.plugins.load("plugin_client_acme")
@@ -71,7 +72,7 @@ async def acme(tmp_path: Path, fake_openai: Any):
     try:
         yield rt, rt.plugins.loaded[-1]
     finally:
-        await routes.close_runtime(rt)
+        await build.close_runtime(rt)
         for llm in rt.llms.values():
             await llm.root_async_client.close()
         state.set_current(None)

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 import agents
 from tests.conftest import openai_model
 from tests.fakes.backend import hang, text, tool_call
-from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn, with_events
+from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, execute, runtime, turn, with_events
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ async def crt(tmp_path, fake_openai):
 
 
 async def call(rt, name: str, **args) -> str:
-    return await agents.execute_tool(rt, "c1", name, args)
+    return await execute(rt, "c1", name, args)
 
 
 def prompt_file(rt, name: str) -> Path:
@@ -231,7 +231,7 @@ async def test_help_lists_every_command_and_tool(crt) -> None:
 
 
 async def test_gate_tool_declarations_are_validated(tmp_path, fake_openai) -> None:
-    from tools import ToolRegistrationError
+    from registry import ToolRegistrationError
 
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, gates=ALL_OPEN) as rt:
         tool = Recorder().tool("thing", _Word)

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import agents
 from config import CODE_DIR, RateLimit
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
@@ -16,6 +15,7 @@ from tests.fakes.drive import FOLDER, FakeDrive
 from tests.fakes.search import FakeTavily
 from tests.fakes.tls import make_localhost_tls
 from tests.plugin_host import SERVICE_ENV, isolate_env, plugin_runtime, write_config
+from tests.runtime import execute
 from tests.test_plugin_storage_googledrive import USER_TOKEN
 from tests.turns import answer, run_turn
 
@@ -122,10 +122,10 @@ async def test_drive_gate_follows_the_operation_and_drive_calls_are_rate_limited
                                   gates=gates) as rt:
             rt.rate_limiter.limits["drive"] = RateLimit(calls=2, window_seconds=3600)
             # A proxy client cannot answer a gate: reads are open by gate-defaults, writes are refused.
-            read = await agents.execute_tool(rt, "llama-1", "google_drive", {"operation": "read", "file_id": "NOTES"})
-            delete = await agents.execute_tool(rt, "llama-1", "google_drive",
+            read = await execute(rt, "llama-1", "google_drive", {"operation": "read", "file_id": "NOTES"})
+            delete = await execute(rt, "llama-1", "google_drive",
                                                {"operation": "delete", "file_id": "NOTES"})
-            third = await agents.execute_tool(rt, "llama-1", "google_drive", {"operation": "list"})
+            third = await execute(rt, "llama-1", "google_drive", {"operation": "list"})
     assert read == "'notes.txt' (id: NOTES):\nkeep me"
     assert delete.startswith("TOOL CALL REJECTED: google_drive")
     assert drive.files["NOTES"].trashed is False and not any(c.method == "PATCH" for c in drive.calls)

@@ -22,7 +22,6 @@ from typing import Any
 import pymysql
 import pytest
 
-import agents
 import gate
 from config import ConfigError
 from database import (
@@ -38,7 +37,7 @@ from shell_client import ShellClient
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, report
-from tests.runtime import ALL_OPEN, runtime, turn
+from tests.runtime import ALL_OPEN, execute, runtime, turn
 from tests.sql_cases import SQL_CORPUS
 from tests.turns import answer, collect_turn
 
@@ -355,7 +354,7 @@ async def test_every_write_of_the_sql_table_is_gated_and_changes_nothing(people:
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=people.env(), gates=gates,
                        rate_limits={}, plugins=(PLUGIN,)) as rt:
         for sql in writes:
-            result = await agents.execute_tool(rt, "llama-10.0.0.9", "db_query", {"sql": sql})
+            result = await execute(rt, "llama-10.0.0.9", "db_query", {"sql": sql})
             assert result.startswith("TOOL CALL REJECTED") and "cannot give it" in result, (sql, result)
     assert _snapshot(people) == before
     assert len(writes) > 150

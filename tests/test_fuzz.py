@@ -34,7 +34,7 @@ from mcp_types import CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, PROTOC
 from mcp_types.version import LATEST_PROTOCOL_VERSION as MODERN
 from starlette.routing import Mount, Route
 
-import routes
+import build
 import state
 from config import load_config
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
@@ -108,7 +108,7 @@ class Server:
 
     async def start(self) -> None:
         # The real store (SQLite in the temporary data dir), as a user runs it.
-        self.rt = rt = await routes.build_runtime(self.config)
+        self.rt = rt = await build.build_runtime(self.config)
         state.set_current(rt)
         assert rt.plugins is not None
         for name in PLUGINS:
@@ -127,7 +127,7 @@ class Server:
     async def stop(self) -> None:
         if self.rt is None:
             return
-        await routes.close_runtime(self.rt)
+        await build.close_runtime(self.rt)
         for llm in self.rt.llms.values():
             if getattr(llm, "root_async_client", None) is not None:
                 await llm.root_async_client.close()

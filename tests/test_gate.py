@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-import agents
 import gate
 import routes
 import state
@@ -22,6 +21,7 @@ from tests.runtime import (
     Recorder,
     add_plugin_tools,
     as_request,
+    execute,
     runtime,
     turn,
     with_events,
@@ -69,13 +69,10 @@ async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path,
 
 
 async def test_may_administer_follows_the_request_not_the_client_id() -> None:
-    assert not gate.may_administer()  # outside a request: nobody
-    for var in (state.current_interactive, state.current_admin):
-        token = var.set(True)
-        try:
-            assert gate.may_administer()
-        finally:
-            var.reset(token)
+    assert not gate.may_administer(None)  # outside a request: nobody
+    assert not gate.may_administer(state.Turn("c1", "t1", gate.SHELL))  # the class alone gives nothing
+    for vouched in ({"interactive": True}, {"admin": True}):
+        assert gate.may_administer(state.Turn("api-x", "t1", gate.UNKNOWN, **vouched))
 
 
 # ── The matrix: gate type × client × gate on/off ────────────────────────────────────────────
@@ -120,7 +117,7 @@ async def test_gate_matrix(matrix_rt, gate_type: str, client: str) -> None:
     rt, client_id = matrix_rt, CLIENTS[client]
     tool, _, args = GATE_TYPES[gate_type]
     await rt.sessions.get_or_create(client_id, "fake")
-    result, events = await with_events(rt, client_id, agents.execute_tool(rt, client_id, tool, args), answer="allow")
+    result, events = await with_events(rt, client_id, execute(rt, client_id, tool, args), answer="allow")
     gates = [e for e in events if e.name == "gate"]
     if not rt.gates_on:
         expect_ran, expect_event = True, False
@@ -140,7 +137,7 @@ async def test_gate_matrix(matrix_rt, gate_type: str, client: str) -> None:
         expected_op = "read" if gate_type in ("db", "search", "extract") else "write"
         assert payload["tool_args"]["operation_type"] == expected_op
         assert payload["tables"] == (["users"] if gate_type == "db" else [])
-    assert rt.pending_gates == {}
+    assert rt.gate.pending == {}
 
 
 # ── Decisions, timeouts, cancellation ───────────────────────────────────────────────────────
@@ -162,38 +159,38 @@ async def grt(tmp_path, fake_openai):
 
 async def test_reject_and_timeouts_tell_the_model(grt) -> None:
     await grt.sessions.get_or_create("c1", "fake")
-    result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "web_search", {"query": "q"}), "reject")
+    result, events = await with_events(grt, "c1", execute(grt, "c1", "web_search", {"query": "q"}), "reject")
     assert result.startswith("TOOL CALL REJECTED: the user rejected your web_search request")
     assert any(e.name == "status" and e.data.get("decision") == "reject" for e in events)
-    result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "web_search", {"query": "q"}))
+    result, events = await with_events(grt, "c1", execute(grt, "c1", "web_search", {"query": "q"}))
     assert "within 0.3 s" in result and [e.data["timeout_seconds"] for e in events if e.name == "gate"] == [0.3]
     assert any(e.data.get("decision") == "timeout" for e in events)
-    result, events = await with_events(grt, "api-00000001", agents.execute_tool(grt, "api-00000001", "web_search",
+    result, events = await with_events(grt, "api-00000001", execute(grt, "api-00000001", "web_search",
                                                                                 {"query": "q"}))
     assert "within 0.2 s" in result and [e.data["timeout_seconds"] for e in events if e.name == "gate"] == [0.2]
     # MCP sessions are answered by a person (a human token): they wait as long as the shell does.
-    result, events = await with_events(grt, "mcp-w", agents.execute_tool(grt, "mcp-w", "web_search", {"query": "q"}))
+    result, events = await with_events(grt, "mcp-w", execute(grt, "mcp-w", "web_search", {"query": "q"}))
     assert "within 0.3 s" in result and [e.data["timeout_seconds"] for e in events if e.name == "gate"] == [0.3]
-    assert grt.recorder.calls == [] and grt.pending_gates == {}
+    assert grt.recorder.calls == [] and grt.gate.pending == {}
 
 
 async def test_allow_for_this_session_is_remembered_and_persisted(grt) -> None:
     session = await grt.sessions.get_or_create("c1", "fake")
     other = await grt.sessions.get_or_create("c2", "fake")
     call = {"sql": "SELECT * FROM users JOIN orders ON users.id = orders.uid"}
-    result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "db_query", call), "allow_session")
+    result, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", call), "allow_session")
     assert result.startswith("ok") and [e.data["tables"] for e in events if e.name == "gate"] == [["orders", "users"]]
     assert session.settings["gates"]["db"] == {"orders": {"read": True}, "users": {"read": True}}
     # Same session: no gate; a write on the same table is still gated; another session is still gated.
-    result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "db_query", {"sql": "SELECT 1 FROM users"}))
+    result, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", {"sql": "SELECT 1 FROM users"}))
     assert result.startswith("ok") and not [e for e in events if e.name == "gate"]
-    _, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "db_query", {"sql": "DELETE FROM users"}),
+    _, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", {"sql": "DELETE FROM users"}),
                                   "reject")
     assert [e.data["tool_args"]["operation_type"] for e in events if e.name == "gate"] == ["write"]
-    _, events = await with_events(grt, "c2", agents.execute_tool(grt, "c2", "db_query", call), "reject")
+    _, events = await with_events(grt, "c2", execute(grt, "c2", "db_query", call), "reject")
     assert [e for e in events if e.name == "gate"] and other.settings == {}
     # An unanalysable statement is never remembered for the session.
-    _, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "db_query", {"sql": "CALL p()"}),
+    _, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", {"sql": "CALL p()"}),
                                   "allow_session")
     assert "*" not in session.settings["gates"]["db"]
     assert any("never allowed for the whole session" in e.data.get("text", "") for e in events)
@@ -202,9 +199,9 @@ async def test_allow_for_this_session_is_remembered_and_persisted(grt) -> None:
 async def test_defaults_metadata_and_specific_tables(grt) -> None:
     await grt.sessions.get_or_create("c1", "fake")
     for sql in ("SHOW TABLES", "DESCRIBE users", "SELECT * FROM audit"):  # auto-allowed reads
-        result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "db_query", {"sql": sql}))
+        result, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", {"sql": sql}))
         assert result.startswith("ok") and not [e for e in events if e.name == "gate"], sql
-    _, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "db_query",
+    _, events = await with_events(grt, "c1", execute(grt, "c1", "db_query",
                                                                  {"sql": "SELECT * FROM audit, secrets"}), "reject")
     assert [e.data["tables"] for e in events if e.name == "gate"] == [["audit", "secrets"]]
 
@@ -252,10 +249,10 @@ async def test_a_new_submit_cancels_a_waiting_gate_and_cleans_it(grt, fake_opena
     async for ev in sub:
         if ev.name == "gate":
             break
-    assert len(grt.pending_gates) == 1
+    assert len(grt.gate.pending) == 1
     out, events = await turn(grt, "never mind")
     assert out == "echo: never mind" and events[0].data.get("cancelled") is True
-    assert grt.pending_gates == {} and grt.recorder.calls == []
+    assert grt.gate.pending == {} and grt.recorder.calls == []
     await sub.aclose()
 
 
@@ -305,7 +302,7 @@ async def test_gate_commands_from_the_shell(grt) -> None:
         assert expected in out, (command, out)
     assert grt.sessions.get("c1").settings["gates"]["db"]["users"] == {"read": True}
     # The changed gates really apply: the search runs without asking now.
-    result, events = await with_events(grt, "c1", agents.execute_tool(grt, "c1", "web_search", {"query": "q"}))
+    result, events = await with_events(grt, "c1", execute(grt, "c1", "web_search", {"query": "q"}))
     assert result.startswith("ok") and not [e for e in events if e.name == "gate"]
 
 
@@ -333,8 +330,8 @@ async def test_admin_api_client_may_change_gates(grt) -> None:
 async def test_plugin_commands_use_the_same_check(grt) -> None:
     """A privileged plugin command (the coming `!db`) refuses non-interactive clients with gate.may_administer."""
 
-    async def db(args: str) -> str:
-        return "ran " + args if gate.may_administer() else gate.refusal("!db")
+    async def db(turn: state.Turn, args: str) -> str:
+        return "ran " + args if gate.may_administer(turn) else gate.refusal("!db", turn)
 
     grt.commands["db"] = state.Command(db, owner="plugin_test_db")
     out, _ = await turn(grt, "!db SELECT 1")
@@ -412,23 +409,23 @@ async def test_rate_limit_in_the_pipeline_and_reenable_command(tmp_path, fake_op
         recorder = Recorder()
         add_plugin_tools(rt, "plugin_test_rl", [recorder.tool("web_search", _Args)], {"web_search": {"type": "search"}})
         await rt.sessions.get_or_create("c1", "fake")
-        assert (await agents.execute_tool(rt, "c1", "web_search", {"query": "a"})).startswith("ok")
-        result, events = await with_events(rt, "c1", agents.execute_tool(rt, "c1", "web_search", {"query": "b"}))
+        assert (await execute(rt, "c1", "web_search", {"query": "a"})).startswith("ok")
+        result, events = await with_events(rt, "c1", execute(rt, "c1", "web_search", {"query": "b"}))
         assert result.startswith("RATE LIMIT EXCEEDED: web_search (search) — limit is 1 calls in 10 s")
         assert any(e.data.get("text", "").startswith("[RATE LIMITED] web_search") for e in events)
         fake_openai.script(text("summary"))
         args = {"model": "fake", "prompt": "summarise"}
-        assert await agents.execute_tool(rt, "c1", "llm_clean_text", args) == "summary"
-        result = await agents.execute_tool(rt, "c1", "llm_clean_text", args)
+        assert await execute(rt, "c1", "llm_clean_text", args) == "summary"
+        result = await execute(rt, "c1", "llm_clean_text", args)
         assert "All llm_call tools are now disabled for this session" in result and "!ratelimit enable llm_call" in result
         clock.now += 100
-        assert (await agents.execute_tool(rt, "c1", "llm_clean_text", args)).startswith("TOOL DISABLED")
+        assert (await execute(rt, "c1", "llm_clean_text", args)).startswith("TOOL DISABLED")
         out, _ = await turn(rt, "!ratelimit")
         assert "llm_call" in out and "DISABLED for this session" in out and "1 calls / 10 s" in out
         out, _ = await turn(rt, "!ratelimit enable llm_call")
         assert out == "llm_call tools are enabled again for this session."
         fake_openai.script(text("again"))
-        assert await agents.execute_tool(rt, "c1", "llm_clean_text", args) == "again"
+        assert await execute(rt, "c1", "llm_clean_text", args) == "again"
         assert [name for name, _ in recorder.calls] == ["web_search"]
 
 
@@ -437,13 +434,13 @@ async def test_gate_waits_do_not_block_other_sessions(grt) -> None:
     await grt.sessions.get_or_create("c1", "fake")
     sub = grt.hub.subscribe("c1", grt.hub.last_id("c1"))
     with as_request(grt, "c1"):
-        waiting = asyncio.ensure_future(agents.execute_tool(grt, "c1", "web_search", {"query": "slow"}))
+        waiting = asyncio.ensure_future(execute(grt, "c1", "web_search", {"query": "slow"}))
     gate_id = next(iter([ev async for ev in _until_gate(sub)])).data["gate_id"]
-    assert (await agents.execute_tool(grt, "c2", "get_system_info", {})).startswith("Local time")
-    assert gate.resolve_gate(grt, gate_id, "allow") and not gate.resolve_gate(grt, gate_id, "allow")
-    assert (await waiting).startswith("ok") and grt.pending_gates == {}
+    assert (await execute(grt, "c2", "get_system_info", {})).startswith("Local time")
+    assert grt.gate.resolve(gate_id, "allow") and not grt.gate.resolve(gate_id, "allow")
+    assert (await waiting).startswith("ok") and grt.gate.pending == {}
     with pytest.raises(ValueError, match="decision must be one of"):
-        gate.resolve_gate(grt, gate_id, "maybe")
+        grt.gate.resolve(gate_id, "maybe")
     await sub.aclose()
 
 

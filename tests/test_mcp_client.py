@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
-import agents
+import build
 import routes
 import state
 from config import ConfigError, load_config
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
+from tests.runtime import execute
 from tests.turns import answer, run_turn
 
 PLUGIN = "plugin_mcp_client"
@@ -102,7 +103,7 @@ async def make_rt(tmp_path, fake_openai):
         cfg = ConfigDir(tmp_path)
         cfg.models = {"fake": openai_model(fake_openai)}
         cfg.env = env or {}
-        rt = await routes.build_runtime(load_config(write_config(cfg, servers).path), store=state.MemoryStore())
+        rt = await build.build_runtime(load_config(write_config(cfg, servers).path), store=state.MemoryStore())
         built.append(rt)
         assert rt.plugins is not None
         await rt.plugins.load_all()
@@ -110,7 +111,7 @@ async def make_rt(tmp_path, fake_openai):
 
     yield _make
     for rt in built:
-        await routes.close_runtime(rt)
+        await build.close_runtime(rt)
         for llm in rt.llms.values():
             await llm.root_async_client.close()
 
@@ -252,9 +253,9 @@ async def test_only_named_environment_variables_reach_a_stdio_server(make_rt, mo
         env={"MCP_TEST_VISIBLE": "v1", "MCP_TEST_SOURCE": "s1", "MCP_TEST_DOTENV_SECRET": "hidden"},
     )
     names = ["MCP_TEST_VISIBLE", "RENAMED", "MCP_TEST_SOURCE", "MCP_TEST_DOTENV_SECRET", "MCP_TEST_PROCESS_SECRET"]
-    seen = json.loads(await agents.execute_tool(rt, "c1", "named_whoami", {"names": names}))["env"]
+    seen = json.loads(await execute(rt, "c1", "named_whoami", {"names": names}))["env"]
     assert seen == dict.fromkeys(names) | {"MCP_TEST_VISIBLE": "v1"}
-    seen = json.loads(await agents.execute_tool(rt, "c1", "mapped_whoami", {"names": names}))["env"]
+    seen = json.loads(await execute(rt, "c1", "mapped_whoami", {"names": names}))["env"]
     assert seen == dict.fromkeys(names) | {"RENAMED": "s1"}
 
 
@@ -265,7 +266,7 @@ async def test_streamable_http_server_with_a_token_from_the_environment(make_rt,
          "wrongtoken": {"url": http_server, "headers_env": {"Authorization": "MCP_WRONG_AUTH"}}},
         env={"MCP_REMOTE_TOKEN": TOKEN, "MCP_WRONG_AUTH": "Bearer nope"},
     )
-    assert await agents.execute_tool(rt, "c1", "remote_shout", {"text": "over http"}) == "OVER HTTP"
+    assert await execute(rt, "c1", "remote_shout", {"text": "over http"}) == "OVER HTTP"
     assert rt.tools.entry("remote_add").gate["operation"] == "read"
     servers = plugin(rt).servers
     for name in ("notoken", "wrongtoken"):
@@ -292,9 +293,9 @@ async def test_tool_list_changes_replace_the_servers_tools(make_rt, http_server,
     assert conns["local"].protocol == ("2026-07-28" if protocol == "auto" else "2025-11-25")
     for server in ("local", "remote"):
         assert rt.tools.get(f"{server}_extra") is None
-        assert await agents.execute_tool(rt, "c1", f"{server}_grow", {}) == "grown"
+        assert await execute(rt, "c1", f"{server}_grow", {}) == "grown"
         await until(rt, lambda s=server: rt.tools.get(f"{s}_extra") is not None, f"{server}_extra to be registered")
-        assert await agents.execute_tool(rt, "c1", f"{server}_extra", {}) == "extra!"
+        assert await execute(rt, "c1", f"{server}_extra", {}) == "extra!"
         assert rt.tools.entry(f"{server}_extra").gate == {"type": "mcp", "operation": "write"}
     assert "local_extra" in await routes_command(rt, "!mcp")
 
@@ -302,31 +303,31 @@ async def test_tool_list_changes_replace_the_servers_tools(make_rt, http_server,
 async def test_a_killed_stdio_server_is_restarted_on_the_next_call(make_rt):
     rt = await make_rt({"local": stdio_server()})
     conn = plugin(rt).servers["local"]
-    first = json.loads(await agents.execute_tool(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    first = json.loads(await execute(rt, "c1", "local_whoami", {"names": []}))["pid"]
     os.kill(first, signal.SIGKILL)
     await until(rt, lambda: conn.status == "disconnected", "the plugin to notice the dead server")
     status = await routes_command(rt, "!mcp")
     assert "local [disconnected]" in status and "restarted on the next call" in status
-    second = json.loads(await agents.execute_tool(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    second = json.loads(await execute(rt, "c1", "local_whoami", {"names": []}))["pid"]
     assert second != first and conn.status == "connected" and conn.starts == 2
-    assert await agents.execute_tool(rt, "c1", "local_add", {"a": 1, "b": 1}) == "2"
+    assert await execute(rt, "c1", "local_add", {"a": 1, "b": 1}) == "2"
 
 
 async def test_a_restarted_http_server_gets_a_new_session_on_the_next_call(make_rt, http_mcp):
     rt = await make_rt({"remote": {"url": http_mcp.url, "token_env": "MCP_REMOTE_TOKEN", "protocol": "legacy"}},
                        env={"MCP_REMOTE_TOKEN": TOKEN})
-    first = json.loads(await agents.execute_tool(rt, "c1", "remote_whoami", {"names": []}))["pid"]
+    first = json.loads(await execute(rt, "c1", "remote_whoami", {"names": []}))["pid"]
     http_mcp.stop()
-    down = await agents.execute_tool(rt, "c1", "remote_add", {"a": 1, "b": 2})
+    down = await execute(rt, "c1", "remote_add", {"a": 1, "b": 2})
     assert down.startswith("ERROR: MCP server 'remote' cannot be reached, so remote_add did not run")
     http_mcp.start()
-    second = json.loads(await agents.execute_tool(rt, "c1", "remote_whoami", {"names": []}))["pid"]
+    second = json.loads(await execute(rt, "c1", "remote_whoami", {"names": []}))["pid"]
     conn = plugin(rt).servers["remote"]
     assert second != first and conn.status == "connected" and conn.starts == 2
     # Restarted between two calls: the old session id gets HTTP 404, the call goes to a new session.
     http_mcp.stop()
     http_mcp.start()
-    third = json.loads(await agents.execute_tool(rt, "c1", "remote_whoami", {"names": []}))["pid"]
+    third = json.loads(await execute(rt, "c1", "remote_whoami", {"names": []}))["pid"]
     assert third != second and conn.status == "connected" and conn.starts == 3
 
 
@@ -349,7 +350,7 @@ async def test_servers_that_cannot_start_are_reported_and_skipped(make_rt):
     assert "'needsenv' failed: environment variable MCP_TEST_UNSET_VARIABLE" in why and ".env" in why
     assert "off" not in plugin(rt).servers
     assert [n for n in rt.tools.names() if rt.tools.entry(n).owner == PLUGIN and not n.startswith("good_")] == []
-    assert await agents.execute_tool(rt, "c1", "good_add", {"a": 20, "b": 22}) == "42"
+    assert await execute(rt, "c1", "good_add", {"a": 20, "b": 22}) == "42"
     status = await routes_command(rt, "!mcp")
     assert "good [connected]" in status and "nocommand [failed]" in status and "why: command not found" in status
     retry = await routes_command(rt, "!mcp reconnect crashes")
@@ -359,12 +360,12 @@ async def test_servers_that_cannot_start_are_reported_and_skipped(make_rt):
 async def test_shutdown_closes_every_session_and_child_process(tmp_path, fake_openai):
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(fake_openai)}
-    rt = await routes.build_runtime(load_config(write_config(cfg, {"a": stdio_server(), "b": stdio_server()}).path),
+    rt = await build.build_runtime(load_config(write_config(cfg, {"a": stdio_server(), "b": stdio_server()}).path),
                                     store=state.MemoryStore())
     await rt.plugins.load_all()
-    pids = [json.loads(await agents.execute_tool(rt, "c1", f"{s}_whoami", {"names": []}))["pid"] for s in "ab"]
+    pids = [json.loads(await execute(rt, "c1", f"{s}_whoami", {"names": []}))["pid"] for s in "ab"]
     conns = list(plugin(rt).servers.values())
-    await routes.close_runtime(rt)
+    await build.close_runtime(rt)
     assert [c.status for c in conns] == ["stopped", "stopped"]
     for pid in pids:
         with pytest.raises(ProcessLookupError):
@@ -429,7 +430,7 @@ def test_registry_replaces_a_plugins_tools_all_or_nothing():
     from langchain_core.tools import StructuredTool
     from pydantic import BaseModel
 
-    from tools import ToolRegistrationError, ToolRegistry
+    from registry import ToolRegistrationError, ToolRegistry
 
     class NoArgs(BaseModel):
         pass

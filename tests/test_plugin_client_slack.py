@@ -16,7 +16,8 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel
 from starlette.applications import Starlette
 
-import routes
+import build
+import gate
 import state
 from config import GatePermission, load_config
 from plugin_loader import BasePlugin
@@ -85,7 +86,7 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
         "api_base_url": slack.base_url, "port": free_port(), "update_interval": 0.05, "ping_interval": 1, **settings,
     }
     cfg.env = env if env is not None else {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
-    rt = await routes.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
     state.set_current(rt)
     assert rt.plugins is not None
     await rt.plugins.load("plugin_client_slack")
@@ -94,7 +95,7 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
 
 
 async def stop_slack(rt: state.Runtime) -> None:
-    await routes.close_runtime(rt)
+    await build.close_runtime(rt)
     for llm in rt.llms.values():
         if getattr(llm, "async_client", None) is not None:
             await llm.root_async_client.close()
@@ -311,11 +312,12 @@ async def test_a_backend_error_is_reported_in_the_thread(bot):
 
 
 async def test_a_refused_tool_call_gets_one_clear_note_and_the_answer_still_comes(bot):
-    async def gate(rt, client_id, tool_name, args):  # what gate.py does for Slack clients
-        rt.hub.status(client_id, f"[gate ✗] {tool_name} (read) needs approval, which Slack cannot give — rejected")
-        return f"TOOL CALL REJECTED: {tool_name} needs human approval"
+    async def refuse(rt, turn, entry, args):  # what gate.py does for Slack clients
+        rt.hub.status(turn.client_id, f"[gate ✗] {entry.tool.name} (read) needs approval, which Slack cannot give "
+                                      "— rejected")
+        return gate.Refusal("denied", f"TOOL CALL REJECTED: {entry.tool.name} needs human approval")
 
-    bot.rt.tool_checks.append(gate)
+    bot.rt.tool_checks.append(refuse)
     bot.llm.script(tool_call("get_system_info", {}), tool_call("get_system_info", {}), text("I could not look."))
     root = bot.ts()
     bot.slack.push_event(mention("what machine is this?", root))
@@ -328,9 +330,9 @@ async def test_a_refused_tool_call_gets_one_clear_note_and_the_answer_still_come
 
 
 async def test_a_rate_limited_tool_call_gets_a_note(bot):
-    async def limit(rt, client_id, tool_name, args):  # what the rate limiter does
-        rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} (system): 5 calls per 10 s; try again in 4 s")
-        return "RATE LIMITED"
+    async def limit(rt, turn, entry, args):  # what the rate limiter does
+        rt.hub.status(turn.client_id, f"[RATE LIMITED] {entry.tool.name} (system): 5 calls per 10 s; try again in 4 s")
+        return gate.Refusal("rate_limited", "RATE LIMITED")
 
     bot.rt.tool_checks.append(limit)
     bot.llm.script(tool_call("get_system_info", {}), text("Later, then."))

@@ -8,6 +8,8 @@ import threading
 import httpx
 import pytest
 
+import build
+import plugin_loader
 import routes
 import state
 from config import load_config
@@ -25,11 +27,11 @@ async def rt(tmp_path, fake_openai, fake_gemini):
         "nokey": {"model_id": "x", "type": "OPENAI", "host": fake_openai.base_url, "env_key": "NOT_SET_ANYWHERE_KEY"},
     }
     cfg.env = {"FAKE_GEMINI_KEY": "k"}
-    runtime = await routes.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    runtime = await build.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
     runtime.client_namespaces.update(SHIPPED_NAMESPACES)
     state.set_current(runtime)
     yield runtime
-    await routes.close_runtime(runtime)
+    await build.close_runtime(runtime)
     for llm in runtime.llms.values():
         if hasattr(llm, "aclose"):
             await llm.aclose()
@@ -109,7 +111,7 @@ async def test_at_model_switches_for_one_turn_and_restores(rt, fake_openai, fake
     out, _ = await turn(rt, "@gem who are you")
     assert out == "from gemini" and fake_gemini.requests[-1].last_user_text == "who are you"
     session = rt.sessions.get("c1")
-    assert session.model == "fake" and not session.temp_model_active
+    assert session.model == "fake"
     out, _ = await turn(rt, "@nosuch hi")
     assert out.startswith("ERROR: Unknown model '@nosuch'")
     # Restored even when the turn fails.
@@ -192,9 +194,9 @@ async def test_empty_message_gets_a_hint(rt, fake_openai):
 
 async def test_plugin_command_signature_and_conflicts(rt):
     async def hello(args: str) -> str:
-        return f"hello {state.current_client_id.get()} {args}"
+        return f"hello {state.current_turn().client_id} {args}"
 
-    rt.commands["hello"] = state.Command(hello, owner="plugin_x")
+    rt.commands["hello"] = plugin_loader.as_command(hello, "plugin_x")
     out, _ = await turn(rt, "!HELLO there")
     assert out == "hello c1 there"
     await asyncio.sleep(0)
@@ -249,7 +251,7 @@ async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fa
     out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "gem"}))
     assert out == "from gemini" and fake_gemini.requests[-1].last_user_text == "hi" and fake_openai.requests == []
     session = rt.sessions.get("c1")
-    assert session.model == "fake" and not session.temp_model_active  # no gate bypass either
+    assert session.model == "fake"
     # Commands still act on the session itself, and the next turn is back on the session's model.
     out, _ = await _collect(routes.run_turn(rt, "c1", "!model", {"model": "gem"}))
     assert [line.split()[0] for line in out.splitlines() if "(current)" in line] == ["fake"]

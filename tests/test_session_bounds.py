@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import build
 import routes
 import state
 from config import ConfigError, SessionsConfig, load_config
@@ -31,7 +32,7 @@ class Clock:
 
 def policy(**sessions) -> state.SessionPolicy:
     """The policy the server builds from `plugins-enabled.json` `sessions` (gate's client classes)."""
-    return routes.session_policy(SessionsConfig.model_validate(sessions), SHIPPED_NAMESPACES)
+    return build.session_policy(SessionsConfig.model_validate(sessions), SHIPPED_NAMESPACES)
 
 
 @pytest.fixture
@@ -280,7 +281,7 @@ async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fak
     enabled = json.loads((tmp_path / "plugins-enabled.json").read_text())
     enabled["sessions"] = {"non_interactive": {"idle_days": 1}}
     (tmp_path / "plugins-enabled.json").write_text(json.dumps(enabled))
-    rt = await routes.build_runtime(load_config(tmp_path), store=state.SqliteStore(tmp_path / "sessions.sqlite3"))
+    rt = await build.build_runtime(load_config(tmp_path), store=state.SqliteStore(tmp_path / "sessions.sqlite3"))
     rt.client_namespaces.update(SHIPPED_NAMESPACES)
     clock = Clock()
     rt.sessions.clock = clock
@@ -300,7 +301,7 @@ async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fak
         await queued.task
         assert rt.sessions.get("api-running").updated == clock.now  # its request was activity
     finally:
-        await routes.close_runtime(rt)
+        await build.close_runtime(rt)
         for llm in rt.llms.values():
             if getattr(llm, "async_client", None) is not None:
                 await llm.root_async_client.close()

@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-import routes
+import build
+import gate
 import state
 from api_client import AgentClient
 from config import ConfigError, load_config
@@ -225,11 +226,8 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         # A swarm session may not call further, whatever the target.
         result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # no session: not a swarm
         assert "failed" in result and "cannot reach" in result
-        token = state.current_client_id.set("api-swarm-12345678")
-        try:
+        with state.running(gate.new_turn(rt, "api-swarm-12345678")):
             result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        finally:
-            state.current_client_id.reset(token)
         assert result.startswith("ERROR: agent_call refused: this conversation is itself an agent_call")
 
 
@@ -245,9 +243,9 @@ async def test_api_plugin_refuses_an_admin_key_equal_to_the_api_key(tmp_path, fa
         cfg.plugin_config["plugin_client_api"] = settings
         cfg.env = env
         cfg.write()
-        rt = await routes.build_runtime(load_config(tmp_path), store=state.MemoryStore())
+        rt = await build.build_runtime(load_config(tmp_path), store=state.MemoryStore())
         try:
             report = await rt.plugins.load("plugin_client_api")
         finally:
-            await routes.close_runtime(rt)
+            await build.close_runtime(rt)
         assert report.status == "failed" and reason in report.reasons[0], report.reasons

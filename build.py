@@ -1,0 +1,81 @@
+"""Assembling one server instance: the runtime's object graph, and taking it down again."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import commands
+import gate
+import routes
+import state
+from config import CORE_GATES, AppConfig, SessionsConfig
+from plugin_loader import PluginLoader
+from prompt import PROMPT_DIR, PromptTree
+from registry import ToolRegistry
+from tools import make_core_tools
+
+logger = logging.getLogger("agent_mcp.build")
+
+
+async def build_runtime(config: AppConfig, store: state.SessionStore | None = None) -> state.Runtime:
+    """The object graph of one server instance, with sessions loaded and core tools registered."""
+    namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
+    sessions = state.SessionManager(store or state.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
+                                    session_policy(config.enabled.sessions, namespaces))
+    await sessions.open()
+    rt = state.Runtime(
+        config=config,
+        sessions=sessions,
+        client_namespaces=namespaces,
+        hub=state.EventHub(),
+        tools=ToolRegistry(),
+        prompt=PromptTree(config.path(PROMPT_DIR)).load(),
+    )
+    for tool in make_core_tools(rt):
+        rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
+    rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
+    rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    # Whatever removes a session (delete, expiry, eviction) also drops its stream and rate-limit windows.
+    sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget]
+    sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
+    sessions.start_sweeping()
+    rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
+    for name, handler in {**commands.COMMANDS, **gate.COMMANDS}.items():
+        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
+    rt.plugins = PluginLoader(rt)
+    return rt
+
+
+def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
+                   ) -> state.SessionPolicy:
+    """The session bounds of plugins-enabled.json `sessions`, per client class (`gate.session_class`,
+    with the client-id `namespaces` the runtime's plugins declare)."""
+    unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
+    if unknown:
+        logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
+                       "session; the classes are %s", ", ".join(unknown), ", ".join(gate.CLIENT_LABELS))
+
+    def limits(kind: str) -> state.SessionLimits:
+        limit = bounds.limit(kind, interactive=kind == gate.SHELL)
+        idle = None if limit.idle_days is None else limit.idle_days * 86400
+        return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
+
+    def classify(session: state.Session) -> str:
+        return gate.session_class(namespaces or {}, session)
+
+    return state.SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
+                               max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
+
+
+async def close_runtime(rt: state.Runtime) -> None:
+    """Stop running turns, shut plugins down (reverse order) and close the session store."""
+    tasks = [t for group in rt.active_tasks.values() for t in group if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=routes.CANCEL_GRACE_SECONDS)
+    if rt.plugins:
+        await rt.plugins.shutdown_all()
+    await rt.sessions.close()

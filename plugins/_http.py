@@ -1,0 +1,145 @@
+"""HTTP and SSE helpers shared by the client plugins: event streams, request bodies, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+
+import routes
+import state
+from config import field_problems
+
+# ── Event streams ───────────────────────────────────────────────────────────────────────────
+
+SSE_PING_SECONDS = 15
+
+
+def last_event_id(request: Request) -> int | None:
+    """The `Last-Event-ID` header (or `last_event_id` query parameter) as an int, if valid."""
+    raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str | None = None) -> EventSourceResponse:
+    """An SSE response with every event of a session: `id:` lines, JSON data, keepalive comments.
+
+    With `turn`, only that request's events are sent and the response ends after its last one.
+    """
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
+            async for ev in subscription:
+                if turn is not None and ev.turn != turn:
+                    continue
+                yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
+                if turn is not None and routes.ends_turn(ev):
+                    return
+
+    if rt.stopping is None:
+        rt.stopping = anyio.Event()
+    return EventSourceResponse(
+        events(),
+        ping=SSE_PING_SECONDS,
+        sep="\n",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        shutdown_event=rt.stopping,
+    )
+
+
+# ── Request bodies and disconnects ──────────────────────────────────────────────────────────
+
+#: Client ids a client plugin accepts from callers (ids also appear in logs and file names).
+CLIENT_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+#: The longest message text a client plugin accepts, in characters.
+MAX_TEXT = 200_000
+#: The largest JSON request body read, in bytes (a MAX_TEXT message with every character escaped fits).
+MAX_BODY = 8 * MAX_TEXT
+#: The deepest nesting of arrays and objects a JSON request body may have (chat bodies need about 5).
+#: Deeper values would later break json.dumps, repr and copies of the history with a RecursionError.
+MAX_JSON_DEPTH = 64
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class BadRequest(Exception):
+    """A request a client plugin refuses; `status` is the HTTP status, the message says what to fix."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+_TOO_DEEP = (f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of arrays and objects "
+             "are accepted")
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests arrays/objects more than `limit` levels deep (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY) -> M:
+    """The request body as `model`; BadRequest (400, or 413 when over `max_bytes`) says what is wrong."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BadRequest(413, f"request body is {declared} bytes; the limit is {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        raw = json.loads(body)
+    except RecursionError:  # json.loads gives up (fast) at the interpreter's recursion limit
+        raise BadRequest(400, _TOO_DEEP) from None
+    except ValueError:
+        raise BadRequest(400, "request body must be JSON") from None
+    # Fewer brackets than the limit cannot nest deeper than it: most bodies skip the walk.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nested_deeper(raw, MAX_JSON_DEPTH):
+        raise BadRequest(400, _TOO_DEEP)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = field_problems(exc, "body")
+        raise BadRequest(400, f"invalid request: {problems}") from None
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the HTTP client disconnects first (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await task
+    return task.result() if not task.cancelled() else None
