@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlglot
 from sqlglot import exp
@@ -30,8 +30,10 @@ from sqlglot.errors import SqlglotError
 
 import guard
 import state
-from config import CODE_DIR, ConfigError, GateDefaults, RateLimit
-from registry import RegisteredTool
+from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit
+
+if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
+    from registry import RegisteredTool
 
 logger = logging.getLogger("agent_mcp.gate")
 
@@ -66,9 +68,10 @@ class Refusal:
     text: str
 
 
-#: A tool check: async (rt, turn, registered tool, validated args) → None to go on, or a Refusal.
-#: A check that refuses tells the user itself (a status event).
-ToolCheck = Callable[[state.Runtime, state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
+if TYPE_CHECKING:
+    #: A tool check: async (rt, turn, registered tool, validated args) → None to go on, or a Refusal.
+    #: A check that refuses tells the user itself (a status event).
+    ToolCheck = Callable[[state.Runtime, state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
 
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 
@@ -458,6 +461,13 @@ class GateKeeper:
         """Every key with an entry in the defaults or this session's overrides, `*` first."""
         found = set(self._defaults(section)) | set(_overrides(session, section))
         return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
+
+    def set_default(self, section: str, key: str, ops: Iterable[str], allowed: bool) -> GatePermission:
+        """Change `gate-defaults.json`'s entry for `key` in memory (every session); returns the new entry.
+        The caller saves `self.defaults` (config.save_gate_defaults) and says whether that worked."""
+        entries = self.defaults.db if section == "db" else self.defaults.tools
+        entries[key] = (entries.get(key) or GatePermission()).model_copy(update=dict.fromkeys(ops, allowed))
+        return entries[key]
 
     @staticmethod
     def set_override(session: state.Session, section: str, key: str, op: str, value: bool) -> None:

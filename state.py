@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiosqlite
 
-from registry import ToolRegistry
-
-if TYPE_CHECKING:  # annotations only (gate and plugin_loader are layers above this one)
+if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) would slow every CLI start
     from config import AppConfig
     from gate import GateKeeper, RateLimiter, ToolCheck
     from plugin_loader import PluginLoader
     from prompt import PromptTree
+    from registry import ToolRegistry
 
 logger = logging.getLogger("agent_mcp.state")
 
@@ -584,19 +583,29 @@ HubObserver = Callable[[str, Event | None], None]
 class EventHub:
     """Per-session output events. Every subscriber sees every event; reconnects replay by id.
 
-    `observers` see every event of every session as it is published (the MCP server uses this
-    to learn when gates open and close and when turns end); an observer that raises is logged
-    and never disturbs the publisher.
+    Observers (`observe()`) see every event of every session as it is published (the MCP server
+    uses this to learn when gates open and close and when turns end); an observer that raises is
+    logged and never disturbs the publisher.
     """
 
     def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS) -> None:
         self._channels: dict[str, _Channel] = {}
         self.max_idle_channels = max_idle_channels
-        self.observers: list[HubObserver] = []
+        self._observers: list[HubObserver] = []
         self.closed = False
 
+    def observe(self, observer: HubObserver) -> Callable[[], None]:
+        """Call `observer` with every event published from now on; returns the function that stops it."""
+        self._observers.append(observer)
+
+        def stop() -> None:
+            with contextlib.suppress(ValueError):
+                self._observers.remove(observer)
+
+        return stop
+
     def _notify(self, client_id: str, event: Event | None) -> None:
-        for observer in list(self.observers):
+        for observer in list(self._observers):
             try:
                 observer(client_id, event)
             except Exception:
@@ -618,7 +627,7 @@ class EventHub:
 
     def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> Event:
         event = self._channel(client_id).publish(name, data or {})
-        if self.observers:
+        if self._observers:
             self._notify(client_id, event)
         return event
 
@@ -635,7 +644,7 @@ class EventHub:
         ch = self._channels.pop(client_id, None)
         if ch is not None:
             ch._wake.set()  # wake its subscribers so they move to the session's next channel
-        if self.observers:
+        if self._observers:
             self._notify(client_id, None)
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[Event]:

@@ -18,22 +18,14 @@ Resources (JSON): `agentmcp://sessions`, `agentmcp://sessions/{id}/state`, `.../
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
-import hmac
 import json
 import logging
-import os
-import re
-import secrets
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from mcp.server.auth.middleware.auth_context import get_access_token
-from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
-from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
@@ -53,7 +45,7 @@ from mcp_types import (
     Tool,
     UnsubscribeRequestParams,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field
 from starlette.routing import Mount
 
 import agents
@@ -61,25 +53,32 @@ import gate
 import guard
 import routes
 import state
-from config import GatePermission, field_problems, save_gate_defaults
+from config import save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
+from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore
+from plugins._mcp_auth import (
+    AGENT,
+    HUMAN,
+    PREFIX,
+    Principal,
+    TokenTable,
+    create_token_file,
+    forbidden,
+    load_tokens,
+    mcp_client_id,
+    request_principal,
+)
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 
-PREFIX = "mcp-"
 SCHEME = "agentmcp://"
 TOKENS_FILE = "mcp-tokens.json"
 #: JSON-RPC error of a tool call the gate or the rate limiter refused (seed 002's code, kept for its clients).
 POLICY_DENIED = -32950
-#: JSON-RPC error of a request outside the token's role (implementation-defined range of 2026-07-28).
-FORBIDDEN = -32001
-HUMAN, AGENT = "human", "agent"
 #: Legacy (2025-11-25) subscriptions kept per MCP session and in all.
 MAX_SUBSCRIPTIONS_PER_SESSION = 200
 MAX_SUBSCRIPTIONS = 20_000
-HISTORY_LIMIT = 500
-KEPT_APPROVALS = 10_000
 #: The SDK's Host/Origin checks, off: guard.Guard in front of the listener is the one place they live.
 _NO_SDK_CHECKS = TransportSecuritySettings(enable_dns_rebinding_protection=False)
 #: Management tools and the roles that may call them.
@@ -93,215 +92,6 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "set_gate_default": (HUMAN,),
 }
 DECISION_WORDS = {"allow_once": "allow", "allow_session": "allow_session", "reject": "reject"}
-
-
-# ── Tokens ──────────────────────────────────────────────────────────────────────────────────
-
-
-class TokenEntry(BaseModel):
-    """One entry of `mcp-tokens.json`: a role, the token (or its SHA-256), and an agent's session."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["human", "agent"]
-    token: str | None = Field(default=None, min_length=16)
-    token_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
-    session: str | None = Field(default=None, pattern=_http.CLIENT_ID_PATTERN)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> TokenEntry:
-        if (self.token is None) == (self.token_sha256 is None):
-            raise ValueError("give exactly one of 'token' (at least 16 characters) or 'token_sha256'")
-        if self.role == AGENT and not self.session:
-            raise ValueError("an agent token needs 'session' (the session it is bound to, e.g. \"worker\")")
-        if self.role == HUMAN and self.session:
-            raise ValueError("a human token reaches every session: remove 'session'")
-        return self
-
-
-class TokenFile(BaseModel):
-    """`mcp-tokens.json`: `{"tokens": {"<name>": {...}}}`; names appear in logs and approval records."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tokens: dict[str, TokenEntry] = Field(min_length=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Principal:
-    """Who holds a token: its name, role and (agents) the client id of its session."""
-
-    name: str
-    role: str
-    session: str | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.role}:{self.name}"
-
-    def may_read(self, client_id: str) -> bool:
-        return self.role == HUMAN or client_id == self.session
-
-
-def mcp_client_id(name: str) -> str:
-    """The MCP-namespace session id of a name: unchanged when it starts with `mcp-`, else prefixed."""
-    client_id = name if name.startswith(PREFIX) else PREFIX + name
-    if not re.match(_http.CLIENT_ID_PATTERN, client_id):
-        raise ValueError(f"invalid session name {name[:140]!r}: use 1-124 letters, digits and . _ : @ -")
-    return client_id
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-def load_tokens(path: Path) -> list[tuple[bytes, Principal]]:
-    """The token table of a token file; PluginConfigError names the file and the field that is wrong."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PluginConfigError(f"{path}: cannot read the MCP token file ({exc.strerror})") from None
-    except ValueError as exc:
-        raise PluginConfigError(f"{path}: not valid JSON ({exc})") from None
-    try:
-        parsed = TokenFile.model_validate(raw)
-    except ValidationError as exc:
-        problems = field_problems(exc, "(top level)", "field '{where}': {msg}")
-        raise PluginConfigError(f"{path}: {problems}") from None
-    table: list[tuple[bytes, Principal]] = []
-    seen: dict[bytes, str] = {}
-    for name, entry in parsed.tokens.items():
-        if not re.match(r"^[A-Za-z0-9._-]{1,64}$", name):
-            raise PluginConfigError(f"{path}: field 'tokens.{name[:70]}': a token name uses 1-64 letters, digits, . _ -")
-        digest = _digest(entry.token) if entry.token else bytes.fromhex(entry.token_sha256 or "")
-        if digest in seen:
-            raise PluginConfigError(f"{path}: field 'tokens.{name}': same token as 'tokens.{seen[digest]}'; "
-                                    "give every holder a token of its own")
-        seen[digest] = name
-        session = None
-        if entry.session:
-            try:
-                session = mcp_client_id(entry.session)
-            except ValueError as exc:
-                raise PluginConfigError(f"{path}: field 'tokens.{name}.session': {exc}") from None
-        table.append((digest, Principal(name, entry.role, session)))
-    return table
-
-
-def create_token_file(path: Path) -> None:
-    """Write a token file with one new human token (`owner`), readable by this user only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"tokens": {"owner": {"role": HUMAN, "token": secrets.token_urlsafe(32)}}}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(json.dumps(body, indent=2) + "\n")
-
-
-class TokenTable:
-    """The SDK's TokenVerifier over the token file: constant-time comparison of SHA-256 digests."""
-
-    def __init__(self, entries: list[tuple[bytes, Principal]], resource: str):
-        self.entries = entries
-        self.resource = resource
-
-    async def verify_token(self, token: str) -> AccessToken | None:
-        digest = _digest(token)
-        found: Principal | None = None
-        for known, principal in self.entries:  # no early exit: the time does not depend on which matched
-            if hmac.compare_digest(known, digest):
-                found = principal
-        if found is None:
-            return None
-        # `token` holds the digest prefix: the secret itself is never kept past this call.
-        return AccessToken(token=digest.hex()[:12], client_id=found.label, scopes=[found.role], subject=found.name,
-                           resource=self.resource, claims={"role": found.role, "session": found.session})
-
-
-def principal_of(token: AccessToken | None) -> Principal:
-    """The principal of the request being handled; MCPError when there is none (fail closed)."""
-    claims = (token.claims or {}) if token else {}
-    role = claims.get("role")
-    if token is None or role not in (HUMAN, AGENT) or not token.subject:
-        raise MCPError(FORBIDDEN, "forbidden: this request carries no agent-mcp token")
-    return Principal(token.subject, role, claims.get("session"))
-
-
-def _request_principal(ctx: ServerRequestContext[Any, Any] | None = None) -> Principal:
-    token = get_access_token()
-    if token is None and ctx is not None and ctx.request is not None:
-        user = getattr(ctx.request, "scope", {}).get("user")
-        token = user.access_token if isinstance(user, AuthenticatedUser) else None
-    return principal_of(token)
-
-
-def _forbidden(what: str) -> MCPError:
-    return MCPError(FORBIDDEN, f"forbidden: {what}")
-
-
-# ── Approvals (SQLite) ──────────────────────────────────────────────────────────────────────
-
-
-class ApprovalStore(state.SqliteFile):
-    """Every gate seen while the MCP server runs: pending ones in memory, all of them in SQLite."""
-
-    SCHEMA = (
-        "CREATE TABLE IF NOT EXISTS approvals ("
-        " gate_id TEXT PRIMARY KEY, session TEXT NOT NULL, tool_name TEXT NOT NULL, request TEXT NOT NULL,"
-        " opened_at REAL NOT NULL, decision TEXT, decided_by TEXT, decided_at REAL)",
-        "CREATE INDEX IF NOT EXISTS approvals_session ON approvals (session, opened_at)",
-    )
-
-    def __init__(self, path: Path, kept: int = KEPT_APPROVALS):
-        super().__init__(path)
-        self.pending: dict[str, dict[str, Any]] = {}
-        #: Decided approvals kept in the file; older ones are deleted as new decisions come.
-        self.kept = kept
-
-    async def open(self) -> None:
-        await super().open()
-        # Gates left open by a previous run: their calls are gone, so they were never decided.
-        db = self._conn()
-        await db.execute("UPDATE approvals SET decision = 'abandoned', decided_by = 'server restart', "
-                         "decided_at = ? WHERE decision IS NULL", (time.time(),))
-        await self._prune()
-        await db.commit()
-
-    async def _prune(self) -> None:
-        """Delete the decided approvals beyond the newest `kept` (open ones are always kept)."""
-        await self._conn().execute(
-            "DELETE FROM approvals WHERE decision IS NOT NULL AND gate_id NOT IN (SELECT gate_id FROM approvals"
-            " WHERE decision IS NOT NULL ORDER BY decided_at DESC LIMIT ?)", (self.kept,))
-
-    async def record_open(self, row: dict[str, Any]) -> None:
-        db = self._conn()
-        await db.execute("INSERT OR REPLACE INTO approvals (gate_id, session, tool_name, request, opened_at) "
-                         "VALUES (?, ?, ?, ?, ?)",
-                         (row["gate_id"], row["session"], row["tool_name"], json.dumps(row["request"]), row["opened_at"]))
-        await db.commit()
-
-    async def record_decision(self, gate_id: str, decision: str, decided_by: str, decided_at: float) -> None:
-        db = self._conn()
-        await db.execute("UPDATE approvals SET decision = ?, decided_by = ?, decided_at = ? WHERE gate_id = ?",
-                         (decision, decided_by, decided_at, gate_id))
-        await self._prune()
-        await db.commit()
-
-    async def history(self, session: str | None = None, limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
-        """Decided gates, newest first (of one session, or all)."""
-        db = self._conn()
-        sql = ("SELECT gate_id, session, tool_name, request, opened_at, decision, decided_by, decided_at "
-               "FROM approvals WHERE decision IS NOT NULL")
-        args: tuple[Any, ...] = ()
-        if session is not None:
-            sql += " AND session = ?"
-            args = (session,)
-        sql += " ORDER BY decided_at DESC LIMIT ?"
-        rows = []
-        async with db.execute(sql, (*args, limit)) as cur:
-            async for gid, sess, tool, request, opened, decision, by, at in cur:
-                rows.append({"gate_id": gid, "session": sess, "tool_name": tool, "request": json.loads(request),
-                             "opened_at": opened, "decision": decision, "decided_by": by, "decided_at": at})
-        return rows
 
 
 # ── The server ──────────────────────────────────────────────────────────────────────────────
@@ -336,6 +126,7 @@ class McpServerPlugin(BasePlugin):
 
     def __init__(self) -> None:
         super().__init__()
+        self._unobserve: Callable[[], None] = lambda: None
         self.cfg = McpServerConfig()
         self.store: ApprovalStore | None = None
         self.bus = InMemorySubscriptionBus()
@@ -375,7 +166,7 @@ class McpServerPlugin(BasePlugin):
         # this plugin's allowed_hosts / allowed_origins: the SDK's own copy of those checks stays off.
         self.app = self.mcp.streamable_http_app(transport_security=_NO_SDK_CHECKS, host=self.cfg.host)
         self._known_sessions = {s.client_id for s in rt.sessions.all()}
-        rt.hub.observers.append(self._observe)
+        self._unobserve = rt.hub.observe(self._observe)
         # The SDK's session manager runs for as long as the plugin does (uvicorn runs our app without lifespan).
         ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._run_manager(ready), name="mcp-session-manager"),
@@ -391,8 +182,7 @@ class McpServerPlugin(BasePlugin):
         return True
 
     async def shutdown(self) -> None:
-        if self.runtime is not None and self._observe in self.rt.hub.observers:
-            self.rt.hub.observers.remove(self._observe)
+        self._unobserve()
         self._stop.set()
         self._queue.put_nowait((None, ()))  # the writer and the notifier finish what is queued, then stop
         self._notes.put_nowait(None)
@@ -531,7 +321,7 @@ class McpServerPlugin(BasePlugin):
         method = ctx.method
         if method in ("initialize", "notifications/initialized", "server/discover", "ping") or ctx.request_id is None:
             return await call_next(ctx)
-        who = _request_principal(ctx)
+        who = request_principal(ctx)
         params = dict(ctx.params or {})
         if method == "tools/list":
             return self._list_tools(who, await call_next(ctx))
@@ -539,7 +329,7 @@ class McpServerPlugin(BasePlugin):
             name = str(params.get("name", ""))
             if name in TOOL_ROLES:
                 if who.role not in TOOL_ROLES[name]:
-                    raise _forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; this one is {who.role}")
+                    raise forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; this one is {who.role}")
                 return await call_next(ctx)
             if who.role == AGENT and self.rt.tools.get(name) is not None:
                 return await self._call_agent_tool(who, name, params.get("arguments") or {})
@@ -566,10 +356,10 @@ class McpServerPlugin(BasePlugin):
         if rest.startswith("sessions/"):
             client_id = rest.removeprefix("sessions/").split("/", 1)[0]
             if not who.may_read(client_id):
-                raise _forbidden(f"token '{who.name}' ({who.role}) may read only its own session {who.session}")
+                raise forbidden(f"token '{who.name}' ({who.role}) may read only its own session {who.session}")
             return client_id
         if who.role != HUMAN:
-            raise _forbidden(f"{uri[:120]} needs a human token")
+            raise forbidden(f"{uri[:120]} needs a human token")
         return None
 
     def _resources_for(self, who: Principal) -> list[Resource]:
@@ -603,7 +393,7 @@ class McpServerPlugin(BasePlugin):
     # ── 2025-11-25 subscriptions ──
 
     async def _subscribe(self, ctx: ServerRequestContext[Any, Any], params: SubscribeRequestParams) -> EmptyResult:
-        who = _request_principal(ctx)
+        who = request_principal(ctx)
         uri = str(params.uri)
         self._check_read(who, uri)
         session_id = self._mcp_session_id(ctx)
@@ -656,28 +446,28 @@ class McpServerPlugin(BasePlugin):
 
         @mcp.resource(f"{SCHEME}sessions", name="sessions", mime_type="application/json")
         async def sessions() -> str:
-            who = _request_principal()
+            who = request_principal()
             return _json([plugin._session_row(s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
 
         @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
         async def pending_all() -> str:
-            plugin._check_read(_request_principal(), f"{SCHEME}approvals/pending")
+            plugin._check_read(request_principal(), f"{SCHEME}approvals/pending")
             return _json(plugin._pending())
 
         @mcp.resource(f"{SCHEME}approvals/history", name="approval history", mime_type="application/json")
         async def history_all() -> str:
-            plugin._check_read(_request_principal(), f"{SCHEME}approvals/history")
+            plugin._check_read(request_principal(), f"{SCHEME}approvals/history")
             assert plugin.store is not None
             return _json(await plugin.store.history())
 
         @mcp.resource(f"{SCHEME}policy", name="gate policy", mime_type="application/json")
         async def policy() -> str:
-            plugin._check_read(_request_principal(), f"{SCHEME}policy")
+            plugin._check_read(request_principal(), f"{SCHEME}policy")
             return _json(plugin._policy())
 
         @mcp.resource(SCHEME + "sessions/{sid}/state", name="session state", mime_type="application/json")
         async def session_state(sid: str) -> str:
-            s = plugin._session(_request_principal(), sid)
+            s = plugin._session(request_principal(), sid)
             return _json({**plugin._session_row(s), "history_length": len(s.history),
                           "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
                           "pending_approvals": len(plugin._pending(s.client_id)),
@@ -685,19 +475,19 @@ class McpServerPlugin(BasePlugin):
 
         @mcp.resource(SCHEME + "sessions/{sid}/history", name="session history", mime_type="application/json")
         async def session_history(sid: str) -> str:
-            s = plugin._session(_request_principal(), sid)
+            s = plugin._session(request_principal(), sid)
             return _json(s.history)
 
         @mcp.resource(SCHEME + "sessions/{sid}/approvals/pending", name="session pending approvals",
                       mime_type="application/json")
         async def session_pending(sid: str) -> str:
-            s = plugin._session(_request_principal(), sid)
+            s = plugin._session(request_principal(), sid)
             return _json(plugin._pending(s.client_id))
 
         @mcp.resource(SCHEME + "sessions/{sid}/approvals/history", name="session approval history",
                       mime_type="application/json")
         async def session_approvals(sid: str) -> str:
-            s = plugin._session(_request_principal(), sid)
+            s = plugin._session(request_principal(), sid)
             assert plugin.store is not None
             return _json(await plugin.store.history(s.client_id))
 
@@ -714,7 +504,7 @@ class McpServerPlugin(BasePlugin):
             Human tokens name the session (created if new, in the mcp- namespace); agent tokens always
             talk to their own session. `model` answers this turn with another registry model.
             """
-            return await plugin._send(_request_principal(), text, session, model, timeout_seconds)
+            return await plugin._send(request_principal(), text, session, model, timeout_seconds)
 
         @mcp.tool()
         async def create_session(name: str = "", model: str = "") -> dict[str, Any]:
@@ -733,7 +523,7 @@ class McpServerPlugin(BasePlugin):
         @mcp.tool()
         async def list_pending_approvals(session: str = "") -> list[dict[str, Any]]:
             """Gates waiting for a decision (all the token may see, or one session's)."""
-            who = _request_principal()
+            who = request_principal()
             if session:
                 return plugin._pending(plugin._session(who, session).client_id)
             return [r for r in plugin._pending() if who.may_read(r["session"])]
@@ -741,7 +531,7 @@ class McpServerPlugin(BasePlugin):
         @mcp.tool()
         async def answer_approval(gate_id: str, decision: Literal["allow_once", "allow_session", "reject"]) -> dict[str, Any]:
             """Answer a pending gate: allow_once, allow_session (this tool for the rest of the session) or reject."""
-            who = _request_principal()
+            who = request_principal()
             owner = plugin.rt.gate.owner(gate_id)
             if owner is None:
                 raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
@@ -758,7 +548,7 @@ class McpServerPlugin(BasePlugin):
             """The gate defaults (gate-defaults.json) and, with `session`, that session's own overrides."""
             out: dict[str, Any] = {"defaults": plugin._policy()}
             if session:
-                s = plugin._session(_request_principal(), session)
+                s = plugin._session(request_principal(), session)
                 out["session"] = {"session": s.client_id, "overrides": s.settings.get("gates", {})}
             return out
 
@@ -768,12 +558,12 @@ class McpServerPlugin(BasePlugin):
             """Change a gate default for every session (saved in gate-defaults.json): `key` is a tool name
             (section tools) or a table (section db), `*` for everything without its own entry; allowed=true
             means the call runs without asking."""
-            return await plugin._set_default(_request_principal(), section, key, operation, allowed)
+            return await plugin._set_default(request_principal(), section, key, operation, allowed)
 
     async def _send(self, who: Principal, text: str, session: str, model: str, timeout_seconds: float) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:
-                raise _forbidden(f"token '{who.name}' may talk only to its own session {who.session}")
+                raise forbidden(f"token '{who.name}' may talk only to its own session {who.session}")
             assert who.session is not None
             client_id = who.session
         else:
@@ -809,20 +599,17 @@ class McpServerPlugin(BasePlugin):
         key = key.strip()
         if not key or len(key) > 128:
             raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
-        defaults = self.rt.gate.defaults
-        entries = defaults.db if section == "db" else defaults.tools
-        current = entries.get(key) or GatePermission()
         ops = ("read", "write") if operation == "both" else (operation,)
-        entries[key] = current.model_copy(update=dict.fromkeys(ops, allowed))
+        entry = self.rt.gate.set_default(section, key, ops, allowed)
         try:
-            path = save_gate_defaults(self.rt.config.config_dir, defaults)
+            path = save_gate_defaults(self.rt.config.config_dir, self.rt.gate.defaults)
             note = f"saved in {path}"
         except Exception as exc:  # in force anyway; say it was not saved
             logger.exception("saving gate defaults failed")
             note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
         logger.info("gate default %s.%s %s=%s set by %s", section, key, operation, allowed, who.label)
         await self.notify(f"{SCHEME}policy")
-        return {"section": section, "key": key, **entries[key].model_dump(include={"read", "write"}), "note": note}
+        return {"section": section, "key": key, **entry.model_dump(include={"read", "write"}), "note": note}
 
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
         """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,

@@ -26,12 +26,10 @@ import re
 import socket
 import urllib.request
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from markdown_it.token import Token
 from pydantic import ConfigDict, Field
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError
@@ -39,7 +37,6 @@ from slack_sdk.http_retry.builtin_handlers import ConnectionErrorRetryHandler, R
 from slack_sdk.socket_mode.builtin import SocketModeClient
 from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.socket_mode.response import SocketModeResponse
-from slackify_markdown.slackify import SlackifyMarkdown
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -50,24 +47,22 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
+from plugins._slack_events import PREFIX, SEEN_MEMORY, EventFilter, InboundMessage
+from plugins._slack_text import (
+    escape,
+    split_message,
+    to_mrkdwn,
+)
 
-#: Client ids of this plugin's sessions start with this (its client-id namespace).
-PREFIX = "slack-"
 logger = logging.getLogger("agent_mcp.slack")
 
 WORKING = "_⏳ working…_"
-#: Subtypes that are ordinary user messages; every other subtype is housekeeping (edits, joins…).
-USER_SUBTYPES = (None, "file_share", "thread_broadcast")
-CHANNEL_ID = re.compile(r"^[A-Z0-9]{2,32}$")
-SLACK_TS = re.compile(r"^\d{1,12}\.\d{1,9}$")
 SLACK_CLIENT_ID = re.compile(r"^slack-(?P<channel>[A-Z0-9]+)-(?P<thread_ts>\d+\.\d+)$")
 #: Status lines: `[tool ▶] args` / `[tool ◀] result` / `[tool ↺] …` (the tool loop), `[gate ✗] tool …`
 #: and `[gate ✓] tool …` (gates), `[RATE LIMITED] tool …` (rate limits), `[tool ✗] why` (a refused call).
 STATUS_LINE = re.compile(r"^\[(?P<tag>[^\]]+)\]\s*(?P<rest>.*)$", re.DOTALL)
 GATE_HINT = ("_Tools that need approval cannot be approved from Slack: ask from shell.py, "
              "or an operator can allow the tool there or in gate-defaults.json._")
-FENCE = "```"
-SEEN_MEMORY = 4096
 SHUTDOWN_GRACE = 3
 
 
@@ -94,214 +89,6 @@ class SlackSettings(guard.ListenerSettings):
     ping_interval: float = Field(default=5, ge=0.2, le=60)
     #: Model of new Slack sessions (default: the server's default model).
     default_model: str | None = None
-
-
-# ── Markdown → Slack mrkdwn, and splitting ──────────────────────────────────────────────────
-
-_MENTION = re.compile(r"<[@#][A-Z0-9]+(?:\|[^<>]*)?>")
-
-
-def escape(text: str) -> str:
-    """Slack's escaping of the three characters it treats as control characters."""
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def _escape_keeping_mentions(text: str) -> str:
-    # User and channel mentions (<@U…>, <#C…>) stay live; `<!channel>`-style broadcasts do not.
-    out, pos = [], 0
-    for m in _MENTION.finditer(text):
-        out += [escape(text[pos:m.start()]), m.group()]
-        pos = m.end()
-    out.append(escape(text[pos:]))
-    return "".join(out)
-
-
-class _Mrkdwn(SlackifyMarkdown):
-    """slackify-markdown with Slack's escaping applied inside code too, and no broadcast mentions."""
-
-    def text(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
-        return _escape_keeping_mentions(tokens[idx].content)
-
-    def code_inline(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
-        return f"`{escape(tokens[idx].content)}`"
-
-    def fence(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
-        code = escape(tokens[idx].content)
-        if code and not code.endswith("\n"):
-            code += "\n"  # an unclosed block at the end of an answer: the closing fence needs its own line
-        return f"{FENCE}\n{code}{FENCE}\n"
-
-    code_block = fence
-
-
-def to_mrkdwn(markdown: str) -> str:
-    """An answer in (GitHub-style) markdown as Slack mrkdwn."""
-    return _Mrkdwn(markdown).slackify().strip("\n")
-
-
-@dataclass(frozen=True, slots=True)
-class _Line:
-    text: str
-    code_before: bool  # inside a code block at the start of this line
-    code_after: bool
-
-
-def _lines(text: str, width: int) -> Iterator[_Line]:
-    """The lines of `text` with their code-block state; lines wider than `width` are cut."""
-    in_code = False
-    for line in text.split("\n"):
-        while True:
-            part = line
-            if len(line) > width:
-                cut = line.rfind(" ", width // 2, width) if not in_code else -1
-                cut = cut if cut > 0 else width
-                part, line = line[:cut], line[cut:].lstrip(" ") if not in_code else line[cut:]
-            after = in_code != (part.count(FENCE) % 2 == 1)
-            yield _Line(part, in_code, after)
-            in_code = after
-            if part is line:
-                break
-
-
-def _render(lines: list[_Line]) -> str:
-    text = "\n".join(line.text for line in lines)
-    if lines and lines[0].code_before:
-        text = f"{FENCE}\n{text}"
-    if lines and lines[-1].code_after:
-        text = f"{text}\n{FENCE}"
-    return text
-
-
-def _best_cut(lines: list[_Line], limit: int) -> int:
-    """Where to cut a full message: before its last blank line outside code in the second half, else at the end."""
-    cut, chars = len(lines), 0
-    for i, line in enumerate(lines):
-        if i and chars >= limit // 2 and not line.code_before and not line.text.strip():
-            cut = i
-        chars += len(line.text) + 1
-    return cut
-
-
-def split_message(text: str, limit: int) -> list[str]:
-    """Cut mrkdwn into messages of at most `limit` characters without breaking code blocks.
-
-    A code block that spans a cut is closed at the end of one message and reopened at the start
-    of the next. Cuts prefer a blank line outside code in the second half of a message.
-    """
-    fence = len(FENCE) + 1
-    chunks: list[str] = []
-    current: list[_Line] = []
-    chars = 0  # characters of `current`, one newline per line included
-
-    def size(total: int, first: _Line, last: _Line) -> int:
-        return total - 1 + (fence if first.code_before else 0) + (fence if last.code_after else 0)
-
-    def emit(lines: list[_Line]) -> None:
-        while lines and not lines[0].code_before and not lines[0].text.strip():
-            lines = lines[1:]
-        while lines and not lines[-1].code_after and not lines[-1].text.strip():
-            lines = lines[:-1]
-        if lines:
-            chunks.append(_render(lines))
-
-    for line in _lines(text, limit - 2 * fence):
-        while current and size(chars + len(line.text) + 1, current[0], line) > limit:
-            cut = _best_cut(current, limit)
-            emit(current[:cut])
-            current = current[cut:]
-            chars = sum(len(kept.text) + 1 for kept in current)
-        current.append(line)
-        chars += len(line.text) + 1
-    emit(current)
-    return chunks or [""]
-
-
-# ── Inbound events ──────────────────────────────────────────────────────────────────────────
-
-
-@dataclass(frozen=True)
-class InboundMessage:
-    """A Slack message the agent answers."""
-
-    channel: str
-    thread_ts: str  # root of the thread the answer goes to
-    ts: str
-    user: str
-    text: str
-
-    @property
-    def client_id(self) -> str:
-        return f"{PREFIX}{self.channel}-{self.thread_ts}"
-
-
-class _Seen:
-    """A bounded memory of keys: `add()` is True the first time a key is seen."""
-
-    def __init__(self, size: int = SEEN_MEMORY):
-        self.size = size
-        self._keys: OrderedDict[Any, None] = OrderedDict()
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._keys
-
-    def add(self, key: Any) -> bool:
-        if key in self._keys:
-            return False
-        self._keys[key] = None
-        if len(self._keys) > self.size:
-            self._keys.popitem(last=False)
-        return True
-
-
-class EventFilter:
-    """Decides which Events API payloads become requests; each Slack message is handled at most once.
-
-    Slack redelivers an event when an ack is late or a connection is replaced (same `event_id`),
-    and a mention in a channel the bot reads arrives twice, as `app_mention` and as `message`
-    (same channel and `ts`): both are deduplicated.
-    """
-
-    def __init__(self, bot_user_id: str, bot_id: str | None, is_bot_thread: Callable[[str], bool]):
-        self.bot_user_id = bot_user_id
-        self.bot_id = bot_id
-        self.is_bot_thread = is_bot_thread
-        self._events = _Seen()
-        self._messages = _Seen()
-        self._mention = re.compile(rf"<@{re.escape(bot_user_id)}(?:\|[^>]*)?>")
-
-    def accept(self, payload: dict[str, Any]) -> InboundMessage | str:
-        """The message to answer, or why the payload is ignored."""
-        if payload.get("type") != "event_callback":
-            return f"payload type {payload.get('type')!r}"
-        event_id = payload.get("event_id")
-        if event_id and not self._events.add(event_id):
-            return "repeated delivery of an event"
-        event = payload.get("event") or {}
-        kind, subtype = event.get("type"), event.get("subtype")
-        if kind not in ("app_mention", "message"):
-            return f"event type {kind!r}"
-        if subtype not in USER_SUBTYPES:
-            return f"message subtype {subtype!r}"
-        if event.get("bot_id") or event.get("user") == self.bot_user_id:
-            return "a bot's message"
-        channel, ts, user = event.get("channel"), event.get("ts"), event.get("user")
-        thread_ts = event.get("thread_ts") or ts
-        if not (isinstance(channel, str) and CHANNEL_ID.match(channel) and isinstance(ts, str) and SLACK_TS.match(ts)
-                and isinstance(thread_ts, str) and SLACK_TS.match(thread_ts) and user):
-            return "event without a valid channel, ts or user"
-        message = InboundMessage(channel, thread_ts, ts, str(user), self._clean(str(event.get("text") or "")))
-        if kind == "message" and event.get("channel_type") != "im":
-            # Channel messages are answered only inside threads the bot takes part in; mentions
-            # elsewhere come as app_mention.
-            if thread_ts == ts or not self.is_bot_thread(message.client_id):
-                return "channel message outside the bot's threads"
-        if not self._messages.add((channel, ts)):
-            return "message already handled (mention and message of one post)"
-        return message
-
-    def _clean(self, text: str) -> str:
-        text = self._mention.sub("", text)
-        return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&").strip()
 
 
 # ── One answer in a thread ──────────────────────────────────────────────────────────────────

@@ -16,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 import gate
@@ -37,7 +34,23 @@ import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
 from plugins import _http
-from plugins._conversations import ConversationIndex, Turn, content_text, fingerprint, seed
+from plugins._conversations import ConversationIndex, Turn, fingerprint, seed
+from plugins._proxy_wire import (
+    Ollama,
+    OllamaChat,
+    OllamaGenerate,
+    OllamaShow,
+    OpenAI,
+    OpenAIChat,
+    Output,
+    ProxyError,
+    first_output,
+    now_iso,
+    read_body,
+    tagged,
+    transcript,
+    unloads,
+)
 
 #: Client ids of this plugin's sessions start with this (its client-id namespace).
 PREFIX = "llama-"
@@ -47,24 +60,12 @@ logger = logging.getLogger("agent_mcp.proxy")
 OLLAMA_API_VERSION = "0.12.3"
 DEFAULT_PORT = 11435  # 11434 is Ollama's own port, where the shipped `local` model lives
 MAX_PROMPT = 200_000
-#: Chat apps send the whole conversation, images included, on every request.
-MAX_BODY = 64 * 1024 * 1024
 TASK_PREFIX = "### Task:"  # how every open-webui background-task prompt template starts
-SSE_PING_SECONDS = 15
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 #: open-webui's forwarded headers (ENABLE_FORWARD_USER_INFO_HEADERS): one session per chat, else per user.
 _SESSION_HEADERS = (("x-openwebui-chat-id", "chat"), ("x-openwebui-user-id", "user"))
 _UNSUPPORTED_OLLAMA = {"embed": "POST", "embeddings": "POST", "pull": "POST", "push": "POST",
                        "create": "POST", "copy": "POST", "delete": "DELETE"}
-_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                       405: "invalid_request_error", 413: "invalid_request_error"}
-#: Every error answer says so: SDKs (openai's retries 408/409/429/5xx twice by default) must never
-#: send a chat request again, because the turn's tools may already have run.
-_NO_RETRY = {"x-should-retry": "false"}
-#: The OpenAI error `code` of each status a failed turn gets.
-_ERROR_CODES = {502: "backend_error", 503: "cancelled", 504: "backend_timeout"}
-
-T = TypeVar("T", bound=BaseModel)
 
 
 class ProxyConfig(guard.ListenerSettings):
@@ -90,304 +91,6 @@ class ProxyConfig(guard.ListenerSettings):
     task_sessions: bool = True
 
 
-class ProxyError(Exception):
-    """A request the proxy refuses; rendered in the protocol's own error format with `status`."""
-
-    def __init__(self, status: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-
-# ── Wire bodies ─────────────────────────────────────────────────────────────────────────────
-
-
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send many fields we do not use
-
-
-class _Message(_Wire):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class _OllamaChat(_Wire):
-    model: str = ""
-    messages: list[_Message] = []
-    stream: bool | None = None
-    keep_alive: int | float | str | None = None
-
-
-class _OllamaGenerate(_Wire):
-    model: str = ""
-    prompt: str = ""
-    stream: bool | None = None
-    keep_alive: int | float | str | None = None
-
-
-class _OllamaShow(_Wire):
-    model: str = ""
-    name: str = ""  # older clients
-
-
-class _StreamOptions(_Wire):
-    include_usage: bool = False
-
-
-class _OpenAIChat(_Wire):
-    model: str = ""
-    messages: list[_Message] = Field(min_length=1)
-    stream: bool | None = None
-    stream_options: _StreamOptions | None = None
-
-
-async def _body(request: Request, model: type[T]) -> T:
-    try:
-        return await _http.read_json(request, model, MAX_BODY)
-    except _http.BadRequest as exc:
-        raise ProxyError(exc.status, str(exc)) from None
-
-
-def _transcript(messages: list[_Message]) -> list[Turn]:
-    """The conversation up to its last user message (the prompt), as (role, text) pairs."""
-    turns = [(m.role, content_text(m.content)) for m in messages]
-    users = [i for i, (role, _) in enumerate(turns) if role == "user"]
-    if not users:
-        raise ProxyError(400, "no user message: send at least one message with role 'user'")
-    return turns[: users[-1] + 1]
-
-
-def _unloads(keep_alive: Any) -> bool:
-    """Whether an Ollama `keep_alive` means "unload now" (0, "0", "0s", …)."""
-    return str(keep_alive).strip().rstrip("smh") in ("0", "0.0")
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def _sse(obj: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=_json(obj), sep="\n")
-
-
-def _now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _tagged(name: str) -> str:
-    return name if ":" in name else f"{name}:latest"
-
-
-# ── One turn as a chat client sees it ───────────────────────────────────────────────────────
-
-
-class _Output:
-    """Turns one request's events into answer text, status lines (per `status_lines`), an error, stats."""
-
-    def __init__(self, status_lines: str, prompt: str):
-        self.mode = status_lines
-        self.started = time.monotonic_ns()
-        self.first: int | None = None
-        self.ended: int | None = None
-        # The turn does not report the backend's token usage, so the counts are estimates:
-        # about 4 characters per prompt token, one token per streamed piece.
-        self.prompt_tokens = max(1, len(prompt) // 4)
-        self.pieces = 0
-        self.text: list[str] = []
-        self.thinking: list[str] = []
-        self.error: str | None = None
-        #: The HTTP status of a failed turn: 504 the model did not answer in time, 503 the turn was
-        #: cancelled, 502 any other failure of the agent's backend.
-        self.error_status = 502
-        self._tail = "\n\n"
-
-    @property
-    def finished(self) -> bool:
-        return self.ended is not None
-
-    def feed(self, ev: state.Event) -> tuple[str, str]:
-        """(answer text, reasoning text) that this event adds; notes an error or the end."""
-        content = thinking = ""
-        if ev.name == "tok":
-            content = str(ev.data.get("text", ""))
-            self.pieces += 1
-            if self.first is None:
-                self.first = time.monotonic_ns()
-        elif ev.name == "status" and ev.data.get("cancelled"):
-            self.error = "the request was cancelled: the server is stopping or the session was deleted"
-            self.error_status = 503
-            self.ended = time.monotonic_ns()
-        elif ev.name in ("status", "gate"):
-            line = str(ev.data.get("text", "")) if ev.name == "status" else (
-                f"[{ev.data.get('tool_name', 'tool')}] waits for approval in shell.py")
-            content, thinking = self._status(line)
-        elif ev.name == "error" and self.error is None:
-            self.error = str(ev.data.get("message", "error"))
-            self.error_status = 504 if ev.data.get("kind") == "timeout" else 502
-        elif ev.name == "done":
-            self.ended = time.monotonic_ns()
-        if content:
-            self._tail = (self._tail + content)[-2:]
-            self.text.append(content)
-        if thinking:
-            self.thinking.append(thinking)
-        return content, thinking
-
-    def failure(self) -> tuple[int, str, str]:
-        """(HTTP status, message, OpenAI error code) of the failed turn."""
-        return self.error_status, self.error or "", _ERROR_CODES[self.error_status]
-
-    def _status(self, line: str) -> tuple[str, str]:
-        if not line or self.mode == "off":
-            return "", ""
-        if self.mode == "thinking":
-            return "", line + "\n"
-        # A Markdown quote paragraph of its own, so it never runs into the answer text.
-        lead = "" if self._tail == "\n\n" else "\n" if self._tail.endswith("\n") else "\n\n"
-        return lead + "> " + line.replace("\n", "\n> ") + "\n\n", ""
-
-    def ollama_stats(self) -> dict[str, Any]:
-        end = self.ended or time.monotonic_ns()
-        first = self.first or end
-        return {
-            "done_reason": "stop", "total_duration": end - self.started, "load_duration": 0,
-            "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": first - self.started,
-            "eval_count": self.pieces, "eval_duration": end - first,
-        }
-
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.pieces,
-                "total_tokens": self.prompt_tokens + self.pieces}
-
-
-# ── Protocol writers ────────────────────────────────────────────────────────────────────────
-
-
-class _Ollama:
-    """Ollama framing: one complete JSON object per NDJSON line, never a blank line."""
-
-    def __init__(self, model: str, kind: Literal["chat", "generate"] = "chat"):
-        self.model, self.kind = model, kind
-
-    def obj(self, content: str, thinking: str = "", done: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {"model": self.model, "created_at": _now_iso()}
-        if self.kind == "chat":
-            out["message"] = {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {})}
-        else:
-            out["response"] = content
-            if thinking:
-                out["thinking"] = thinking
-        out["done"] = done
-        return out
-
-    @staticmethod
-    def line(obj: dict[str, Any]) -> str:
-        return _json(obj) + "\n"
-
-    @staticmethod
-    def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status, headers=_NO_RETRY)
-
-    def whole(self, out: _Output) -> JSONResponse:
-        return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
-
-    def stream(self, out: _Output, first: tuple[str, str], events: AsyncIterator[state.Event]) -> Response:
-        async def body() -> AsyncIterator[str]:
-            async for content, thinking in _pieces(out, first, events):
-                if out.error is not None:
-                    yield self.line({"error": out.error})
-                elif out.finished:
-                    yield self.line({**self.obj("", done=True), **out.ollama_stats()})
-                else:
-                    yield self.line(self.obj(content, thinking))
-
-        return StreamingResponse(body(), media_type="application/x-ndjson",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class _OpenAI:
-    """OpenAI chat-completions framing: `chat.completion` JSON, or SSE chunks ending with `[DONE]`."""
-
-    def __init__(self, model: str, include_usage: bool = False):
-        self.model, self.include_usage = model, include_usage
-        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
-                     "created": int(time.time()), "model": self.model, "system_fingerprint": None}
-
-    @staticmethod
-    def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-        kind = _OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-    @staticmethod
-    def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-        return JSONResponse(_OpenAI.error_body(status, message, code), status_code=status, headers=_NO_RETRY)
-
-    def whole(self, out: _Output) -> JSONResponse:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(out.text), "refusal": None}
-        if out.thinking:
-            message["reasoning_content"] = "".join(out.thinking)
-        return JSONResponse({
-            **self.head, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
-            "usage": out.usage(),
-        })
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> ServerSentEvent:
-        obj: dict[str, Any] = {**self.head,
-                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if self.include_usage:
-            obj["usage"] = None  # the spec: null on every chunk but the last
-        return _sse(obj)
-
-    def stream(self, out: _Output, first: tuple[str, str], events: AsyncIterator[state.Event]) -> Response:
-        async def body() -> AsyncIterator[ServerSentEvent]:
-            yield self.chunk({"role": "assistant", "content": ""})
-            async for content, thinking in _pieces(out, first, events):
-                if out.error is not None:
-                    yield _sse(self.error_body(*out.failure()))
-                elif out.finished:
-                    yield self.chunk({}, "stop")
-                    if self.include_usage:
-                        yield _sse({**self.head, "choices": [], "usage": out.usage()})
-                    yield ServerSentEvent(data="[DONE]", sep="\n")
-                else:
-                    yield self.chunk({"content": content} if content else {"reasoning_content": thinking})
-
-        return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
-
-
-async def _pieces(out: _Output, first: tuple[str, str], events: AsyncIterator[state.Event]
-                  ) -> AsyncIterator[tuple[str, str]]:
-    """What a stream must write: `first` (already fed to `out`), then each later event's text, then
-    the end or the error. After an error the rest of the turn (its `done`) is read without writing.
-    """
-    try:
-        content, thinking = first
-        while True:
-            if out.error is not None:
-                yield "", ""
-                async for _ in events:
-                    pass
-                return
-            if content or thinking or out.finished:
-                yield content, thinking
-            if out.finished:
-                return
-            ev = await anext(events, None)
-            if ev is None:
-                return
-            content, thinking = out.feed(ev)
-    finally:
-        await events.aclose()  # cancels the turn if the client went away before its end
-
-
-async def _first_output(events: AsyncIterator[state.Event]) -> state.Event:
-    """The turn's first event that says something to the client (not the echo of its own message)."""
-    async for ev in events:
-        if ev.name != "user":
-            return ev
-    raise StopAsyncIteration
-
-
 # ── The plugin ──────────────────────────────────────────────────────────────────────────────
 
 
@@ -404,7 +107,7 @@ class LlamaProxyPlugin(BasePlugin):
     def __init__(self) -> None:
         super().__init__()
         self.cfg = ProxyConfig()
-        self._started = _now_iso()
+        self._started = now_iso()
         self._created = int(time.time())
         self._routes: list[Route] = []
 
@@ -457,10 +160,10 @@ class LlamaProxyPlugin(BasePlugin):
                               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])]
 
     def _ollama_endpoint(self, handler: Any) -> Any:
-        return self._endpoint(handler, _Ollama.error_response)
+        return self._endpoint(handler, Ollama.error_response)
 
     def _openai_endpoint(self, handler: Any) -> Any:
-        return self._endpoint(handler, _OpenAI.error_response)
+        return self._endpoint(handler, OpenAI.error_response)
 
     @staticmethod
     def _endpoint(handler: Any, render: Any) -> Any:
@@ -477,7 +180,7 @@ class LlamaProxyPlugin(BasePlugin):
         path = request.url.path
         ollama = path.startswith(("/api/", "/v1/api/")) or (
             not path.startswith("/v1/") and "ollama" in request.headers.get("user-agent", "").lower())
-        render = _Ollama.error_response if ollama else _OpenAI.error_response
+        render = Ollama.error_response if ollama else OpenAI.error_response
         allowed = sorted({m for r in self._routes if r.path_regex.match(path) for m in r.methods or ()})
         if allowed:
             response = render(405, f"{request.method} is not supported on {path}; use {' or '.join(allowed)}")
@@ -495,15 +198,15 @@ class LlamaProxyPlugin(BasePlugin):
 
     def model_names(self) -> dict[str, str | None]:
         """Listed name → registry key for that model, or None for the agent on the session's model."""
-        names: dict[str, str | None] = {_tagged(self.cfg.model_name): None}
+        names: dict[str, str | None] = {tagged(self.cfg.model_name): None}
         for key in self.rt.config.models:
-            names.setdefault(_tagged(key), key)
+            names.setdefault(tagged(key), key)
         return names
 
     def _resolve(self, requested: str) -> tuple[str, str | None]:
         """(listed name, registry key or None) for a requested model; no model means the agent."""
         names = self.model_names()
-        name = _tagged(requested.strip()) if requested.strip() else _tagged(self.cfg.model_name)
+        name = tagged(requested.strip()) if requested.strip() else tagged(self.cfg.model_name)
         if name not in names:
             raise ProxyError(404, f"model '{requested}' not found; available: {', '.join(names)}", "model_not_found")
         return name, names[name]
@@ -529,12 +232,12 @@ class LlamaProxyPlugin(BasePlugin):
         return JSONResponse({"models": [self._ollama_model(n) for n in self.model_names()]})
 
     async def ps(self, request: Request) -> Response:
-        agent = _tagged(self.cfg.model_name)
+        agent = tagged(self.cfg.model_name)
         return JSONResponse({"models": [{**self._ollama_model(agent), "expires_at": "2099-01-01T00:00:00Z",
                                          "size_vram": 0, "context_length": 0}]})
 
     async def show(self, request: Request) -> Response:
-        body = await _body(request, _OllamaShow)
+        body = await read_body(request, OllamaShow)
         name, key = self._resolve(body.model or body.name)
         registry = self.rt.config.models.get(key or self.rt.config.default_model)
         about = f"agent-mcp on {key}" if key else "agent-mcp on the session's model (!model to switch)"
@@ -555,26 +258,26 @@ class LlamaProxyPlugin(BasePlugin):
     # ── chat ──
 
     async def ollama_chat(self, request: Request) -> Response:
-        body = await _body(request, _OllamaChat)
+        body = await read_body(request, OllamaChat)
         name, key = self._resolve(body.model)
-        fmt = _Ollama(name, "chat")
+        fmt = Ollama(name, "chat")
         if not body.messages:  # Ollama's load / unload request
-            return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if _unloads(body.keep_alive) else "load"})
-        return await self._answer(request, fmt, _transcript(body.messages), key, body.stream is not False)
+            return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if unloads(body.keep_alive) else "load"})
+        return await self._answer(request, fmt, transcript(body.messages), key, body.stream is not False)
 
     async def ollama_generate(self, request: Request) -> Response:
-        body = await _body(request, _OllamaGenerate)
+        body = await read_body(request, OllamaGenerate)
         name, key = self._resolve(body.model)
-        fmt = _Ollama(name, "generate")
+        fmt = Ollama(name, "generate")
         if not body.prompt.strip():
-            return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if _unloads(body.keep_alive) else "load"})
+            return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if unloads(body.keep_alive) else "load"})
         return await self._answer(request, fmt, [("user", body.prompt)], key, body.stream is not False)
 
     async def openai_chat(self, request: Request) -> Response:
-        body = await _body(request, _OpenAIChat)
+        body = await read_body(request, OpenAIChat)
         name, key = self._resolve(body.model)
-        fmt = _OpenAI(name, bool(body.stream_options and body.stream_options.include_usage))
-        return await self._answer(request, fmt, _transcript(body.messages), key, body.stream is True)
+        fmt = OpenAI(name, bool(body.stream_options and body.stream_options.include_usage))
+        return await self._answer(request, fmt, transcript(body.messages), key, body.stream is True)
 
     def _address(self, request: Request) -> str:
         return f"{PREFIX}{request.client.host if request.client else 'unknown'}"
@@ -610,7 +313,7 @@ class LlamaProxyPlugin(BasePlugin):
             await self.rt.sessions.save(session)
         return client_id, scope
 
-    async def _then_remember(self, events: AsyncIterator[state.Event], out: _Output, client_id: str, scope: str,
+    async def _then_remember(self, events: AsyncIterator[state.Event], out: Output, client_id: str, scope: str,
                              transcript: list[Turn]) -> AsyncIterator[state.Event]:
         """`events`, remembering the transcript the client will send back next when the turn ends well:
         before its `done` is passed on, so the client cannot send it before it is known (and stored)."""
@@ -634,7 +337,7 @@ class LlamaProxyPlugin(BasePlugin):
             else:
                 self.rt.hub.drop(client_id)
 
-    async def _answer(self, request: Request, fmt: _Ollama | _OpenAI, transcript: list[Turn], key: str | None,
+    async def _answer(self, request: Request, fmt: Ollama | OpenAI, transcript: list[Turn], key: str | None,
                       stream: bool) -> Response:
         """Run the conversation's last user message as one turn and answer in `fmt`, streamed or whole."""
         text = transcript[-1][1]
@@ -642,7 +345,7 @@ class LlamaProxyPlugin(BasePlugin):
             raise ProxyError(400, "the last user message is empty")
         if len(text) > MAX_PROMPT:
             raise ProxyError(413, f"the message is {len(text)} characters; the limit is {MAX_PROMPT}")
-        out = _Output(self.cfg.status_lines, text)
+        out = Output(self.cfg.status_lines, text)
         payload = {"model": key} if key else None
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
             client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
@@ -664,7 +367,7 @@ class LlamaProxyPlugin(BasePlugin):
             return fmt.error_response(*out.failure()) if out.error is not None else fmt.whole(out)
         # Wait for the first event before answering, so an error before any output gets an
         # error status instead of a 200 stream.
-        first = await _http.unless_disconnected(request, _first_output(events))
+        first = await _http.unless_disconnected(request, first_output(events))
         if first is None:
             return Response(status_code=499)
         piece = out.feed(first)

@@ -139,7 +139,7 @@ async def until(rt: state.Runtime, predicate: Callable[[], bool], what: str) -> 
 
 
 def test_bad_config_names_the_file_and_each_field(tmp_path):
-    from plugins.plugin_mcp_client import load_servers
+    from plugins._mcp_servers import load_servers
 
     path = tmp_path / "mcp-servers.json"
     path.write_text(json.dumps({"servers": {
@@ -177,7 +177,7 @@ async def test_a_bad_config_fails_the_plugin_with_the_reason_and_the_server_runs
 def test_results_become_readable_text():
     import mcp_types as types
 
-    from plugins.plugin_mcp_client import format_result
+    from plugins._mcp_servers import format_result
 
     def result(*content: Any, structured: dict[str, Any] | None = None, error: bool = False) -> Any:
         return types.CallToolResult(content=list(content), structured_content=structured, is_error=error)

@@ -21,7 +21,7 @@ import gate
 import state
 from config import GatePermission, load_config
 from plugin_loader import BasePlugin
-from plugins.plugin_client_slack import split_message, to_mrkdwn
+from plugins._slack_text import split_message, to_mrkdwn
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from plugins.plugin_client_slack import EventFilter, InboundMessage, proxy_for, split_message, to_mrkdwn
+from plugins._slack_events import EventFilter, InboundMessage
+from plugins._slack_text import split_message, to_mrkdwn
+from plugins.plugin_client_slack import proxy_for
 
 FENCE = "```"
 

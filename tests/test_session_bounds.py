@@ -324,7 +324,7 @@ async def test_the_sweeper_runs_every_sweep_interval_until_close(manager, tmp_pa
 
 
 async def test_the_mcp_approval_store_keeps_the_newest_decisions_and_every_open_gate(tmp_path):
-    from plugins.plugin_client_mcp import ApprovalStore
+    from plugins._mcp_approvals import ApprovalStore
 
     store = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=3)
     reopened = ApprovalStore(tmp_path / "mcp-approvals.sqlite3", kept=2)

@@ -110,10 +110,15 @@ def test_observers_see_every_event_and_dropped_sessions(caplog):
     def broken(client_id, event):
         raise RuntimeError("observer bug")
 
-    hub.observers += [broken, lambda cid, ev: seen.append((cid, ev.name if ev else None))]
+    hub.observe(broken)
+    stop = hub.observe(lambda cid, ev: seen.append((cid, ev.name if ev else None)))
     event = hub.publish("s", "gate", {"gate_id": "g1"})
     hub.done("t")
     hub.drop("s")
     # The broken observer is logged; the publisher and the other observers carry on.
     assert seen == [("s", "gate"), ("t", "done"), ("s", None)]
     assert event.data == {"gate_id": "g1"} and "observer bug" in caplog.text
+    stop()  # an observer that stopped sees nothing more; stopping twice is harmless
+    stop()
+    hub.done("t")
+    assert seen[-1] == ("s", None)

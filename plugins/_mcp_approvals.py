@@ -1,0 +1,76 @@
+"""The MCP server's record of approvals: gates opened and decided, kept in SQLite for the history resources."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import state
+
+HISTORY_LIMIT = 500
+KEPT_APPROVALS = 10_000
+
+
+class ApprovalStore(state.SqliteFile):
+    """Every gate seen while the MCP server runs: pending ones in memory, all of them in SQLite."""
+
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS approvals ("
+        " gate_id TEXT PRIMARY KEY, session TEXT NOT NULL, tool_name TEXT NOT NULL, request TEXT NOT NULL,"
+        " opened_at REAL NOT NULL, decision TEXT, decided_by TEXT, decided_at REAL)",
+        "CREATE INDEX IF NOT EXISTS approvals_session ON approvals (session, opened_at)",
+    )
+
+    def __init__(self, path: Path, kept: int = KEPT_APPROVALS):
+        super().__init__(path)
+        self.pending: dict[str, dict[str, Any]] = {}
+        #: Decided approvals kept in the file; older ones are deleted as new decisions come.
+        self.kept = kept
+
+    async def open(self) -> None:
+        await super().open()
+        # Gates left open by a previous run: their calls are gone, so they were never decided.
+        db = self._conn()
+        await db.execute("UPDATE approvals SET decision = 'abandoned', decided_by = 'server restart', "
+                         "decided_at = ? WHERE decision IS NULL", (time.time(),))
+        await self._prune()
+        await db.commit()
+
+    async def _prune(self) -> None:
+        """Delete the decided approvals beyond the newest `kept` (open ones are always kept)."""
+        await self._conn().execute(
+            "DELETE FROM approvals WHERE decision IS NOT NULL AND gate_id NOT IN (SELECT gate_id FROM approvals"
+            " WHERE decision IS NOT NULL ORDER BY decided_at DESC LIMIT ?)", (self.kept,))
+
+    async def record_open(self, row: dict[str, Any]) -> None:
+        db = self._conn()
+        await db.execute("INSERT OR REPLACE INTO approvals (gate_id, session, tool_name, request, opened_at) "
+                         "VALUES (?, ?, ?, ?, ?)",
+                         (row["gate_id"], row["session"], row["tool_name"], json.dumps(row["request"]), row["opened_at"]))
+        await db.commit()
+
+    async def record_decision(self, gate_id: str, decision: str, decided_by: str, decided_at: float) -> None:
+        db = self._conn()
+        await db.execute("UPDATE approvals SET decision = ?, decided_by = ?, decided_at = ? WHERE gate_id = ?",
+                         (decision, decided_by, decided_at, gate_id))
+        await self._prune()
+        await db.commit()
+
+    async def history(self, session: str | None = None, limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+        """Decided gates, newest first (of one session, or all)."""
+        db = self._conn()
+        sql = ("SELECT gate_id, session, tool_name, request, opened_at, decision, decided_by, decided_at "
+               "FROM approvals WHERE decision IS NOT NULL")
+        args: tuple[Any, ...] = ()
+        if session is not None:
+            sql += " AND session = ?"
+            args = (session,)
+        sql += " ORDER BY decided_at DESC LIMIT ?"
+        rows = []
+        async with db.execute(sql, (*args, limit)) as cur:
+            async for gid, sess, tool, request, opened, decision, by, at in cur:
+                rows.append({"gate_id": gid, "session": sess, "tool_name": tool, "request": json.loads(request),
+                             "opened_at": opened, "decision": decision, "decided_by": by, "decided_at": at})
+        return rows

@@ -1,0 +1,331 @@
+"""The chat proxy's wire formats: Ollama and OpenAI request bodies, and one turn written as either
+protocol's stream or whole answer (plugin_proxy_llama serves them)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+import state
+from plugins import _http
+from plugins._conversations import Turn, content_text
+
+#: Chat apps send the whole conversation, images included, on every request.
+MAX_BODY = 64 * 1024 * 1024
+SSE_PING_SECONDS = 15
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                       405: "invalid_request_error", 413: "invalid_request_error"}
+#: Every error answer says so: SDKs (openai's retries 408/409/429/5xx twice by default) must never
+#: send a chat request again, because the turn's tools may already have run.
+NO_RETRY = {"x-should-retry": "false"}
+#: The OpenAI error `code` of each status a failed turn gets.
+ERROR_CODES = {502: "backend_error", 503: "cancelled", 504: "backend_timeout"}
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class ProxyError(Exception):
+    """A request the proxy refuses; rendered in the protocol's own error format with `status`."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+# ── Wire bodies ─────────────────────────────────────────────────────────────────────────────
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send many fields we do not use
+
+
+class _Message(_Wire):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class OllamaChat(_Wire):
+    model: str = ""
+    messages: list[_Message] = []
+    stream: bool | None = None
+    keep_alive: int | float | str | None = None
+
+
+class OllamaGenerate(_Wire):
+    model: str = ""
+    prompt: str = ""
+    stream: bool | None = None
+    keep_alive: int | float | str | None = None
+
+
+class OllamaShow(_Wire):
+    model: str = ""
+    name: str = ""  # older clients
+
+
+class _StreamOptions(_Wire):
+    include_usage: bool = False
+
+
+class OpenAIChat(_Wire):
+    model: str = ""
+    messages: list[_Message] = Field(min_length=1)
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+
+
+async def read_body(request: Request, model: type[T]) -> T:
+    try:
+        return await _http.read_json(request, model, MAX_BODY)
+    except _http.BadRequest as exc:
+        raise ProxyError(exc.status, str(exc)) from None
+
+
+def transcript(messages: list[_Message]) -> list[Turn]:
+    """The conversation up to its last user message (the prompt), as (role, text) pairs."""
+    turns = [(m.role, content_text(m.content)) for m in messages]
+    users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+    if not users:
+        raise ProxyError(400, "no user message: send at least one message with role 'user'")
+    return turns[: users[-1] + 1]
+
+
+def unloads(keep_alive: Any) -> bool:
+    """Whether an Ollama `keep_alive` means "unload now" (0, "0", "0s", …)."""
+    return str(keep_alive).strip().rstrip("smh") in ("0", "0.0")
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> ServerSentEvent:
+    return ServerSentEvent(data=to_json(obj), sep="\n")
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def tagged(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
+
+
+# ── One turn as a chat client sees it ───────────────────────────────────────────────────────
+
+
+class Output:
+    """Turns one request's events into answer text, status lines (per `status_lines`), an error, stats."""
+
+    def __init__(self, status_lines: str, prompt: str):
+        self.mode = status_lines
+        self.started = time.monotonic_ns()
+        self.first: int | None = None
+        self.ended: int | None = None
+        # The turn does not report the backend's token usage, so the counts are estimates:
+        # about 4 characters per prompt token, one token per streamed piece.
+        self.prompt_tokens = max(1, len(prompt) // 4)
+        self.pieces = 0
+        self.text: list[str] = []
+        self.thinking: list[str] = []
+        self.error: str | None = None
+        #: The HTTP status of a failed turn: 504 the model did not answer in time, 503 the turn was
+        #: cancelled, 502 any other failure of the agent's backend.
+        self.error_status = 502
+        self._tail = "\n\n"
+
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None
+
+    def feed(self, ev: state.Event) -> tuple[str, str]:
+        """(answer text, reasoning text) that this event adds; notes an error or the end."""
+        content = thinking = ""
+        if ev.name == "tok":
+            content = str(ev.data.get("text", ""))
+            self.pieces += 1
+            if self.first is None:
+                self.first = time.monotonic_ns()
+        elif ev.name == "status" and ev.data.get("cancelled"):
+            self.error = "the request was cancelled: the server is stopping or the session was deleted"
+            self.error_status = 503
+            self.ended = time.monotonic_ns()
+        elif ev.name in ("status", "gate"):
+            line = str(ev.data.get("text", "")) if ev.name == "status" else (
+                f"[{ev.data.get('tool_name', 'tool')}] waits for approval in shell.py")
+            content, thinking = self._status(line)
+        elif ev.name == "error" and self.error is None:
+            self.error = str(ev.data.get("message", "error"))
+            self.error_status = 504 if ev.data.get("kind") == "timeout" else 502
+        elif ev.name == "done":
+            self.ended = time.monotonic_ns()
+        if content:
+            self._tail = (self._tail + content)[-2:]
+            self.text.append(content)
+        if thinking:
+            self.thinking.append(thinking)
+        return content, thinking
+
+    def failure(self) -> tuple[int, str, str]:
+        """(HTTP status, message, OpenAI error code) of the failed turn."""
+        return self.error_status, self.error or "", ERROR_CODES[self.error_status]
+
+    def _status(self, line: str) -> tuple[str, str]:
+        if not line or self.mode == "off":
+            return "", ""
+        if self.mode == "thinking":
+            return "", line + "\n"
+        # A Markdown quote paragraph of its own, so it never runs into the answer text.
+        lead = "" if self._tail == "\n\n" else "\n" if self._tail.endswith("\n") else "\n\n"
+        return lead + "> " + line.replace("\n", "\n> ") + "\n\n", ""
+
+    def ollama_stats(self) -> dict[str, Any]:
+        end = self.ended or time.monotonic_ns()
+        first = self.first or end
+        return {
+            "done_reason": "stop", "total_duration": end - self.started, "load_duration": 0,
+            "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": first - self.started,
+            "eval_count": self.pieces, "eval_duration": end - first,
+        }
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.pieces,
+                "total_tokens": self.prompt_tokens + self.pieces}
+
+
+# ── Protocol writers ────────────────────────────────────────────────────────────────────────
+
+
+class Ollama:
+    """Ollama framing: one complete JSON object per NDJSON line, never a blank line."""
+
+    def __init__(self, model: str, kind: Literal["chat", "generate"] = "chat"):
+        self.model, self.kind = model, kind
+
+    def obj(self, content: str, thinking: str = "", done: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
+        if self.kind == "chat":
+            out["message"] = {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {})}
+        else:
+            out["response"] = content
+            if thinking:
+                out["thinking"] = thinking
+        out["done"] = done
+        return out
+
+    @staticmethod
+    def line(obj: dict[str, Any]) -> str:
+        return to_json(obj) + "\n"
+
+    @staticmethod
+    def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=NO_RETRY)
+
+    def whole(self, out: Output) -> JSONResponse:
+        return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
+
+    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[state.Event]) -> Response:
+        async def body() -> AsyncIterator[str]:
+            async for content, thinking in pieces(out, first, events):
+                if out.error is not None:
+                    yield self.line({"error": out.error})
+                elif out.finished:
+                    yield self.line({**self.obj("", done=True), **out.ollama_stats()})
+                else:
+                    yield self.line(self.obj(content, thinking))
+
+        return StreamingResponse(body(), media_type="application/x-ndjson",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class OpenAI:
+    """OpenAI chat-completions framing: `chat.completion` JSON, or SSE chunks ending with `[DONE]`."""
+
+    def __init__(self, model: str, include_usage: bool = False):
+        self.model, self.include_usage = model, include_usage
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": self.model, "system_fingerprint": None}
+
+    @staticmethod
+    def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+        kind = OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+    @staticmethod
+    def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+        return JSONResponse(OpenAI.error_body(status, message, code), status_code=status, headers=NO_RETRY)
+
+    def whole(self, out: Output) -> JSONResponse:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(out.text), "refusal": None}
+        if out.thinking:
+            message["reasoning_content"] = "".join(out.thinking)
+        return JSONResponse({
+            **self.head, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
+            "usage": out.usage(),
+        })
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> ServerSentEvent:
+        obj: dict[str, Any] = {**self.head,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if self.include_usage:
+            obj["usage"] = None  # the spec: null on every chunk but the last
+        return sse(obj)
+
+    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[state.Event]) -> Response:
+        async def body() -> AsyncIterator[ServerSentEvent]:
+            yield self.chunk({"role": "assistant", "content": ""})
+            async for content, thinking in pieces(out, first, events):
+                if out.error is not None:
+                    yield sse(self.error_body(*out.failure()))
+                elif out.finished:
+                    yield self.chunk({}, "stop")
+                    if self.include_usage:
+                        yield sse({**self.head, "choices": [], "usage": out.usage()})
+                    yield ServerSentEvent(data="[DONE]", sep="\n")
+                else:
+                    yield self.chunk({"content": content} if content else {"reasoning_content": thinking})
+
+        return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
+
+
+async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[state.Event]
+                  ) -> AsyncIterator[tuple[str, str]]:
+    """What a stream must write: `first` (already fed to `out`), then each later event's text, then
+    the end or the error. After an error the rest of the turn (its `done`) is read without writing.
+    """
+    try:
+        content, thinking = first
+        while True:
+            if out.error is not None:
+                yield "", ""
+                async for _ in events:
+                    pass
+                return
+            if content or thinking or out.finished:
+                yield content, thinking
+            if out.finished:
+                return
+            ev = await anext(events, None)
+            if ev is None:
+                return
+            content, thinking = out.feed(ev)
+    finally:
+        await events.aclose()  # cancels the turn if the client went away before its end
+
+
+async def first_output(events: AsyncIterator[state.Event]) -> state.Event:
+    """The turn's first event that says something to the client (not the echo of its own message)."""
+    async for ev in events:
+        if ev.name != "user":
+            return ev
+    raise StopAsyncIteration
