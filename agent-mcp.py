@@ -171,7 +171,12 @@ def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, st
     try:
         for plugin in rt.plugins.client_plugins():
             cfg: dict[str, Any] = plugin.get_config()
-            name, host, port, token = plugin.PLUGIN_NAME, str(cfg.get("host", "127.0.0.1")), cfg.get("port"), cfg.get("token")
+            name, host, port, token = (
+                plugin.PLUGIN_NAME,
+                str(cfg.get("host", "127.0.0.1")),
+                cfg.get("port"),
+                cfg.get("token"),
+            )
             if not isinstance(port, int) or not 0 < port < 65536:
                 raise StartupError(f"plugin {name}: port {port!r} is not valid; set plugin_config.{name}.port")
             # A plugin that checks a credential on every request itself (plugin_client_mcp) needs no port token.
@@ -205,9 +210,14 @@ async def serve(config: AppConfig) -> int:
         started = time.monotonic()
         cold = await asyncio.to_thread(agents.warm_up, rt)
         windows = await asyncio.gather(*(agents.model_window(rt, key) for key in config.models))
-        logger.info("models ready in %.2f s%s; context windows: %s", time.monotonic() - started,
-                    f" (prepared at first use: {', '.join(cold)})" if cold else "",
-                    ", ".join(f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)))
+        logger.info(
+            "models ready in %.2f s%s; context windows: %s",
+            time.monotonic() - started,
+            f" (prepared at first use: {', '.join(cold)})" if cold else "",
+            ", ".join(
+                f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)
+            ),
+        )
         problem = await agents.unreachable(rt, config.default_model)
         if problem:
             logger.warning("the default model '%s' cannot answer yet: %s. Or use another model: !model <name> in "

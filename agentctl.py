@@ -137,12 +137,19 @@ class ConfigFiles:
 
     def app_config(self) -> AppConfig:
         """What the server would see (for the plugin checks it runs at start)."""
-        return AppConfig(config_dir=self.dir, env=self.env, manifest=self.manifest, enabled=self.enabled,
-                         models={k: m for k, m in self.models.items() if m.enabled}, gates=self.parsed(GATE_DEFAULTS_FILE))
+        return AppConfig(
+            config_dir=self.dir,
+            env=self.env,
+            manifest=self.manifest,
+            enabled=self.enabled,
+            models={k: m for k, m in self.models.items() if m.enabled},
+            gates=self.parsed(GATE_DEFAULTS_FILE),
+        )
 
     def _problems(self, data: dict[str, Any]) -> list[str]:
         models = self.parsed(MODELS_FILE, data).models
-        return config_problems(self.dir, {k: m for k, m in models.items() if m.enabled}, self.parsed(ENABLED_FILE, data))
+        enabled = {k: m for k, m in models.items() if m.enabled}
+        return config_problems(self.dir, enabled, self.parsed(ENABLED_FILE, data))
 
     def raw(self, name: str) -> Any:
         """A deep copy of one file's JSON to edit and hand to save()."""
@@ -467,7 +474,8 @@ class AgentCtl:
         self.term.say(f"{extra}Global options: --config-dir DIR, --json (every listing as JSON).", style="dim")
 
     def cmd_repair(self, args: list[str]) -> None:
-        """repair [file…]: re-create each broken or missing config file from the shipped defaults, the broken one saved aside.
+        """repair [file…]: re-create each broken or missing config file from the shipped defaults, the broken
+        one saved aside.
 
         A file that is not JSON, or not valid for the server, is renamed to `<file>.broken-<time>`
         and replaced by the shipped copy (in the checkout itself: the committed version, from git).
@@ -540,13 +548,20 @@ class AgentCtl:
         table = Table("", "plugin", "type", "port", "description / problems")
         for r in rows:
             why = "; ".join(r["problems"]) if r["status"] == "problems" else r["description"]
-            table.add_row(r["symbol"], escape(r["name"]), r["type"] or "?", str(r["port"] or ""), escape(why),
-                          style=STYLES[r["status"]])
+            table.add_row(
+                r["symbol"],
+                escape(r["name"]),
+                r["type"] or "?",
+                str(r["port"] or ""),
+                escape(why),
+                style=STYLES[r["status"]],
+            )
         self.term.table(table)
         missing = sorted({c.item for r in rows if r["status"] in ("ready", "problems")
                           for c in check_plugin(cfg, r["name"]) if c.kind == "dependency" and c.problem})
         if missing:
-            self.term.say("Missing dependencies: pip install " + " ".join(shlex.quote(m) for m in missing), style="yellow")
+            install = " ".join(shlex.quote(m) for m in missing)
+            self.term.say(f"Missing dependencies: pip install {install}", style="yellow")
 
     def cmd_info(self, args: list[str]) -> None:
         """info <plugin>: one plugin's dependencies, env vars and config files, each checked, and what to do."""
@@ -582,8 +597,8 @@ class AgentCtl:
         checks_table = Table("", "requirement", "", "detail")
         for c in info["checks"]:
             detail = c["problem"] or (f"installed {c['installed']}" if c.get("installed") else "ok")
-            checks_table.add_row(c["kind"].replace("_", " "), escape(c["item"]), "✓" if c["ok"] else "✗", escape(detail),
-                                 style=None if c["ok"] else "red")
+            checks_table.add_row(c["kind"].replace("_", " "), escape(c["item"]), "✓" if c["ok"] else "✗",
+                                 escape(detail), style=None if c["ok"] else "red")
         self.term.table(checks_table)
         if todo:
             self.term.say("What to do:")
@@ -650,8 +665,15 @@ class AgentCtl:
             return
         table = Table("", "plugin", "host", "port", "from", "in use now")
         for r in rows:
-            table.add_row(SYMBOLS[r["status"]], escape(r["name"]), escape(r["host"]), str(r["port"] or "-"), r["source"],
-                          "yes" if r["in_use_now"] else "", style=STYLES[r["status"]])
+            table.add_row(
+                SYMBOLS[r["status"]],
+                escape(r["name"]),
+                escape(r["host"]),
+                str(r["port"] or "-"),
+                r["source"],
+                "yes" if r["in_use_now"] else "",
+                style=STYLES[r["status"]],
+            )
         self.term.table(table)
 
     def cmd_port_set(self, args: list[str]) -> None:
@@ -779,7 +801,9 @@ class AgentCtl:
                     self.term.error(str(exc))
 
         name = ask("name (used in !model and @model)", self._new_model_name, name or "")
-        fields: dict[str, Any] = {"model_id": ask("model_id (the backend's model name)", lambda t: model_value("model_id", t))}
+        fields: dict[str, Any] = {
+            "model_id": ask("model_id (the backend's model name)", lambda t: model_value("model_id", t))
+        }
         kind = ask("type: 1 = OPENAI (any OpenAI-compatible server), 2 = GEMINI",
                    lambda t: model_value("type", {"1": "OPENAI", "2": "GEMINI"}.get(t, t.upper())), "1")
         fields["type"] = kind
@@ -881,14 +905,21 @@ class AgentCtl:
             return
         table = Table("type", "calls", "window (s)", "auto_disable")
         for kind, limit in limits.items():
-            table.add_row(escape(kind), str(limit["calls"]), f"{limit['window_seconds']:g}", "yes" if limit["auto_disable"] else "no")
+            table.add_row(
+                escape(kind),
+                str(limit["calls"]),
+                f"{limit['window_seconds']:g}",
+                "yes" if limit["auto_disable"] else "no",
+            )
         self.term.table(table)
 
     def cmd_ratelimit_set(self, args: list[str]) -> None:
         """ratelimit-set <type> <calls> <window_seconds>: allow that many calls of a tool type per window."""
         kind, calls, window = self._args(args, self.cmd_ratelimit_set, 3)
         if not RATE_TYPE.match(kind):
-            raise InputError(f"invalid type '{kind}': lower-case letters, digits and '_' (such as {', '.join(RATE_TYPES)})")
+            raise InputError(
+                f"invalid type '{kind}': lower-case letters, digits and '_' (such as {', '.join(RATE_TYPES)})"
+            )
         base = {"calls": 0, "window_seconds": 0}
         values = {"calls": field_value(RateLimit, "calls", calls, base),
                   "window_seconds": field_value(RateLimit, "window_seconds", window, base)}

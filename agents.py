@@ -475,7 +475,9 @@ def _typed_xml_args(tool: StructuredTool, args: dict[str, str]) -> dict[str, Any
 
 
 def _block_calls(match: re.Match[str]) -> list[tuple[str, dict[str, Any], bool]]:
-    body = next(g for g in (match["tool_call"], match["tool_code"], match["function"], match["fenced"]) if g is not None)
+    body = next(
+        g for g in (match["tool_call"], match["tool_code"], match["function"], match["fenced"]) if g is not None
+    )
     if "<function=" in body:
         return _function_calls(body)
     values = _json_values(body.strip().removeprefix(PYTHON_TAG))
@@ -717,7 +719,9 @@ class Request:
         their schemas travel beside it) and its size."""
         cfg = rt.config.models[key]
         native = cfg.tool_mode == "native"
-        system = rt.prompt.assemble(t.name for t in tools) + ("\n" + tool_manifest(tools) if tools and not native else "")
+        system = rt.prompt.assemble(t.name for t in tools) + (
+            "\n" + tool_manifest(tools) if tools and not native else ""
+        )
         count, _ = budget.counter_for(cfg)
         window, _ = await model_window(rt, key)
         schemas = sum(count(json.dumps(convert_to_openai_tool(t), ensure_ascii=False)) for t in tools) if native else 0
@@ -788,7 +792,9 @@ class _Loop:
         """execute_tool, except that a call identical to an earlier one of this turn is not run again."""
         signature = call_signature(name, args)
         if signature in self.done:
-            self.rt.hub.status(self.turn.client_id, f"[{name} ↺] identical call already made in this turn; not run again")
+            self.rt.hub.status(
+                self.turn.client_id, f"[{name} ↺] identical call already made in this turn; not run again"
+            )
             return (f"NOTE: you already called {name} with exactly these arguments in this turn; its result is "
                     "above. Use that result instead of calling again.")
         self.done[signature] = text = (await execute_tool(self.rt, self.turn, name, args)).text
@@ -855,7 +861,9 @@ async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
         answer = await _round(loop)
         if answer is not None:
             return answer
-    raise LLMError(f"model '{key}' kept calling tools for {MAX_TOOL_ITERATIONS} rounds; stopped. Ask again more narrowly.")
+    raise LLMError(
+        f"model '{key}' kept calling tools for {MAX_TOOL_ITERATIONS} rounds; stopped. Ask again more narrowly."
+    )
 
 
 async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:

@@ -21,7 +21,8 @@ from tools import AGENT_CALL_STREAM
 
 def _models_list(rt: state.Runtime, current: str | None) -> str:
     rows = [
-        f"  {key:<12} {m.model_id}{' (current)' if key == current else ''}" + (f"\n  {'':<12} {m.description}" if m.description else "")
+        f"  {key:<12} {m.model_id}{' (current)' if key == current else ''}"
+        + (f"\n  {'':<12} {m.description}" if m.description else "")
         for key, m in rt.config.models.items()
     ]
     return "Available models:\n" + "\n".join(rows)
@@ -55,8 +56,10 @@ async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         if idle:
             lines += ["", "Plugins not loaded:"] + [f"  {r.line()}" for r in idle]
     lines += ["", "Tools:"]
-    lines += [f"  {e.tool.name:<24} [{gate.gate_type(e)}] {e.tool.description.splitlines()[0] if e.tool.description else ''}"
-              for e in rt.tools.entries()]
+    lines += [
+        f"  {e.tool.name:<24} [{gate.gate_type(e)}] {e.tool.description.splitlines()[0] if e.tool.description else ''}"
+        for e in rt.tools.entries()
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -174,12 +177,16 @@ def _positive_seconds(word: str) -> float | None:
     return value if 0 < value < float("inf") else None
 
 
-async def _change_models(rt: state.Runtime, turn: state.Turn, args: str, command: str, field: str, parse: Any, shown: Any,
-                         usage: str) -> tuple[str, Any]:
+async def _change_models(
+    rt: state.Runtime, turn: state.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
+) -> tuple[str, Any]:
     """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
     parts = args.split()
     if len(parts) == 2 and parts[0] not in rt.config.models:
-        return f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(rt.config.models)}\nUsage: {usage}", None
+        return (
+            f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(rt.config.models)}\nUsage: {usage}",
+            None,
+        )
     value = parse(parts[-1]) if len(parts) in (1, 2) else None
     if value is None:
         return f"ERROR: Invalid arguments\nUsage: {usage}", None

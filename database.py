@@ -319,7 +319,9 @@ class Database:
                 conn.close()
                 pool.release(conn)
             if isinstance(exc, (pymysql.err.MySQLError, OSError)):
-                raise ConnectError(f"cannot connect to MySQL as {self.settings.where()}: {describe_error(exc)}") from exc
+                raise ConnectError(
+                    f"cannot connect to MySQL as {self.settings.where()}: {describe_error(exc)}"
+                ) from exc
             if isinstance(exc, TimeoutError):
                 raise ConnectError(f"cannot connect to MySQL as {self.settings.where()}: no answer within "
                                    f"{self.client_timeout:g} s — is the server overloaded or unreachable?") from exc

@@ -843,8 +843,11 @@ class RateLimiter:
         now = self.clock()
         for tool_type in sorted(set(types) | set(self.limits)):
             limit = self.limits.get(tool_type)
-            rule = (f"{limit.calls} calls / {limit.window_seconds:g} s" + (", auto_disable" if limit.auto_disable else "")
-                    if limit and limit.calls and limit.window_seconds else "unlimited")
+            rule = (
+                f"{limit.calls} calls / {limit.window_seconds:g} s" + (", auto_disable" if limit.auto_disable else "")
+                if limit and limit.calls and limit.window_seconds
+                else "unlimited"
+            )
             window = self.windows.get((client_id, tool_type), ())
             used = sum(1 for t in window if limit and t > now - limit.window_seconds)
             off = " — DISABLED for this session" if tool_type in self.disabled.get(client_id, ()) else ""

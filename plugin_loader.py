@@ -85,7 +85,9 @@ def _metadata_mismatch(plugin: BasePlugin, entry: Any) -> list[str]:
         problems.append(f"DEPENDENCIES {sorted(plugin.DEPENDENCIES)} disagree with the manifest's dependencies "
                         f"{sorted(entry.dependencies)} (package names must match)")
     if plugin.ENV_VARS and set(plugin.ENV_VARS) != set(entry.env_vars):
-        problems.append(f"ENV_VARS {sorted(plugin.ENV_VARS)} disagree with the manifest's env_vars {sorted(entry.env_vars)}")
+        problems.append(
+            f"ENV_VARS {sorted(plugin.ENV_VARS)} disagree with the manifest's env_vars {sorted(entry.env_vars)}"
+        )
     if plugin.DESCRIPTION and entry.description and plugin.DESCRIPTION != entry.description:
         problems.append(f"DESCRIPTION {plugin.DESCRIPTION!r} disagrees with the manifest's description "
                         f"{entry.description!r}")
@@ -220,10 +222,15 @@ def check_plugin(cfg: AppConfig, name: str) -> list[PluginCheck]:
     entry = cfg.manifest.plugins.get(name)
     if entry is None:
         return [PluginCheck("manifest", name, f"not declared in plugin-manifest.json (add an entry for '{name}')")]
-    checks = [PluginCheck("file", f"plugins/{entry.file}",
-                          None if plugin_file(cfg, name) else f"file plugins/{entry.file} not found")]
-    checks += [PluginCheck("env_var", v, None if cfg.env.get(v) else f"environment variable {v} is not set (add it to .env)")
-               for v in entry.env_vars]
+    checks = [
+        PluginCheck(
+            "file", f"plugins/{entry.file}", None if plugin_file(cfg, name) else f"file plugins/{entry.file} not found"
+        )
+    ]
+    checks += [
+        PluginCheck("env_var", v, None if cfg.env.get(v) else f"environment variable {v} is not set (add it to .env)")
+        for v in entry.env_vars
+    ]
     checks += [PluginCheck("config_file", f, None if (cfg.config_dir / f).exists()
                            else f"config file {f} not found in {cfg.config_dir}") for f in entry.config_files]
     checks += [PluginCheck("dependency", d, dependency_problem(d)) for d in entry.dependencies]
@@ -313,7 +320,10 @@ class PluginLoader:
         try:
             plugin = self._import(name, path)()
         except Exception as exc:
-            report.status, report.reasons = "failed", [f'Error importing plugin "{name}": {_describe_import_error(exc)}']
+            report.status, report.reasons = (
+                "failed",
+                [f'Error importing plugin "{name}": {_describe_import_error(exc)}'],
+            )
             return report
         problems = self._check_interface(name, plugin)
         if problems:
@@ -354,7 +364,9 @@ class PluginLoader:
                 raise ValueError(f"CLIENT_NAMESPACES: '{prefix}' names class {kind!r}; use one of "
                                  f"{', '.join(k for k in gate.CLASSES if k != gate.UNKNOWN)}")
             if not prefix or not re.fullmatch(r"[A-Za-z0-9._:@-]+", prefix):
-                raise ValueError(f"CLIENT_NAMESPACES: {prefix!r} is not a client-id prefix (letters, digits, . _ : @ -)")
+                raise ValueError(
+                    f"CLIENT_NAMESPACES: {prefix!r} is not a client-id prefix (letters, digits, . _ : @ -)"
+                )
             for other, (_, owner) in self.rt.client_namespaces.items():
                 if owner != name and (other.startswith(prefix) or prefix.startswith(other)):
                     raise ValueError(f"CLIENT_NAMESPACES: '{prefix}' overlaps '{other}' of {owner}")

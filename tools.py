@@ -217,10 +217,12 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         rows = []
         for key, m in rt.config.models.items():
             mark = " (this session's model)" if session and session.model == key else ""
-            rows.append(f"- {key}{mark}: {m.type} {m.model_id}; delegation {'YES' if m.tool_call_available else 'no'}, "
-                        f"timeout {m.llm_call_timeout:g} s, max_context {m.max_context}"
-                        + (f", window {rt.windows[key][0]:,} tokens ({rt.windows[key][1]})" if key in rt.windows else "")
-                        + (f"\n  {m.description}" if m.description else ""))
+            rows.append(
+                f"- {key}{mark}: {m.type} {m.model_id}; delegation {'YES' if m.tool_call_available else 'no'}, "
+                f"timeout {m.llm_call_timeout:g} s, max_context {m.max_context}"
+                + (f", window {rt.windows[key][0]:,} tokens ({rt.windows[key][1]})" if key in rt.windows else "")
+                + (f"\n  {m.description}" if m.description else "")
+            )
         return ("Models (llm_clean_text / llm_clean_tool accept only those with delegation YES):\n"
                 + "\n".join(rows))
 

@@ -80,7 +80,9 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
                 notes.put_nowait(time.perf_counter())
 
         try:
-            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(30, read=300))
+            http = httpx2.AsyncClient(
+                headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(30, read=300)
+            )
             async with http, Client(streamable_http_client(url, http_client=http), mode="legacy",
                                     message_handler=on_message, cache=None) as legacy, \
                     Client(streamable_http_client(url, http_client=http), cache=None) as modern, \

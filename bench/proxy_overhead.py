@@ -201,7 +201,9 @@ async def run(args: argparse.Namespace) -> None:
               f"| {p.streams_per_second:.0f} |")
         print(f"| {p.name} | {c} | {cells(p.busy_first, direct.busy_first)} | {cells(p.busy_last, direct.busy_last)} "
               f"| {p.busy_streams_per_second:.0f} |")
-    print("\n| path | first request after start, whole answer (ms) | warm p50 (ms) | ratio | server CPU per stream (ms) |")
+    print(
+        "\n| path | first request after start, whole answer (ms) | warm p50 (ms) | ratio | server CPU per stream (ms) |"
+    )
     print("|---|---|---|---|---|")
     for p in paths[1:]:
         warm = statistics.median(p.last)
@@ -209,9 +211,12 @@ async def run(args: argparse.Namespace) -> None:
               f"| {p.cpu / len(p.first) * 1e3:.1f} |")
     if len(paths) == 3:
         ours, theirs = paths[1], paths[2]
-        print(f"\nagent-mcp / LiteLLM: added first token {added(ours.first, direct.first) / added(theirs.first, direct.first):.2f}× "
-              f"at 1, {added(ours.busy_first, direct.busy_first) / added(theirs.busy_first, direct.busy_first):.2f}× "
-              f"at {c}; streams/s {ours.busy_streams_per_second / theirs.busy_streams_per_second:.2f}× at {c}")
+        first = added(ours.first, direct.first) / added(theirs.first, direct.first)
+        print(
+            f"\nagent-mcp / LiteLLM: added first token {first:.2f}× "
+            f"at 1, {added(ours.busy_first, direct.busy_first) / added(theirs.busy_first, direct.busy_first):.2f}× "
+            f"at {c}; streams/s {ours.busy_streams_per_second / theirs.busy_streams_per_second:.2f}× at {c}"
+        )
 
 
 def main() -> None:

@@ -46,9 +46,10 @@ class ApprovalStore(state.SqliteFile):
 
     async def record_open(self, row: dict[str, Any]) -> None:
         db = self._conn()
-        await db.execute("INSERT OR REPLACE INTO approvals (gate_id, session, tool_name, request, opened_at) "
-                         "VALUES (?, ?, ?, ?, ?)",
-                         (row["gate_id"], row["session"], row["tool_name"], json.dumps(row["request"]), row["opened_at"]))
+        await db.execute(
+            "INSERT OR REPLACE INTO approvals (gate_id, session, tool_name, request, opened_at) VALUES (?, ?, ?, ?, ?)",
+            (row["gate_id"], row["session"], row["tool_name"], json.dumps(row["request"]), row["opened_at"]),
+        )
         await db.commit()
 
     async def record_decision(self, gate_id: str, decision: str, decided_by: str, decided_at: float) -> None:

@@ -104,7 +104,9 @@ def load_tokens(path: Path) -> list[tuple[bytes, Principal]]:
     seen: dict[bytes, str] = {}
     for name, entry in parsed.tokens.items():
         if not re.match(r"^[A-Za-z0-9._-]{1,64}$", name):
-            raise PluginConfigError(f"{path}: field 'tokens.{name[:70]}': a token name uses 1-64 letters, digits, . _ -")
+            raise PluginConfigError(
+                f"{path}: field 'tokens.{name[:70]}': a token name uses 1-64 letters, digits, . _ -"
+            )
         digest = _digest(entry.token) if entry.token else bytes.fromhex(entry.token_sha256 or "")
         if digest in seen:
             raise PluginConfigError(f"{path}: field 'tokens.{name}': same token as 'tokens.{seen[digest]}'; "

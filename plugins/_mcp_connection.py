@@ -1,4 +1,5 @@
-"""One connection to an MCP server (stdio child process or streamable HTTP): connecting, listing and calling tools, reconnecting, closing."""
+"""One connection to an MCP server (stdio child process or streamable HTTP): connecting, listing and
+calling tools, reconnecting, closing."""
 
 from __future__ import annotations
 

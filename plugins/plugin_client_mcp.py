@@ -368,13 +368,19 @@ class McpServerPlugin(BasePlugin):
 
         out = [res(f"{SCHEME}sessions", "sessions", "The sessions this token may see")]
         if who.role == HUMAN:
-            out += [res(f"{SCHEME}approvals/pending", "pending approvals", "Gates waiting for a decision, all sessions"),
-                    res(f"{SCHEME}approvals/history", "approval history", "Decided gates: decision, who, when"),
-                    res(f"{SCHEME}policy", "gate policy", "gate-defaults.json as in force")]
+            out += [
+                res(f"{SCHEME}approvals/pending", "pending approvals", "Gates waiting for a decision, all sessions"),
+                res(f"{SCHEME}approvals/history", "approval history", "Decided gates: decision, who, when"),
+                res(f"{SCHEME}policy", "gate policy", "gate-defaults.json as in force"),
+            ]
         for s in self.rt.sessions.all():
             if who.may_read(s.client_id):
-                for part, label in (("state", "state"), ("history", "history"), ("approvals/pending", "pending approvals"),
-                                    ("approvals/history", "approval history")):
+                for part, label in (
+                    ("state", "state"),
+                    ("history", "history"),
+                    ("approvals/pending", "pending approvals"),
+                    ("approvals/history", "approval history"),
+                ):
                     out.append(res(f"{SCHEME}sessions/{s.client_id}/{part}", f"{s.client_id} {label}",
                                    f"Session {s.client_id} (#{s.shorthand}): {label}"))
         return out
@@ -529,7 +535,9 @@ class McpServerPlugin(BasePlugin):
             return [r for r in plugin._pending() if who.may_read(r["session"])]
 
         @mcp.tool()
-        async def answer_approval(gate_id: str, decision: Literal["allow_once", "allow_session", "reject"]) -> dict[str, Any]:
+        async def answer_approval(
+            gate_id: str, decision: Literal["allow_once", "allow_session", "reject"]
+        ) -> dict[str, Any]:
             """Answer a pending gate: allow_once, allow_session (this tool for the rest of the session) or reject."""
             who = request_principal()
             owner = plugin.rt.gate.owner(gate_id)
@@ -560,7 +568,9 @@ class McpServerPlugin(BasePlugin):
             means the call runs without asking."""
             return await plugin._set_default(request_principal(), section, key, operation, allowed)
 
-    async def _send(self, who: Principal, text: str, session: str, model: str, timeout_seconds: float) -> dict[str, Any]:
+    async def _send(
+        self, who: Principal, text: str, session: str, model: str, timeout_seconds: float
+    ) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:
                 raise forbidden(f"token '{who.name}' may talk only to its own session {who.session}")
@@ -595,7 +605,9 @@ class McpServerPlugin(BasePlugin):
         self._queue.put_nowait((self.rt.sessions.save(session), (f"{SCHEME}sessions",)))
         return self._session_row(session)
 
-    async def _set_default(self, who: Principal, section: str, key: str, operation: str, allowed: bool) -> dict[str, Any]:
+    async def _set_default(
+        self, who: Principal, section: str, key: str, operation: str, allowed: bool
+    ) -> dict[str, Any]:
         key = key.strip()
         if not key or len(key) > 128:
             raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")

@@ -63,7 +63,9 @@ class McpClientPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         assert self.runtime is not None
-        parse_settings(self.PLUGIN_NAME, PluginSettings, config)  # no settings but `enabled` (servers: mcp-servers.json)
+        parse_settings(
+            self.PLUGIN_NAME, PluginSettings, config
+        )  # no settings but `enabled` (servers: mcp-servers.json)
         app = self.runtime.config
         self.config_file = app.path(MCP_SERVERS_FILE)
         servers = load_servers(self.config_file)
@@ -113,7 +115,10 @@ class McpClientPlugin(BasePlugin):
                 routes[exposed] = (conn.name, tool.name)
                 tools.append(self._tool(conn, tool, exposed))
                 read_only = bool(tool.annotations and tool.annotations.read_only_hint)
-                gates[exposed] = {"type": GATE_TYPE, "operation": "read" if conn.spec.trusted and read_only else "write"}
+                gates[exposed] = {
+                    "type": GATE_TYPE,
+                    "operation": "read" if conn.spec.trusted and read_only else "write",
+                }
         for key in skipped.keys() - self._skipped.keys():
             logger.warning("MCP tool %s skipped: %s", key, skipped[key])
         self._routes, self._skipped = routes, skipped

@@ -7,8 +7,8 @@ decides the error format of paths that belong to neither. Each chat request is o
 session of its conversation (`plugins._conversations`: the resent transcript says which; one per
 chat or user when open-webui forwards its headers; `sessions_by: "address"` keeps the reference
 behaviour, one session `llama-<client ip>`); its prompt is the last user message, because the
-server keeps the history itself. Tokens are written the moment the model produces them. Binds 127.0.0.1:11435 by default; with `AGENT_PROXY_TOKEN`
-set, every request needs `Authorization: Bearer <token>`.
+server keeps the history itself. Tokens are written the moment the model produces them. Binds
+127.0.0.1:11435 by default; with `AGENT_PROXY_TOKEN` set, every request needs `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
@@ -262,7 +262,9 @@ class LlamaProxyPlugin(BasePlugin):
         name, key = self._resolve(body.model)
         fmt = Ollama(name, "chat")
         if not body.messages:  # Ollama's load / unload request
-            return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if unloads(body.keep_alive) else "load"})
+            return JSONResponse(
+                {**fmt.obj("", done=True), "done_reason": "unload" if unloads(body.keep_alive) else "load"}
+            )
         return await self._answer(request, fmt, transcript(body.messages), key, body.stream is not False)
 
     async def ollama_generate(self, request: Request) -> Response:
@@ -270,7 +272,9 @@ class LlamaProxyPlugin(BasePlugin):
         name, key = self._resolve(body.model)
         fmt = Ollama(name, "generate")
         if not body.prompt.strip():
-            return JSONResponse({**fmt.obj("", done=True), "done_reason": "unload" if unloads(body.keep_alive) else "load"})
+            return JSONResponse(
+                {**fmt.obj("", done=True), "done_reason": "unload" if unloads(body.keep_alive) else "load"}
+            )
         return await self._answer(request, fmt, [("user", body.prompt)], key, body.stream is not False)
 
     async def openai_chat(self, request: Request) -> Response:

@@ -59,7 +59,9 @@ def format_results(query: str, results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-async def run_ddgs_search(search_fn: SearchFn, settings: DdgsSettings, query: str, max_results: int | None = None) -> str:
+async def run_ddgs_search(
+    search_fn: SearchFn, settings: DdgsSettings, query: str, max_results: int | None = None
+) -> str:
     """Run the blocking search in a thread and format it; every failure becomes a `ddgs_search error: …` line."""
     max_results = max_results or settings.max_results
     try:
@@ -67,7 +69,9 @@ async def run_ddgs_search(search_fn: SearchFn, settings: DdgsSettings, query: st
     except RatelimitException:
         return f"{TOOL} error: DuckDuckGo is rate limiting this server; wait a minute or use another search tool"
     except TimeoutException:
-        return f"{TOOL} error: no answer from DuckDuckGo within {settings.timeout} s; try again or use another search tool"
+        return (
+            f"{TOOL} error: no answer from DuckDuckGo within {settings.timeout} s; try again or use another search tool"
+        )
     except DDGSException as exc:
         if str(exc) == NO_RESULTS:
             return format_results(query, [])

@@ -78,7 +78,9 @@ def describe_error(exc: Exception, settings: GoogleSearchSettings) -> str:
     if isinstance(exc, httpx.TimeoutException | TimeoutError):
         return f"no answer from Gemini within {settings.timeout:g} s; try again later"
     if isinstance(exc, httpx.TransportError):
-        return f"cannot reach Gemini at {settings.base_url or 'Google'} ({type(exc).__name__}: {exc}); check the network"
+        return (
+            f"cannot reach Gemini at {settings.base_url or 'Google'} ({type(exc).__name__}: {exc}); check the network"
+        )
     return f"{type(exc).__name__}: {exc}"
 
 

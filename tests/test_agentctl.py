@@ -333,7 +333,10 @@ INVALID = [
     (("gate-set", "db", "users", "delete", "true"), "invalid operation 'delete'"),
     (("gate-set", "db_query", "read", "sure"), "sure is not true/false"),
     (("gate-set", "db", "*", "write", "maybe"), "maybe is not true/false"),
-    (("gate-set", "dbquery", "read", "true"), "no plugin or core module declares a tool 'dbquery'; did you mean db_query"),
+    (
+        ("gate-set", "dbquery", "read", "true"),
+        "no plugin or core module declares a tool 'dbquery'; did you mean db_query",
+    ),
     (("model-tools", "local", "db_query,web_serch"), "no plugin or core module declares a tool 'web_serch'"),
     (("gate-set", "db", "users"), "usage: agentctl gate-set"),
     (("model-context", "local"), "usage: agentctl model-context <name> <n>"),
@@ -360,7 +363,9 @@ def test_enabling_a_plugin_on_a_port_taken_by_another_is_refused(cdir):
     assert snapshot(cdir) == before
 
 
-@pytest.mark.parametrize("command", [("list",), ("models",), ("model-context", "local", "60"), ("gate-set", "*", "read", "true")])
+@pytest.mark.parametrize(
+    "command", [("list",), ("models",), ("model-context", "local", "60"), ("gate-set", "*", "read", "true")]
+)
 def test_malformed_json_on_disk_is_a_file_problem(cdir, command):
     (cdir / config.MODELS_FILE).write_text('{"models": {"local": ')
     before = snapshot(cdir)

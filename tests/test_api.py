@@ -450,7 +450,11 @@ async def test_bad_input_gets_a_clear_4xx_and_changes_nothing(api) -> None:
             (await http.get(f"/api/v1/stream/{cid}", params={"turn_id": "nope"}), 404, "unknown turn_id"),
             (await http.post("/api/v1/gate/nope", json={"approve": True}), 404, "unknown gate"),
             (await http.post("/api/v1/gate/nope", content=b"{", headers=JSON), 400, "must be JSON"),
-            (await http.post("/api/v1/gate/nope", json={"approve": "yes"}), 400, "approve: Input should be a valid boolean"),
+            (
+                await http.post("/api/v1/gate/nope", json={"approve": "yes"}),
+                400,
+                "approve: Input should be a valid boolean",
+            ),
             (await http.post("/api/v1/gate/nope", json={}), 400, "approve: Field required"),
             (await http.delete("/api/v1/session/api-no-such-session"), 404, "not found"),
             (await http.delete("/api/v1/session/99999"), 404, "not found"),

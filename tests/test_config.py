@@ -72,7 +72,9 @@ def test_bad_model_field_is_named(cdir, entry, field):
 
 
 def test_bad_enabled_and_manifest_fields_are_named(cdir):
-    write(cdir, "plugins-enabled.json", {"default_model": "a", "rate_limits": {"db": {"calls": -1, "window_seconds": 1}}})
+    write(
+        cdir, "plugins-enabled.json", {"default_model": "a", "rate_limits": {"db": {"calls": -1, "window_seconds": 1}}}
+    )
     with pytest.raises(ConfigError, match=r"plugins-enabled\.json[\s\S]*field 'rate_limits\.db\.calls'"):
         load_config(cdir)
     write(cdir, "plugins-enabled.json", {"default_model": "a"})
@@ -111,7 +113,9 @@ def test_api_key_resolution():
 
 def test_gate_defaults_are_loaded_and_validated(cdir):
     assert load_config(cdir).gates.tools["*"].read is False  # the shipped file: everything gated
-    (cdir / "gate-defaults.json").write_text('{"db": {"users": {"read": true}}, "tools": {"ddgs_search": {"read": true}}}')
+    (cdir / "gate-defaults.json").write_text(
+        '{"db": {"users": {"read": true}}, "tools": {"ddgs_search": {"read": true}}}'
+    )
     gates = load_config(cdir).gates
     assert gates.db["users"].read and not gates.db["users"].write and gates.tools["ddgs_search"].read
     (cdir / "gate-defaults.json").write_text('{"tools": {"x": {"read": "maybe"}}}')

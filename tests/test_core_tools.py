@@ -35,7 +35,9 @@ def prompt_file(rt, name: str) -> Path:
 
 
 async def test_update_system_prompt_every_operation(crt) -> None:
-    crt.gate.set_override(await crt.sessions.get_or_create("c1", "fake"), "tools", "update_system_prompt", "write", True)
+    crt.gate.set_override(
+        await crt.sessions.get_or_create("c1", "fake"), "tools", "update_system_prompt", "write", True
+    )
     before = crt.prompt.find("behavior").body
     assert (await call(crt, "update_system_prompt", section="behavior", operation="append", content="Be brief.")
             ).startswith("Section 'behavior' updated (append)")
@@ -57,18 +59,26 @@ async def test_update_system_prompt_every_operation(crt) -> None:
     assert crt.prompt.load().find("behavior").body == "Only this."
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ({"section": "tools", "operation": "append", "content": "x"}, "is a container"),
-    ({"section": "nope", "operation": "append", "content": "x"}, "Section 'nope' not found. Available sections: 0:"),
-    ({"section": "behavior", "operation": "append"}, "append needs content"),
-    ({"section": "behavior", "operation": "prepend"}, "prepend needs content"),
-    ({"section": "behavior", "operation": "replace", "content": "x", "target": "not there"}, "needs a target"),
-    ({"section": "behavior", "operation": "delete"}, "delete needs a target"),
-    ({"section": "behavior", "operation": "delete", "target": "no such line"}, "no line of section"),
-    ({"section": "behavior", "operation": "overwrite", "confirm_overwrite": True}, "overwrite needs content"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"section": "tools", "operation": "append", "content": "x"}, "is a container"),
+        (
+            {"section": "nope", "operation": "append", "content": "x"},
+            "Section 'nope' not found. Available sections: 0:",
+        ),
+        ({"section": "behavior", "operation": "append"}, "append needs content"),
+        ({"section": "behavior", "operation": "prepend"}, "prepend needs content"),
+        ({"section": "behavior", "operation": "replace", "content": "x", "target": "not there"}, "needs a target"),
+        ({"section": "behavior", "operation": "delete"}, "delete needs a target"),
+        ({"section": "behavior", "operation": "delete", "target": "no such line"}, "no line of section"),
+        ({"section": "behavior", "operation": "overwrite", "confirm_overwrite": True}, "overwrite needs content"),
+    ],
+)
 async def test_update_system_prompt_errors(crt, args, message) -> None:
-    crt.gate.set_override(await crt.sessions.get_or_create("c1", "fake"), "tools", "update_system_prompt", "write", True)
+    crt.gate.set_override(
+        await crt.sessions.get_or_create("c1", "fake"), "tools", "update_system_prompt", "write", True
+    )
     before = {p.name: p.read_text() for p in crt.prompt.directory.iterdir()}
     out = await call(crt, "update_system_prompt", **args)
     assert out.startswith("Prompt update rejected:") and message in out, out
@@ -160,8 +170,9 @@ class _Word(BaseModel):
 
 async def test_llm_clean_tool_native_and_text_calls(crt, fake_openai) -> None:
     recorder = Recorder()
-    add_plugin_tools(crt, "plugin_test_shout", [recorder.tool("shout", _Word, reply="SHOUTED")],
-                     {"shout": {"type": "search"}})
+    add_plugin_tools(
+        crt, "plugin_test_shout", [recorder.tool("shout", _Word, reply="SHOUTED")], {"shout": {"type": "search"}}
+    )
     crt.gate.set_override(await crt.sessions.get_or_create("c1", "fake"), "tools", "shout", "read", True)
     fake_openai.script(tool_call("shout", {"word": "hey"}), text("It shouted."))
     out = await call(crt, "llm_clean_tool", model="helper", tool="shout", arguments="shout hey")
@@ -169,7 +180,9 @@ async def test_llm_clean_tool_native_and_text_calls(crt, fake_openai) -> None:
     first, second = fake_openai.requests[-2:]
     assert [t["function"]["name"] for t in first.json["tools"]] == ["shout"]
     assert first.json["messages"][-1] == {"role": "user", "content": "shout hey"}
-    assert second.json["messages"][-1]["role"] == "tool" and second.json["messages"][-1]["content"].startswith("SHOUTED")
+    assert second.json["messages"][-1]["role"] == "tool" and second.json["messages"][-1]["content"].startswith(
+        "SHOUTED"
+    )
     # A local model that writes the call as text works too.
     fake_openai.script(text('<tool_call>{"name": "shout", "arguments": {"word": "ho"}}</tool_call>'), text("Done."))
     out = await call(crt, "llm_clean_tool", model="helper", tool="shout", arguments="shout ho")
@@ -236,8 +249,11 @@ async def test_gate_tool_declarations_are_validated(tmp_path, fake_openai) -> No
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, gates=ALL_OPEN) as rt:
         tool = Recorder().tool("thing", _Word)
         rt.tools.register_plugin_tools("plugin_x", {"lc": [tool]})
-        for bad, why in (({"operation": "read"}, "needs a 'type'"), ({"type": "db", "operation": "delete"}, "operation"),
-                         ("db", "needs a 'type'")):
+        for bad, why in (
+            ({"operation": "read"}, "needs a 'type'"),
+            ({"type": "db", "operation": "delete"}, "operation"),
+            ("db", "needs a 'type'"),
+        ):
             with pytest.raises(ToolRegistrationError, match=why):
                 rt.tools.register_gate_tools("plugin_x", {"thing": bad})
         rt.tools.register_gate_tools("plugin_x", {"thing": {"type": "drive", "operation": lambda a: "write"}})

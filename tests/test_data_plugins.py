@@ -49,9 +49,14 @@ def test_every_plugin_missing_its_key_the_server_starts_and_says_why(tmp_path, f
         assert f"plugin {name} [invalid]:" in out
 
     # The operator's CLI reads the same files and gives the same reasons.
-    ctl = subprocess.run([sys.executable, str(CODE_DIR / "agentctl.py"), "--config-dir", str(cfg.path), "--json", "list"],
-                         capture_output=True, text=True, env={**os.environ, **dict.fromkeys(SERVICE_ENV, "")},
-                         timeout=30, check=True)
+    ctl = subprocess.run(
+        [sys.executable, str(CODE_DIR / "agentctl.py"), "--config-dir", str(cfg.path), "--json", "list"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **dict.fromkeys(SERVICE_ENV, "")},
+        timeout=30,
+        check=True,
+    )
     rows = {r["name"]: r for r in json.loads(ctl.stdout)["plugins"]}
     assert rows["plugin_search_ddgs"]["status"] == "ready"
     for name in missing:

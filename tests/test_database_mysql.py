@@ -246,8 +246,10 @@ async def test_server_and_client_time_limits(people: RunDatabase) -> None:
     assert client_side.startswith("ERROR: statement 2 of 2 failed: the statement did not finish within 1 s, so it "
                                   "was stopped")
     # The abandoned statement was killed on the server, not left running.
-    assert people.query("SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE %s AND id <> CONNECTION_ID()",
-                        "%agent_mcp_sleeper%") == ((0,),)
+    assert people.query(
+        "SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE %s AND id <> CONNECTION_ID()",
+        "%agent_mcp_sleeper%",
+    ) == ((0,),)
 
 
 async def test_a_cancelled_call_kills_its_statement(people: RunDatabase) -> None:

@@ -61,17 +61,30 @@ async def test_the_model_never_learns_where_the_database_is(planted, fake_openai
     assert any(dsn in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize(("text", "shown"), [
-    ("MCP server on http://127.0.0.1:8766/mcp (bearer tokens from /home/u/.cfg/mcp-tokens.json)",
-     "MCP server on <hidden> (bearer tokens from <hidden>)"),
-    ("cannot connect to MySQL as app@db.internal:3306/shop: refused", "cannot connect to MySQL as <hidden>: refused"),
-    ("redis at cache.lan:6379 and 10.1.2.3 and [::1]:8765", "redis at <hidden> and <hidden> and <hidden>"),
-    ("cannot read C:\\Users\\ada\\agent\\.env", "cannot read <hidden>"),
-    ("see /srv/agent/data/sessions.db", "see <data dir>/sessions.db"),
-    # Names, routes, versions, table names and resource URIs are not locations.
-    ("POST /api/v1/submit; agentmcp://sessions; Table 'shop.users' doesn't exist; v1.2.3; ada@example.org",
-     "POST /api/v1/submit; agentmcp://sessions; Table 'shop.users' doesn't exist; v1.2.3; ada@example.org"),
-    ("session llama-10.0.0.1 active at 12:30, mysql:3306 down", "session llama-10.0.0.1 active at 12:30, <hidden> down"),
-])
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (
+            "MCP server on http://127.0.0.1:8766/mcp (bearer tokens from /home/u/.cfg/mcp-tokens.json)",
+            "MCP server on <hidden> (bearer tokens from <hidden>)",
+        ),
+        (
+            "cannot connect to MySQL as app@db.internal:3306/shop: refused",
+            "cannot connect to MySQL as <hidden>: refused",
+        ),
+        ("redis at cache.lan:6379 and 10.1.2.3 and [::1]:8765", "redis at <hidden> and <hidden> and <hidden>"),
+        ("cannot read C:\\Users\\ada\\agent\\.env", "cannot read <hidden>"),
+        ("see /srv/agent/data/sessions.db", "see <data dir>/sessions.db"),
+        # Names, routes, versions, table names and resource URIs are not locations.
+        (
+            "POST /api/v1/submit; agentmcp://sessions; Table 'shop.users' doesn't exist; v1.2.3; ada@example.org",
+            "POST /api/v1/submit; agentmcp://sessions; Table 'shop.users' doesn't exist; v1.2.3; ada@example.org",
+        ),
+        (
+            "session llama-10.0.0.1 active at 12:30, mysql:3306 down",
+            "session llama-10.0.0.1 active at 12:30, <hidden> down",
+        ),
+    ],
+)
 def test_hide_locations(text: str, shown: str) -> None:
     assert guard.hide_locations(text, {"<data dir>": "/srv/agent/data"}) == shown

@@ -47,7 +47,12 @@ EXAMPLES = 1000
 #: A guard against a hanging handler (then the test fails and names the request); no timing is asserted.
 REQUEST_LIMIT = 20
 SHELL_TOKEN, API_KEY, ADMIN_KEY, PROXY_TOKEN, SLACK_TOKEN = (
-    "shell-token-fuzz-0001", "api-key-fuzz-000001", "admin-key-fuzz-00001", "proxy-token-fuzz-001", "slack-token-fuzz-01")
+    "shell-token-fuzz-0001",
+    "api-key-fuzz-000001",
+    "admin-key-fuzz-00001",
+    "proxy-token-fuzz-001",
+    "slack-token-fuzz-01",
+)
 MCP_HUMAN, MCP_AGENT = "mcp-human-token-fuzz-0001", "mcp-agent-token-fuzz-0001"
 PLUGINS = ("plugin_client_shellpy", "plugin_client_api", "plugin_proxy_llama", "plugin_client_slack",
            "plugin_client_mcp")
@@ -114,13 +119,24 @@ class Server:
         for name in PLUGINS:
             report = await rt.plugins.load(name)
             assert report.status == "loaded", report.line()
-        bearer = {"plugin_client_shellpy": SHELL_TOKEN, "plugin_client_api": API_KEY,
-                  "plugin_proxy_llama": PROXY_TOKEN, "plugin_client_slack": SLACK_TOKEN,
-                  "plugin_client_mcp": MCP_HUMAN}
+        bearer = {
+            "plugin_client_shellpy": SHELL_TOKEN,
+            "plugin_client_api": API_KEY,
+            "plugin_proxy_llama": PROXY_TOKEN,
+            "plugin_client_slack": SLACK_TOKEN,
+            "plugin_client_mcp": MCP_HUMAN,
+        }
         for plugin in rt.plugins.client_plugins():
             name = plugin.PLUGIN_NAME
-            self.targets.append(Target(name, agent_mcp.build_app(rt, plugin, plugin.get_config()), plugin.get_config()["port"],
-                                       {"authorization": f"Bearer {bearer[name]}"}, _templates(plugin)))
+            self.targets.append(
+                Target(
+                    name,
+                    agent_mcp.build_app(rt, plugin, plugin.get_config()),
+                    plugin.get_config()["port"],
+                    {"authorization": f"Bearer {bearer[name]}"},
+                    _templates(plugin),
+                )
+            )
         assert sorted(t.name for t in self.targets) == sorted(PLUGINS)
         await self.slack.until(lambda: self.slack.connections >= 1)  # so /slack/health is healthy
 
@@ -223,8 +239,13 @@ def _real_body(draw: Any, path: str) -> Any:
     if "/gate/" in path:
         return {"approve": draw(st.booleans())}
     if path.endswith(("/api/chat", "/chat/completions")):
-        return {"model": draw(models), "messages": _chat_messages(draw), "stream": draw(st.booleans() | st.none()),
-                "stream_options": {"include_usage": draw(st.booleans())}, "keep_alive": draw(st.sampled_from([0, "5m"]))}
+        return {
+            "model": draw(models),
+            "messages": _chat_messages(draw),
+            "stream": draw(st.booleans() | st.none()),
+            "stream_options": {"include_usage": draw(st.booleans())},
+            "keep_alive": draw(st.sampled_from([0, "5m"])),
+        }
     if path.endswith("/api/generate"):
         return {"model": draw(models), "prompt": draw(texts), "stream": draw(st.booleans()), "keep_alive": "0"}
     if path.endswith("/api/show"):
@@ -290,8 +311,16 @@ def bodies(draw: Any, path: str) -> bytes:
     if kind == "huge":
         return json.dumps({**_real_body(draw, path), "text": "é" * draw(st.sampled_from([10**5, 2 * 10**6]))}).encode()
     if kind == "bytes":
-        return draw(st.sampled_from([b'{"text": "\xff\xfe\xfd"}', b"\xef\xbb\xbf{}", b"\x00" * 10,
-                                     '{"text": "\ud800"}'.encode("utf-8", "surrogatepass")])) + draw(st.binary(max_size=20))
+        return draw(
+            st.sampled_from(
+                [
+                    b'{"text": "\xff\xfe\xfd"}',
+                    b"\xef\xbb\xbf{}",
+                    b"\x00" * 10,
+                    '{"text": "\ud800"}'.encode("utf-8", "surrogatepass"),
+                ]
+            )
+        ) + draw(st.binary(max_size=20))
     if kind == "empty":
         return b""
     return draw(st.sampled_from([b"not json", b"{", b'{"a":1}{"b":2}', b"NaN", b"1e999999", b"9" * 5000, b"[]",

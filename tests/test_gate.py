@@ -151,8 +151,12 @@ async def grt(tmp_path, fake_openai):
         "tools": {"*": {"read": False, "write": False}, "get_system_info": {"read": True, "write": False}},
     }, env={"GATE_TIMEOUT": "0.3", "API_GATE_TIMEOUT": "0.2"}) as rt:
         recorder = Recorder()
-        add_plugin_tools(rt, "plugin_test_gates", [recorder.tool("db_query", _Args), recorder.tool("web_search", _Args)],
-                         {"db_query": {"type": "db"}, "web_search": {"type": "search"}})
+        add_plugin_tools(
+            rt,
+            "plugin_test_gates",
+            [recorder.tool("db_query", _Args), recorder.tool("web_search", _Args)],
+            {"db_query": {"type": "db"}, "web_search": {"type": "search"}},
+        )
         rt.recorder = recorder  # type: ignore[attr-defined]
         yield rt
 
@@ -286,7 +290,10 @@ GATE_COMMANDS = [  # in order, on one session: (command, a line or text its outp
     ("!autogate", "web_search: read=auto-allow (this session), write=gated (this session)"),
     ("!autogate", "db:  (gated per table: see !autoAIdb)"),
     ("!autogate search", "search:\n    web_search: read=auto-allow"),
-    ("!autogate nosuch true", "ERROR: Unknown tool or gate type 'nosuch'\nGate types: agent_call, db, llm_call, search, system"),
+    (
+        "!autogate nosuch true",
+        "ERROR: Unknown tool or gate type 'nosuch'\nGate types: agent_call, db, llm_call, search, system",
+    ),
     ("!autogate db true", "ERROR: database tools are gated per table: use !autoAIdb"),
     # reads are open through `!autogate read true` above
     ("!autoAISysPrompt", "autoAISysPrompt read:  OFF (auto-allow)\nautoAISysPrompt write: ON (human gates)"),
@@ -417,7 +424,9 @@ async def test_rate_limit_in_the_pipeline_and_reenable_command(tmp_path, fake_op
         args = {"model": "fake", "prompt": "summarise"}
         assert await execute(rt, "c1", "llm_clean_text", args) == "summary"
         result = await execute(rt, "c1", "llm_clean_text", args)
-        assert "All llm_call tools are now disabled for this session" in result and "!ratelimit enable llm_call" in result
+        assert (
+            "All llm_call tools are now disabled for this session" in result and "!ratelimit enable llm_call" in result
+        )
         clock.now += 100
         assert (await execute(rt, "c1", "llm_clean_text", args)).startswith("TOOL DISABLED")
         out, _ = await turn(rt, "!ratelimit")
@@ -458,7 +467,9 @@ def test_system_schemas_are_allowed_only_by_their_own_keys() -> None:
         assert not keeper.allowed(None, "db", key, "read"), key  # `*` never reaches the server's own schemas
     session = state.Session("c1", 101, "fake")
     keeper.set_override(session, "db", "mysql.user", "read", True)  # what `!autoAIdb mysql.user read true` does
-    assert keeper.allowed(session, "db", "mysql.user", "read") and not keeper.allowed(session, "db", "mysql.user", "write")
+    assert keeper.allowed(session, "db", "mysql.user", "read") and not keeper.allowed(
+        session, "db", "mysql.user", "write"
+    )
     # An unqualified entry is not a qualified one: allowing `users` leaves `shop.users` to `*` (here: gated).
     narrow = gate.GateKeeper(GateDefaults.model_validate({"db": {"users": {"read": True}}, "tools": {}}))
     assert narrow.allowed(None, "db", "users", "read") and not narrow.allowed(None, "db", "shop.users", "read")

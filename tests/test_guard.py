@@ -156,7 +156,9 @@ async def test_checks_run_in_order_host_origin_token_type(guarded: Any) -> None:
     http, rec = guarded
     form = {"Content-Type": "text/plain"}
     evil = {"Origin": "http://evil.example"}
-    assert (await http.post("/x", content=b"a", headers={**form, **evil, "Host": "rebind.evil.example"})).status_code == 421
+    assert (
+        await http.post("/x", content=b"a", headers={**form, **evil, "Host": "rebind.evil.example"})
+    ).status_code == 421
     assert (await http.post("/x", content=b"a", headers={**form, **evil})).status_code == 403
     assert (await http.post("/x", content=b"a", headers=form)).status_code == 401
     assert (await http.post("/x", content=b"a", headers={**form, **AUTH})).status_code == 415

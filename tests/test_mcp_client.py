@@ -154,11 +154,14 @@ def test_bad_config_names_the_file_and_each_field(tmp_path):
         load_servers(path)
     msg = str(err.value)
     assert str(path) in msg
-    for field, why in [("servers.both", "exactly one of 'command' (stdio) and 'url'"), ("servers.neither", "exactly one"),
-                       ("servers.typo.comand", "Extra inputs are not permitted"),
-                       ("servers.envs.env.not valid", "'not valid' is not an environment variable name"),
-                       ("servers.web.url", "must be an http:// or https:// URL"),
-                       ("servers.bad-name", "server name 'bad-name': use up to 32 letters")]:
+    for field, why in [
+        ("servers.both", "exactly one of 'command' (stdio) and 'url'"),
+        ("servers.neither", "exactly one"),
+        ("servers.typo.comand", "Extra inputs are not permitted"),
+        ("servers.envs.env.not valid", "'not valid' is not an environment variable name"),
+        ("servers.web.url", "must be an http:// or https:// URL"),
+        ("servers.bad-name", "server name 'bad-name': use up to 32 letters"),
+    ]:
         assert f"field '{field}" in msg and why in msg, (field, msg)
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
@@ -185,7 +188,9 @@ def test_results_become_readable_text():
     text_ = types.TextContent(type="text", text="hello")
     assert format_result("s_t", result(text_)) == "hello"
     # Structured content once: skipped when a text block already carries it, added when not.
-    assert format_result("s_t", result(types.TextContent(type="text", text='{"a": 1}'), structured={"a": 1})) == '{"a": 1}'
+    assert (
+        format_result("s_t", result(types.TextContent(type="text", text='{"a": 1}'), structured={"a": 1})) == '{"a": 1}'
+    )
     assert format_result("s_t", result(types.TextContent(type="text", text="7"), structured={"result": 7})) == "7"
     assert format_result("s_t", result(text_, structured={"rows": [1, 2]})) == 'hello\n{"rows": [1, 2]}'
     assert format_result("s_t", result(structured={"ok": True})) == '{"ok": true}'
@@ -415,7 +420,9 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
         time.sleep(0.05)
     fake_openai.script(tool_call("local_whoami", {"names": []}), text("again"))
     assert answer(run_turn(server, "c1", "who are you now")) == "again"
-    new_pid = json.loads([m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"][-1])["pid"]
+    new_pid = json.loads([m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"][-1])[
+        "pid"
+    ]
     assert new_pid != pid
     assert "local [connected]" in answer(run_turn(server, "c1", "!mcp"))
 

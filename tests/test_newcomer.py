@@ -179,7 +179,9 @@ def test_unknown_plugin_settings_are_reported_at_start(tmp_path) -> None:
         "plugin_client_slack": {"enabled": True},  # a plugin that is not in enabled_plugins
     })
     log = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start().stop()
-    assert "plugin_config.plugin_search_ddgs in plugins-enabled.json: max_resluts: Extra inputs are not permitted" in log
+    assert (
+        "plugin_config.plugin_search_ddgs in plugins-enabled.json: max_resluts: Extra inputs are not permitted" in log
+    )
     assert "plugin_config.plugin_mcp_client in plugins-enabled.json: servers: Extra inputs are not permitted" in log
     assert ("plugins-enabled.json: plugin_config.plugin_serach_google names no plugin of plugin-manifest.json "
             "(did you mean plugin_search_google?); its settings are not used") in log

@@ -413,11 +413,17 @@ async def test_tokens_never_reach_the_logs(tmp_path, fake_openai, fake_slack, ca
     assert BOT_TOKEN not in caplog.text and APP_TOKEN not in caplog.text
 
 
-@pytest.mark.parametrize(("env", "expect"), [
-    ({"SLACK_BOT_TOKEN": "xoxb-not-the-right-one", "SLACK_APP_TOKEN": APP_TOKEN}, "Slack refused the tokens (invalid_auth)"),
-    ({"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": "xapp-wrong"}, "Slack refused the tokens (invalid_auth)"),
-    ({"SLACK_BOT_TOKEN": APP_TOKEN, "SLACK_APP_TOKEN": BOT_TOKEN}, "SLACK_BOT_TOKEN must be the app's bot token"),
-])
+@pytest.mark.parametrize(
+    ("env", "expect"),
+    [
+        (
+            {"SLACK_BOT_TOKEN": "xoxb-not-the-right-one", "SLACK_APP_TOKEN": APP_TOKEN},
+            "Slack refused the tokens (invalid_auth)",
+        ),
+        ({"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": "xapp-wrong"}, "Slack refused the tokens (invalid_auth)"),
+        ({"SLACK_BOT_TOKEN": APP_TOKEN, "SLACK_APP_TOKEN": BOT_TOKEN}, "SLACK_BOT_TOKEN must be the app's bot token"),
+    ],
+)
 async def test_bad_tokens_stop_the_plugin_with_a_clear_reason(tmp_path, fake_openai, fake_slack, caplog, env, expect):
     rt, plugin = await start_slack(tmp_path, fake_openai, fake_slack, env=env)
     try:
@@ -433,7 +439,9 @@ async def test_an_unknown_setting_is_named(tmp_path, fake_openai, fake_slack):
     try:
         reasons = rt.plugins.reports["plugin_client_slack"].reasons
         assert plugin is None and reasons == [
-            "plugin_config.plugin_client_slack in plugins-enabled.json: update_intervall: Extra inputs are not permitted"]
+            "plugin_config.plugin_client_slack in plugins-enabled.json: update_intervall: "
+            "Extra inputs are not permitted"
+        ]
     finally:
         await stop_slack(rt)
 

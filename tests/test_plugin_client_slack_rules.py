@@ -119,7 +119,9 @@ def test_a_mention_starts_a_thread_and_loses_the_bot_mention():
 
 
 def test_a_mention_inside_a_thread_answers_in_that_thread():
-    got = make_filter().accept(payload(ev(type="app_mention", text="<@UBOT|agent> more", ts="101.5", thread_ts="100.1")))
+    got = make_filter().accept(
+        payload(ev(type="app_mention", text="<@UBOT|agent> more", ts="101.5", thread_ts="100.1"))
+    )
     assert isinstance(got, InboundMessage) and got.thread_ts == "100.1" and got.text == "more"
 
 

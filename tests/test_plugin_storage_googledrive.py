@@ -56,7 +56,11 @@ async def drive_op(rt, operation: str, **args: Any) -> str:
 
 def content_requests(fake: FakeDrive) -> list[str]:
     """Requests that read or change a file's content or metadata (everything except metadata GETs)."""
-    return [f"{c.method} {c.path}" for c in fake.calls if c.method != "GET" or c.query.get("alt") == "media" or "export" in c.path]
+    return [
+        f"{c.method} {c.path}"
+        for c in fake.calls
+        if c.method != "GET" or c.query.get("alt") == "media" or "export" in c.path
+    ]
 
 
 async def test_list_shows_folders_first_then_files_with_details(tmp_path, drive):

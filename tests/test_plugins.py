@@ -78,7 +78,9 @@ def test_plugin_failures_are_reported_and_the_server_still_serves(config_dir, fa
     cfg.add_plugin("plugin_test_off", GOOD.replace("plugin_test_shout", "plugin_test_off"), enabled=False)
     cfg.add_plugin("plugin_test_syntax", "def broken(:\n    pass\n")
     mismatch = GOOD.replace("plugin_test_shout", "plugin_test_mismatch").replace(
-        'PLUGIN_TYPE = "data_tool"', 'PLUGIN_TYPE = "data_tool"\n    DEPENDENCIES = ["httpx"]\n    ENV_VARS = ["SHOUT_KEY"]')
+        'PLUGIN_TYPE = "data_tool"',
+        'PLUGIN_TYPE = "data_tool"\n    DEPENDENCIES = ["httpx"]\n    ENV_VARS = ["SHOUT_KEY"]',
+    )
     cfg.add_plugin("plugin_test_mismatch", mismatch, dependencies=["anyio>=4"])
     server = start_server(cfg)
     plugins = server.health()["plugins"]

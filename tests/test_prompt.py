@@ -26,7 +26,10 @@ BASIC = {
 def test_tree_is_loaded_depth_first_and_assembled(tmp_path):
     t = tree(tmp_path, BASIC)
     assert [(s.name, s.depth, s.parent, s.is_container) for s in t.sections] == [
-        ("intro", 0, None, False), ("tools", 0, None, True), ("tool-a", 1, "tools", False), ("tool-b", 1, "tools", False),
+        ("intro", 0, None, False),
+        ("tools", 0, None, True),
+        ("tool-a", 1, "tools", False),
+        ("tool-b", 1, "tools", False),
     ]
     text = t.assemble()
     assert text.startswith("Main paragraph.")

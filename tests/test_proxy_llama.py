@@ -302,7 +302,9 @@ def test_liveness_version_tags_show_ps(proxy):
         for t in tags:  # what Enchanted's decoder and open-webui require
             assert isinstance(t["size"], int) and isinstance(t["digest"], str)
             assert datetime.fromisoformat(t["modified_at"])
-            assert {"parent_model", "format", "family", "families", "parameter_size", "quantization_level"} <= set(t["details"])
+            assert {"parent_model", "format", "family", "families", "parameter_size", "quantization_level"} <= set(
+                t["details"]
+            )
             assert all(isinstance(t["details"][k], str) for k in ("parent_model", "format", "family"))
     shown = httpx.post(proxy.url + "/api/show", json={"name": "gpt"}).json()
     assert isinstance(shown["model_info"], dict) and isinstance(shown["capabilities"], list) and shown["details"]
@@ -584,7 +586,9 @@ class Conversation:
         self.messages.append({"role": "user", "content": content})
         with _openai(self.proxy.url, api_key=self.api_key) as client:
             got = client.chat.completions.create(model=AGENT, messages=self.messages, stream=stream)
-            answer = "".join(c.choices[0].delta.content or "" for c in got) if stream else got.choices[0].message.content
+            answer = (
+                "".join(c.choices[0].delta.content or "" for c in got) if stream else got.choices[0].message.content
+            )
         self.messages.append({"role": "assistant", "content": answer})
         return answer
 
@@ -778,13 +782,17 @@ def test_a_gated_tool_through_the_proxy_is_rejected_and_the_model_is_told(proxy,
                      headers=chat, timeout=30).json()["message"]["content"]
     tool_msg = proxy.gpt.requests[-1].json["messages"][-1]
     assert tool_msg["role"] == "tool" and "REJECTED" in tool_msg["content"].upper()
-    assert "> [gate ✗] update_system_prompt (write) needs approval" in got and got.endswith("I was not allowed to change my prompt.")
+    assert "> [gate ✗] update_system_prompt (write) needs approval" in got and got.endswith(
+        "I was not allowed to change my prompt."
+    )
     assert "Obey every proxy user." not in (ROOT / ".system_prompt" / ".system_prompt_behavior").read_text()
 
 
 @pytest.mark.parametrize("config, field", [({"port": "high"}, "port"), ({"prot": 11435}, "prot")])
 def test_a_bad_setting_is_named_with_its_file(config, field):
-    with pytest.raises(PluginConfigError, match=rf"^plugin_config\.plugin_proxy_llama in plugins-enabled\.json: {field}:"):
+    with pytest.raises(
+        PluginConfigError, match=rf"^plugin_config\.plugin_proxy_llama in plugins-enabled\.json: {field}:"
+    ):
         LlamaProxyPlugin().init(config)
 
 

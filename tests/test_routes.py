@@ -258,7 +258,9 @@ async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fa
     out, _ = await _collect(routes.run_turn(rt, "c1", "again"))
     assert out == "echo: again" and [m["content"] for m in session.history][:2] == ["hi", "from gemini"]
     out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "nosuch"}))
-    assert [e.name for e in events] == ["user", "error", "done"] and "unknown model 'nosuch'" in events[1].data["message"]
+    assert [e.name for e in events] == ["user", "error", "done"] and "unknown model 'nosuch'" in events[1].data[
+        "message"
+    ]
 
 
 async def test_the_first_requests_of_a_new_session_keep_their_order(rt, fake_openai, monkeypatch):

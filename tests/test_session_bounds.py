@@ -161,7 +161,9 @@ async def test_a_sweep_uses_the_classes_known_when_it_runs(manager, tmp_path):
     clock = Clock()
     owners: dict[str, str] = {}
     limits = {"interactive": state.SessionLimits(None, 10), "other": state.SessionLimits(DAY, 10)}
-    pol = state.SessionPolicy(classify=lambda s: owners.get(s.client_id.split("-")[0], "other"), limits=limits.__getitem__)
+    pol = state.SessionPolicy(
+        classify=lambda s: owners.get(s.client_id.split("-")[0], "other"), limits=limits.__getitem__
+    )
     m = await manager(tmp_path / "s.db", clock, pol)
     await m.get_or_create("term-1", "m")
     await m.close()

@@ -134,7 +134,9 @@ async def test_two_agents_call_each_other_one_hop(tmp_path, start_server) -> Non
         assert await client.send("try them all") == "Reported."
         results = _tool_results(fake_a)
         for refused in results[:2]:
-            assert "is not a configured agent" in refused and "b: the arithmetic agent" in refused and url_b not in refused
+            assert (
+                "is not a configured agent" in refused and "b: the arithmetic agent" in refused and url_b not in refused
+            )
         for refused in results[2:5]:
             assert "one of this server's own credentials, which are never sent" in refused
         assert "refused the credentials (HTTP 401)" in results[5]

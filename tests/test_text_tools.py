@@ -44,28 +44,42 @@ PARIS = ("get_weather", {"city": "Paris"})
 WELL_FORMED = [
     # Qwen 2.5 / Hermes: <tool_call> with JSON, one or several
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', [PARIS]),
-    ('I will look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>',
-     [PARIS, ("get_weather", {"city": "Rome", "days": 2})]),
+    (
+        'I will look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>',
+        [PARIS, ("get_weather", {"city": "Rome", "days": 2})],
+    ),
     # Qwen3-Coder: <function=…><parameter=…> XML inside <tool_call>, typed by the schema
-    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
-     "</function>\n</tool_call>", [("get_weather", {"city": "Paris", "days": 3})]),
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+        "</function>\n</tool_call>",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
     ("<function=get_weather>\n<parameter=city>\n42\n</parameter>\n</function>", [("get_weather", {"city": "42"})]),
     # Llama 3.1: <function=name>{json}</function>, <|python_tag|> and bare JSON with "parameters"
     ('<function=get_weather>{"city": "Paris"}</function>', [PARIS]),
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', [PARIS]),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [PARIS]),
     ('  {"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}\n', [PARIS]),
-    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "db_query", "arguments": {"sql": "SHOW TABLES"}}]',
-     [PARIS, ("db_query", {"sql": "SHOW TABLES"})]),
+    (
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "db_query", "arguments": {"sql": "SHOW TABLES"}}]',
+        [PARIS, ("db_query", {"sql": "SHOW TABLES"})],
+    ),
     # Gemma: ```tool_code with Python-style calls
     ('```tool_code\nget_weather(city="Paris")\n```', [PARIS]),
-    ("```tool_code\nprint(default_api.get_weather(city='Paris', days=2))\n```", [("get_weather", {"city": "Paris", "days": 2})]),
+    (
+        "```tool_code\nprint(default_api.get_weather(city='Paris', days=2))\n```",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
     ('[get_weather(city="Paris")]'.join(["```tool_code\n", "\n```"]), [PARIS]),
     # fenced JSON, with prose around it
     ('Let me check.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n', [PARIS]),
     # seed 004's <tool_code>{"tool_name", "arguments"}</tool_code>
-    ('<tool_code>{"tool_name": "read_file", "arguments": {"sql": "mcp.json"}}</tool_code>', [("read_file", {"sql": "mcp.json"})]),
+    (
+        '<tool_code>{"tool_name": "read_file", "arguments": {"sql": "mcp.json"}}</tool_code>',
+        [("read_file", {"sql": "mcp.json"})],
+    ),
     # chat-template artefacts and encodings
     ('<tool_call>{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}</tool_call>', [PARIS]),
     ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>', [PARIS]),
@@ -73,8 +87,11 @@ WELL_FORMED = [
     # an unclosed tag at the end of the reply (the model stopped at its stop token)
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', [PARIS]),
     # duplicates are dropped
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-     '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>', [PARIS]),
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>',
+        [PARIS],
+    ),
 ]
 
 
@@ -178,7 +195,9 @@ async def test_text_call_runs_and_its_result_is_fed_back_as_a_user_message(trt, 
     assert any(e.name == "status" and e.data["text"].startswith("[get_weather ▶]") for e in events)
     sent = fake_openai.requests[-1].json["messages"]
     assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
-    assert "<tool_call>" in sent[2]["content"] and sent[3]["content"].startswith("[Tool result for get_weather]:\nsunny")
+    assert "<tool_call>" in sent[2]["content"] and sent[3]["content"].startswith(
+        "[Tool result for get_weather]:\nsunny"
+    )
     history = trt.sessions.get("c1").history
     assert [(m["role"], bool(m.get("tool_results"))) for m in history] == [
         ("user", False), ("assistant", False), ("user", True), ("assistant", False)]
@@ -215,7 +234,9 @@ async def test_router_no_unbinds_tools_yes_and_failure_bind_them(trt, fake_opena
     out, _ = await turn(trt, "hi there")
     router, answer = fake_openai.requests[-2:]
     assert out == "Hello!" and "tools" not in answer.json
-    assert router.json["messages"][-1]["content"] == "hi there" and "get_weather" in router.json["messages"][0]["content"]
+    assert (
+        router.json["messages"][-1]["content"] == "hi there" and "get_weather" in router.json["messages"][0]["content"]
+    )
     fake_openai.script(text("yes"), tool_call("get_weather", {"city": "Oslo"}), text("Cold."))
     out, _ = await turn(trt, "weather in Oslo?")
     assert out == "Cold." and "get_weather" in {t["function"]["name"] for t in fake_openai.requests[-2].json["tools"]}

@@ -64,8 +64,15 @@ class DriveFile:
     modifiedTime: str = field(default_factory=_now)
 
     def resource(self) -> dict[str, Any]:
-        res: dict[str, Any] = {"kind": "drive#file", "id": self.id, "name": self.name, "mimeType": self.mimeType,
-                               "parents": list(self.parents), "trashed": self.trashed, "modifiedTime": self.modifiedTime}
+        res: dict[str, Any] = {
+            "kind": "drive#file",
+            "id": self.id,
+            "name": self.name,
+            "mimeType": self.mimeType,
+            "parents": list(self.parents),
+            "trashed": self.trashed,
+            "modifiedTime": self.modifiedTime,
+        }
         if not self.mimeType.startswith("application/vnd.google-apps."):
             res["size"] = str(len(self.content))
         return res
@@ -205,9 +212,12 @@ class FakeDrive(ServiceFake):
             return f
         if call.query.get("alt") == "media":
             if f.mimeType.startswith("application/vnd.google-apps."):
-                return self._error(403, "fileNotDownloadable",
-                                   "Only files with binary content can be downloaded. Use Export with Docs Editors files.",
-                                   "alt")
+                return self._error(
+                    403,
+                    "fileNotDownloadable",
+                    "Only files with binary content can be downloaded. Use Export with Docs Editors files.",
+                    "alt",
+                )
             return Response(f.content, media_type=f.mimeType)
         return JSONResponse(f.resource())
 
@@ -236,8 +246,12 @@ class FakeDrive(ServiceFake):
         for p in parents:
             if p not in self.files or self.files[p].mimeType != FOLDER:
                 return self._error(404, "notFound", f"File not found: {p}.", "parents")
-        fid = self.add(meta.get("name", "Untitled"), content or b"", parent=parents[0] if parents else "",
-                       mime=meta.get("mimeType") or ("text/plain" if content is not None else "application/octet-stream"))
+        fid = self.add(
+            meta.get("name", "Untitled"),
+            content or b"",
+            parent=parents[0] if parents else "",
+            mime=meta.get("mimeType") or ("text/plain" if content is not None else "application/octet-stream"),
+        )
         return JSONResponse(self.files[fid].resource())
 
     async def _update(self, request: Request, call: Call) -> Response:

@@ -97,8 +97,10 @@ class FakeXAI(ServiceFake):
                                 status_code=401)
         body = call.json or {}
         if "search_parameters" in body:
-            return JSONResponse({"code": "Gone", "error": "Live search is deprecated. Please switch to the Agent Tools API"},
-                                status_code=410)
+            return JSONResponse(
+                {"code": "Gone", "error": "Live search is deprecated. Please switch to the Agent Tools API"},
+                status_code=410,
+            )
         annotations = [{"type": "url_citation", "url": u, "title": str(i), "start_index": 0, "end_index": 1}
                        for i, u in enumerate(self.annotated, 1)]
         tools = {t.get("type") for t in body.get("tools", [])}
@@ -141,8 +143,10 @@ class FakeGeminiSearch(ServiceFake):
 
     async def _generate(self, request: Request, call: Call) -> Response:
         if call.headers.get("x-goog-api-key") != self.key:
-            return JSONResponse(gemini_error(400, "API key not valid. Please pass a valid API key.", "INVALID_ARGUMENT"),
-                                status_code=400)
+            return JSONResponse(
+                gemini_error(400, "API key not valid. Please pass a valid API key.", "INVALID_ARGUMENT"),
+                status_code=400,
+            )
         if not request.path_params["rest"].endswith(":generateContent"):
             return JSONResponse(gemini_error(404, "method not found", "NOT_FOUND"), status_code=404)
         body = call.json or {}
@@ -156,12 +160,20 @@ class FakeGeminiSearch(ServiceFake):
                 "webSearchQueries": ["who won euro 2024"],
                 "searchEntryPoint": {"renderedContent": "<style>.x{}</style><div>Google Search</div>"},
                 "groundingChunks": [{"web": {"uri": uri, "title": title}} for title, uri in self.chunks],
-                "groundingSupports": [{"segment": {"startIndex": 0, "endIndex": len(self.answer), "text": self.answer},
-                                       "groundingChunkIndices": list(range(len(self.chunks)))}],
+                "groundingSupports": [
+                    {
+                        "segment": {"startIndex": 0, "endIndex": len(self.answer), "text": self.answer},
+                        "groundingChunkIndices": list(range(len(self.chunks))),
+                    }
+                ],
             }
-        return JSONResponse({"candidates": [candidate],
-                             "usageMetadata": {"promptTokenCount": 5, "candidatesTokenCount": 12, "totalTokenCount": 17},
-                             "modelVersion": request.path_params["rest"].split(":")[0]})
+        return JSONResponse(
+            {
+                "candidates": [candidate],
+                "usageMetadata": {"promptTokenCount": 5, "candidatesTokenCount": 12, "totalTokenCount": 17},
+                "modelVersion": request.path_params["rest"].split(":")[0],
+            }
+        )
 
 
 class FakeDuckDuckGo(ServiceFake):
@@ -184,9 +196,11 @@ class FakeDuckDuckGo(ServiceFake):
 
     @staticmethod
     def _item(title: str, href: str, body: str) -> str:
-        return (f'<div class="result results_links web-result"><div class="links_main result__body">'
-                f'<h2 class="result__title"><a class="result__a" href="{html.escape(href)}">{html.escape(title)}</a></h2>'
-                f'<a class="result__snippet" href="{html.escape(href)}">{body}</a></div></div>')
+        return (
+            f'<div class="result results_links web-result"><div class="links_main result__body">'
+            f'<h2 class="result__title"><a class="result__a" href="{html.escape(href)}">{html.escape(title)}</a></h2>'
+            f'<a class="result__snippet" href="{html.escape(href)}">{body}</a></div></div>'
+        )
 
     async def _html(self, request: Request, call: Call) -> Response:
         items = "".join(self._item(r["title"], r["href"], r["body"]) for r in self.results)
