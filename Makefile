@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard clean
+.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ bench-mcp: $(STAMP)
 
 bench-guard: $(STAMP)
 	$(PY) bench/guard_overhead.py
+
+metrics: $(STAMP)
+	$(VENV)/bin/radon cc --total-average -n C -s *.py plugins/*.py
+	wc -l *.py plugins/*.py | sort -n | tail -8
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
