@@ -14,13 +14,13 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 import openai
-from langchain_core.exceptions import ModelConnectionError, ModelError, ModelRateLimitError, ModelTimeoutError
+from langchain_core.exceptions import ModelConnectionError, ModelError, ModelRateLimitError
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 import budget
+import failures
 import gate
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, field_problems, resolve_api_key
@@ -179,31 +180,9 @@ def content_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """`exc` and the exceptions it was raised from (SDKs and LangChain wrap the transport's errors)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
-def _status_code(exc: BaseException) -> int | None:
-    """The HTTP status a backend answered with, if `exc` reports one (openai or google-genai)."""
-    if isinstance(exc, openai.APIStatusError):
-        return exc.status_code
-    try:
-        from google.genai import errors as genai_errors
-    except ImportError:  # pragma: no cover - a dependency of langchain-google-genai
-        return None
-    return exc.code if isinstance(exc, genai_errors.APIError) and isinstance(exc.code, int) else None
-
-
 def llm_error_kind(exc: BaseException) -> Literal["timeout", "backend"]:
     """"timeout" when the model did not answer within llm_call_timeout, else "backend" (any other failure)."""
-    timeouts = (openai.APITimeoutError, httpx.TimeoutException, TimeoutError, ModelTimeoutError)
-    return "timeout" if any(isinstance(e, timeouts) for e in _chain(exc)) else "backend"
+    return "timeout" if failures.failure(exc).kind == "timeout" else "backend"
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -213,14 +192,14 @@ def _retryable(exc: BaseException) -> bool:
         return False
     connection = (openai.APIConnectionError, httpx.ConnectError, ConnectionError, ModelConnectionError,
                   ModelRateLimitError)
-    return any(isinstance(e, connection) or _status_code(e) in _RETRY_STATUSES for e in _chain(exc))
+    return any(isinstance(e, connection) or failures.status_of(e) in _RETRY_STATUSES for e in failures.chain(exc))
 
 
 def _from_backend(exc: BaseException) -> bool:
     """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
     reported = (LLMError, openai.APIError, httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
                 json.JSONDecodeError)
-    return any(isinstance(e, reported) or _status_code(e) is not None for e in _chain(exc))
+    return any(isinstance(e, reported) or failures.status_of(e) is not None for e in failures.chain(exc))
 
 
 def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) -> str:
@@ -232,23 +211,16 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
         timeout = f"{cfg.llm_call_timeout:g}" if cfg else "?"
         return (f"{where}: no answer within {timeout} s (llm_call_timeout), not retried. Check that the model "
                 f"server runs and is not overloaded, or raise the limit with !llm_timeout {key} <seconds>")
-    if isinstance(exc, openai.APIConnectionError):
-        return f"{where}: cannot connect ({exc.__cause__ or exc}); is the server running and the host right?"
-    if isinstance(exc, openai.AuthenticationError):
+    found = failures.failure(exc)
+    if found.kind == "unreachable":
+        cause = found.error.__cause__ or found.error
+        return f"{where}: cannot connect ({cause}); is the server running and the host right?"
+    if found.status == 401:
         return f"{where}: the backend refused the API key (HTTP 401); check {cfg.env_key if cfg else 'the key'}"
-    if isinstance(exc, openai.APIStatusError):
-        return f"{where}: the backend answered HTTP {exc.status_code}: {_short(exc.message)}"
+    if found.kind == "status":
+        return f"{where}: the backend answered HTTP {found.status}: {_short(found.message)}"
     if isinstance(exc, openai.APIError):
         return f"{where}: the backend reported an error: {_short(exc.message)}"
-    try:
-        from google.genai import errors as genai_errors
-
-        if isinstance(exc, genai_errors.APIError):
-            return f"{where}: the backend answered HTTP {exc.code}: {_short(str(exc.message or exc))}"
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(exc, httpx.ConnectError | ConnectionError):
-        return f"{where}: cannot connect ({exc}); is the server running and the host right?"
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
         return f"{where}: malformed response from the backend ({type(exc).__name__}: {_short(str(exc))})"
     return f"{where}: {type(exc).__name__}: {_short(str(exc))}"
@@ -698,7 +670,7 @@ async def model_window(rt: state.Runtime, key: str) -> tuple[int, str]:
 
 
 def _overflowed(exc: BaseException) -> bool:
-    return any(budget.is_overflow(_status_code(e), str(e)) for e in _chain(exc))
+    return any(budget.is_overflow(failures.status_of(e), str(e)) for e in failures.chain(exc))
 
 
 @dataclass

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-import httpx
 from pydantic import Field
 from tavily import AsyncTavilyClient
 from tavily import errors as tavily_errors
 
+from failures import Service, describe
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 DEFAULT_BASE_URL = "https://api.tavily.com"
@@ -64,21 +64,16 @@ class TavilyPlugin(BasePlugin):
         self.client = None
 
 
+#: Tavily's client raises one class per status without carrying it.
+_STATUSES = {tavily_errors.InvalidAPIKeyError: 401, tavily_errors.UsageLimitExceededError: 429,
+             tavily_errors.ForbiddenError: 403, tavily_errors.BadRequestError: 400}
+
+
 def describe_error(exc: Exception, settings: TavilySettings) -> str:
     """What went wrong talking to Tavily and what to do, in one line."""
-    detail = str(exc).strip() or "no details"
-    if isinstance(exc, tavily_errors.InvalidAPIKeyError):
-        return f"Tavily rejected the API key (HTTP 401: {detail}); check TAVILY_API_KEY in .env"
-    if isinstance(exc, tavily_errors.UsageLimitExceededError):
-        return f"Tavily usage limit reached (HTTP 429: {detail}); wait a while or raise the plan's limit"
-    if isinstance(exc, tavily_errors.ForbiddenError):
-        return f"Tavily refused the request (HTTP 403: {detail})"
-    if isinstance(exc, tavily_errors.BadRequestError):
-        return f"Tavily rejected the request (HTTP 400: {detail}); change the arguments"
-    if isinstance(exc, tavily_errors.TimeoutError | httpx.TimeoutException):
-        return f"no answer from Tavily within {settings.timeout:g} s; try again later"
-    if isinstance(exc, httpx.HTTPStatusError):
-        return f"Tavily answered HTTP {exc.response.status_code}; try again later"
-    if isinstance(exc, httpx.TransportError):
-        return f"cannot reach Tavily at {settings.base_url} ({type(exc).__name__}: {exc}); check the network"
-    return f"{type(exc).__name__}: {detail}"
+    service = Service("Tavily", where=settings.base_url, key="TAVILY_API_KEY", timeout=settings.timeout,
+                      says={429: "Tavily usage limit reached", 403: "Tavily refused the request",
+                            400: "Tavily rejected the request"},
+                      advice={429: "wait a while or raise the plan's limit", 400: "change the arguments"})
+    status = next((code for cls, code in _STATUSES.items() if isinstance(exc, cls)), None)
+    return describe(service, exc, status=status, message=(str(exc).strip() or "no details") if status else None)

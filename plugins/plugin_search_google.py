@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx
 from google import genai
-from google.genai import errors as genai_errors
 from google.genai import types
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
+from failures import Service, describe, failure
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.google_search")
@@ -65,23 +64,15 @@ def format_response(query: str, resp: types.GenerateContentResponse) -> str:
 
 def describe_error(exc: Exception, settings: GoogleSearchSettings) -> str:
     """What went wrong talking to Gemini and what to do, in one line."""
-    if isinstance(exc, genai_errors.APIError):
-        message = " ".join(str(exc.message or exc.status or "").split())
-        if exc.code in (400, 401, 403) and "key" in message.lower():
-            return f"Gemini rejected the API key (HTTP {exc.code}: {message}); check GEMINI_API_KEY in .env"
-        if exc.code == 429:
-            return f"Gemini quota or rate limit reached (HTTP 429: {message}); wait a while or check the quota"
-        if exc.code == 404:
-            return (f"Gemini does not know model '{settings.model}' (HTTP 404); "
-                    "set plugin_config.plugin_search_google.model to a current Gemini model")
-        return f"Gemini answered HTTP {exc.code}: {message}"
-    if isinstance(exc, httpx.TimeoutException | TimeoutError):
-        return f"no answer from Gemini within {settings.timeout:g} s; try again later"
-    if isinstance(exc, httpx.TransportError):
-        return (
-            f"cannot reach Gemini at {settings.base_url or 'Google'} ({type(exc).__name__}: {exc}); check the network"
-        )
-    return f"{type(exc).__name__}: {exc}"
+    service = Service("Gemini", where=settings.base_url or "Google", key="GEMINI_API_KEY", timeout=settings.timeout,
+                      says={429: "Gemini quota or rate limit reached",
+                            404: f"Gemini does not know model '{settings.model}'"},
+                      advice={429: "wait a while or check the quota",
+                              404: "set plugin_config.plugin_search_google.model to a current Gemini model"})
+    found = failure(exc)
+    # Gemini answers a bad key with 400 or 403 as often as with 401.
+    rejected = found.status in (400, 401, 403) and "key" in found.message.lower()
+    return describe(service, exc, key_rejected=rejected)
 
 
 async def run_google_search(client: genai.Client, settings: GoogleSearchSettings, query: str) -> str:

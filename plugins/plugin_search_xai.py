@@ -16,6 +16,7 @@ import openai
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
+from failures import Service, describe
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.xai_search")
@@ -81,20 +82,12 @@ def format_response(query: str, resp: Any) -> str:
 
 def describe_error(exc: Exception, settings: XaiSettings) -> str:
     """What went wrong talking to xAI and what to do, in one line."""
-    if isinstance(exc, openai.AuthenticationError):
-        return "xAI rejected the API key (HTTP 401); check XAI_API_KEY in .env"
-    if isinstance(exc, openai.RateLimitError):
-        return "xAI rate limit or credit limit reached (HTTP 429); wait a while or check the account's credits"
-    if isinstance(exc, openai.NotFoundError):
-        return (f"xAI does not know model '{settings.model}' or the endpoint (HTTP 404); "
-                "set plugin_config.plugin_search_xai.model to a current grok-4 model")
-    if isinstance(exc, openai.APITimeoutError):
-        return f"no answer from xAI within {settings.timeout:g} s; try again or ask a narrower question"
-    if isinstance(exc, openai.APIConnectionError):
-        return f"cannot reach xAI at {settings.base_url} ({exc.__cause__ or exc}); check the network"
-    if isinstance(exc, openai.APIStatusError):
-        return f"xAI answered HTTP {exc.status_code}: {exc.message}"
-    return f"{type(exc).__name__}: {exc}"
+    return describe(Service(
+        "xAI", where=settings.base_url, key="XAI_API_KEY", timeout=settings.timeout,
+        says={429: "xAI rate limit or credit limit reached",
+              404: f"xAI does not know model '{settings.model}' or the endpoint"},
+        advice={429: "wait a while or check the account's credits",
+                404: "set plugin_config.plugin_search_xai.model to a current grok-4 model"}), exc)
 
 
 async def run_xai_search(client: openai.AsyncOpenAI, settings: XaiSettings, query: str,

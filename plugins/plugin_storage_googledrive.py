@@ -35,6 +35,7 @@ from googleapiclient.http import MediaInMemoryUpload
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
+from failures import Service, describe, failure
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.google_drive")
@@ -141,27 +142,25 @@ def describe_error(exc: Exception, settings: DriveSettings) -> str:
     """What went wrong and what to do, in one line."""
     if isinstance(exc, DriveError):
         return str(exc)
-    if isinstance(exc, HttpError):
-        status, reason, message = exc.status_code, _error_reason(exc), exc.reason
-        if reason == "storageQuotaExceeded":
-            return ("Drive refused to store the file: service accounts have no storage quota. Use a folder on a "
-                    "shared drive, domain-wide delegation (plugin_config subject) or OAuth user credentials")
-        if status == 404:
-            return f"Drive has no such file, or this account cannot see it (HTTP 404: {message}); use list for ids"
-        if status == 401:
-            return f"Drive rejected the credentials (HTTP 401: {message}); renew credentials.json / token.json"
-        if status == 429 or reason in ("rateLimitExceeded", "userRateLimitExceeded"):
-            return f"Drive rate limit reached (HTTP {status}: {message}); wait a minute and try again"
-        if status == 403:
-            return (f"Drive refused (HTTP 403 {reason}: {message}); share the folder with this account "
-                    "(a service account's client_email) as Editor")
-        return f"Drive answered HTTP {status}{' ' + reason if reason else ''}: {message}"
     if isinstance(exc, google.auth.exceptions.RefreshError):
         return f"cannot get a Drive access token ({exc}); the credentials are revoked or expired: renew them"
-    if isinstance(exc, google.auth.exceptions.TransportError | httplib2.HttpLib2Error | OSError):
-        where = settings.base_url or "https://www.googleapis.com/drive/v3/"
-        return f"cannot reach Drive at {where} ({type(exc).__name__}: {exc}); check the network and ca_bundle"
-    return f"{type(exc).__name__}: {exc}"
+    service = Service(
+        "Drive", where=settings.base_url or "https://www.googleapis.com/drive/v3/", timeout=None,
+        says={401: "Drive rejected the credentials", 404: "Drive has no such file, or this account cannot see it",
+              403: "Drive refused", 429: "Drive rate limit reached"},
+        advice={401: "renew credentials.json / token.json", 404: "use list for ids",
+                403: "share the folder with this account (a service account's client_email) as Editor",
+                429: "wait a minute and try again"})
+    if not isinstance(exc, HttpError):
+        return describe(service, exc) + (" and ca_bundle" if failure(exc).kind == "unreachable" else "")
+    reason = _error_reason(exc)
+    if reason == "storageQuotaExceeded":
+        return ("Drive refused to store the file: service accounts have no storage quota. Use a folder on a "
+                "shared drive, domain-wide delegation (plugin_config subject) or OAuth user credentials")
+    limited = reason in ("rateLimitExceeded", "userRateLimitExceeded")
+    named = reason and not limited and exc.status_code not in (401, 404)  # those say enough without it
+    message = f"{reason}: {exc.reason}" if named else exc.reason
+    return describe(service, exc, status=429 if limited else exc.status_code, message=message)
 
 
 EXPECTED_ERRORS = (DriveError, HttpError, google.auth.exceptions.GoogleAuthError, httplib2.HttpLib2Error, OSError)

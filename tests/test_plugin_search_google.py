@@ -63,7 +63,7 @@ async def test_errors_become_tool_results(tmp_path, gemini):
     assert bad_key.startswith("google_search error: Gemini rejected the API key (HTTP 400: API key not valid.")
     assert "GEMINI_API_KEY" in bad_key and "gem-wrong" not in bad_key
     assert quota.startswith("google_search error: Gemini quota or rate limit reached (HTTP 429: Resource has been")
-    assert busy == "google_search error: Gemini answered HTTP 503: The model is overloaded."
+    assert busy == "google_search error: Gemini answered HTTP 503: The model is overloaded; try again later"
     assert fine.startswith("[Search: 'q']")
     closed = f"http://127.0.0.1:{free_port()}"
     async with plugin_runtime(tmp_path, {NAME: {"base_url": closed}}, _env(gemini)) as rt:

@@ -56,7 +56,7 @@ async def test_max_results_setting_and_empty_result(tmp_path, tavily):
     (429, tavily_error("usage limit exceeded"), "Tavily usage limit reached (HTTP 429: usage limit exceeded)"),
     (400, tavily_error("query is too long"), "Tavily rejected the request (HTTP 400: query is too long)"),
     (403, tavily_error("plan does not allow this"), "Tavily refused the request (HTTP 403: plan does not allow"),
-    (502, {"detail": "bad gateway"}, "Tavily answered HTTP 502; try again later"),
+    (502, {"detail": "bad gateway"}, "Tavily answered HTTP 502: Bad Gateway; try again later"),
 ])
 async def test_service_errors_become_tool_results(tmp_path, tavily, status, body, expected):
     tavily.fail_next(status, body)

@@ -56,9 +56,9 @@ async def test_sources_choice_and_model_setting(tmp_path, xai):
 
 
 @pytest.mark.parametrize(("status", "expected"), [
-    (429, "xAI rate limit or credit limit reached (HTTP 429)"),
+    (429, "xAI rate limit or credit limit reached (HTTP 429: status 429); wait a while"),
     (410, "xAI answered HTTP 410: "),
-    (404, "xAI does not know model 'grok-4-1-fast' or the endpoint (HTTP 404)"),
+    (404, "xAI does not know model 'grok-4-1-fast' or the endpoint (HTTP 404: status 404); set plugin_config"),
     (500, "xAI answered HTTP 500: "),
 ])
 async def test_service_errors_become_tool_results(tmp_path, xai, status, expected):
@@ -71,7 +71,8 @@ async def test_service_errors_become_tool_results(tmp_path, xai, status, expecte
 async def test_wrong_key_and_unreachable_service(tmp_path, xai):
     async with plugin_runtime(tmp_path, {NAME: {"max_retries": 0}}, _env(xai, key="xai-wrong")) as rt:
         out = await call_tool(rt, "xai_search", query="q")
-    assert out == "xai_search error: xAI rejected the API key (HTTP 401); check XAI_API_KEY in .env"
+    assert out == ("xai_search error: xAI rejected the API key (HTTP 401: Incorrect API key provided); "
+                   "check XAI_API_KEY in .env")
     closed = f"http://127.0.0.1:{free_port()}/v1"
     async with plugin_runtime(tmp_path, {NAME: {"base_url": closed, "max_retries": 0}}, _env(xai)) as rt:
         out = await call_tool(rt, "xai_search", query="q")

@@ -219,8 +219,8 @@ async def test_drive_errors_are_explained(tmp_path, drive):
     assert several == "Drive error (read): several files are named 'notes.txt' (ids: NOTES, DUP); pass file_id"
     assert quota.startswith("Drive error (create): Drive refused to store the file: service accounts have no storage "
                             "quota. Use a folder on a shared drive")
-    assert server == "Drive error (list): Drive answered HTTP 500 backendError: Internal Error"
-    assert forbidden.startswith("Drive error (list): Drive refused (HTTP 403 insufficientFilePermissions: The user")
+    assert server == "Drive error (list): Drive answered HTTP 500: backendError: Internal Error; try again later"
+    assert forbidden.startswith("Drive error (list): Drive refused (HTTP 403: insufficientFilePermissions: The user")
     assert no_name == "Drive error (create): create needs file_name"
 
 
