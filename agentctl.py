@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import difflib
 import importlib.metadata
 import json
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,6 +40,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+import grants
 from agentctl_files import (
     ALL_GATED,
     FILE_MODELS,
@@ -338,6 +341,69 @@ class AgentCtl:
             self.term.say(f"{usage:<{width}}  {what}".rstrip())
         extra = "quit or exit leaves the prompt. " if self.in_prompt else ""
         self.term.say(f"{extra}Global options: --config-dir DIR, --json (every listing as JSON).", style="dim")
+
+    def _audit_file(self) -> Path:
+        return self.files.app_config().data_dir() / grants.AUDIT_FILE
+
+    def cmd_grants(self, args: list[str]) -> None:
+        """grants [revoke <id>|all]: the active grants of every session (answers to gates that reach beyond
+        one call), or end them. Revoke while the server is stopped: a running server keeps its own copy."""
+        self._args(args, self.cmd_grants, 0, 2)
+        if args:
+            if len(args) != 2 or args[0] != "revoke":
+                raise InputError(f"usage: agentctl {self._usage(self.cmd_grants)}")
+            ended = grants.revoke_offline(self._audit_file(), args[1], actor="agentctl")
+            if not ended:
+                raise InputError(f"no active grant '{args[1]}'; agentctl grants lists them")
+            self.term.done(f"revoked {', '.join(g.id for g in ended)}")
+            return
+        path = self._audit_file()
+        active = grants.read_grants(path) if path.exists() else []
+        if self.term.json_output:
+            self.term.json({"grants": [dataclasses.asdict(g) for g in active]})
+            return
+        now = time.time()
+        for grant in active:
+            self.term.say(f"{grant.session}: {grant.describe(now)}")
+        if not active:
+            self.term.say("No active grants.")
+
+    def cmd_audit(self, args: list[str]) -> None:
+        """audit [--since <ISO time|hours>] [--session <id>]: the gate decisions, grants, their uses,
+        revocations and gate-policy changes, oldest first."""
+        parser = _ArgParser(prog="agentctl audit", add_help=False, allow_abbrev=False)
+        parser.add_argument("--since")
+        parser.add_argument("--session")
+        opts = parser.parse_args(args)
+        since = _since(opts.since) if opts.since else None
+        records = list(grants.read_audit(self._audit_file(), since, opts.session)) \
+            if self._audit_file().exists() else []
+        if self.term.json_output:
+            self.term.json({"records": records})
+            return
+        table = Table("#", "time", "event", "session", "who", "what", "outcome")
+        for r in records:
+            what = " ".join(filter(None, [r["tool"], r["op"], ",".join(r["tables"]), r["grant_id"]]))
+            table.add_row(str(r["seq"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["event"],
+                          escape(r["session"] or ""), escape(r["actor"] or ""), escape(what), escape(r["outcome"]))
+        self.term.table(table)
+
+    def cmd_audit_verify(self, args: list[str]) -> None:
+        """audit-verify: check the audit log's hash chain; names the first changed or missing record."""
+        self._args(args, self.cmd_audit_verify, 0)
+        path = self._audit_file()
+        if not path.exists():
+            raise FileProblem(f"{path} does not exist: this data dir has no audit log yet")
+        count, broken = grants.verify_file(path)
+        if broken is not None:
+            if self.term.json_output:
+                self.term.json({"ok": False, "checked": count, "broken_record": broken.seq, "why": broken.why})
+            raise FileProblem(f"audit log {path}: record {broken.seq} breaks the chain: {broken.why} "
+                              f"({count} records before it are intact)")
+        if self.term.json_output:
+            self.term.json({"ok": True, "checked": count})
+        else:
+            self.term.say(f"audit log {path}: {count} records, chain intact")
 
     def cmd_repair(self, args: list[str]) -> None:
         """repair [file…]: re-create each broken or missing config file from the shipped defaults, the broken
@@ -916,6 +982,18 @@ def _shipped_default(name: str, config_dir: Path) -> str | None:
     except (ValueError, ConfigError):
         return None
     return text
+
+
+def _since(text: str) -> float:
+    """`--since`: an ISO date/time, or a number of hours ago."""
+    try:
+        return time.time() - float(text) * 3600
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise InputError(f"--since {text!r}: give an ISO date/time (2026-11-25T08:00) or hours ago (24)") from None
 
 
 def _dedent(doc: str) -> str:

@@ -8,6 +8,7 @@ import logging
 
 import commands
 import gate
+import grants
 import routes
 import state
 from config import CORE_GATES, AppConfig, SessionsConfig
@@ -36,9 +37,11 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
     for tool in make_core_tools(rt):
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
     rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
+    rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE)
+    await rt.gate.grants.open()
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
-    # Whatever removes a session (delete, expiry, eviction) also drops its stream and rate-limit windows.
-    sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget]
+    # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
+    sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
     sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
@@ -79,3 +82,5 @@ async def close_runtime(rt: state.Runtime) -> None:
     if rt.plugins:
         await rt.plugins.shutdown_all()
     await rt.sessions.close()
+    if rt.gate.grants is not None:
+        await rt.gate.grants.close()

@@ -13,6 +13,7 @@ a specific entry beats `*`, and anything not found is gated.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -28,6 +29,7 @@ from sqlglot import exp
 from sqlglot.dialects.mysql import MySQL
 from sqlglot.errors import SqlglotError
 
+import grants
 import guard
 import state
 from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit
@@ -56,7 +58,7 @@ ANY_TABLE = "*"
 DEFAULT_TYPE = "system"
 DEFAULT_GATE_TIMEOUT = 120.0
 DEFAULT_API_GATE_TIMEOUT = 2.0
-DECISIONS = ("allow", "allow_session", "reject")
+DECISIONS = grants.DECISIONS
 
 
 @dataclass(frozen=True)
@@ -349,6 +351,21 @@ def classify_sql(sql: Any) -> tuple[str, frozenset[str]]:
         return WRITE, frozenset({ANY_TABLE})
 
 
+def sql_shape(sql: Any) -> str:
+    """The statement with every literal value replaced by `?` (MySQL dialect), or "" when it is not exactly
+    one statement that parses: then no shape grant can match it."""
+    if not isinstance(sql, str) or EXECUTABLE_COMMENT.search(sql):
+        return ""
+    try:
+        statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
+        if len(statements) != 1:
+            return ""
+        shaped = statements[0].transform(lambda n: exp.Placeholder() if isinstance(n, exp.Literal) else n)
+        return shaped.sql(dialect="mysql")
+    except Exception:  # a parser failure means no shape, never a match
+        return ""
+
+
 def _classify(sql: str) -> tuple[str, frozenset[str]]:
     if EXECUTABLE_COMMENT.search(sql):
         return WRITE, frozenset(_guess_tables(sql) | {ANY_TABLE})
@@ -423,7 +440,9 @@ class GateKeeper:
         self.timeout = timeout
         self.api_timeout = api_timeout
         #: Gates waiting for a human: gate id → (the session's client id, future of the decision).
-        self.pending: dict[str, tuple[str, asyncio.Future[str]]] = {}
+        self.pending: dict[str, tuple[str, asyncio.Future[grants.Decision]]] = {}
+        #: Grants and the audit log (opened by build.build_runtime; None: neither, as in unit tests).
+        self.grants: grants.GrantStore | None = None
 
     @classmethod
     def from_env(cls, defaults: GateDefaults, env: dict[str, str]) -> GateKeeper:
@@ -477,9 +496,19 @@ class GateKeeper:
 
     # ── the check ──
 
+    async def audit(self, event: str, **fields: Any) -> None:
+        """Append to the audit log, when there is one (see grants.GrantStore.audit)."""
+        if self.grants is not None:
+            await self.grants.audit(event, **fields)
+
     async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
                     args: dict[str, Any]) -> Refusal | None:
-        """The gate of one tool call: None to run it, or the refusal the model receives."""
+        """The gate of one tool call: None to run it, or the refusal the model receives.
+
+        Allowed without asking when gate-defaults or this session's gate commands say so, or when an
+        active grant of the session covers it; otherwise a human is asked (or, for a client class that
+        cannot ask one, it is refused). Every decision, and every use of a grant, goes to the audit log.
+        """
         client_id, tool_name, session = turn.client_id, entry.tool.name, turn.session
         if gate_type(entry) == "db":
             op, found = classify_sql(args.get("sql"))
@@ -488,13 +517,25 @@ class GateKeeper:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op) for k in keys):
             return None
+        shape = _call_shape(entry, args)
+        pattern = grants.digest([tool_name, shape]) if shape else ""
+        audit = {"session": client_id, "tool": tool_name, "op": op, "tables": tables, "args": args}
+        grant = self.grants.find(client_id, tool_name, section, keys, op, pattern) if self.grants else None
+        if grant is not None:
+            assert self.grants is not None
+            await self.grants.used(grant)
+            await self.audit("grant_used", actor=_actor(turn), outcome="allowed", grant_id=grant.id, **audit)
+            rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
+            return None
         if turn.bypass_gates:
+            await self.audit("decision", actor=_actor(turn), outcome="allowed (@model turn)", **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
         what = f"{op} on {', '.join(tables)}" if tables else op
         wait = CLASSES[turn.kind].gate_wait
         if wait == NO_WAIT:
             label = CLIENT_LABELS[turn.kind]
+            await self.audit("decision", actor=_actor(turn), outcome="denied (no one can approve)", **audit)
             rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {label} "
                                      "cannot give — rejected")
             return Refusal("denied", f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this "
@@ -502,25 +543,32 @@ class GateKeeper:
                                      "the user that an operator can allow it from the shell (!autogate / "
                                      "!autoAIdb) or in gate-defaults.json.")
         timeout = self.timeout if wait == HUMAN_WAIT else self.api_timeout
+        grantable = ANY_TABLE not in keys and self.grants is not None
+        offers = [s for s in grants.GRANT_SCOPES if grantable and (s != grants.PATTERN or pattern)]
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
-                   "timeout_seconds": timeout}
+                   "timeout_seconds": timeout, "grants": offers, **({"shape": shape} if pattern else {})}
         decision, gate_id = await self.ask(rt, client_id, payload, timeout)
-        resolved = {"gate_id": gate_id, "decision": decision}
-        if decision == "allow":
-            rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: allowed once", **resolved})
+        resolved = {"gate_id": gate_id, "decision": decision.word}
+        outcome = {"allow": "allowed once", "reject": "rejected", "timeout": "no answer: rejected"}
+        if decision.word in grants.GRANT_SCOPES and decision.word in offers:
+            assert self.grants is not None
+            grant = await self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op,
+                                                           pattern, shape))
+            await self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id,
+                             **audit)
+            rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
+                                                 "grant": grant.id, **resolved})
             return None
-        if decision == "allow_session":
-            remembered = session is not None and ANY_TABLE not in keys
-            if remembered:
-                assert session is not None
-                for key in keys:
-                    self.set_override(session, section, key, op, True)
-                await rt.sessions.save(session)
-            note = "allowed for this session" if remembered else "allowed once (a statement that could not be " \
-                                                                 "analysed is never allowed for the whole session)"
+        if decision.word in grants.GRANT_SCOPES:  # not offered for this call: it becomes a yes for this call only
+            decision = grants.Decision("allow", decision.by)
+            note = "allowed once (a statement that could not be analysed is never granted beyond this call)"
+        else:
+            note = outcome.get(decision.word, decision.word)
+        await self.audit("decision", actor=decision.by or "timeout", outcome=note, **audit)
+        if decision.word == "allow":
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})
             return None
-        if decision == "timeout":
+        if decision.word == "timeout":
             rt.hub.publish(client_id, "status", {
                 "text": f"[gate ✗] {tool_name}: no answer within {timeout:g} s — rejected", **resolved})
             return Refusal("timeout", f"TOOL CALL REJECTED: nobody approved your {tool_name} request ({what}) "
@@ -531,13 +579,13 @@ class GateKeeper:
                                  "retry it; tell the user it was not run and ask how they want to proceed.")
 
     async def ask(self, rt: state.Runtime, client_id: str, payload: dict[str, Any],
-                  wait_seconds: float) -> tuple[str, str]:
-        """Send a gate event and wait for its decision: (allow | allow_session | reject | timeout, gate id).
+                  wait_seconds: float) -> tuple[grants.Decision, str]:
+        """Send a gate event and wait for its decision (word `timeout` when none came), with the gate id.
 
         The pending entry is always removed: on a decision, on timeout, and when the turn is cancelled.
         """
         gate_id = str(uuid.uuid4())
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[grants.Decision] = asyncio.get_running_loop().create_future()
         self.pending[gate_id] = (client_id, future)
         try:
             rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
@@ -545,25 +593,42 @@ class GateKeeper:
                 async with asyncio.timeout(wait_seconds):
                     decision = await future
             except TimeoutError:
-                decision = "timeout"
+                decision = grants.Decision("timeout")
         finally:
             self.pending.pop(gate_id, None)
-        return (decision if decision in (*DECISIONS, "timeout") else "reject"), gate_id
+        return decision, gate_id
 
     def owner(self, gate_id: str) -> str | None:
         """The client id of the session a pending gate belongs to, or None if it is not pending."""
         waiting = self.pending.get(gate_id)
         return waiting[0] if waiting else None
 
-    def resolve(self, gate_id: str, decision: str) -> bool:
-        """Answer a pending gate (allow | allow_session | reject); False if it is unknown or already answered."""
-        if decision not in DECISIONS:
-            raise ValueError(f"decision must be one of: {', '.join(DECISIONS)}")
+    def resolve(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
+                may_grant: bool = True) -> bool:
+        """Answer a pending gate: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject;
+        `by` names who answered (for the audit log). False if the gate is unknown or already answered;
+        grants.GrantError (a ValueError) for an answer that is not allowed."""
+        checked = grants.Decision.parse(decision, by, minutes, may_grant=may_grant)
         waiting = self.pending.get(gate_id)
         if waiting is None or waiting[1].done():
             return False
-        waiting[1].set_result(decision)
+        waiting[1].set_result(checked)
         return True
+
+
+def _actor(turn: state.Turn) -> str:
+    """Who a request is, for the audit log: its client class and id."""
+    return f"{turn.kind}:{turn.client_id}"
+
+
+def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
+    """What a shape grant matches: a `db` statement with its values replaced by `?`; for other tools,
+    the values of the arguments the tool declares as defining its effect (gate `defining`), else all."""
+    if gate_type(entry) == "db":
+        return sql_shape(args.get("sql"))
+    defining = entry.gate.get("defining")
+    chosen = {k: args.get(k) for k in defining} if isinstance(defining, list | tuple) else args
+    return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)
 
 
 async def check_rate_limit(rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
@@ -637,6 +702,7 @@ async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         for op in ops:
             rt.gate.set_override(session, "db", key, op, value)
     await rt.sessions.save(session)
+    await _audit_policy(rt, turn, "db", keys, ops, value)
     what = "every table (* and __meta__)" if len(keys) > 1 else keys[0]
     return f"autoAIdb {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
@@ -702,6 +768,7 @@ async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         for op in ops:
             rt.gate.set_override(session, "tools", key, op, value)
     await rt.sessions.save(session)
+    await _audit_policy(rt, turn, "tools", names, ops, value)
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
@@ -725,6 +792,7 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
         return refusal("!autoAISysPrompt", turn)
     rt.gate.set_override(session, "tools", targets[op], op, value)
     await rt.sessions.save(session)
+    await _audit_policy(rt, turn, "tools", [targets[op]], [op], value)
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
@@ -744,9 +812,44 @@ async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
 
 
 #: The gate commands: name → handler (rt, turn, args).
+async def _audit_policy(rt: state.Runtime, turn: state.Turn, section: str, keys: Iterable[str], ops: Iterable[str],
+                        allowed: bool) -> None:
+    await rt.gate.audit("policy", session=turn.client_id, actor=_actor(turn), op="+".join(ops),
+                        tables=keys if section == "db" else (), tool="" if section == "db" else ",".join(keys),
+                        outcome=f"this session: {'auto-allow' if allowed else 'gated'}")
+
+
+async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+    """!grants [revoke <id>|all] — this session's grants (who, scope, expiry, uses), or end them now
+
+    The shell and admin API clients may revoke a grant of any session by its id (from another
+    window while that session's turn runs: its next call asks again).
+    """
+    store = rt.gate.grants
+    if store is None:
+        return "Grants are not kept by this server."
+    parts = args.split()
+    if not parts:
+        now = store.clock()
+        rows = [f"  {g.describe(now)}" for g in store.active(turn.client_id)]
+        return ("Grants of this session (answers to gates that reach beyond one call):\n" + "\n".join(rows)
+                if rows else "No active grants in this session.")
+    if len(parts) != 2 or parts[0].lower() != "revoke":
+        return "ERROR: Invalid arguments\nUsage: !grants  |  !grants revoke <id>  |  !grants revoke all"
+    which = parts[1] if parts[1].lower() != "all" else "all"
+    owner = store.owner(which) if which != "all" and may_administer(turn) else None
+    ended = await store.revoke(owner or turn.client_id, which)
+    for grant in ended:
+        await store.audit("revoke", session=grant.session, actor=_actor(turn), tool=grant.tool, op=grant.op,
+                          tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked")
+    if not ended:
+        return f"No active grant {parts[1]} in this session; !grants lists them."
+    return f"Revoked {', '.join(g.id for g in ended)}: the next such call asks again."
+
+
 COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
     "autoaidb": cmd_autoaidb, "autogate": cmd_autogate, "autoaisysprompt": cmd_autoaisysprompt,
-    "ratelimit": cmd_ratelimit,
+    "ratelimit": cmd_ratelimit, "grants": cmd_grants,
 }
 
 

@@ -116,15 +116,12 @@ def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | 
         grid.add_row(
             "Time left", Text(f"{math.ceil(seconds_left)} s, then the server rejects it", style="yellow")
         )
-    keys = Text.assemble(
-        ("[a]", "bold green"),
-        " allow once   ",
-        ("[s]", "bold green"),
-        " allow for this session   ",
-        ("[r]", "bold red"),
-        " reject",
-        *((("   "), ("[v]", "bold"), " show all arguments") if truncated else ()),
-    )
+    if gate.get("shape"):
+        grid.add_row("Shape", Text(str(gate["shape"]), style="dim"))  # what p (allow this shape) would allow
+    parts: list[Any] = []
+    for key in gate_keys(gate):
+        parts += [(f"[{key}]", "bold red" if key == "r" else "bold green"), f" {_KEY_LABELS[key]}   "]
+    keys = Text.assemble(*parts, *((("[v]", "bold"), " show all arguments") if truncated else ()))
     return Panel(
         Group(grid, Text(""), keys),
         title="⚠ the agent asks to run a tool",
@@ -158,20 +155,33 @@ class _LiveAnswer:
 class _Countdown:
     """One line showing how long a gate still waits."""
 
-    def __init__(self, deadline: float, tool: str) -> None:
-        self.deadline, self.tool = deadline, tool
+    def __init__(self, deadline: float, tool: str, keys: list[str]) -> None:
+        self.deadline, self.tool, self.keys = deadline, tool, keys
 
     def __rich__(self) -> Text:
         left = max(0, math.ceil(self.deadline - time.monotonic()))
-        return Text(f"⏳ {left} s left to answer {self.tool}: a / s / r", style="yellow")
+        return Text(f"⏳ {left} s left to answer {self.tool}: {' / '.join(self.keys)}", style="yellow")
 
 
-_GATE_KEYS = {"a": "allow", "s": "allow_session", "r": "reject"}
+#: Minutes of a grant answered with t (allow for a while).
+GRANT_MINUTES = 15
+_GATE_KEYS = {"a": "allow", "t": "allow_for", "s": "allow_session", "p": "allow_pattern", "r": "reject"}
+_KEY_LABELS = {"a": "allow once", "t": f"allow for {GRANT_MINUTES} min", "s": "allow for this session",
+               "p": "allow this shape", "r": "reject"}
 _DECISION_LINES = {
     "allow": ("✓ allowed once — {tool} proceeds", "green"),
-    "allow_session": ("✓ allowed for this session — {tool} proceeds", "green"),
+    "allow_for": (f"✓ allowed for {GRANT_MINUTES} min (!grants to see or revoke) — {{tool}} proceeds", "green"),
+    "allow_session": ("✓ allowed for this session (!grants to see or revoke) — {tool} proceeds", "green"),
+    "allow_pattern": ("✓ allowed for calls of this shape (!grants to see or revoke) — {tool} proceeds", "green"),
     "reject": ("✗ rejected — {tool} is blocked", "red"),
 }
+
+
+def gate_keys(gate: dict[str, Any]) -> list[str]:
+    """The keys that answer `gate`: allow once and reject always, the grants the server offers for it."""
+    offered = gate.get("grants")
+    offered = offered if isinstance(offered, list) else ["allow_session"]  # a server from before grants
+    return [k for k, d in _GATE_KEYS.items() if d in ("allow", "reject") or d in offered]
 
 
 class ShellUI:
@@ -261,12 +271,13 @@ class ShellUI:
         lowered = key.lower()
         if lowered == "v":
             self._show_full_args(self.pending_gates[0])
-        elif lowered in _GATE_KEYS:
+        elif lowered in gate_keys(self.pending_gates[0]):
             await self.answer_gate(_GATE_KEYS[lowered])
         elif not self._hinted:
             self._hinted = True
             self.console.print(
-                Text("waiting for a gate decision: a / s / r (v shows all arguments)", style="yellow")
+                Text(f"waiting for a gate decision: {' / '.join(gate_keys(self.pending_gates[0]))} "
+                 "(v shows all arguments)", style="yellow")
             )
 
     async def answer_gate(self, decision: str) -> None:
@@ -279,7 +290,7 @@ class ShellUI:
         self._forget_timer(gate_id)
         template, style = _DECISION_LINES[decision]
         try:
-            await self.client.gate_response(gate_id, decision)
+            await self.client.gate_response(gate_id, decision, GRANT_MINUTES if decision == "allow_for" else None)
         except RequestRejected as exc:
             self.note(f"the gate is no longer pending ({exc.message})", "yellow")
         except ServerOffline as exc:
@@ -399,7 +410,8 @@ class ShellUI:
     def _next_gate(self) -> None:
         if self.pending_gates:
             gate = self.pending_gates[0]
-            self.console.print(Text(f"next gate: {gate.get('tool_name', '?')} — a / s / r", style="yellow"))
+            self.console.print(Text(f"next gate: {gate.get('tool_name', '?')} — {' / '.join(gate_keys(gate))}",
+                                    style="yellow"))
             self._start_countdown(gate)
 
     def _expire(self, gate_id: str) -> None:
@@ -444,7 +456,8 @@ class ShellUI:
     def _start_countdown(self, gate: dict[str, Any]) -> None:
         deadline = self._deadlines.get(str(gate.get("gate_id", "")))
         if deadline is not None and self.console.is_terminal and self._live is None:
-            self._start_live("countdown", _Countdown(deadline, str(gate.get("tool_name", "the tool"))), fps=2)
+            countdown = _Countdown(deadline, str(gate.get("tool_name", "the tool")), gate_keys(gate))
+            self._start_live("countdown", countdown, fps=2)
 
     def _stop_countdown(self) -> None:
         if self._live is not None and self._live_kind == "countdown":

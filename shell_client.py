@@ -22,7 +22,7 @@ from config import CODE_DIR
 DEFAULT_URL = "http://127.0.0.1:8765"
 DEFAULT_PORT = 8765
 SESSION_FILE = ".aiops_session_id"
-DECISIONS = ("allow", "allow_session", "reject")
+DECISIONS = ("allow", "allow_for", "allow_session", "allow_pattern", "reject")
 TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
 
 
@@ -217,11 +217,14 @@ class ShellClient:
             payload["default_model"] = default_model
         return await self._request("POST", "/submit", json=payload)
 
-    async def gate_response(self, gate_id: str, decision: str) -> dict[str, Any]:
-        """POST /gate_response with decision "allow", "allow_session" or "reject"."""
+    async def gate_response(self, gate_id: str, decision: str, minutes: int | None = None) -> dict[str, Any]:
+        """POST /gate_response: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject."""
         if decision not in DECISIONS:
             raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
-        return await self._request("POST", "/gate_response", json={"gate_id": gate_id, "decision": decision})
+        body: dict[str, Any] = {"gate_id": gate_id, "decision": decision}
+        if minutes is not None:
+            body["minutes"] = minutes
+        return await self._request("POST", "/gate_response", json=body)
 
     async def attach(self, session_id: str) -> dict[str, Any]:
         """Switch to an existing session (full id or shorthand) at once; return its /sessions entry.

@@ -21,7 +21,7 @@ import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
@@ -69,8 +69,16 @@ class _SubmitBody(_Body):
     default_model: str | None = Field(default=None, max_length=128)
 
 
+#: The gate decision of each `scope` of an approving answer.
+_SCOPES = {"once": "allow", "minutes": "allow_for", "session": "allow_session", "pattern": "allow_pattern"}
+
+
 class _GateBody(_Body):
     approve: bool
+    #: How far a yes reaches (admin key only beyond `once`): this call, N `minutes` of this tool or these
+    #: tables, the rest of the session, or calls of the same shape.
+    scope: Literal["once", "minutes", "session", "pattern"] = "once"
+    minutes: int | None = None
 
 
 class _StopBody(_Body):
@@ -227,9 +235,16 @@ class ApiPlugin(BasePlugin):
         gate_id = request.path_params["gate_id"]
         body = await _http.read_json(request, _GateBody)
         owner = self.rt.gate.owner(gate_id)
-        # Only gates of API sessions: a shell user's gate is never answered from here.
-        if owner is None or gate.client_class(owner) != gate.API or \
-                not self.rt.gate.resolve(gate_id, "allow" if body.approve else "reject"):
+        admin = self._is_admin(request)
+        decision = _SCOPES[body.scope] if body.approve else "reject"
+        try:
+            # Only gates of API sessions: a shell user's gate is never answered from here.
+            answered = owner is not None and gate.client_class(owner) == gate.API and self.rt.gate.resolve(
+                gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
+                may_grant=admin)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if not answered:
             return _error(404, f"unknown gate '{gate_id[:64]}': it was answered, timed out "
                                f"(after {self.rt.gate.api_timeout:g} s) or never existed")
         return JSONResponse({"status": "ok"})

@@ -18,6 +18,7 @@ Resources (JSON): `agentmcp://sessions`, `agentmcp://sessions/{id}/state`, `.../
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -50,6 +51,7 @@ from starlette.routing import Mount
 
 import agents
 import gate
+import grants
 import guard
 import routes
 import state
@@ -91,7 +93,8 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "get_gate_policy": (HUMAN,),
     "set_gate_default": (HUMAN,),
 }
-DECISION_WORDS = {"allow_once": "allow", "allow_session": "allow_session", "reject": "reject"}
+DECISION_WORDS = {"allow_once": "allow", "allow_for": "allow_for", "allow_session": "allow_session",
+                  "allow_pattern": "allow_pattern", "reject": "reject"}
 
 
 # ── The server ──────────────────────────────────────────────────────────────────────────────
@@ -127,6 +130,7 @@ class McpServerPlugin(BasePlugin):
     def __init__(self) -> None:
         super().__init__()
         self._unobserve: Callable[[], None] = lambda: None
+        self._unobserve_grants: Callable[[], None] = lambda: None
         self.cfg = McpServerConfig()
         self.store: ApprovalStore | None = None
         self.bus = InMemorySubscriptionBus()
@@ -167,6 +171,9 @@ class McpServerPlugin(BasePlugin):
         self.app = self.mcp.streamable_http_app(transport_security=_NO_SDK_CHECKS, host=self.cfg.host)
         self._known_sessions = {s.client_id for s in rt.sessions.all()}
         self._unobserve = rt.hub.observe(self._observe)
+        if rt.gate.grants is not None:
+            self._unobserve_grants = rt.gate.grants.observe(
+                lambda client_id: self._notes.put_nowait(tuple(self._session_uris(client_id, "grants"))))
         # The SDK's session manager runs for as long as the plugin does (uvicorn runs our app without lifespan).
         ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._run_manager(ready), name="mcp-session-manager"),
@@ -183,6 +190,7 @@ class McpServerPlugin(BasePlugin):
 
     async def shutdown(self) -> None:
         self._unobserve()
+        self._unobserve_grants()
         self._stop.set()
         self._queue.put_nowait((None, ()))  # the writer and the notifier finish what is queued, then stop
         self._notes.put_nowait(None)
@@ -380,6 +388,7 @@ class McpServerPlugin(BasePlugin):
                     ("history", "history"),
                     ("approvals/pending", "pending approvals"),
                     ("approvals/history", "approval history"),
+                    ("grants", "grants"),
                 ):
                     out.append(res(f"{SCHEME}sessions/{s.client_id}/{part}", f"{s.client_id} {label}",
                                    f"Session {s.client_id} (#{s.shorthand}): {label}"))
@@ -497,6 +506,13 @@ class McpServerPlugin(BasePlugin):
             assert plugin.store is not None
             return _json(await plugin.store.history(s.client_id))
 
+        @mcp.resource(SCHEME + "sessions/{sid}/grants", name="session grants", mime_type="application/json")
+        async def session_grants(sid: str) -> str:
+            """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
+            s = plugin._session(request_principal(), sid)
+            store = plugin.rt.gate.grants
+            return _json([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])
+
     # ── tools ──
 
     def _add_tools(self, mcp: MCPServer) -> None:
@@ -536,16 +552,26 @@ class McpServerPlugin(BasePlugin):
 
         @mcp.tool()
         async def answer_approval(
-            gate_id: str, decision: Literal["allow_once", "allow_session", "reject"]
+            gate_id: str,
+            decision: Literal["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"],
+            minutes: int = grants.DEFAULT_MINUTES,
         ) -> dict[str, Any]:
-            """Answer a pending gate: allow_once, allow_session (this tool for the rest of the session) or reject."""
+            """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
+            for `minutes`); allow_session (the same for the rest of the session); allow_pattern (calls of
+            the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers."""
             who = request_principal()
             owner = plugin.rt.gate.owner(gate_id)
             if owner is None:
                 raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
                                 "read agentmcp://approvals/pending")
             plugin._deciders[gate_id] = who.label
-            if not plugin.rt.gate.resolve(gate_id, DECISION_WORDS[decision]):
+            try:
+                answered = plugin.rt.gate.resolve(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
+                                                  minutes=minutes)
+            except ValueError as exc:
+                plugin._deciders.pop(gate_id, None)
+                raise ToolError(str(exc)) from None
+            if not answered:
                 plugin._deciders.pop(gate_id, None)
                 raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile")
             return {"status": "answered", "gate_id": gate_id, "session": owner, "decision": decision,
@@ -620,6 +646,9 @@ class McpServerPlugin(BasePlugin):
             logger.exception("saving gate defaults failed")
             note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
         logger.info("gate default %s.%s %s=%s set by %s", section, key, operation, allowed, who.label)
+        await self.rt.gate.audit("policy", actor=f"mcp token '{who.name}'", op="+".join(ops),
+                                 tables=[key] if section == "db" else (), tool="" if section == "db" else key,
+                                 outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
         await self.notify(f"{SCHEME}policy")
         return {"section": section, "key": key, **entry.model_dump(include={"read", "write"}), "note": note}
 

@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-import gate
 import guard
 import routes
 import state
@@ -47,6 +46,8 @@ class _SubmitBody(BaseModel):
 class _GateBody(BaseModel):
     gate_id: str = Field(min_length=1, max_length=128)
     decision: str
+    #: For allow_for: how long the grant lasts.
+    minutes: int | None = None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -134,9 +135,11 @@ class ShellpyPlugin(BasePlugin):
         body = await _json_body(request, _GateBody)
         if isinstance(body, JSONResponse):
             return body
-        if body.decision not in gate.DECISIONS:
-            return _error(400, f"decision must be one of: {', '.join(gate.DECISIONS)}")
-        if not self.rt.gate.resolve(body.gate_id, body.decision):
+        try:  # the shell's user is the human the gates ask: they may grant
+            answered = self.rt.gate.resolve(body.gate_id, body.decision, by="shell", minutes=body.minutes)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if not answered:
             return _error(404, f"unknown or already answered gate '{body.gate_id}' (it may have timed out)")
         return JSONResponse({"status": "OK"})
 

@@ -132,7 +132,8 @@ async def test_gate_matrix(matrix_rt, gate_type: str, client: str) -> None:
         assert result.startswith("TOOL CALL REJECTED") and "cannot give it" in result
     if gates:
         payload = gates[0].data
-        assert set(payload) == {"gate_id", "tool_name", "tool_args", "tables", "timeout_seconds"}
+        assert set(payload) == {"gate_id", "tool_name", "tool_args", "tables", "timeout_seconds", "grants", "shape"}
+        assert payload["grants"] == ["allow_for", "allow_session", "allow_pattern"]
         assert payload["tool_name"] == tool and payload["timeout_seconds"] == 30
         expected_op = "read" if gate_type in ("db", "search", "extract") else "write"
         assert payload["tool_args"]["operation_type"] == expected_op
@@ -179,12 +180,13 @@ async def test_reject_and_timeouts_tell_the_model(grt) -> None:
 
 
 async def test_allow_for_this_session_is_remembered_and_persisted(grt) -> None:
-    session = await grt.sessions.get_or_create("c1", "fake")
+    await grt.sessions.get_or_create("c1", "fake")
     other = await grt.sessions.get_or_create("c2", "fake")
     call = {"sql": "SELECT * FROM users JOIN orders ON users.id = orders.uid"}
     result, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", call), "allow_session")
     assert result.startswith("ok") and [e.data["tables"] for e in events if e.name == "gate"] == [["orders", "users"]]
-    assert session.settings["gates"]["db"] == {"orders": {"read": True}, "users": {"read": True}}
+    [grant] = grt.gate.grants.active("c1")  # a grant of the session, persisted with its tables and permission
+    assert (grant.scope, grant.keys, grant.op, grant.expires) == ("allow_session", ("orders", "users"), "read", None)
     # Same session: no gate; a write on the same table is still gated; another session is still gated.
     result, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", {"sql": "SELECT 1 FROM users"}))
     assert result.startswith("ok") and not [e for e in events if e.name == "gate"]
@@ -192,12 +194,12 @@ async def test_allow_for_this_session_is_remembered_and_persisted(grt) -> None:
                                   "reject")
     assert [e.data["tool_args"]["operation_type"] for e in events if e.name == "gate"] == ["write"]
     _, events = await with_events(grt, "c2", execute(grt, "c2", "db_query", call), "reject")
-    assert [e for e in events if e.name == "gate"] and other.settings == {}
+    assert [e for e in events if e.name == "gate"] and other.settings == {} and grt.gate.grants.active("c2") == []
     # An unanalysable statement is never remembered for the session.
     _, events = await with_events(grt, "c1", execute(grt, "c1", "db_query", {"sql": "CALL p()"}),
                                   "allow_session")
-    assert "*" not in session.settings["gates"]["db"]
-    assert any("never allowed for the whole session" in e.data.get("text", "") for e in events)
+    assert [g.keys for g in grt.gate.grants.active("c1")] == [("orders", "users")]
+    assert any("never granted beyond this call" in e.data.get("text", "") for e in events)
 
 
 async def test_defaults_metadata_and_specific_tables(grt) -> None:

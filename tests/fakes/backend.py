@@ -61,6 +61,8 @@ class ToolCallsReply:
 
     calls: tuple[ToolCall, ...]
     text_before: str | None = None
+    #: Answer only once the test sets this event (the turn waits on its model meanwhile).
+    hold: threading.Event | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,11 @@ def tokens(count: int, token: str = "tok ") -> TextReply:
 
 
 def tool_call(
-    name: str, args: dict[str, Any], call_id: str | None = None, text_before: str | None = None
+    name: str, args: dict[str, Any], call_id: str | None = None, text_before: str | None = None,
+    hold: threading.Event | None = None,
 ) -> ToolCallsReply:
-    """A reply making a single function call `name(**args)`."""
-    return ToolCallsReply((ToolCall(name, args, call_id),), text_before)
+    """A reply making a single function call `name(**args)`; with `hold`, sent once the test sets the event."""
+    return ToolCallsReply((ToolCall(name, args, call_id),), text_before, hold)
 
 
 def tool_calls(
@@ -306,6 +309,8 @@ class FakeBackend(ThreadedServer):
         if isinstance(reply, HangReply):
             await self._wait_stop(reply.seconds)
             reply = self.default_reply(recorded)
+        if isinstance(reply, ToolCallsReply) and reply.hold is not None:
+            await self._wait_hold(reply.hold)
         if isinstance(reply, ErrorReply):
             return JSONResponse(self.error_body(reply), status_code=reply.status)
         if self.wants_stream(recorded):
