@@ -95,9 +95,6 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
         yield rt
     finally:
         await build.close_runtime(rt)
-        for llm in rt.llms.values():
-            if getattr(llm, "root_async_client", None) is not None:  # ChatOpenAI's pool (Gemini has none)
-                await llm.root_async_client.close()
         state.set_current(None)
 
 

@@ -531,3 +531,37 @@ async def test_agent_client_says_a_turn_was_interrupted_by_a_restart(tmp_path) -
         finally:
             release.set()
             server.stop()
+
+
+async def _turn_answering_gates(api, cid: str, text_: str, answer: dict[str, Any],
+                                headers: dict[str, str]) -> tuple[list[Any], list[int]]:
+    """One turn read from the plain stream; every gate answered with `answer` (the HTTP statuses returned)."""
+    events, statuses = [], []
+    async with httpx.AsyncClient(base_url=api.url, headers=AUTH, timeout=30) as http:
+        r = await http.post("/api/v1/submit", json={"client_id": cid, "text": text_, "wait": False})
+        async with aconnect_sse(http, "GET", f"/api/v1/stream/{cid}", params={"turn_id": r.json()["turn_id"]}) as sse:
+            async for ev in sse.aiter_sse():
+                events.append(ev)
+                if ev.event == "gate":
+                    gate = json.loads(ev.data)
+                    assert gate["grants"] == ["allow_for", "allow_session", "allow_pattern"]
+                    reply = await _post(api, f"/api/v1/gate/{gate['gate_id']}", answer, headers=headers)
+                    statuses.append(reply.status_code)
+                    assert reply.status_code == 200 or "creates a grant, which only the shell" in reply.json()["error"]
+    return events, statuses
+
+
+async def test_only_the_admin_key_answers_a_gate_with_a_grant(api) -> None:
+    cid = f"api-grant-{uuid.uuid4().hex[:6]}"
+    five_minutes = {"approve": True, "scope": "minutes", "minutes": 5}
+    api.gpt.script(tool_call("secret_lookup", {"key": "door"}), text("no"))
+    _, statuses = await _turn_answering_gates(api, cid, "open the door", five_minutes, AUTH)
+    assert statuses == [400] and "nobody approved" in _tool_results(api.gpt)[0]
+    api.gpt.script(tool_call("secret_lookup", {"key": "door"}), text("done"))
+    _, statuses = await _turn_answering_gates(api, cid, "open the door", five_minutes, ADMIN_AUTH)
+    assert statuses == [200] and _tool_results(api.gpt)[-1] == "the secret of door is 42"
+    # The grant (five minutes of secret_lookup) answers the next call of this session without a gate.
+    api.gpt.script(tool_call("secret_lookup", {"key": "attic"}), text("again"))
+    events, statuses = await _turn_answering_gates(api, cid, "and the attic?", five_minutes, ADMIN_AUTH)
+    assert statuses == [] and _tool_results(api.gpt)[-1] == "the secret of attic is 42"
+    assert any("allowed by grant" in json.loads(ev.data).get("text", "") for ev in events if ev.event == "status")

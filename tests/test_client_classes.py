@@ -73,8 +73,6 @@ async def acme(tmp_path: Path, fake_openai: Any):
         yield rt, rt.plugins.loaded[-1]
     finally:
         await build.close_runtime(rt)
-        for llm in rt.llms.values():
-            await llm.root_async_client.close()
         state.set_current(None)
 
 

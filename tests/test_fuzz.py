@@ -144,9 +144,6 @@ class Server:
         if self.rt is None:
             return
         await build.close_runtime(self.rt)
-        for llm in self.rt.llms.values():
-            if getattr(llm, "root_async_client", None) is not None:
-                await llm.root_async_client.close()
         state.set_current(None)
 
 

@@ -112,8 +112,6 @@ async def make_rt(tmp_path, fake_openai):
     yield _make
     for rt in built:
         await build.close_runtime(rt)
-        for llm in rt.llms.values():
-            await llm.root_async_client.close()
 
 
 def plugin(rt: state.Runtime) -> Any:

@@ -169,6 +169,36 @@ async def test_human_approves_a_shell_gate_over_mcp(mcp_server: McpServer) -> No
         assert turns[-1] == {"role": "assistant", "content": "The user is ada."}
 
 
+async def _first_pending(client: Any) -> list[dict[str, Any]]:
+    for _ in range(200):  # the shell's turn reaches its gate within a few polls
+        pending = await read_json(client, PENDING)
+        if pending:
+            return pending
+        await asyncio.sleep(0.05)
+    raise AssertionError("no pending approval appeared")
+
+
+async def test_a_human_grants_a_statement_shape_over_mcp(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    grants_uri = "agentmcp://sessions/shell-shape/grants"
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users WHERE id = 1"}), text("ada"))
+    async with connect(mcp_server.url, HUMAN) as human:
+        shell = asyncio.create_task(shell_turn(mcp_server.server, "shell-shape", "user 1?"))
+        pending = await _first_pending(human)
+        assert pending[0]["request"]["grants"] == ["allow_for", "allow_session", "allow_pattern"]
+        assert pending[0]["request"]["shape"] == "SELECT name FROM users WHERE id = ?"
+        call_json(await human.call_tool("answer_approval", {"gate_id": pending[0]["gate_id"],
+                                                             "decision": "allow_pattern"}))
+        await asyncio.wait_for(shell, WAIT)
+        (grant,) = await read_json(human, grants_uri)
+        assert (grant["scope"], grant["granted_by"], grant["uses"]) == ("allow_pattern", "mcp token 'alice'", 0)
+        # The same shape with another value runs without asking; another shape asks again.
+        backend.script(tool_call("db_query", {"sql": "SELECT name FROM users WHERE id = 2"}), text("bob"))
+        events = await shell_turn(mcp_server.server, "shell-shape", "user 2?")
+        assert "gate" not in [e.name for e in events]
+        assert (await read_json(human, grants_uri))[0]["uses"] == 1
+
+
 # ── Authentication, Origin, Host ────────────────────────────────────────────────────────────
 
 

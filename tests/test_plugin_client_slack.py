@@ -96,9 +96,6 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
 
 async def stop_slack(rt: state.Runtime) -> None:
     await build.close_runtime(rt)
-    for llm in rt.llms.values():
-        if getattr(llm, "async_client", None) is not None:
-            await llm.root_async_client.close()
     state.set_current(None)
 
 

@@ -32,11 +32,6 @@ async def rt(tmp_path, fake_openai, fake_gemini):
     state.set_current(runtime)
     yield runtime
     await build.close_runtime(runtime)
-    for llm in runtime.llms.values():
-        if hasattr(llm, "aclose"):
-            await llm.aclose()
-        elif getattr(llm, "async_client", None) is not None:
-            await llm.root_async_client.close()
     state.set_current(None)
 
 

@@ -304,9 +304,6 @@ async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fak
         assert rt.sessions.get("api-running").updated == clock.now  # its request was activity
     finally:
         await build.close_runtime(rt)
-        for llm in rt.llms.values():
-            if getattr(llm, "async_client", None) is not None:
-                await llm.root_async_client.close()
     reopened = await manager(tmp_path / "sessions.sqlite3", clock)
     assert stored_ids(reopened) == {"api-running", "me"}
 
