@@ -13,6 +13,7 @@ a specific entry beats `*`, and anything not found is gated.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -496,10 +497,10 @@ class GateKeeper:
 
     # ── the check ──
 
-    async def audit(self, event: str, **fields: Any) -> None:
+    def audit(self, event: str, **fields: Any) -> None:
         """Append to the audit log, when there is one (see grants.GrantStore.audit)."""
         if self.grants is not None:
-            await self.grants.audit(event, **fields)
+            self.grants.audit(event, **fields)
 
     async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
                     args: dict[str, Any]) -> Refusal | None:
@@ -517,25 +518,28 @@ class GateKeeper:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op) for k in keys):
             return None
-        shape = _call_shape(entry, args)
-        pattern = grants.digest([tool_name, shape]) if shape else ""
+        @functools.cache
+        def shaped() -> tuple[str, str]:  # (shape, its digest): parsed again only when needed
+            shape = _call_shape(entry, args)
+            return shape, grants.digest([tool_name, shape]) if shape else ""
+
         audit = {"session": client_id, "tool": tool_name, "op": op, "tables": tables, "args": args}
-        grant = self.grants.find(client_id, tool_name, section, keys, op, pattern) if self.grants else None
+        grant = self.grants.find(client_id, tool_name, section, keys, op, lambda: shaped()[1]) if self.grants else None
         if grant is not None:
             assert self.grants is not None
-            await self.grants.used(grant)
-            await self.audit("grant_used", actor=_actor(turn), outcome="allowed", grant_id=grant.id, **audit)
+            self.grants.used(grant)
+            self.audit("grant_used", actor=_actor(turn), outcome="allowed", grant_id=grant.id, **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
             return None
         if turn.bypass_gates:
-            await self.audit("decision", actor=_actor(turn), outcome="allowed (@model turn)", **audit)
+            self.audit("decision", actor=_actor(turn), outcome="allowed (@model turn)", **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
         what = f"{op} on {', '.join(tables)}" if tables else op
         wait = CLASSES[turn.kind].gate_wait
         if wait == NO_WAIT:
             label = CLIENT_LABELS[turn.kind]
-            await self.audit("decision", actor=_actor(turn), outcome="denied (no one can approve)", **audit)
+            self.audit("decision", actor=_actor(turn), outcome="denied (no one can approve)", **audit)
             rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {label} "
                                      "cannot give — rejected")
             return Refusal("denied", f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this "
@@ -543,6 +547,7 @@ class GateKeeper:
                                      "the user that an operator can allow it from the shell (!autogate / "
                                      "!autoAIdb) or in gate-defaults.json.")
         timeout = self.timeout if wait == HUMAN_WAIT else self.api_timeout
+        shape, pattern = shaped()
         grantable = ANY_TABLE not in keys and self.grants is not None
         offers = [s for s in grants.GRANT_SCOPES if grantable and (s != grants.PATTERN or pattern)]
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
@@ -552,9 +557,9 @@ class GateKeeper:
         outcome = {"allow": "allowed once", "reject": "rejected", "timeout": "no answer: rejected"}
         if decision.word in grants.GRANT_SCOPES and decision.word in offers:
             assert self.grants is not None
-            grant = await self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op,
+            grant = self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op,
                                                            pattern, shape))
-            await self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id,
+            self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id,
                              **audit)
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
                                                  "grant": grant.id, **resolved})
@@ -564,7 +569,7 @@ class GateKeeper:
             note = "allowed once (a statement that could not be analysed is never granted beyond this call)"
         else:
             note = outcome.get(decision.word, decision.word)
-        await self.audit("decision", actor=decision.by or "timeout", outcome=note, **audit)
+        self.audit("decision", actor=decision.by or "timeout", outcome=note, **audit)
         if decision.word == "allow":
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})
             return None
@@ -702,7 +707,7 @@ async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         for op in ops:
             rt.gate.set_override(session, "db", key, op, value)
     await rt.sessions.save(session)
-    await _audit_policy(rt, turn, "db", keys, ops, value)
+    _audit_policy(rt, turn, "db", keys, ops, value)
     what = "every table (* and __meta__)" if len(keys) > 1 else keys[0]
     return f"autoAIdb {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
@@ -768,7 +773,7 @@ async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         for op in ops:
             rt.gate.set_override(session, "tools", key, op, value)
     await rt.sessions.save(session)
-    await _audit_policy(rt, turn, "tools", names, ops, value)
+    _audit_policy(rt, turn, "tools", names, ops, value)
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
@@ -792,7 +797,7 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
         return refusal("!autoAISysPrompt", turn)
     rt.gate.set_override(session, "tools", targets[op], op, value)
     await rt.sessions.save(session)
-    await _audit_policy(rt, turn, "tools", [targets[op]], [op], value)
+    _audit_policy(rt, turn, "tools", [targets[op]], [op], value)
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
@@ -812,9 +817,9 @@ async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
 
 
 #: The gate commands: name → handler (rt, turn, args).
-async def _audit_policy(rt: state.Runtime, turn: state.Turn, section: str, keys: Iterable[str], ops: Iterable[str],
+def _audit_policy(rt: state.Runtime, turn: state.Turn, section: str, keys: Iterable[str], ops: Iterable[str],
                         allowed: bool) -> None:
-    await rt.gate.audit("policy", session=turn.client_id, actor=_actor(turn), op="+".join(ops),
+    rt.gate.audit("policy", session=turn.client_id, actor=_actor(turn), op="+".join(ops),
                         tables=keys if section == "db" else (), tool="" if section == "db" else ",".join(keys),
                         outcome=f"this session: {'auto-allow' if allowed else 'gated'}")
 
@@ -838,9 +843,9 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         return "ERROR: Invalid arguments\nUsage: !grants  |  !grants revoke <id>  |  !grants revoke all"
     which = parts[1] if parts[1].lower() != "all" else "all"
     owner = store.owner(which) if which != "all" and may_administer(turn) else None
-    ended = await store.revoke(owner or turn.client_id, which)
+    ended = store.revoke(owner or turn.client_id, which)
     for grant in ended:
-        await store.audit("revoke", session=grant.session, actor=_actor(turn), tool=grant.tool, op=grant.op,
+        store.audit("revoke", session=grant.session, actor=_actor(turn), tool=grant.tool, op=grant.op,
                           tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked")
     if not ended:
         return f"No active grant {parts[1]} in this session; !grants lists them."

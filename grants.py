@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import secrets
 import sqlite3
 import time
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import state
+
+logger = logging.getLogger("agent_mcp.grants")
 
 #: Decisions a gate accepts: once, a grant of one of the scopes below, or no.
 ALLOW, REJECT = "allow", "reject"
@@ -90,16 +93,18 @@ class Grant:
     def active(self, now: float) -> bool:
         return self.revoked is None and (self.expires is None or now < self.expires)
 
-    def covers(self, tool: str, section: str, keys: Iterable[str], op: str, pattern: str, now: float) -> bool:
+    def covers(self, tool: str, section: str, keys: Iterable[str], op: str, pattern: Callable[[], str],
+               now: float) -> bool:
         """Whether this grant allows a call: never when expired or revoked, never for a statement that could
-        not be analysed, a shape grant only for exactly its shape, the others for their keys and permission."""
+        not be analysed, a shape grant only for exactly its shape (`pattern()`: the call's, computed only
+        when a shape grant is asked), the others for their keys and permission."""
         wanted = set(keys)
         if not self.active(now) or not wanted or ANY in wanted or section != self.section or op != self.op:
             return False
         if section == "tools" and tool != self.tool:
             return False
         if self.scope == PATTERN:
-            return bool(pattern) and pattern == self.pattern and tool == self.tool and wanted == set(self.keys)
+            return tool == self.tool and wanted == set(self.keys) and bool(self.pattern) and pattern() == self.pattern
         return wanted <= set(self.keys)
 
     def describe(self, now: float) -> str:
@@ -156,7 +161,12 @@ def verify_rows(rows: Iterable[tuple[Any, ...]]) -> tuple[int, Broken | None]:
 
 
 class GrantStore(state.SqliteFile):
-    """Grants (kept in memory, written through) and the audit chain, in `<data dir>/audit.sqlite3`."""
+    """Grants (kept in memory) and the audit chain, in `<data dir>/audit.sqlite3`.
+
+    Decisions are made from memory; every change and audit record is written by one writer task,
+    in order, a burst in one transaction, so a tool call never waits for the disk. `flush()`
+    waits until everything so far is written; `close()` flushes.
+    """
 
     SCHEMA = (
         "PRAGMA synchronous=NORMAL",
@@ -165,14 +175,16 @@ class GrantStore(state.SqliteFile):
         " session TEXT, actor TEXT, tool TEXT, op TEXT, tables TEXT, args_digest TEXT, outcome TEXT,"
         " grant_id TEXT, detail TEXT, prev TEXT NOT NULL, hash TEXT NOT NULL)",
     )
+    _INSERT = (f"INSERT INTO audit ({', '.join(AUDIT_FIELDS)}, prev, hash) "
+               f"VALUES ({', '.join('?' * (len(AUDIT_FIELDS) + 2))})")
 
     def __init__(self, path: Path, clock: Any = time.time):
         super().__init__(path)
         self.clock = clock
         self.grants: dict[str, list[Grant]] = {}
         self._last: tuple[int, str] = (0, GENESIS)
-        self._lock = asyncio.Lock()
-        self._writes: set[asyncio.Task[None]] = set()
+        self._queue: asyncio.Queue[tuple[str, tuple[Any, ...]] | asyncio.Future[None] | None] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
         self._observers: list[Callable[[str], None]] = []
 
     def observe(self, callback: Callable[[str], None]) -> Callable[[], None]:
@@ -190,19 +202,50 @@ class GrantStore(state.SqliteFile):
         now = self.clock()
         async with db.execute("SELECT record FROM grants") as cur:
             async for (record,) in cur:
-                grant = Grant(**{**json.loads(record), "keys": tuple(json.loads(record)["keys"])})
+                grant = _grant(record)
                 if grant.active(now):
                     self.grants.setdefault(grant.session, []).append(grant)
         # Ended grants stay in the audit log; the table keeps only those that can still allow.
-        kept = self._ids()
+        kept = [g.id for grants in self.grants.values() for g in grants]
         await db.execute(f"DELETE FROM grants WHERE id NOT IN ({','.join('?' * len(kept))})", kept)
         async with db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1") as cur:
             last = await cur.fetchone()
         self._last = (int(last[0]), str(last[1])) if last else (0, GENESIS)
         await db.commit()
+        self._writer = asyncio.create_task(self._write(), name="grant-store-writer")
 
-    def _ids(self) -> list[str]:
-        return [g.id for grants in self.grants.values() for g in grants]
+    async def _write(self) -> None:
+        db = self._conn()
+        while (item := await self._queue.get()) is not None:
+            batch = [item]
+            while not self._queue.empty() and batch[-1] is not None:
+                batch.append(self._queue.get_nowait())
+            try:
+                for work in batch:
+                    if isinstance(work, tuple):
+                        await db.execute(*work)
+                await db.commit()
+            except Exception:  # the log says so; grants in memory still decide
+                logger.exception("writing %s failed", self.path)
+            for work in batch:
+                if isinstance(work, asyncio.Future) and not work.done():
+                    work.set_result(None)
+            if batch[-1] is None:
+                return
+
+    async def flush(self) -> None:
+        """Wait until every change and audit record so far is in the file."""
+        if self._writer is None or self._writer.done():
+            return
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(written)
+        await written
+
+    async def close(self) -> None:
+        if self._writer is not None and not self._writer.done():
+            self._queue.put_nowait(None)
+            await self._writer
+        await super().close()
 
     # ── grants ──
 
@@ -212,22 +255,11 @@ class GrantStore(state.SqliteFile):
         return [g for g in self.grants.get(session, ()) if g.active(now)]
 
     def find(self, session: str, tool: str, section: str, keys: Iterable[str], op: str,
-             pattern: str) -> Grant | None:
+             pattern: Callable[[], str]) -> Grant | None:
         now = self.clock()
         keys = tuple(keys)
         return next((g for g in self.grants.get(session, ()) if g.covers(tool, section, keys, op, pattern, now)),
                     None)
-
-    async def add(self, grant: Grant) -> Grant:
-        self.grants.setdefault(grant.session, []).append(grant)
-        await self._save(grant)
-        self._changed(grant.session)
-        return grant
-
-    async def used(self, grant: Grant) -> None:
-        grant.uses += 1
-        await self._save(grant)
-        self._changed(grant.session)
 
     def owner(self, grant_id: str) -> str | None:
         """The session an active grant belongs to, or None."""
@@ -235,61 +267,60 @@ class GrantStore(state.SqliteFile):
         return next((g.session for grants in self.grants.values() for g in grants
                      if g.id == grant_id and g.active(now)), None)
 
-    async def revoke(self, session: str, which: str) -> list[Grant]:
+    def add(self, grant: Grant) -> Grant:
+        self.grants.setdefault(grant.session, []).append(grant)
+        self._save(grant)
+        self._changed(grant.session)
+        return grant
+
+    def used(self, grant: Grant) -> None:
+        grant.uses += 1
+        self._save(grant)
+        self._changed(grant.session)
+
+    def revoke(self, session: str, which: str) -> list[Grant]:
         """End the session's grant `which` (its id) or every active one (`all`); returns those revoked."""
         now = self.clock()
         ended = [g for g in self.active(session) if which in ("all", g.id)]
         for grant in ended:
             grant.revoked = now
+            self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,)))
         kept = [g for g in self.grants.get(session, ()) if g not in ended and g.active(now)]
         if kept:
             self.grants[session] = kept
         else:
             self.grants.pop(session, None)
         if ended:
-            await self._conn().executemany("DELETE FROM grants WHERE id = ?", [(g.id,) for g in ended])
-            await self._conn().commit()
             self._changed(session)
         return ended
 
     def forget(self, session: str) -> None:
         """A deleted session's grants end with it (a later session with the same id starts with none)."""
         if self.grants.pop(session, None) is not None:
-            task = asyncio.get_running_loop().create_task(self._delete(session))
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+            self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,)))
 
-    async def _delete(self, session: str) -> None:
-        await self._conn().execute("DELETE FROM grants WHERE session = ?", (session,))
-        await self._conn().commit()
-
-    async def close(self) -> None:
-        if self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)
-        await super().close()
-
-    async def _save(self, grant: Grant) -> None:
-        await self._conn().execute("INSERT OR REPLACE INTO grants (id, session, record) VALUES (?, ?, ?)",
-                                   (grant.id, grant.session, json.dumps(asdict(grant))))
-        await self._conn().commit()
+    def _save(self, grant: Grant) -> None:
+        self._queue.put_nowait(("INSERT OR REPLACE INTO grants (id, session, record) VALUES (?, ?, ?)",
+                                (grant.id, grant.session, json.dumps(asdict(grant)))))
 
     # ── the audit chain ──
 
-    async def audit(self, event: str, *, session: str = "", actor: str = "", tool: str = "", op: str = "",
-                    tables: Iterable[str] = (), args: Any = None, outcome: str = "", grant_id: str = "",
-                    detail: str = "") -> int:
+    def audit(self, event: str, *, session: str = "", actor: str = "", tool: str = "", op: str = "",
+              tables: Iterable[str] = (), args: Any = None, outcome: str = "", grant_id: str = "",
+              detail: str = "") -> int:
         """Append one record (its hash covers the one before); returns its sequence number."""
-        async with self._lock:
-            seq, prev = self._last[0] + 1, self._last[1]
-            fields = [seq, self.clock(), event, session, actor, tool, op, json.dumps(sorted(tables)),
-                      digest(args) if args is not None else "", outcome, grant_id, detail]
-            record_hash = _record_hash(prev, fields)
-            await self._conn().execute(f"INSERT INTO audit ({', '.join(AUDIT_FIELDS)}, prev, hash) "
-                                       f"VALUES ({', '.join('?' * (len(AUDIT_FIELDS) + 2))})",
-                                       (*fields, prev, record_hash))
-            await self._conn().commit()
-            self._last = (seq, record_hash)
+        seq, prev = self._last[0] + 1, self._last[1]
+        fields = [seq, self.clock(), event, session, actor, tool, op, json.dumps(sorted(tables)),
+                  digest(args) if args is not None else "", outcome, grant_id, detail]
+        record_hash = _record_hash(prev, fields)
+        self._last = (seq, record_hash)
+        self._queue.put_nowait((self._INSERT, (*fields, prev, record_hash)))
         return seq
+
+
+def _grant(record: str) -> Grant:
+    data = json.loads(record)
+    return Grant(**{**data, "keys": tuple(data["keys"])})
 
 
 def new_grant_id() -> str:
@@ -334,8 +365,7 @@ def read_grants(path: Path, now: float | None = None) -> list[Grant]:
     """The grants that can still allow (for `agentctl grants`)."""
     now = time.time() if now is None else now
     with _offline(path) as db:
-        grants = [Grant(**{**json.loads(r), "keys": tuple(json.loads(r)["keys"])})
-                  for (r,) in db.execute("SELECT record FROM grants")]
+        grants = [_grant(r) for (r,) in db.execute("SELECT record FROM grants")]
     return sorted((g for g in grants if g.active(now)), key=lambda g: g.created)
 
 
@@ -348,8 +378,8 @@ def revoke_offline(path: Path, which: str, actor: str) -> list[Grant]:
         await store.open()
         try:
             for grant in revoked:
-                for ended in await store.revoke(grant.session, grant.id):
-                    await store.audit("revoke", session=ended.session, actor=actor, tool=ended.tool, op=ended.op,
+                for ended in store.revoke(grant.session, grant.id):
+                    store.audit("revoke", session=ended.session, actor=actor, tool=ended.tool, op=ended.op,
                                       tables=ended.keys if ended.section == "db" else (), grant_id=ended.id,
                                       outcome="revoked", detail="offline (agentctl)")
         finally:

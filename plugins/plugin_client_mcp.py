@@ -646,7 +646,7 @@ class McpServerPlugin(BasePlugin):
             logger.exception("saving gate defaults failed")
             note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
         logger.info("gate default %s.%s %s=%s set by %s", section, key, operation, allowed, who.label)
-        await self.rt.gate.audit("policy", actor=f"mcp token '{who.name}'", op="+".join(ops),
+        self.rt.gate.audit("policy", actor=f"mcp token '{who.name}'", op="+".join(ops),
                                  tables=[key] if section == "db" else (), tool="" if section == "db" else key,
                                  outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
         await self.notify(f"{SCHEME}policy")

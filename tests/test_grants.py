@@ -144,6 +144,7 @@ async def test_the_audit_chain_names_a_changed_or_missing_record(gr) -> None:
     assert not await call(gr, "db_query", {"sql": "DROP TABLE orders"})
     await turn(gr, "!autogate search true")
     path = gr.config.data_dir() / grants.AUDIT_FILE
+    await gr.gate.grants.flush()
     records = list(grants.read_audit(path))
     assert [r["event"] for r in records] == ["grant", "grant_used", "decision", "policy"]
     assert records[0]["actor"] == "" and records[2]["outcome"] == "rejected"

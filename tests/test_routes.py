@@ -32,6 +32,9 @@ async def rt(tmp_path, fake_openai, fake_gemini):
     state.set_current(runtime)
     yield runtime
     await build.close_runtime(runtime)
+    for llm in runtime.llms.values():
+        if hasattr(llm, "aclose"):  # Gemini's own client; ChatOpenAI's pool is langchain's, shared by the process
+            await llm.aclose()
     state.set_current(None)
 
 
