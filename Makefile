@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard metrics clean
+.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,9 @@ bench-mcp: $(STAMP)
 
 bench-guard: $(STAMP)
 	$(PY) bench/guard_overhead.py
+
+bench-grants: $(STAMP)
+	$(PY) bench/grant_cost.py
 
 metrics: $(STAMP)
 	$(VENV)/bin/radon cc --total-average -n C -s *.py plugins/*.py
