@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from pydantic import BaseModel
@@ -203,3 +204,41 @@ async def test_revoking_from_another_window_stops_the_next_call_of_a_running_tur
     assert gates == 2 and "allowed for 15 min" in out.getvalue()
     results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
     assert results[:2] == ["1 row changed", "1 row changed"] and results[2].startswith("TOOL CALL REJECTED")
+
+
+def _prompt_back(window, timeout: float = 20) -> bool:
+    """Whether shell.py's prompt is waiting again (the last thing on the screen)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if window.text.rstrip().endswith("›"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_shell_py_under_a_terminal_grants_with_one_key(config_dir, fake_openai, start_server, tmp_path) -> None:
+    from tests.test_newcomer import Window
+
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    config_dir.add_plugin("plugin_test_db", DB_PLUGIN)
+    server: AgentServer = start_server(config_dir)
+    fake_openai.script(tool_call("db_query", {"sql": BASE}), text("renamed"),
+                       tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 2"}), text("deleted"))
+    session = tmp_path / "session"
+    session.write_text("pty-grants")
+    window = Window(server, session)
+    try:
+        assert window.shows("›")
+        window.type("rename ada\r")
+        assert window.shows("[t] allow for 15 min") and window.shows("[p] allow this shape"), window.text[-1500:]
+        assert "UPDATE users SET name = ? WHERE id = ?" in window.text  # what p would allow
+        window.type("t")
+        assert window.shows("allowed for 15 min") and window.shows("renamed") and _prompt_back(window)
+        window.type("!grants\r")
+        assert window.shows("Grants of this session") and _prompt_back(window), window.text[-800:]
+        assert "write on users — 15 min left; granted by shell, used 0×" in window.text.split("Grants of this")[-1]
+        window.type("now delete bob\r")  # another statement on the same table: the grant answers, no panel
+        assert window.shows("deleted") and window.shows("allowed by grant"), window.text[-1500:]
+        assert window.text.count("the agent asks to run a tool") == 1
+    finally:
+        window.close()
