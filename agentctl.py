@@ -13,7 +13,6 @@ or cannot be written (nothing was changed).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import difflib
@@ -30,13 +29,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
-from prompt_toolkit import PromptSession
-from prompt_toolkit.completion import WordCompleter
-from prompt_toolkit.history import InMemoryHistory
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -51,6 +46,7 @@ from agentctl_files import (
     field_value,
     model_value,
 )
+from agentctl_term import RESTART, Terminal, ArgParser
 from config import (
     CODE_DIR,
     CORE_GATES,
@@ -73,7 +69,6 @@ from plugin_loader import check_plugin, is_enabled
 RATE_TYPES = ("llm_call", "search", "extract", "drive", "db", "system", "agent_call", "mcp")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RATE_TYPE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-RESTART = "Restart agent-mcp.py for the change to take effect."
 SYMBOLS = {"ready": "✓", "disabled": "–", "problems": "✗", "available": "○"}
 STYLES = {"ready": "green", "disabled": "yellow", "problems": "red", "available": "dim"}
 
@@ -102,65 +97,6 @@ def _installed(requirement: str) -> str:
 
 
 # --------------------------------------------------------------------------- terminal
-
-
-class Terminal:
-    """Operator IO: rich output; input from prompt-toolkit on a terminal, else line by line from stdin."""
-
-    def __init__(self, json_output: bool = False, session: PromptSession[str] | None = None):
-        """`session`: a prompt-toolkit session to read from (tests pass one on a pipe input)."""
-        self.tty = session is not None or (sys.stdin.isatty() and sys.stdout.isatty())
-        self.json_output = json_output
-        width = None if sys.stdout.isatty() else 200  # piped output is for grep: do not wrap tables at 80 columns
-        self.out = Console(width=width, highlight=False)
-        self.err = Console(stderr=True, width=width, highlight=False)
-        self._session = session
-
-    def ask(self, question: str, words: list[str] | None = None) -> str:
-        """One line from the operator; EOFError at the end of input."""
-        if self.tty:
-            if self._session is None:
-                self._session = PromptSession(history=InMemoryHistory())
-            completer = WordCompleter(words, sentence=True) if words else None
-            return self._session.prompt(question, completer=completer)
-        if question:  # piped input: questions go to stderr, so stdout holds only the answers (--json)
-            self.err.print(question, end="", markup=False)
-        line = sys.stdin.readline()
-        if not line:
-            raise EOFError
-        return line.rstrip("\n")
-
-    def say(self, text: str, style: str | None = None) -> None:
-        """A remark; with --json on stderr, so stdout holds one JSON document per command."""
-        (self.err if self.json_output else self.out).print(text, style=style, markup=False)
-
-    def done(self, text: str) -> None:
-        """A change was written: say what, and that the server reads it at start."""
-        if self.json_output:
-            self.json({"done": text, "note": RESTART})
-            return
-        self.out.print(f"✓ {text}", style="green", markup=False)
-        self.out.print(RESTART, style="dim", markup=False)
-
-    def warn(self, text: str) -> None:
-        self.err.print(f"warning: {text}", style="yellow", markup=False)
-
-    def error(self, text: str) -> None:
-        self.err.print(f"agentctl: {text}", style="red", markup=False)
-
-    def table(self, table: Table) -> None:
-        self.out.print(table)
-
-    def json(self, data: Any) -> None:
-        # Plain print: rich would re-wrap long strings and break the JSON for other programs.
-        print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
-
-
-class _ArgParser(argparse.ArgumentParser):
-    """argparse that reports bad input as InputError (exit 1) instead of exiting with status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise InputError(f"{message}\nusage: {self.format_usage().removeprefix('usage: ').strip()}")
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -346,8 +282,11 @@ class AgentCtl:
         return self.files.app_config().data_dir() / grants.AUDIT_FILE
 
     def cmd_grants(self, args: list[str]) -> None:
-        """grants [revoke <id>|all]: the active grants of every session (answers to gates that reach beyond
-        one call), or end them. Revoke while the server is stopped: a running server keeps its own copy."""
+        """grants [revoke <id>|all]: the active grants of every session, or end them (with the server stopped).
+
+        Grants are answers to gates that reach beyond one call; a running server keeps its own copy
+        (revoke there with !grants).
+        """
         self._args(args, self.cmd_grants, 0, 2)
         if args:
             if len(args) != 2 or args[0] != "revoke":
@@ -369,9 +308,11 @@ class AgentCtl:
             self.term.say("No active grants.")
 
     def cmd_audit(self, args: list[str]) -> None:
-        """audit [--since <ISO time|hours>] [--session <id>]: the gate decisions, grants, their uses,
-        revocations and gate-policy changes, oldest first."""
-        parser = _ArgParser(prog="agentctl audit", add_help=False, allow_abbrev=False)
+        """audit [--since <ISO time|hours>] [--session <id>]: gate decisions, grants and revocations, oldest first.
+
+        Also every use of a grant and every gate-policy change; each record is chained to the one before.
+        """
+        parser = ArgParser(prog="agentctl audit", add_help=False, allow_abbrev=False)
         parser.add_argument("--since")
         parser.add_argument("--session")
         opts = parser.parse_args(args)
@@ -681,7 +622,7 @@ class AgentCtl:
         if len(args) <= 1 and (self.in_prompt or self.term.tty):
             name, fields = self._model_wizard(args[0] if args else None)
         else:
-            parser = _ArgParser(prog="agentctl model-add", add_help=False, allow_abbrev=False)
+            parser = ArgParser(prog="agentctl model-add", add_help=False, allow_abbrev=False)
             parser.add_argument("name")
             parser.add_argument("--model-id", dest="model_id")
             parser.add_argument("--type", type=str.upper)
@@ -1019,7 +960,7 @@ class _OnceHandler(logging.Handler):
 def main(argv: list[str] | None = None) -> int:
     """Run one command, or the prompt without one; return the exit code (0 ok, 1 bad input, 2 file problem)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _ArgParser(prog="agentctl.py", add_help=False, allow_abbrev=False)
+    parser = ArgParser(prog="agentctl.py", add_help=False, allow_abbrev=False)
     parser.add_argument("--config-dir", default=None)
     parser.add_argument("--json", action="store_true")
     term = Terminal()
