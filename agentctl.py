@@ -46,7 +46,7 @@ from agentctl_files import (
     field_value,
     model_value,
 )
-from agentctl_term import RESTART, Terminal, ArgParser
+from agentctl_term import RESTART, ArgParser, Terminal
 from config import (
     CODE_DIR,
     CORE_GATES,
