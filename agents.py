@@ -82,6 +82,8 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             streaming=True,
             timeout=cfg.llm_call_timeout,
             max_retries=0,  # _stream_once retries, and never after a timeout (see there)
+            # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
+            http_async_client=openai.DefaultAsyncHttpxClient(),
         )
     else:
         from langchain_google_genai import ChatGoogleGenerativeAI
@@ -96,6 +98,17 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
         )
     rt.llms[key] = llm
     return llm
+
+
+async def close_models(rt: state.Runtime, keys: list[str] | None = None) -> None:
+    """Close the HTTP pools of the runtime's chat models (of `keys`, default all) and forget them."""
+    for key in list(rt.llms) if keys is None else keys:
+        llm = rt.llms.pop(key, None)
+        pool = getattr(llm, "http_async_client", None)
+        if pool is not None:
+            await pool.aclose()
+        elif hasattr(llm, "aclose"):  # ChatGoogleGenerativeAI's own client
+            await llm.aclose()
 
 
 def warm_up(rt: state.Runtime) -> list[str]:

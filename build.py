@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 
+import agents
 import commands
 import gate
 import grants
@@ -82,5 +83,6 @@ async def close_runtime(rt: state.Runtime) -> None:
     if rt.plugins:
         await rt.plugins.shutdown_all()
     await rt.sessions.close()
+    await agents.close_models(rt)
     if rt.gate.grants is not None:
         await rt.gate.grants.close()

@@ -160,8 +160,8 @@ async def _set_model_field(rt: state.Runtime, keys: list[str], field: str, value
     """Change a field of models in memory and in llm-models.json; returns the persistence note."""
     for key in keys:
         rt.config.models[key] = rt.config.models[key].model_copy(update={field: value})
-        if field == "llm_call_timeout":
-            rt.llms.pop(key, None)  # the chat model is rebuilt with the new timeout at its next call
+    if field == "llm_call_timeout":
+        await agents.close_models(rt, keys)  # rebuilt with the new timeout at its next call
     try:
         path = save_model_fields(rt.config.config_dir, {k: {field: value} for k in keys})
     except (ConfigError, OSError) as exc:

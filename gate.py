@@ -554,21 +554,23 @@ class GateKeeper:
                    "timeout_seconds": timeout, "grants": offers, **({"shape": shape} if pattern else {})}
         decision, gate_id = await self.ask(rt, client_id, payload, timeout)
         resolved = {"gate_id": gate_id, "decision": decision.word}
-        outcome = {"allow": "allowed once", "reject": "rejected", "timeout": "no answer: rejected"}
-        if decision.word in grants.GRANT_SCOPES and decision.word in offers:
+        if decision.word in offers:
             assert self.grants is not None
-            grant = self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op,
-                                                           pattern, shape))
-            self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id,
-                             **audit)
+            grant = self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape))
+            self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id, **audit)
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
                                                  "grant": grant.id, **resolved})
             return None
+        return self._answered(rt, client_id, tool_name, what, timeout, decision, resolved, audit)
+
+    def _answered(self, rt: state.Runtime, client_id: str, tool_name: str, what: str, timeout: float,
+                  decision: grants.Decision, resolved: dict[str, Any], audit: dict[str, Any]) -> Refusal | None:
+        """A gate answered without a grant (allow once, reject, no answer): told, audited, and the refusal if any."""
         if decision.word in grants.GRANT_SCOPES:  # not offered for this call: it becomes a yes for this call only
             decision = grants.Decision("allow", decision.by)
             note = "allowed once (a statement that could not be analysed is never granted beyond this call)"
         else:
-            note = outcome.get(decision.word, decision.word)
+            note = {"allow": "allowed once", "reject": "rejected", "timeout": "no answer: rejected"}[decision.word]
         self.audit("decision", actor=decision.by or "timeout", outcome=note, **audit)
         if decision.word == "allow":
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})

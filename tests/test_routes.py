@@ -32,9 +32,6 @@ async def rt(tmp_path, fake_openai, fake_gemini):
     state.set_current(runtime)
     yield runtime
     await build.close_runtime(runtime)
-    for llm in runtime.llms.values():
-        if hasattr(llm, "aclose"):  # Gemini's own client; ChatOpenAI's pool is langchain's, shared by the process
-            await llm.aclose()
     state.set_current(None)
 
 
@@ -210,6 +207,10 @@ async def test_run_turn_queues_requests_on_one_session_each_with_its_own_answer(
     fake_openai.script(text("first ", "answer", hold=hold))
     first = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "one")))
     second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "two")))
+    for _ in range(200):  # the first reaches the model (its chat client is built on first use)
+        if fake_openai.requests:
+            break
+        await asyncio.sleep(0.025)
     await asyncio.sleep(0.2)
     assert len(fake_openai.requests) == 1  # the second waits for the session, it does not cancel the first
     hold.set()
