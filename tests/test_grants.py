@@ -132,6 +132,15 @@ async def test_grants_survive_a_restart_until_they_expire(tmp_path, fake_openai)
         assert grant.scope == "allow_pattern" and await call(rt, "db_query", {"sql": BASE.replace("1", "9")})
     finally:
         await build.close_runtime(rt)
+    # With the server stopped, agentctl lists and revokes it (audited as agentctl); the chain stays whole.
+    listed = _agentctl(config.config_dir, "grants")
+    assert listed.returncode == 0 and f"c1: [{grant.id}] write on users" in listed.stdout and "used 1×" in listed.stdout
+    revoked = _agentctl(config.config_dir, "grants", "revoke", "all")
+    assert revoked.returncode == 0 and f"revoked {grant.id}" in revoked.stdout
+    assert "No active grants." in _agentctl(config.config_dir, "grants").stdout
+    path = config.data_dir() / grants.AUDIT_FILE
+    assert [r["actor"] for r in grants.read_audit(path) if r["event"] == "revoke"] == ["agentctl"]
+    assert grants.verify_file(path)[1] is None
 
 
 def _agentctl(config_dir, *args: str) -> subprocess.CompletedProcess[str]:

@@ -182,7 +182,9 @@ async def test_a_human_grants_a_statement_shape_over_mcp(mcp_server: McpServer) 
     backend = mcp_server.backend
     grants_uri = "agentmcp://sessions/shell-shape/grants"
     backend.script(tool_call("db_query", {"sql": "SELECT name FROM users WHERE id = 1"}), text("ada"))
-    async with connect(mcp_server.url, HUMAN) as human:
+    notes: asyncio.Queue[str] = asyncio.Queue()
+    async with connect(mcp_server.url, HUMAN, notes=notes) as human:
+        await subscribe(human, grants_uri)
         shell = asyncio.create_task(shell_turn(mcp_server.server, "shell-shape", "user 1?"))
         pending = await _first_pending(human)
         assert pending[0]["request"]["grants"] == ["allow_for", "allow_session", "allow_pattern"]
@@ -190,6 +192,7 @@ async def test_a_human_grants_a_statement_shape_over_mcp(mcp_server: McpServer) 
         call_json(await human.call_tool("answer_approval", {"gate_id": pending[0]["gate_id"],
                                                              "decision": "allow_pattern"}))
         await asyncio.wait_for(shell, WAIT)
+        await next_note(notes, grants_uri)  # subscribers hear of the new grant
         (grant,) = await read_json(human, grants_uri)
         assert (grant["scope"], grant["granted_by"], grant["uses"]) == ("allow_pattern", "mcp token 'alice'", 0)
         # The same shape with another value runs without asking; another shape asks again.
