@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import json
 import logging
 import re
+import ssl
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
+import httpx2
 import openai
 from langchain_core.exceptions import ModelConnectionError, ModelError, ModelRateLimitError
 from langchain_core.language_models import BaseChatModel
@@ -83,7 +86,7 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             timeout=cfg.llm_call_timeout,
             max_retries=0,  # _stream_once retries, and never after a timeout (see there)
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
-            http_async_client=openai.DefaultAsyncHttpxClient(),
+            http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
         )
     else:
         from langchain_google_genai import ChatGoogleGenerativeAI
@@ -98,6 +101,13 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
         )
     rt.llms[key] = llm
     return llm
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The certificate store, loaded once per process (about 60 ms each time otherwise), the way httpx
+    loads it (certifi, or SSL_CERT_FILE / SSL_CERT_DIR when set)."""
+    return httpx2.create_ssl_context()
 
 
 async def close_models(rt: state.Runtime, keys: list[str] | None = None) -> None:
