@@ -7,13 +7,14 @@ session in SQLite, survive restarts until they expire, and end at once when revo
 
 The audit log is one append-only table in the same file: every gate decision, grant, use of a
 grant, revocation and gate-policy change, each record carrying the SHA-256 of the one before, so a
-changed or missing record breaks the chain (`verify`, `agentctl audit-verify`). Records name who,
+changed or missing record breaks the chain (`verify_file`, `agentctl audit-verify`). Records name who,
 what and when, and hold a digest of the arguments, never the arguments themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -339,10 +340,12 @@ def new_grant(session: str, decision: Decision, tool: str, section: str, keys: I
 # ── offline access (agentctl) ───────────────────────────────────────────────────────────────
 
 
-def _offline(path: Path) -> sqlite3.Connection:
+@contextlib.contextmanager
+def _offline(path: Path) -> Iterator[sqlite3.Connection]:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: the server has recorded no gate decision in this data dir")
-    return sqlite3.connect(path)
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        yield db
 
 
 def read_audit(path: Path, since: float | None = None, session: str | None = None) -> Iterator[dict[str, Any]]:
