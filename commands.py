@@ -41,11 +41,12 @@ async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         "(in the shell, that turn's tool calls run without gates).",
         "In shell.py also: !session <ID> attach, !gate_preview_length [n], !exit",
         "",
-        "Gates: risky tool calls wait for a human (shell: a allow once, s allow for this session, r reject;",
+        "Gates: risky tool calls wait for a human (shell: a once, t 15 min, s this session, p this shape, r reject;",
         f"no answer within {rt.gate.timeout:g} s rejects; API clients have {rt.gate.api_timeout:g} s; the chat proxy,",
         "Slack and swarm calls are rejected). Types: db (per table, read/write), search, extract, drive,",
         "system, llm_call and the plugins' own. Only the shell or an admin API client may change gates;",
         "changes apply to this session, gate-defaults.json to every session. true = auto-allow (gate OFF).",
+        "!grants lists this session's grants (answers beyond one call); !grants revoke <id>|all ends them.",
     ]
     if rt.plugins:
         for plugin in rt.plugins.loaded:
