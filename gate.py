@@ -518,6 +518,7 @@ class GateKeeper:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op) for k in keys):
             return None
+
         @functools.cache
         def shaped() -> tuple[str, str]:  # (shape, its digest): parsed again only when needed
             shape = _call_shape(entry, args)
