@@ -108,6 +108,9 @@ async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     if client_id is None or (client_id != session.client_id and not everyone):
         return f"Session not found: {ident}\nUse !session to list sessions."
     if action == "delete":
+        if client_id == turn.client_id:  # its own: deleted once this answer has reached the client
+            turn.ends_session = True
+            return f"Deleted session ID [{session.shorthand}]: {client_id} (the next message starts a new one)"
         deleted = await delete_session(rt, client_id)  # never cancels this request itself
         return f"Deleted session ID [{deleted.shorthand}]: {client_id}"
     if action == "attach":

@@ -99,10 +99,11 @@ def ends_turn(ev: state.Event) -> bool:
     return ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
 
 
-async def delete_session(rt: state.Runtime, client_id: str) -> state.Session:
-    """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows."""
+async def delete_session(rt: state.Runtime, client_id: str, remember: bool = True) -> state.Session:
+    """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows,
+    grants; with `remember`, a client that comes back is told (see SessionManager.delete)."""
     await cancel_active_task(rt, client_id)
-    return await rt.sessions.delete(client_id)  # its `forgotten` hooks drop the channel and the windows
+    return await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
 
 
 async def run_turn(
@@ -229,6 +230,9 @@ async def process_request(
                 await rt.sessions.save(turn.session)
             if not cancelled:
                 rt.hub.done(client_id)
+            if turn.ends_session and rt.sessions.get(client_id) is turn.session:
+                # After its answer and `done` reached every window: the one that asked already knows.
+                await delete_session(rt, client_id, remember=False)
 
 
 def _track(rt: state.Runtime, client_id: str) -> Any:

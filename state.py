@@ -78,6 +78,8 @@ class Turn:
     bypass_gates: bool = False
     #: The session, once the turn holds it.
     session: Session | None = None
+    #: The request deletes its own session (`!session <own id> delete`): done once it has answered.
+    ends_session: bool = False
 
     @property
     def may_administer(self) -> bool:
@@ -654,12 +656,14 @@ class EventHub:
         ch.subscribers += 1
         try:
             while True:
-                if self._channels.get(client_id) is not ch:  # session deleted: start over on a new channel
+                event = ch.after(cursor)
+                if event is None and self._channels.get(client_id) is not ch:
+                    # Session deleted: what it had sent was delivered; go on with the id's new channel.
                     ch.subscribers -= 1
                     ch = self._channel(client_id)
                     ch.subscribers += 1
                     cursor = ch.seen
-                event = ch.after(cursor)
+                    continue
                 if event is None:
                     if self.closed:
                         return

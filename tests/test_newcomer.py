@@ -361,6 +361,8 @@ def test_shell_windows_under_terminals_share_the_transcript_hear_of_a_deletion_a
         assert "(sent from another window)" not in one.text  # its own messages are not repeated
         two.type("!session pty-other\r")  # in shell.py, `!session <ID>` attaches (elsewhere it shows one)
         assert two.shows("attached to session pty-othe"), two.text[-800:]  # the id is shortened on screen
+        three.type("!session pty-other delete\r")  # its own session: the answer arrives, then it goes
+        assert three.shows("Deleted session ID") and three.shows("(the next message starts a new one)")
     finally:
         for window in (one, two, three):
             window.close()

@@ -97,8 +97,12 @@ async def test_non_interactive_clients_see_and_delete_only_their_own_session(rt)
     assert rt.sessions.get("shell-user") is not None and rt.sessions.get("slack-C1-1.0") is not None
     out, _ = await turn(rt, "!session", client_id="shell-user")  # the shell still sees everyone
     assert "llama-10.0.0.1" in out and "slack-C1-1.0" in out
-    out, _ = await turn(rt, "!session llama-10.0.0.1 delete", client_id="llama-10.0.0.1")
-    assert out.startswith("Deleted session ID [102]")
+    out, events = await turn(rt, "!session llama-10.0.0.1 delete", client_id="llama-10.0.0.1")
+    # Its own session: the answer and `done` reach the client first, then the session goes.
+    assert out.startswith("Deleted session ID [102]: llama-10.0.0.1 (the next message starts a new one)")
+    assert events[-1].name == "done" and rt.sessions.get("llama-10.0.0.1") is None
+    out, events = await turn(rt, "!session", client_id="llama-10.0.0.1")  # a new session, no "was deleted" notice
+    assert "ID [104] llama-10.0.0.1" in out and not any(e.data.get("session_gone") for e in events)
 
 
 async def test_at_model_switches_for_one_turn_and_restores(rt, fake_openai, fake_gemini):
