@@ -59,7 +59,6 @@ ANY_TABLE = "*"
 DEFAULT_TYPE = "system"
 DEFAULT_GATE_TIMEOUT = 120.0
 DEFAULT_API_GATE_TIMEOUT = 2.0
-DECISIONS = grants.DECISIONS
 
 
 @dataclass(frozen=True)
