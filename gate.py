@@ -845,10 +845,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         return "ERROR: Invalid arguments\nUsage: !grants  |  !grants revoke <id>  |  !grants revoke all"
     which = parts[1] if parts[1].lower() != "all" else "all"
     owner = store.owner(which) if which != "all" and may_administer(turn) else None
-    ended = store.revoke(owner or turn.client_id, which)
-    for grant in ended:
-        store.audit("revoke", session=grant.session, actor=_actor(turn), tool=grant.tool, op=grant.op,
-                          tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked")
+    ended = store.revoke(owner or turn.client_id, which, _actor(turn))
     if not ended:
         return f"No active grant {parts[1]} in this session; !grants lists them."
     return f"Revoked {', '.join(g.id for g in ended)}: the next such call asks again."

@@ -279,13 +279,17 @@ class GrantStore(state.SqliteFile):
         self._save(grant)
         self._changed(grant.session)
 
-    def revoke(self, session: str, which: str) -> list[Grant]:
-        """End the session's grant `which` (its id) or every active one (`all`); returns those revoked."""
+    def revoke(self, session: str, which: str, actor: str, detail: str = "") -> list[Grant]:
+        """End the session's grant `which` (its id) or every active one (`all`), each audited as revoked
+        by `actor`; returns those revoked."""
         now = self.clock()
         ended = [g for g in self.active(session) if which in ("all", g.id)]
         for grant in ended:
             grant.revoked = now
             self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,)))
+            self.audit("revoke", session=session, actor=actor, tool=grant.tool, op=grant.op,
+                       tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked",
+                       detail=detail)
         kept = [g for g in self.grants.get(session, ()) if g not in ended and g.active(now)]
         if kept:
             self.grants[session] = kept
@@ -381,10 +385,7 @@ def revoke_offline(path: Path, which: str, actor: str) -> list[Grant]:
         await store.open()
         try:
             for grant in revoked:
-                for ended in store.revoke(grant.session, grant.id):
-                    store.audit("revoke", session=ended.session, actor=actor, tool=ended.tool, op=ended.op,
-                                      tables=ended.keys if ended.section == "db" else (), grant_id=ended.id,
-                                      outcome="revoked", detail="offline (agentctl)")
+                store.revoke(grant.session, grant.id, actor, detail="offline (agentctl)")
         finally:
             await store.close()
 
