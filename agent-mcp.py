@@ -26,10 +26,13 @@ import anyio
 import uvicorn
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 import agents
 import build
+import shared
 import state
 from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
 from guard import Guard
@@ -152,17 +155,22 @@ def _bind(name: str, host: str, port: int) -> socket.socket:
     return sock
 
 
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    """A request that needed the shared store while Redis is unreachable: 503 with what to do."""
+    return JSONResponse({"error": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+
 def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASGIApp:
     """One Starlette app holding only this plugin's routes, behind the guard (Host, Origin, token, JSON).
 
     `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins.
     """
-    app = Starlette(routes=plugin.get_routes())
+    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _store_unavailable})
     app.state.runtime = rt
     app.state.plugin = plugin
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
                  token=cfg.get("token"), allowed_hosts=cfg.get("allowed_hosts", ()),
-                 allowed_origins=cfg.get("allowed_origins", ()))
+                 allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
 
 
 def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, str]]:
@@ -269,7 +277,8 @@ def _parser() -> argparse.ArgumentParser:
             "  agents.json  mcp-servers.json  .system_prompt/\n"
             "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
             "    read from --config-dir only, created there with one human token when missing.\n"
-            "Environment: SESSION_STORE (sqlite | sqlite:///path | memory), AGENT_DATA_DIR,\n"
+            "Environment: SESSION_STORE (sqlite | sqlite:///path | memory |\n"
+            "  redis://host:port/db[?prefix=name:] for several instances), AGENT_DATA_DIR,\n"
             "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint; unset: generated into\n"
             "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"

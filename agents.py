@@ -872,6 +872,7 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     key = turn.model or session.model
     mark = len(session.history)
     session.history.append({"role": "user", "content": text})
+    await rt.sessions.save(session)  # kept if this server dies before answering (see SessionManager.hold)
     try:
         await agentic_lc(rt, turn, key)
     except asyncio.CancelledError:

@@ -11,6 +11,7 @@ import commands
 import gate
 import grants
 import routes
+import shared
 import state
 from config import CORE_GATES, AppConfig, SessionsConfig
 from plugin_loader import PluginLoader
@@ -24,14 +25,16 @@ logger = logging.getLogger("agent_mcp.build")
 async def build_runtime(config: AppConfig, store: state.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
-    sessions = state.SessionManager(store or state.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
+    sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                                     session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
+    link = sessions.store.link if isinstance(sessions.store, shared.RedisStore) else None
     rt = state.Runtime(
         config=config,
         sessions=sessions,
         client_namespaces=namespaces,
-        hub=state.EventHub(),
+        hub=shared.RedisEventHub(link) if link else state.EventHub(),
+        link=link,
         tools=ToolRegistry(),
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),
     )
@@ -41,9 +44,14 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
     rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE)
     await rt.gate.grants.open()
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    if link is not None:  # several instances: gates, windows and plugin values in Redis
+        rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
+            shared.SharedValues(link)
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
+    sessions.interrupted = functools.partial(routes.interrupted, rt)
+    await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
     for name, handler in {**commands.COMMANDS, **gate.COMMANDS}.items():
@@ -82,6 +90,7 @@ async def close_runtime(rt: state.Runtime) -> None:
         await asyncio.wait(tasks, timeout=routes.CANCEL_GRACE_SECONDS)
     if rt.plugins:
         await rt.plugins.shutdown_all()
+    await rt.hub.aclose()
     await rt.sessions.close()
     await agents.close_models(rt)
     if rt.gate.grants is not None:

@@ -96,6 +96,7 @@ async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     session = turn.session
     parts = args.split()
     everyone = gate.may_administer(turn)
+    await rt.sessions.refresh()  # with several instances: theirs too, as they are now
     if not parts:
         rows = [
             f"  ID [{s.shorthand}] {s.client_id}: model={s.model}, history={len(s.history)} messages"
@@ -213,7 +214,7 @@ async def cmd_llm_call(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     reply, value = await _change_models(rt, turn, args, "!llm_call", "tool_call_available", parse_bool,
                                         lambda v: "enabled" if v else "disabled", "!llm_call [model] <true|false>")
     if value:
-        rt.rate_limiter.enable(session.client_id, "llm_call")
+        await rt.rate_limiter.reenable(session.client_id, "llm_call")
     return reply
 
 

@@ -71,6 +71,7 @@ class Refusal:
 
 
 if TYPE_CHECKING:
+    import shared
     #: A tool check: async (rt, turn, registered tool, validated args) → None to go on, or a Refusal.
     #: A check that refuses tells the user itself (a status event).
     ToolCheck = Callable[[state.Runtime, state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
@@ -443,6 +444,8 @@ class GateKeeper:
         self.pending: dict[str, tuple[str, asyncio.Future[grants.Decision]]] = {}
         #: Grants and the audit log (opened by build.build_runtime; None: neither, as in unit tests).
         self.grants: grants.GrantStore | None = None
+        #: With a shared store: gates of every instance (shared.GateRelay), so any may answer them.
+        self.relay: shared.GateRelay | None = None
 
     @classmethod
     def from_env(cls, defaults: GateDefaults, env: dict[str, str]) -> GateKeeper:
@@ -594,7 +597,11 @@ class GateKeeper:
         gate_id = str(uuid.uuid4())
         future: asyncio.Future[grants.Decision] = asyncio.get_running_loop().create_future()
         self.pending[gate_id] = (client_id, future)
+        remote: asyncio.Task[None] | None = None
         try:
+            if self.relay is not None:  # answerable on every instance of the shared store
+                await self.relay.raised(gate_id, client_id, wait_seconds)
+                remote = asyncio.ensure_future(self._answered_elsewhere(gate_id, future))
             rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
             try:
                 async with asyncio.timeout(wait_seconds):
@@ -603,21 +610,37 @@ class GateKeeper:
                 decision = grants.Decision("timeout")
         finally:
             self.pending.pop(gate_id, None)
+            if remote is not None:
+                remote.cancel()
+                await self.relay.closed(gate_id)  # type: ignore[union-attr]
         return decision, gate_id
 
-    def owner(self, gate_id: str) -> str | None:
-        """The client id of the session a pending gate belongs to, or None if it is not pending."""
-        waiting = self.pending.get(gate_id)
-        return waiting[0] if waiting else None
+    async def _answered_elsewhere(self, gate_id: str, future: asyncio.Future[grants.Decision]) -> None:
+        assert self.relay is not None
+        answer = await self.relay.wait(gate_id)
+        if not future.done():
+            future.set_result(grants.Decision(answer["word"], answer.get("by", ""),
+                                              int(answer.get("minutes", grants.DEFAULT_MINUTES))))
 
-    def resolve(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
-                may_grant: bool = True) -> bool:
+    async def owner(self, gate_id: str) -> str | None:
+        """The client id of the session a pending gate belongs to (on any instance), or None if it is not pending."""
+        waiting = self.pending.get(gate_id)
+        if waiting is not None:
+            return waiting[0]
+        return await self.relay.owner(gate_id) if self.relay is not None else None
+
+    async def resolve(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
+                      may_grant: bool = True) -> bool:
         """Answer a pending gate: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject;
         `by` names who answered (for the audit log). False if the gate is unknown or already answered;
-        grants.GrantError (a ValueError) for an answer that is not allowed."""
+        grants.GrantError (a ValueError) for an answer that is not allowed. With a shared store the gate
+        may belong to a turn on another instance: the answer goes there through Redis."""
         checked = grants.Decision.parse(decision, by, minutes, may_grant=may_grant)
         waiting = self.pending.get(gate_id)
-        if waiting is None or waiting[1].done():
+        if waiting is None:
+            return self.relay is not None and await self.relay.answer(
+                gate_id, {"word": checked.word, "by": checked.by, "minutes": checked.minutes})
+        if waiting[1].done():
             return False
         waiting[1].set_result(checked)
         return True
@@ -810,9 +833,9 @@ async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     if not parts:
         kinds = {gate_type(e) for e in rt.tools.entries()}
         return ("Rate limits (plugins-enabled.json rate_limits, per session and tool type):\n"
-                + rt.rate_limiter.describe(session.client_id, kinds))
+                + await rt.rate_limiter.describe(session.client_id, kinds))
     if len(parts) == 2 and parts[0] == "enable":
-        if rt.rate_limiter.enable(session.client_id, parts[1]):
+        if await rt.rate_limiter.reenable(session.client_id, parts[1]):
             return f"{parts[1]} tools are enabled again for this session."
         return f"{parts[1]} tools are not disabled for this session."
     return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type>"
@@ -876,6 +899,8 @@ class RateLimiter:
         self.windows: dict[tuple[str, str], deque[float]] = {}
         self.disabled: dict[str, set[str]] = {}
         self._checks = 0
+        #: With a shared store: the windows and disabled types live in Redis for every instance.
+        self.shared: shared.SharedLimits | None = None
 
     def hit(self, client_id: str, tool_type: str) -> str | None:
         """Count one call; None if allowed, else why not ("limit" or "disabled") as a short reason."""
@@ -907,6 +932,19 @@ class RateLimiter:
             if limit is None or not window or window[-1] <= now - limit.window_seconds:
                 del self.windows[key]
 
+    async def count(self, client_id: str, tool_type: str) -> str | None:
+        """`hit`, in Redis when the store is shared."""
+        if self.shared is None:
+            return self.hit(client_id, tool_type)
+        limit = self.limits.get(tool_type)
+        if limit is None or limit.calls == 0 or limit.window_seconds == 0:
+            return "disabled" if await self.shared.disabled(client_id, tool_type) else None
+        return await self.shared.hit(client_id, tool_type, limit.calls, limit.window_seconds, limit.auto_disable)
+
+    async def reenable(self, client_id: str, tool_type: str) -> bool:
+        """`enable`, in Redis when the store is shared."""
+        return await self.shared.enable(client_id, tool_type) if self.shared else self.enable(client_id, tool_type)
+
     def enable(self, client_id: str, tool_type: str) -> bool:
         """Re-enable a tool type for a session; False if it was not disabled."""
         types = self.disabled.get(client_id, set())
@@ -919,6 +957,8 @@ class RateLimiter:
 
     def forget(self, client_id: str) -> None:
         """Drop everything kept for a deleted session."""
+        if self.shared is not None:
+            asyncio.get_running_loop().create_task(self.shared.forget(client_id))
         self.disabled.pop(client_id, None)
         for key in [k for k in self.windows if k[0] == client_id]:
             del self.windows[key]
@@ -927,7 +967,7 @@ class RateLimiter:
                     args: dict[str, Any]) -> Refusal | None:
         """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
         client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)
-        why = self.hit(client_id, tool_type)
+        why = await self.count(client_id, tool_type)
         if why is None:
             return None
         again = f"the user can re-enable them with !ratelimit enable {tool_type}"
@@ -944,10 +984,13 @@ class RateLimiter:
                                            f"{again}.")
         return Refusal("rate_limited", f"{message} Wait before calling it again.")
 
-    def describe(self, client_id: str, types: Iterable[str]) -> str:
+    async def describe(self, client_id: str, types: Iterable[str]) -> str:
         """The limits and this session's state, one line per tool type."""
         rows = []
         now = self.clock()
+        if self.shared is not None:
+            windows = {k: v.window_seconds for k, v in self.limits.items()}
+            used_by, off_types = await self.shared.usage(client_id, windows)
         for tool_type in sorted(set(types) | set(self.limits)):
             limit = self.limits.get(tool_type)
             rule = (
@@ -955,8 +998,12 @@ class RateLimiter:
                 if limit and limit.calls and limit.window_seconds
                 else "unlimited"
             )
-            window = self.windows.get((client_id, tool_type), ())
-            used = sum(1 for t in window if limit and t > now - limit.window_seconds)
-            off = " — DISABLED for this session" if tool_type in self.disabled.get(client_id, ()) else ""
+            if self.shared is not None:
+                used, disabled = used_by.get(tool_type, 0), tool_type in off_types
+            else:
+                window = self.windows.get((client_id, tool_type), ())
+                used = sum(1 for t in window if limit and t > now - limit.window_seconds)
+                disabled = tool_type in self.disabled.get(client_id, ())
+            off = " — DISABLED for this session" if disabled else ""
             rows.append(f"  {tool_type:<12} {rule}" + (f" (used {used})" if used else "") + off)
         return "\n".join(rows)

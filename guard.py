@@ -25,7 +25,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, field_validator
@@ -113,8 +113,11 @@ class Guard:
     """ASGI middleware in front of one listener: Host → 421, Origin → 403, token → 401, JSON → 415."""
 
     def __init__(self, app: ASGIApp, *, plugin: str, bind: str, port: int, token: str | None = None,
-                 allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()):
+                 allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
+                 unavailable: Callable[[], str | None] | None = None):
         self.app = app
+        #: Why the server cannot serve now (its shared store is unreachable): then 503 with that message.
+        self.unavailable = unavailable
         self.plugin = plugin
         names = [*LOOPBACK_NAMES, *([b] if (b := _bind_name(bind)) else [])]
         self.hosts = [(n, None) for n in names] + [split_host(h) for h in allowed_hosts]
@@ -147,6 +150,8 @@ class Guard:
         refusal, origin = self._check(scope, Headers(scope=scope))
         if origin is not None:
             send = _with_cors(send, origin)
+        if refusal is None and self.unavailable is not None and (down := self.unavailable()):
+            refusal = JSONResponse({"error": down}, status_code=503, headers={"Retry-After": "1"})
         if refusal is None:
             await self.app(scope, receive, send)
         else:

@@ -198,17 +198,15 @@ async def process_request(
     cancelled = False
     with state.running(turn):
         try:
-            # Added without awaiting, so requests take the session's lock in the order they arrived.
-            session, created = rt.sessions.get_or_add(client_id, model, turn.kind)
+            # Added without awaiting, so requests take the session in the order they arrived.
+            session, _ = rt.sessions.get_or_add(client_id, model, turn.kind)
             turn.session = session
-            async with session.lock:
-                if created:
-                    await rt.sessions.save(session)
-                    why = rt.sessions.take_gone(client_id)
-                    if why is not None:
-                        rt.hub.publish(client_id, "status", {
-                            "text": f"[session] this session was {why} ({_GONE[why]}); this message starts a new, "
-                                    "empty one", "session_gone": why})
+            async with rt.sessions.hold(session, turn.id) as created:  # saved (user message first) as it ends
+                why = await rt.sessions.take_gone(client_id) if created else None
+                if why is not None:
+                    rt.hub.publish(client_id, "status", {
+                        "text": f"[session] this session was {why} ({_GONE[why]}); this message starts a new, "
+                                "empty one", "session_gone": why})
                 rt.hub.publish(client_id, "user", {"text": text})  # every window shows who said what, in order
                 if turn.model is not None and turn.model not in rt.config.models:
                     rt.hub.error(client_id, f"unknown model '{turn.model}'; available: {', '.join(rt.config.models)}")
@@ -223,16 +221,27 @@ async def process_request(
         except Exception as exc:
             logger.exception("request of %s failed", client_id)
             detail = f": {type(exc).__name__}: {exc}" if turn.may_administer else " (details are in the server log)"
+            if isinstance(exc, state.SessionError):  # the store is unreachable: say so, whoever asks
+                detail = f": {exc}"
             rt.hub.error(client_id, f"internal error{detail}")
         finally:
             untrack()
-            if turn.session is not None and rt.sessions.get(client_id) is turn.session:
-                await rt.sessions.save(turn.session)
             if not cancelled:
                 rt.hub.done(client_id)
             if turn.ends_session and rt.sessions.get(client_id) is turn.session:
                 # After its answer and `done` reached every window: the one that asked already knows.
                 await delete_session(rt, client_id, remember=False)
+
+
+INTERRUPTED = ("the turn was interrupted: the server running it stopped before it finished. Your message is kept "
+               "in the history; send it again to get an answer.")
+
+
+def interrupted(rt: state.Runtime, client_id: str, turn_id: str) -> None:
+    """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
+    with state.running(gate.new_turn(rt, client_id, turn_id=turn_id)):
+        rt.hub.error(client_id, INTERRUPTED, "interrupted")
+        rt.hub.done(client_id)
 
 
 def _track(rt: state.Runtime, client_id: str) -> Any:

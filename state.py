@@ -43,6 +43,8 @@ TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 EVENT_BUFFER = 2000
 #: Channels without subscribers kept for replay; beyond this the least recently used go.
 MAX_IDLE_CHANNELS = 1000
+#: Seconds between two looks for turns whose instance died (shared stores; see SessionManager.recover).
+RECOVER_SECONDS = 1.0
 #: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
 MAX_GONE = 4096
 
@@ -121,6 +123,9 @@ class Session:
     created: float = field(default_factory=time.time)
     #: Last activity (a request or a saved change), by the manager's clock; expiry and LRU go by it.
     updated: float = field(default_factory=time.time)
+    #: The id of the request holding the session, stored while it runs: a session found with one that no
+    #: live process holds lost its turn with that process (SessionManager.recover ends it).
+    running: str | None = None
     # Held by the request running on this session; later requests wait their turn.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
@@ -131,6 +136,7 @@ class Session:
             "tool_preview_length": self.tool_preview_length,
             "settings": self.settings,
             "created": self.created,
+            **({"running": self.running} if self.running else {}),
         }
 
     @classmethod
@@ -144,7 +150,14 @@ class Session:
             settings=dict(record.get("settings", {})),
             created=float(record.get("created", time.time())),
             updated=float(updated),
+            running=record.get("running") or None,
         )
+
+    def take_from(self, other: Session) -> None:
+        """Become `other` (a fresher copy read from a shared store), keeping this object and its lock."""
+        for name in ("shorthand", "model", "history", "tool_preview_length", "settings", "created", "updated",
+                     "running"):
+            setattr(self, name, getattr(other, name))
 
 
 def _starts_turn(msg: dict[str, Any]) -> bool:
@@ -171,7 +184,14 @@ def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[
 
 
 class SessionStore:
-    """Where sessions persist. The memory store keeps nothing across restarts (tests)."""
+    """Where sessions persist. The memory store keeps nothing across restarts (tests).
+
+    A `shared` store (Redis) is written and read by several instances at once: the manager reads
+    a session again whenever a request takes it (`fetch`, under the store's `lease`) and before
+    every listing (`fetch_all`), and shorthand ids come from the store (`allocate_shorthand`).
+    """
+
+    shared = False
 
     async def open(self) -> None:
         """Prepare the store (create tables)."""
@@ -188,6 +208,36 @@ class SessionStore:
 
     async def delete(self, client_id: str) -> None:
         """Forget one session (its shorthand id is never reused)."""
+
+    # Shared stores only:
+
+    async def fetch(self, client_id: str) -> Session | None:
+        """The stored session as it is now."""
+        raise NotImplementedError
+
+    async def fetch_all(self) -> list[Session]:
+        """Every stored session as it is now."""
+        raise NotImplementedError
+
+    async def allocate_shorthand(self) -> int:
+        """A shorthand id no instance has handed out."""
+        raise NotImplementedError
+
+    @contextlib.asynccontextmanager
+    async def lease(self, client_id: str, holder: str) -> AsyncIterator[None]:
+        """Hold the session's turn lease (every instance's requests on it run one at a time)."""
+        yield
+
+    async def orphans(self) -> list[str]:
+        """Sessions marked running whose lease nobody holds: their process died."""
+        return []
+
+    async def mark_gone(self, client_id: str, why: str) -> None:
+        """Remember why a session was removed (see SessionManager.take_gone)."""
+
+    async def take_gone(self, client_id: str) -> str | None:
+        """Why the session was removed, once."""
+        return None
 
 
 class MemoryStore(SessionStore):
@@ -328,6 +378,8 @@ class SessionManager:
         self.clock = clock
         self.is_busy = is_busy
         self.forgotten: list[ForgetHook] = []
+        #: Called with (client id, request id) for a request found to have died with its process.
+        self.interrupted: Callable[[str, str], None] | None = None
         self._sessions: dict[str, Session] = {}
         self._by_short: dict[int, str] = {}
         self._last_short = FIRST_SHORTHAND - 1
@@ -336,24 +388,31 @@ class SessionManager:
         self._lru: dict[str, OrderedDict[str, Session]] = {}
         self._kind: dict[str, str] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._recoverer: asyncio.Task[None] | None = None
         #: Why recently removed sessions went (client id → "deleted", …), so a client that comes back
         #: is told instead of silently getting an empty session (bounded: MAX_GONE, oldest dropped).
         self._gone: OrderedDict[str, str] = OrderedDict()
 
     async def open(self) -> None:
-        """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them)."""
+        """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them).
+
+        A shared store is only opened: its sessions are read when they are used (`refresh`, `hold`).
+        """
         await self.store.open()
+        if self.store.shared:
+            return
         sessions, last = await self.store.load()
         for s in sessions:
             self._add(s)
         self._last_short = max(last, FIRST_SHORTHAND - 1)
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        for task in (self._sweeper, self._recoverer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sweeper = self._recoverer = None
         await self.store.close()
 
     def start_sweeping(self) -> None:
@@ -365,12 +424,25 @@ class SessionManager:
             self._sweeper = asyncio.create_task(self._sweep_forever(), name="session-sweeper")
 
     async def _sweep_forever(self) -> None:
+        if self.store.shared:
+            self._recoverer = asyncio.create_task(self._recover_forever(), name="turn-recovery")
         while True:
             try:
                 await self.sweep()
             except Exception:  # a failing store must not end the sweeping; the next round retries
                 logger.exception("session sweep failed")
             await asyncio.sleep(self.policy.sweep_seconds)
+
+    async def _recover_forever(self) -> None:
+        """With a shared store: end, within seconds, the turns of instances that died (see `recover`)."""
+        while True:
+            await asyncio.sleep(RECOVER_SECONDS)
+            try:
+                await self.recover()
+            except SessionError:
+                pass  # the store is unreachable: said elsewhere; the next round tries again
+            except Exception:
+                logger.exception("looking for interrupted turns failed")
 
     def get(self, client_id: str) -> Session | None:
         return self._sessions.get(client_id)
@@ -387,10 +459,12 @@ class SessionManager:
         if session is not None:
             self._touch(session)
             return session, False
-        self._last_short += 1
+        # A shared store hands the id out when the session is first saved (0 until then).
+        shorthand = 0 if self.store.shared else self._last_short + 1
+        self._last_short = max(self._last_short, shorthand)
         now = self.clock()
         settings = {CLIENT_CLASS: client_class} if client_class else {}
-        session = Session(client_id=client_id, shorthand=self._last_short, model=model, created=now, updated=now,
+        session = Session(client_id=client_id, shorthand=shorthand, model=model, created=now, updated=now,
                           settings=settings)
         self._add(session)
         self._unsaved.add(client_id)
@@ -398,8 +472,107 @@ class SessionManager:
 
     def _add(self, session: Session) -> None:
         self._sessions[session.client_id] = session
-        self._by_short[session.shorthand] = session.client_id
+        if session.shorthand:
+            self._by_short[session.shorthand] = session.client_id
         self._place(session)
+
+    def _drop(self, client_id: str) -> Session:
+        """Remove a session from this instance's memory only."""
+        session = self._sessions.pop(client_id)
+        if self._by_short.get(session.shorthand) == client_id:
+            del self._by_short[session.shorthand]
+        self._unsaved.discard(client_id)
+        del self._lru[self._kind.pop(client_id)][client_id]
+        return session
+
+    def _take(self, session: Session, fresh: Session) -> None:
+        """Update a remembered session from a fresher stored copy (another instance changed it)."""
+        if self._by_short.get(session.shorthand) == session.client_id:
+            del self._by_short[session.shorthand]
+        session.take_from(fresh)
+        self._by_short[session.shorthand] = session.client_id
+
+    async def refresh(self) -> None:
+        """With a shared store: read every session again, since another instance may have added, changed
+        or removed any (listings and sweeps call this first). Sessions held by a request here are the
+        request's own copy and stay as they are."""
+        if not self.store.shared:
+            return
+        stored = {s.client_id: s for s in await self.store.fetch_all()}
+        for client_id, mine in list(self._sessions.items()):
+            if client_id not in stored and not mine.lock.locked() and client_id not in self._unsaved:
+                self._drop(client_id)
+        for client_id, fresh in stored.items():
+            mine = self._sessions.get(client_id)
+            if mine is None:
+                self._add(fresh)
+            elif not mine.lock.locked():
+                self._take(mine, fresh)
+
+    async def _reload(self, session: Session) -> bool:
+        """Read a held session again from a shared store; True when the store has none (a new session)."""
+        fresh = await self.store.fetch(session.client_id)
+        if fresh is not None:
+            self._unsaved.discard(session.client_id)
+            self._take(session, fresh)
+            return False
+        if session.client_id not in self._unsaved:  # removed by another instance since we saw it
+            kind = session.settings.get(CLIENT_CLASS)
+            session.history, session.settings, session.running = [], ({CLIENT_CLASS: kind} if kind else {}), None
+            if self._by_short.get(session.shorthand) == session.client_id:
+                del self._by_short[session.shorthand]
+            session.shorthand = 0
+            self._unsaved.add(session.client_id)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session: Session, turn_id: str) -> AsyncIterator[bool]:
+        """Hold `session` for one request; yields whether the session is new.
+
+        Requests on a session run one at a time, in the order they asked (on every instance of a
+        shared store: the store's lease, and the session is read again once held). While held, the
+        session is stored marked `running`, so a request that dies with its process is found and
+        ended (`recover`); on leaving it is saved, unless it was removed meanwhile.
+        """
+        async with session.lock, self.store.lease(session.client_id, turn_id):
+            created = await self._reload(session) if self.store.shared else session.client_id in self._unsaved
+            if session.running and self.interrupted is not None:
+                self.interrupted(session.client_id, session.running)  # its process died; say so first
+            session.running = turn_id
+            try:
+                await self.save(session)
+                yield created
+            finally:
+                session.running = None
+                if self._sessions.get(session.client_id) is session:
+                    await self.save(session)
+
+    async def recover(self) -> list[str]:
+        """End the requests whose process died while they ran (see `hold`): `interrupted` tells their
+        clients, and the sessions are marked free. Returns their client ids.
+
+        With a shared store these are the running sessions whose lease expired; otherwise (at start)
+        every session stored as running."""
+        if self.store.shared:
+            candidates = await self.store.orphans()
+        else:
+            candidates = [s.client_id for s in self._sessions.values() if s.running and not s.lock.locked()]
+        ended = []
+        for client_id in candidates:
+            session, _ = self.get_or_add(client_id, "")
+            async with session.lock, self.store.lease(client_id, "recover"):
+                if self.store.shared and await self._reload(session):
+                    self._drop(client_id)  # gone meanwhile
+                    continue
+                if session.running:
+                    if self.interrupted is not None:
+                        self.interrupted(client_id, session.running)
+                    session.running = None
+                    await self.save(session)
+                    ended.append(client_id)
+        if ended:
+            logger.warning("ended %d turn(s) interrupted by a stopped server: %s", len(ended), ", ".join(ended))
+        return ended
 
     def _place(self, session: Session) -> None:
         """Put the session last (most recently active) in its class's eviction order."""
@@ -436,6 +609,9 @@ class SessionManager:
         """Store the session (its history bounded first) as active now; a new one may evict its class's LRU."""
         if self._sessions.get(session.client_id) is not session:
             return
+        if not session.shorthand:
+            session.shorthand = await self.store.allocate_shorthand()
+            self._by_short[session.shorthand] = session.client_id
         self._bound_history(session)
         self._touch(session)
         await self.store.save(session, self._last_short)
@@ -462,20 +638,21 @@ class SessionManager:
             raise SessionError(f"no session '{ident}'; use !session to list sessions")
         return await self._forget(client_id, "deleted" if remember else None)
 
-    def take_gone(self, client_id: str) -> str | None:
+    async def take_gone(self, client_id: str) -> str | None:
         """Why `client_id`'s session was removed ("deleted", "expired", "evicted"), once, or None."""
+        if self.store.shared:
+            return await self.store.take_gone(client_id)
         return self._gone.pop(client_id, None)
 
     async def _forget(self, client_id: str, why: str | None) -> Session:
-        if why is not None:
+        if why is not None and self.store.shared:
+            await self.store.mark_gone(client_id, why)
+        elif why is not None:
             self._gone[client_id] = why
             self._gone.move_to_end(client_id)
             if len(self._gone) > MAX_GONE:
                 self._gone.popitem(last=False)
-        session = self._sessions.pop(client_id)
-        self._by_short.pop(session.shorthand, None)
-        self._unsaved.discard(client_id)
-        del self._lru[self._kind.pop(client_id)][client_id]
+        session = self._drop(client_id)
         await self.store.delete(client_id)
         for hook in list(self.forgotten):
             try:
@@ -486,13 +663,15 @@ class SessionManager:
 
     def busy(self, session: Session) -> bool:
         """Whether a request runs on (or waits for) the session: then it is never expired or evicted."""
-        return session.lock.locked() or (self.is_busy is not None and self.is_busy(session.client_id))
+        return (session.lock.locked() or (self.is_busy is not None and self.is_busy(session.client_id))
+                or (self.store.shared and session.running is not None))  # a turn on another instance
 
     async def sweep(self) -> list[str]:
         """Expire sessions idle longer than their class allows, then evict each class down to its cap.
 
         Returns the client ids removed. Busy sessions are skipped (a later sweep takes them).
         """
+        await self.refresh()
         self._reclassify()
         now = self.clock()
         removed = []
@@ -636,6 +815,12 @@ class EventHub:
     def last_id(self, client_id: str) -> int:
         return self._channel(client_id).last_id
 
+    async def flush(self) -> None:
+        """Wait until every published event can be read (a shared hub sends them in the background)."""
+
+    async def aclose(self) -> None:
+        """Release what the hub holds (a shared hub: its writer, after sending what is queued)."""
+
     def close(self) -> None:
         """The server stops: every subscription ends after the events it has not yet received."""
         self.closed = True
@@ -748,6 +933,14 @@ class Runtime:
     rate_limiter: RateLimiter = None  # type: ignore[assignment]
     #: Set when the server stops, so endless event streams end (an anyio.Event).
     stopping: Any = None
+    #: With a shared store (several instances on one Redis): the connection (shared.Link), and the
+    #: small values plugins share through it (shared.SharedValues); None on one instance.
+    link: Any = None
+    values: Any = None
+
+    def unavailable(self) -> str | None:
+        """Why this instance cannot serve requests now (its shared store is unreachable), or None."""
+        return self.link.unavailable_message() if self.link is not None else None
 
 
 _current: Runtime | None = None

@@ -234,12 +234,12 @@ class ApiPlugin(BasePlugin):
     async def gate_answer(self, request: Request) -> Response:
         gate_id = request.path_params["gate_id"]
         body = await _http.read_json(request, _GateBody)
-        owner = self.rt.gate.owner(gate_id)
+        owner = await self.rt.gate.owner(gate_id)
         admin = self._is_admin(request)
         decision = _SCOPES[body.scope] if body.approve else "reject"
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
-            answered = owner is not None and gate.client_class(owner) == gate.API and self.rt.gate.resolve(
+            answered = owner is not None and gate.client_class(owner) == gate.API and await self.rt.gate.resolve(
                 gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
                 may_grant=admin)
         except ValueError as exc:
@@ -260,16 +260,19 @@ class ApiPlugin(BasePlugin):
 
     async def sessions(self, request: Request) -> Response:
         admin = self._is_admin(request)
+        await self.rt.sessions.refresh()
         rows = [_session_row(s) for s in self.rt.sessions.all() if self._visible(s.client_id, admin)]
         return JSONResponse({"sessions": rows})
 
     async def health(self, request: Request) -> Response:
         admin = self._is_admin(request)
+        await self.rt.sessions.refresh()
         count = sum(1 for s in self.rt.sessions.all() if self._visible(s.client_id, admin))
         return JSONResponse({"status": "ok", "sessions": count, "models": list(self.rt.config.models)})
 
     async def delete_session(self, request: Request) -> Response:
         sid = request.path_params["sid"]
+        await self.rt.sessions.refresh()
         client_id = self.rt.sessions.resolve(sid)
         if client_id is None and CLIENT_ID.match(PREFIX + sid) and not sid.isdigit():
             client_id = self.rt.sessions.resolve(PREFIX + sid)

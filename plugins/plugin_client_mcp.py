@@ -289,7 +289,7 @@ class McpServerPlugin(BasePlugin):
         """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""
         assert self.store is not None
         for gate_id, row in list(self.store.pending.items()):
-            if row["session"] == client_id and self.rt.gate.owner(gate_id) is None:
+            if row["session"] == client_id and await self.rt.gate.owner(gate_id) is None:
                 self._deciders[gate_id] = why
                 self._close(client_id, gate_id, "cancelled")
 
@@ -436,7 +436,8 @@ class McpServerPlugin(BasePlugin):
 
     # ── resources ──
 
-    def _session(self, who: Principal, ident: str) -> state.Session:
+    async def _session(self, who: Principal, ident: str) -> state.Session:
+        await self.rt.sessions.refresh()  # with several instances: as it is now
         client_id = self.rt.sessions.resolve(ident)
         session = self.rt.sessions.get(client_id) if client_id else None
         if session is None or not who.may_read(session.client_id):
@@ -462,6 +463,7 @@ class McpServerPlugin(BasePlugin):
         @mcp.resource(f"{SCHEME}sessions", name="sessions", mime_type="application/json")
         async def sessions() -> str:
             who = request_principal()
+            await plugin.rt.sessions.refresh()
             return _json([plugin._session_row(s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
 
         @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
@@ -482,7 +484,7 @@ class McpServerPlugin(BasePlugin):
 
         @mcp.resource(SCHEME + "sessions/{sid}/state", name="session state", mime_type="application/json")
         async def session_state(sid: str) -> str:
-            s = plugin._session(request_principal(), sid)
+            s = await plugin._session(request_principal(), sid)
             return _json({**plugin._session_row(s), "history_length": len(s.history),
                           "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
                           "pending_approvals": len(plugin._pending(s.client_id)),
@@ -490,26 +492,26 @@ class McpServerPlugin(BasePlugin):
 
         @mcp.resource(SCHEME + "sessions/{sid}/history", name="session history", mime_type="application/json")
         async def session_history(sid: str) -> str:
-            s = plugin._session(request_principal(), sid)
+            s = await plugin._session(request_principal(), sid)
             return _json(s.history)
 
         @mcp.resource(SCHEME + "sessions/{sid}/approvals/pending", name="session pending approvals",
                       mime_type="application/json")
         async def session_pending(sid: str) -> str:
-            s = plugin._session(request_principal(), sid)
+            s = await plugin._session(request_principal(), sid)
             return _json(plugin._pending(s.client_id))
 
         @mcp.resource(SCHEME + "sessions/{sid}/approvals/history", name="session approval history",
                       mime_type="application/json")
         async def session_approvals(sid: str) -> str:
-            s = plugin._session(request_principal(), sid)
+            s = await plugin._session(request_principal(), sid)
             assert plugin.store is not None
             return _json(await plugin.store.history(s.client_id))
 
         @mcp.resource(SCHEME + "sessions/{sid}/grants", name="session grants", mime_type="application/json")
         async def session_grants(sid: str) -> str:
             """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
-            s = plugin._session(request_principal(), sid)
+            s = await plugin._session(request_principal(), sid)
             store = plugin.rt.gate.grants
             return _json([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])
 
@@ -536,6 +538,7 @@ class McpServerPlugin(BasePlugin):
         @mcp.tool()
         async def delete_session(session: str) -> dict[str, Any]:
             """Delete a session (full id or shorthand id): its history, running turns and event stream."""
+            await plugin.rt.sessions.refresh()
             client_id = plugin.rt.sessions.resolve(session)
             if client_id is None:
                 raise ToolError(f"no session '{session[:140]}'; read agentmcp://sessions for the list")
@@ -547,7 +550,7 @@ class McpServerPlugin(BasePlugin):
             """Gates waiting for a decision (all the token may see, or one session's)."""
             who = request_principal()
             if session:
-                return plugin._pending(plugin._session(who, session).client_id)
+                return plugin._pending(await plugin._session(who, session).client_id)
             return [r for r in plugin._pending() if who.may_read(r["session"])]
 
         @mcp.tool()
@@ -560,13 +563,13 @@ class McpServerPlugin(BasePlugin):
             for `minutes`); allow_session (the same for the rest of the session); allow_pattern (calls of
             the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers."""
             who = request_principal()
-            owner = plugin.rt.gate.owner(gate_id)
+            owner = await plugin.rt.gate.owner(gate_id)
             if owner is None:
                 raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
                                 "read agentmcp://approvals/pending")
             plugin._deciders[gate_id] = who.label
             try:
-                answered = plugin.rt.gate.resolve(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
+                answered = await plugin.rt.gate.resolve(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
                                                   minutes=minutes)
             except ValueError as exc:
                 plugin._deciders.pop(gate_id, None)
@@ -582,7 +585,7 @@ class McpServerPlugin(BasePlugin):
             """The gate defaults (gate-defaults.json) and, with `session`, that session's own overrides."""
             out: dict[str, Any] = {"defaults": plugin._policy()}
             if session:
-                s = plugin._session(request_principal(), session)
+                s = await plugin._session(request_principal(), session)
                 out["session"] = {"session": s.client_id, "overrides": s.settings.get("gates", {})}
             return out
 

@@ -66,7 +66,8 @@ def _session_row(rt: state.Runtime, s: state.Session) -> dict[str, Any]:
     """A session for /sessions; `running`: a request of it runs or waits (a shell back online after a
     restart asks, to tell a turn that still runs from one the restart interrupted)."""
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),
-            "running": any(not t.done() for t in rt.active_tasks.get(s.client_id, ()))}
+            "running": any(not t.done() for t in rt.active_tasks.get(s.client_id, ()))
+                       or (rt.sessions.store.shared and s.running is not None)}  # a turn on another instance
 
 
 class ShellpyPlugin(BasePlugin):
@@ -136,7 +137,7 @@ class ShellpyPlugin(BasePlugin):
         if isinstance(body, JSONResponse):
             return body
         try:  # the shell's user is the human the gates ask: they may grant
-            answered = self.rt.gate.resolve(body.gate_id, body.decision, by="shell", minutes=body.minutes)
+            answered = await self.rt.gate.resolve(body.gate_id, body.decision, by="shell", minutes=body.minutes)
         except ValueError as exc:
             return _error(400, str(exc))
         if not answered:
@@ -147,6 +148,7 @@ class ShellpyPlugin(BasePlugin):
         rt = self.rt
         reports = rt.plugins.reports.values() if rt.plugins else []
         plugins = {r.name: {"status": r.status, "reasons": r.reasons} for r in reports}
+        await rt.sessions.refresh()
         return JSONResponse({
             "status": "healthy",
             "models": list(rt.config.models),
@@ -157,6 +159,7 @@ class ShellpyPlugin(BasePlugin):
 
     async def sessions(self, request: Request) -> JSONResponse:
         wanted = request.query_params.get("client_id")
+        await self.rt.sessions.refresh()
         if wanted is None:
             return JSONResponse({"sessions": [_session_row(self.rt, s) for s in self.rt.sessions.all()]})
         client_id = self.rt.sessions.resolve(wanted)
@@ -165,6 +168,7 @@ class ShellpyPlugin(BasePlugin):
 
     async def delete_session(self, request: Request) -> JSONResponse:
         rt = self.rt
+        await rt.sessions.refresh()
         client_id = rt.sessions.resolve(request.path_params["sid"])
         if client_id is None:
             return _error(404, f"session '{request.path_params['sid']}' not found")

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,28 @@ def fake_openai() -> Iterator[FakeOpenAI]:
 def fake_gemini() -> Iterator[FakeGemini]:
     with FakeGemini() as backend:
         yield backend
+
+
+MACHINE_REDIS = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def redis_store() -> Iterator[str]:
+    """A SESSION_STORE URL on the machine's Redis (.ci/run starts it) with a key prefix of this test's own,
+    whose keys are removed afterwards."""
+    import redis  # only the tests of several instances need it
+
+    client = redis.Redis.from_url(MACHINE_REDIS, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        pytest.fail(f"this test needs Redis at 127.0.0.1:6379 ({exc}); start it: redis-server --daemonize yes")
+    prefix = f"test-{uuid.uuid4().hex[:10]}:"
+    yield f"{MACHINE_REDIS}?prefix={prefix}"
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 @pytest.fixture

@@ -67,9 +67,10 @@ async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, 
 @contextlib.asynccontextmanager
 async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
                   gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None,
-                  agents: dict[str, Any] | None = None, plugins: tuple[str, ...] = ()
-                  ) -> AsyncIterator[state.Runtime]:
-    """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions.
+                  agents: dict[str, Any] | None = None, plugins: tuple[str, ...] = (),
+                  store: state.SessionStore | None = None) -> AsyncIterator[state.Runtime]:
+    """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions
+    (or `store`'s).
 
     `plugins` (shipped plugin names) are enabled and loaded; each must load.
     """
@@ -80,11 +81,11 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     cfg.gates = gates
     cfg.agents = agents
     cfg.write()
-    shutil.copytree(ROOT / ".system_prompt", path / ".system_prompt")
+    shutil.copytree(ROOT / ".system_prompt", path / ".system_prompt", dirs_exist_ok=True)
     if rate_limits is not None:
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
-    rt = await build.build_runtime(load_config(path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(path), store=store or state.MemoryStore())
     rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
     state.set_current(rt)
     try:
@@ -128,7 +129,7 @@ async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dic
     async for ev in sub:
         events.append(ev)
         if ev.name == "gate" and answer:
-            rt.gate.resolve(ev.data["gate_id"], answer)
+            await rt.gate.resolve(ev.data["gate_id"], answer)
         if ev.name == "done":
             break
     await sub.aclose()
@@ -148,6 +149,6 @@ async def with_events(rt: state.Runtime, client_id: str, work: Awaitable[Any], a
             break
         events.append(ev)
         if ev.name == "gate" and answer:
-            rt.gate.resolve(ev.data["gate_id"], answer)
+            await rt.gate.resolve(ev.data["gate_id"], answer)
     await sub.aclose()
     return await task, events

@@ -448,10 +448,10 @@ async def test_gate_waits_do_not_block_other_sessions(grt) -> None:
         waiting = asyncio.ensure_future(execute(grt, "c1", "web_search", {"query": "slow"}))
     gate_id = next(iter([ev async for ev in _until_gate(sub)])).data["gate_id"]
     assert (await execute(grt, "c2", "get_system_info", {})).startswith("Local time")
-    assert grt.gate.resolve(gate_id, "allow") and not grt.gate.resolve(gate_id, "allow")
+    assert await grt.gate.resolve(gate_id, "allow") and not await grt.gate.resolve(gate_id, "allow")
     assert (await waiting).startswith("ok") and grt.gate.pending == {}
     with pytest.raises(ValueError, match="decision must be one of"):
-        grt.gate.resolve(gate_id, "maybe")
+        await grt.gate.resolve(gate_id, "maybe")
     await sub.aclose()
 
 

@@ -358,5 +358,5 @@ async def test_why_a_session_went_is_told_once_and_throwaway_ones_are_not_rememb
     await m.delete("api-throwaway", remember=False)
     clock.advance(2)
     assert await m.sweep() == ["api-idle"]
-    assert [m.take_gone(c) for c in ("api-deleted", "api-throwaway", "api-idle")] == ["deleted", None, "expired"]
-    assert m.take_gone("api-deleted") is None  # told once
+    assert [await m.take_gone(c) for c in ("api-deleted", "api-throwaway", "api-idle")] == ["deleted", None, "expired"]
+    assert await m.take_gone("api-deleted") is None  # told once

@@ -1,0 +1,573 @@
+"""Several instances on one Redis (`SESSION_STORE=redis://host:port/db`): what they share, and how.
+
+Everything two instances could disagree about lives in Redis itself, under one key prefix
+(`?prefix=name:` on the URL, default `agent-mcp:`), read when it is used:
+
+- sessions: a hash per session (`session:<id>`: shorthand, updated, record JSON), an index by
+  shorthand id (`sessions`), the shorthand counter (`shorthand`, INCR: unique across instances),
+  the sessions whose turn is running (`running`) and why removed ones went (`gone:<id>`);
+- the turn lease of a session (`lease:<id>`, SET NX PX): the instance running a turn renews it;
+  when that instance dies the lease lapses and another instance ends the turn (SessionManager.recover);
+- event streams (`events:<id>`, a Redis Stream of bounded length): every instance reads them, so a
+  subscriber anywhere sees every event and resumes by `Last-Event-ID`;
+- pending gates (`gate:<id>`) and their answers (`answer:<id>`, a list the asking turn pops);
+- rate-limit windows (`rate:<id>:<type>`, sorted sets) and disabled tool types (`disabled:<id>`);
+- small values of plugins (`value:<name>`): de-duplication keys, fingerprints, turn cursors.
+
+Event ids are microsecond-like integers as on one instance: a stream entry `ms-n` is id `ms * 1000 + n`,
+and each instance adds entries with ids it chooses from its clock (n < 1000), so ids keep increasing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+import state
+
+logger = logging.getLogger("agent_mcp.shared")
+
+DEFAULT_PREFIX = "agent-mcp:"
+#: A turn lease lapses this long after its last renewal (its instance died); renewed every third of it.
+LEASE_SECONDS = 5.0
+#: How often a waiting request tries a taken lease again.
+LEASE_POLL_SECONDS = 0.05
+#: Longest wait of one blocking read (below the socket timeout, so a dead server is noticed).
+BLOCK_MS = 1000
+SOCKET_TIMEOUT = 5.0
+#: Why a removed session went, kept this long for a client that comes back.
+GONE_SECONDS = 30 * 86400
+#: A deleted session's stream lingers this long, so its subscribers read what it had sent.
+DROPPED_STREAM_SECONDS = 30
+#: Events an instance keeps queued for Redis while it is unreachable; beyond this the oldest go.
+MAX_QUEUED_EVENTS = 20_000
+
+_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class StoreUnavailable(state.SessionError):
+    """Redis cannot be reached; the message names it and says what to do."""
+
+
+def is_redis_url(url: str | None) -> bool:
+    return bool(url) and str(url).strip().startswith(("redis://", "rediss://", "unix://"))
+
+
+def split_prefix(url: str) -> tuple[str, str]:
+    """(the URL for redis-py, the key prefix) from a SESSION_STORE URL with an optional `prefix` parameter."""
+    parts = urlsplit(url.strip())
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefix = next((v for k, v in query if k == "prefix"), DEFAULT_PREFIX)
+    rest = urlencode([(k, v) for k, v in query if k != "prefix"])
+    return urlunsplit(parts._replace(query=rest)), prefix
+
+
+def where(url: str) -> str:
+    """The Redis server of a URL without its password, for messages."""
+    parts = urlsplit(url)
+    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}" if parts.scheme != "unix" else parts.path
+
+
+class Link:
+    """One Redis connection pool, its key prefix, and whether Redis answered lately.
+
+    `down` is the reason Redis failed its last command (None when it answers); while down, a
+    background ping notices when it is back, so the instance recovers by itself.
+    """
+
+    def __init__(self, url: str):
+        self.url, self.prefix = split_prefix(url)
+        self.where = where(self.url)
+        # A command on a pooled connection that died with a restarted Redis is sent again on a new one.
+        self.client = aioredis.Redis.from_url(self.url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT,
+                                              socket_connect_timeout=2.0,
+                                              retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                                              retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        self.down: str | None = None
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._pinger: asyncio.Task[None] | None = None
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    def unavailable(self, exc: BaseException) -> StoreUnavailable:
+        """Record that Redis failed and the error that says so."""
+        if self.down is None:
+            logger.error("Redis at %s is unreachable (%s); requests get 503 until it is back", self.where, exc)
+        self.down = (str(exc) or type(exc).__name__).rstrip(".")
+        if self._pinger is None or self._pinger.done():
+            with contextlib.suppress(RuntimeError):
+                self._pinger = asyncio.get_running_loop().create_task(self._ping_until_back(), name="redis-ping")
+        return StoreUnavailable(self.unavailable_message() or "")
+
+    def unavailable_message(self) -> str | None:
+        """Why requests cannot be served now, or None."""
+        if self.down is None:
+            return None
+        return (f"the session store (Redis at {self.where}) is unreachable ({self.down}); "
+                "try again in a moment: this server recovers by itself when Redis is back")
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """Turn Redis connection failures into StoreUnavailable (and note that Redis is down)."""
+        try:
+            yield
+        except _DOWN as exc:
+            raise self.unavailable(exc) from None
+
+    async def _ping_until_back(self) -> None:
+        while self.down is not None:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(*_DOWN, RedisError):
+                await self.client.ping()
+                logger.warning("Redis at %s answers again", self.where)
+                self.down = None
+
+    async def open(self) -> None:
+        try:
+            await self.client.ping()
+        except (*_DOWN, RedisError) as exc:
+            raise StoreUnavailable(f"SESSION_STORE: cannot reach Redis at {self.where} ({exc}); start it, or fix "
+                                   "the URL (redis://host:port/db), or unset SESSION_STORE for the embedded "
+                                   "SQLite store") from None
+
+    async def close(self) -> None:
+        if self._pinger is not None:
+            self._pinger.cancel()
+        await self.client.aclose()
+
+
+# ── Sessions ────────────────────────────────────────────────────────────────────────────────
+
+_RELEASE = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"""
+_RENEW = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0"""
+
+
+class RedisStore(state.SessionStore):
+    """Sessions in Redis, shared by every instance that names the same server and prefix."""
+
+    shared = True
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.r = link.client
+
+    def _key(self, kind: str, client_id: str = "") -> str:
+        return self.link.key(kind, client_id) if client_id else self.link.key(kind)
+
+    async def open(self) -> None:
+        await self.link.open()
+        with self.link.calling():  # the first id handed out is FIRST_SHORTHAND
+            await self.r.set(self._key("shorthand"), state.FIRST_SHORTHAND - 1, nx=True)
+
+    async def close(self) -> None:
+        await self.link.close()
+
+    async def load(self) -> tuple[list[state.Session], int]:
+        with self.link.calling():
+            last = int(await self.r.get(self._key("shorthand")) or 0)
+        return await self.fetch_all(), last
+
+    @staticmethod
+    def _session(client_id: str, fields: dict[str, str]) -> state.Session | None:
+        if not fields:
+            return None
+        try:
+            return state.Session.from_record(client_id, int(fields["shorthand"]), json.loads(fields["record"]),
+                                             float(fields["updated"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.error("session %s in Redis is damaged and was skipped: %s", client_id, exc)
+            return None
+
+    async def fetch(self, client_id: str) -> state.Session | None:
+        with self.link.calling():
+            return self._session(client_id, await self.r.hgetall(self._key("session", client_id)))
+
+    async def fetch_all(self) -> list[state.Session]:
+        with self.link.calling():
+            ids = await self.r.zrange(self._key("sessions"), 0, -1)
+            pipe = self.r.pipeline(transaction=False)
+            for client_id in ids:
+                pipe.hgetall(self._key("session", client_id))
+            rows = await pipe.execute() if ids else []
+        found = (self._session(c, f) for c, f in zip(ids, rows, strict=True))
+        return [s for s in found if s is not None]
+
+    async def allocate_shorthand(self) -> int:
+        with self.link.calling():
+            return int(await self.r.incr(self._key("shorthand")))
+
+    async def save(self, session: state.Session, last_shorthand: int) -> None:
+        with self.link.calling():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(self._key("session", session.client_id), mapping={
+                "shorthand": session.shorthand, "updated": session.updated,
+                "record": json.dumps(session.to_record(), ensure_ascii=False)})
+            pipe.zadd(self._key("sessions"), {session.client_id: session.shorthand})
+            if session.running:
+                pipe.sadd(self._key("running"), session.client_id)
+            else:
+                pipe.srem(self._key("running"), session.client_id)
+            await pipe.execute()
+
+    async def delete(self, client_id: str) -> None:
+        with self.link.calling():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.delete(self._key("session", client_id))
+            pipe.zrem(self._key("sessions"), client_id)
+            pipe.srem(self._key("running"), client_id)
+            await pipe.execute()
+
+    async def mark_gone(self, client_id: str, why: str) -> None:
+        with self.link.calling():
+            await self.r.set(self._key("gone", client_id), why, ex=GONE_SECONDS)
+
+    async def take_gone(self, client_id: str) -> str | None:
+        with self.link.calling():
+            return await self.r.getdel(self._key("gone", client_id))
+
+    @contextlib.asynccontextmanager
+    async def lease(self, client_id: str, holder: str) -> AsyncIterator[None]:
+        """The session's turn lease: taken when free (tried again every LEASE_POLL_SECONDS), renewed while
+        held, given back at the end. If its instance dies it lapses after LEASE_SECONDS."""
+        key, token, ms = self._key("lease", client_id), f"{self.link.instance}:{holder}", int(LEASE_SECONDS * 1000)
+        with self.link.calling():
+            while not await self.r.set(key, token, nx=True, px=ms):  # noqa: ASYNC110 (the holder may be elsewhere)
+                await asyncio.sleep(LEASE_POLL_SECONDS)
+        renewer = asyncio.get_running_loop().create_task(self._renew(key, token, ms), name=f"lease:{client_id}")
+        try:
+            yield
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(*_DOWN, RedisError):  # unreachable: it lapses by itself
+                await self.r.eval(_RELEASE, 1, key, token)
+
+    async def _renew(self, key: str, token: str, ms: int) -> None:
+        while True:
+            await asyncio.sleep(LEASE_SECONDS / 3)
+            try:
+                if not await self.r.eval(_RENEW, 1, key, token, ms):
+                    logger.error("lost the turn lease %s (Redis was unreachable longer than %g s): another instance "
+                                 "may run this session's next turn meanwhile", key, LEASE_SECONDS)
+                    return
+            except (*_DOWN, RedisError) as exc:
+                logger.warning("could not renew the turn lease %s: %s", key, exc)
+
+    async def orphans(self) -> list[str]:
+        with self.link.calling():
+            running = sorted(await self.r.smembers(self._key("running")))
+            if not running:
+                return []
+            pipe = self.r.pipeline(transaction=False)
+            for client_id in running:
+                pipe.exists(self._key("lease", client_id))
+            held = await pipe.execute()
+        return [c for c, h in zip(running, held, strict=True) if not h]
+
+
+# ── Events ──────────────────────────────────────────────────────────────────────────────────
+
+_SEEN = """local now = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > now then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end return 0"""
+#: A stream with no reader for this long expires (a fresh event renews it).
+STREAM_SECONDS = 7 * 86400
+
+
+def stream_id(event_id: int) -> str:
+    return f"{event_id // 1000}-{event_id % 1000}"
+
+
+def event_id(entry_id: str) -> int:
+    ms, _, n = entry_id.partition("-")
+    return int(ms) * 1000 + int(n or 0)
+
+
+class RedisEventHub(state.EventHub):
+    """The event hub of an instance on a shared store: events go to Redis Streams, subscribers read them.
+
+    `publish` stays synchronous (tokens are published from the model's stream): events are queued
+    and one writer task sends them in order, a burst per round trip. Observers see the events this
+    instance publishes.
+    """
+
+    def __init__(self, link: Link):
+        super().__init__()
+        self.link = link
+        self.r = link.client
+        self._last: OrderedDict[str, int] = OrderedDict()
+        self._queue: asyncio.Queue[tuple[str, int, str, str, str]] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _key(self, client_id: str) -> str:
+        return self.link.key("events", client_id)
+
+    def _next_id(self, client_id: str) -> int:
+        last = self._last.pop(client_id, 0)
+        self._last[client_id] = nxt = max(time.time_ns() // 1000, last + 1)
+        if len(self._last) > state.MAX_IDLE_CHANNELS * 10:
+            self._last.popitem(last=False)
+        return nxt
+
+    def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> state.Event:
+        turn = state.current_turn()
+        event = state.Event(self._next_id(client_id), name, data or {}, turn.id if turn is not None else None)
+        self._enqueue((client_id, event.id, "add", name, json.dumps({"data": event.data, "turn": event.turn},
+                                                                     ensure_ascii=False)))
+        if self._observers:
+            self._notify(client_id, event)
+        return event
+
+    def _enqueue(self, item: tuple[str, int, str, str, str]) -> None:
+        if self._queue.qsize() >= MAX_QUEUED_EVENTS:
+            self._queue.get_nowait()
+            logger.error("Redis is unreachable and %d events are queued: the oldest is dropped", MAX_QUEUED_EVENTS)
+        self._queue.put_nowait(item)
+        self._idle.clear()
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_forever(), name="event-writer")
+
+    def last_id(self, client_id: str) -> int:
+        """An id below every event this instance publishes from now on (what a request's reader starts after)."""
+        return max(self._last.get(client_id, 0), time.time_ns() // 1000)
+
+    def drop(self, client_id: str) -> None:
+        self._last.pop(client_id, None)
+        self._enqueue((client_id, 0, "drop", "", ""))
+        if self._observers:
+            self._notify(client_id, None)
+
+    async def _write_forever(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            while True:
+                try:
+                    await self._write(batch)
+                    break
+                except (*_DOWN, RedisError) as exc:
+                    self.link.unavailable(exc)
+                    await asyncio.sleep(0.5)
+            if self._queue.empty():
+                self._idle.set()
+
+    async def _write(self, batch: list[tuple[str, int, str, str, str]]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for client_id, ident, op, name, body in batch:
+            key = self._key(client_id)
+            if op == "drop":
+                pipe.expire(key, DROPPED_STREAM_SECONDS)
+                pipe.delete(self.link.key("seen", client_id))
+            else:
+                pipe.xadd(key, {"name": name, "body": body}, id=stream_id(ident), maxlen=state.EVENT_BUFFER,
+                          approximate=True)
+        results = await pipe.execute(raise_on_error=False)
+        retry = []
+        for item, result in zip((i for i in batch for _ in range(2 if i[2] == "drop" else 1)), results, strict=True):
+            if isinstance(result, ResponseError) and item[2] == "add":
+                retry.append(item)  # another instance wrote this stream further ahead: append after its top
+            elif isinstance(result, Exception):
+                raise result
+        for client_id, _, _, name, body in retry:
+            await self.r.xadd(self._key(client_id), {"name": name, "body": body}, maxlen=state.EVENT_BUFFER,
+                              approximate=True)
+        touched = {i[0] for i in batch if i[2] == "add"}
+        if touched:
+            pipe = self.r.pipeline(transaction=False)
+            for client_id in touched:
+                pipe.expire(self._key(client_id), STREAM_SECONDS)
+            await pipe.execute()
+
+    async def flush(self) -> None:
+        """Wait until every queued event is in Redis."""
+        await self._idle.wait()
+
+    async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[state.Event]:
+        key, seen_key = self._key(client_id), self.link.key("seen", client_id)
+        with self.link.calling():
+            if last_event_id is not None:
+                cursor = last_event_id
+            else:  # what no subscriber has seen yet; a session nobody followed: from now on
+                seen = await self.r.get(seen_key)
+                top = await self.r.xrevrange(key, count=1)
+                cursor = int(seen) if seen else (event_id(top[0][0]) if top else 0)
+        while not self.closed:
+            with self.link.calling():
+                reply = await self.r.xread({key: stream_id(cursor)}, count=500, block=BLOCK_MS)
+            entries = reply[0][1] if reply else []
+            for entry_id, fields in entries:
+                cursor = event_id(entry_id)
+                body = json.loads(fields["body"])
+                yield state.Event(cursor, fields["name"], body.get("data") or {}, body.get("turn"))
+            if entries:
+                with self.link.calling():
+                    await self.r.eval(_SEEN, 1, seen_key, cursor, STREAM_SECONDS)
+
+    async def aclose(self) -> None:
+        """Send what is queued (for a moment at most) and stop the writer."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2):
+                await self.flush()
+        if self._writer is not None:
+            self._writer.cancel()
+
+
+# ── Gates ───────────────────────────────────────────────────────────────────────────────────
+
+_ANSWER = """if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HSETNX', KEYS[1], 'answered', '1') == 0 then
+  return 0
+end
+redis.call('RPUSH', KEYS[2], ARGV[1]) redis.call('PEXPIRE', KEYS[2], ARGV[2]) return 1"""
+
+
+class GateRelay:
+    """Pending gates in Redis: a gate raised by a turn on one instance is listed and answered on any."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.r = link.client
+
+    async def raised(self, gate_id: str, client_id: str, seconds: float) -> None:
+        key = self.link.key("gate", gate_id)
+        with self.link.calling():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(key, mapping={"owner": client_id})
+            pipe.pexpire(key, int((seconds + 60) * 1000))
+            await pipe.execute()
+
+    async def owner(self, gate_id: str) -> str | None:
+        with self.link.calling():
+            fields = await self.r.hgetall(self.link.key("gate", gate_id))
+        return None if not fields or fields.get("answered") else fields.get("owner")
+
+    async def answer(self, gate_id: str, answer: dict[str, Any]) -> bool:
+        """Deliver an answer to the gate's turn, wherever it runs; False if unknown or already answered."""
+        key = self.link.key("gate", gate_id)
+        with self.link.calling():
+            return bool(await self.r.eval(_ANSWER, 2, key, self.link.key("answer", gate_id), json.dumps(answer),
+                                          60_000))
+
+    async def wait(self, gate_id: str) -> dict[str, Any]:
+        """The answer given on any instance (waits until one comes; the caller bounds the time)."""
+        key = self.link.key("answer", gate_id)
+        while True:
+            try:
+                popped = await self.r.blpop([key], timeout=BLOCK_MS / 1000)
+            except _DOWN as exc:
+                self.link.unavailable(exc)
+                await asyncio.sleep(0.5)
+                continue
+            if popped:
+                return dict(json.loads(popped[1]))
+
+    async def closed(self, gate_id: str) -> None:
+        with contextlib.suppress(*_DOWN, RedisError):
+            await self.r.delete(self.link.key("gate", gate_id), self.link.key("answer", gate_id))
+
+
+# ── Rate-limit windows and plugin values ────────────────────────────────────────────────────
+
+_WINDOW = """if redis.call('SISMEMBER', KEYS[2], ARGV[5]) == 1 then return 'disabled' end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  if ARGV[4] == '1' then redis.call('SADD', KEYS[2], ARGV[5]) end
+  return 'limit'
+end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[6])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
+return ''"""
+
+
+class SharedLimits:
+    """Rate-limit windows and disabled tool types in Redis (gate.RateLimiter's shared half)."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.r = link.client
+
+    async def hit(self, client_id: str, tool_type: str, calls: int, window_seconds: float,
+                  auto_disable: bool) -> str | None:
+        with self.link.calling():
+            why = await self.r.eval(_WINDOW, 2, self.link.key("rate", client_id, tool_type),
+                                    self.link.key("disabled", client_id), time.time(), window_seconds, calls,
+                                    "1" if auto_disable else "0", tool_type, uuid.uuid4().hex)
+        return why or None
+
+    async def disabled(self, client_id: str, tool_type: str) -> bool:
+        with self.link.calling():
+            return bool(await self.r.sismember(self.link.key("disabled", client_id), tool_type))
+
+    async def usage(self, client_id: str, windows: dict[str, float]) -> tuple[dict[str, int], set[str]]:
+        """(calls per tool type within its window, the disabled types) of a session."""
+        now = time.time()
+        with self.link.calling():
+            pipe = self.r.pipeline(transaction=False)
+            for tool_type, seconds in windows.items():
+                pipe.zcount(self.link.key("rate", client_id, tool_type), now - seconds, "+inf")
+            pipe.smembers(self.link.key("disabled", client_id))
+            *counts, off = await pipe.execute()
+        return dict(zip(windows, (int(c) for c in counts), strict=True)), set(off)
+
+    async def enable(self, client_id: str, tool_type: str) -> bool:
+        with self.link.calling():
+            return bool(await self.r.srem(self.link.key("disabled", client_id), tool_type))
+
+    async def forget(self, client_id: str) -> None:
+        with self.link.calling():
+            keys = [k async for k in self.r.scan_iter(match=self.link.key("rate", client_id, "*"))]
+            await self.r.delete(self.link.key("disabled", client_id), *keys)
+
+
+class SharedValues:
+    """Small values plugins keep for every instance (de-duplication keys, fingerprints, turn cursors)."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.r = link.client
+
+    async def put(self, name: str, value: str, seconds: float, *, only_new: bool = False) -> bool:
+        """Store `value` under `name` for `seconds`; with `only_new`, only if `name` is not set (then
+        False says another instance set it first)."""
+        with self.link.calling():
+            return bool(await self.r.set(self.link.key("value", name), value, px=int(seconds * 1000), nx=only_new))
+
+    async def get(self, name: str) -> str | None:
+        with self.link.calling():
+            return await self.r.get(self.link.key("value", name))
+
+    async def take(self, name: str) -> str | None:
+        """The value under `name`, removed (one instance gets it)."""
+        with self.link.calling():
+            return await self.r.getdel(self.link.key("value", name))
+
+    async def drop(self, name: str) -> None:
+        with self.link.calling():
+            await self.r.delete(self.link.key("value", name))
+
+
+def open_store(url: str | None, data_dir: Path) -> state.SessionStore:
+    """A store from a `SESSION_STORE` setting: `redis://…` (several instances), else state.open_store."""
+    if is_redis_url(url):
+        return RedisStore(Link(str(url)))
+    return state.open_store(url, data_dir)

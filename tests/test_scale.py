@@ -1,0 +1,157 @@
+"""Several instances on one Redis act as one server (issue 15), in one process: two runtimes, one store.
+
+The same behaviour through real processes, kill -9, a Redis stopped under a running instance and
+nginx in front are in test_scale_processes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from pydantic import BaseModel
+
+import routes
+import shared
+import state
+from tests.conftest import openai_model
+from tests.fakes.backend import text, tool_call
+from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, runtime, shell_payload
+
+
+class Query(BaseModel):
+    query: str
+
+
+@contextlib.asynccontextmanager
+async def two(tmp_path, url: str, models, **kw) -> AsyncIterator[tuple[state.Runtime, state.Runtime]]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    async with runtime(tmp_path / "a", models, store=shared.open_store(url, tmp_path / "a"), **kw) as a, \
+            runtime(tmp_path / "b", models, store=shared.open_store(url, tmp_path / "b"), **kw) as b:
+        yield a, b
+
+
+async def until_done(sub: AsyncIterator[state.Event], turn_id: str | None = None) -> list[state.Event]:
+    events = []
+    async with asyncio.timeout(20):
+        async for ev in sub:
+            if turn_id is None or ev.turn == turn_id:
+                events.append(ev)
+                if ev.name == "done":
+                    return events
+    return events
+
+
+def said(events: list[state.Event]) -> str:
+    return "".join(e.data.get("text", "") for e in events if e.name == "tok")
+
+
+async def test_history_ids_and_streams_are_one_across_instances(tmp_path, fake_openai, redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        # A turn submitted on A streams to a subscriber on B.
+        sub_b = b.hub.subscribe("alice", None)
+        fake_openai.script(text("Hello ", "Alice."))
+        ran = await routes.submit(a, "alice", "my name is Alice", shell_payload(a, "alice", None))
+        events = await until_done(sub_b, ran.id)
+        assert [e.name for e in events] == ["user", "tok", "tok", "done"] and said(events) == "Hello Alice."
+        ids = [e.id for e in events]
+        assert ids == sorted(ids) and len(set(ids)) == len(ids)
+        # History written on A is read on B: B's turn sends it to the model.
+        fake_openai.script(text("You are Alice."))
+        ran = await routes.submit(b, "alice", "what is my name?", shell_payload(b, "alice", None))
+        assert said(await until_done(sub_b, ran.id)) == "You are Alice."
+        sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+        assert sent == ["my name is Alice", "Hello Alice.", "what is my name?"]
+        # One list of sessions with unique shorthand ids, whichever instance created them.
+        for rt, cid in ((a, "bob"), (b, "carol"), (a, "dave")):
+            fake_openai.script(text("hi"))
+            sub = rt.hub.subscribe(cid, rt.hub.last_id(cid))
+            await until_done(sub, (await routes.submit(rt, cid, "hi", shell_payload(rt, cid, None))).id)
+            await sub.aclose()
+        await a.sessions.refresh()
+        await b.sessions.refresh()
+        listing = [(s.shorthand, s.client_id) for s in a.sessions.all()]
+        assert listing == [(s.shorthand, s.client_id) for s in b.sessions.all()]
+        assert sorted(c for _, c in listing) == ["alice", "bob", "carol", "dave"]
+        assert len({n for n, _ in listing}) == 4 and min(n for n, _ in listing) == state.FIRST_SHORTHAND
+        await sub_b.aclose()
+
+
+async def test_a_gate_raised_on_one_instance_is_answered_on_the_other(tmp_path, fake_openai, redis_store) -> None:
+    recorder = Recorder()
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}, gates=ALL_GATED) as (a, b):
+        for rt in (a, b):
+            add_plugin_tools(rt, "plugin_test", [recorder.tool("web_search", Query)], {"web_search": {"type": "read"}})
+        fake_openai.script(tool_call("web_search", {"query": "redis"}), text("Found it."))
+        sub_b = b.hub.subscribe("c1", None)
+        ran = await routes.submit(a, "c1", "search", shell_payload(a, "c1", None))
+        async with asyncio.timeout(20):
+            async for ev in sub_b:
+                if ev.name == "gate":
+                    gate_id = ev.data["gate_id"]
+                    break
+        assert await b.gate.owner(gate_id) == "c1" and gate_id not in b.gate.pending
+        assert await b.gate.resolve(gate_id, "allow", by="shell")
+        assert not await b.gate.resolve(gate_id, "allow", by="shell")  # answered once
+        events = await until_done(sub_b, ran.id)
+        assert said(events) == "Found it." and recorder.calls == [("web_search", {"query": "redis"})]
+        assert await b.gate.owner(gate_id) is None and not await b.gate.resolve(gate_id, "reject")
+        await sub_b.aclose()
+
+
+async def test_simultaneous_turns_on_two_instances_run_one_at_a_time(tmp_path, fake_openai, redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        fake_openai.script(text("one ", "two ", delay=0.2), text("three ", "four", delay=0.2))
+        sub = a.hub.subscribe("c1", None)
+        first, second = await asyncio.gather(routes.submit(a, "c1", "first", shell_payload(a, "c1", None)),
+                                             routes.submit(b, "c1", "second", shell_payload(b, "c1", None)))
+        events = [e for e in await until_done_both(sub, {first.id, second.id}) if e.name in ("user", "tok", "done")]
+        # Each turn's events come together: user, its tokens, done; then the other turn.
+        turns = [e.turn for e in events]
+        assert turns == sorted(turns, key=turns.index) and len(set(turns)) == 2
+        await a.sessions.refresh()
+        history = a.sessions.get("c1").history
+        assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+        assert {history[0]["content"], history[2]["content"]} == {"first", "second"}
+        await sub.aclose()
+
+
+async def until_done_both(sub: AsyncIterator[state.Event], turns: set[str]) -> list[state.Event]:
+    events, left = [], set(turns)
+    async with asyncio.timeout(20):
+        async for ev in sub:
+            events.append(ev)
+            if ev.name == "done":
+                left.discard(ev.turn)
+                if not left:
+                    return events
+    return events
+
+
+async def test_rate_limit_windows_are_shared(tmp_path, fake_openai, redis_store) -> None:
+    limits = {"search": {"calls": 2, "window_seconds": 60, "auto_disable": True}}
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}, rate_limits=limits) as (a, b):
+        outcomes = [await rt.rate_limiter.count("c1", "search") for rt in (a, b, a, b)]
+        assert outcomes == [None, None, "limit", "disabled"]
+        assert "DISABLED" in await b.rate_limiter.describe("c1", ["search"])
+        assert await a.rate_limiter.reenable("c1", "search")
+        assert not await b.rate_limiter.reenable("c1", "search")
+
+
+async def test_a_turn_whose_instance_died_is_ended_by_another(tmp_path, fake_openai, redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        # What a killed instance leaves: the session stored as running, its lease lapsed.
+        session = await a.sessions.get_or_create("c1", "fake")
+        session.history.append({"role": "user", "content": "lost question"})
+        session.running = "deadturn"
+        await a.sessions.save(session)
+        sub = b.hub.subscribe("c1", None)
+        assert await b.sessions.recover() == ["c1"]
+        events = await until_done(sub, "deadturn")
+        assert [e.name for e in events] == ["error", "done"] and "interrupted" in events[0].data["message"]
+        await a.sessions.refresh()
+        assert a.sessions.get("c1").running is None
+        assert a.sessions.get("c1").history == [{"role": "user", "content": "lost question"}]
+        await sub.aclose()

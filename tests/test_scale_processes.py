@@ -1,0 +1,307 @@
+"""Several agent-mcp processes on one Redis act as one server (issue 15): real processes, real Redis,
+kill -9, a Redis stopped and started under a running instance, nginx round-robin in front."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shell import ShellClient
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
+from tests.fakes.backend import hang, text, tool_call
+from tests.redis_help import OwnRedis
+from tests.runtime import ALL_GATED
+from tests.turns import answer, collect_turn, run_turn
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "scale-test-token-0123456789abcdef"
+
+
+def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=None) -> list[AgentServer]:
+    """`count` servers on one store, each with its own config dir and port, one shell token."""
+    servers = []
+    for n in range(count):
+        path = tmp_path / f"instance{n}"
+        path.mkdir()
+        cfg = ConfigDir(path)
+        cfg.models = {"fake": openai_model(fake_openai)}
+        cfg.gates = gates
+        servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN}))
+    return servers
+
+
+@pytest.fixture
+def pair(tmp_path, fake_openai, redis_store):
+    started = [s.start(wait=False) for s in instances(tmp_path, fake_openai, redis_store, gates=ALL_GATED)]
+    try:
+        for s in started:
+            s.wait_ready(60)
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+async def _until(events, names: tuple[str, ...] = ("done",), seconds: float = 30) -> list:
+    got = []
+    async with asyncio.timeout(seconds):
+        async for ev in events:
+            got.append(ev)
+            if ev.name in names:
+                return got
+    return got
+
+
+def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_openai) -> None:
+    a, b = pair
+    assert answer(run_turn(a, "alice", "my name is Alice")) == "echo: my name is Alice"
+    assert answer(run_turn(b, "alice", "what is my name?")) == "echo: what is my name?"
+    sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+    assert sent == ["my name is Alice", "echo: my name is Alice", "what is my name?"]  # A's history, read on B
+    run_turn(b, "bob", "hi")
+    rows = [httpx.get(f"{s.url}/sessions", headers=s.auth, timeout=10).json()["sessions"] for s in (a, b)]
+    assert [(r["shorthand_id"], r["client_id"], r["history_length"]) for r in rows[0]] == \
+        [(r["shorthand_id"], r["client_id"], r["history_length"]) for r in rows[1]] == \
+        [(101, "alice", 4), (102, "bob", 2)]
+
+    async def gate_on_a_answered_on_b() -> list:
+        fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("Read it."))
+        async with ShellClient(a.url, "carol", token=TOKEN) as on_a, ShellClient(b.url, "carol", token=TOKEN) as on_b:
+            await on_a.connect(max_wait=10)
+            await on_b.connect(max_wait=10)
+            await on_a.submit("read your behaviour")
+            seen = await _until(on_b.events(), ("gate",))
+            await on_b.gate_response(seen[-1].data["gate_id"], "allow")
+            return seen + await _until(on_b.events())
+
+    events = asyncio.run(gate_on_a_answered_on_b())
+    assert [e.name for e in events][:2] == ["user", "gate"] and answer(events) == "Read it."
+    assert any("[gate ✓] read_system_prompt: allowed once" in (e.text or "") for e in events)
+
+    async def reconnect_to_the_other_instance() -> tuple[list, list]:
+        fake_openai.script(text("one ", "two ", "three ", "four", delay=0.3))
+        async with ShellClient(a.url, "dave", token=TOKEN) as on_a:
+            await on_a.connect(max_wait=10)
+            await on_a.submit("count")
+            first = await _until(on_a.events(), ("tok",))
+        # The stream on A is gone; a client of B resumes after the last event it saw.
+        async with ShellClient(b.url, "dave", token=TOKEN) as on_b:
+            on_b.last_event_id = first[-1].id
+            rest = await _until(on_b.events())
+        return first, rest
+
+    first, rest = asyncio.run(reconnect_to_the_other_instance())
+    assert answer(first) + answer(rest) == "one two three four"
+    ids = [e.id for e in first + rest]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids) and [e.name for e in rest][-1] == "done"
+
+
+def test_simultaneous_submits_on_two_instances_are_answered_one_after_the_other(pair, fake_openai) -> None:
+    a, b = pair
+    fake_openai.script(text("first ", "answer", delay=0.2), text("second ", "answer", delay=0.2))
+
+    async def both() -> list:
+        async with ShellClient(a.url, "same", token=TOKEN) as on_a, ShellClient(b.url, "same", token=TOKEN) as on_b:
+            await on_a.connect(max_wait=10)
+            await on_b.connect(max_wait=10)
+            await asyncio.gather(on_a.submit("from A"), on_b.submit("from B"))
+            got = await _until(on_a.events())
+            return got + await _until(on_a.events())
+
+    events = asyncio.run(both())
+    said = [(e.name, e.text) for e in events if e.name in ("user", "tok", "done")]
+    # One turn at a time: each question, then its whole answer, then the other.
+    assert [n for n, _ in said] == ["user", "tok", "tok", "done", "user", "tok", "tok", "done"]
+    assert answer(events) == "first answersecond answer"
+    history = httpx.get(f"{b.url}/sessions", params={"client_id": "same"}, headers=b.auth, timeout=10).json()
+    assert history["sessions"][0]["history_length"] == 4
+
+
+def test_kill_9_of_the_instance_running_a_turn_ends_it_on_the_other(pair, fake_openai) -> None:
+    a, b = pair
+    fake_openai.script(hang(60))
+
+    async def scenario() -> tuple[list, float]:
+        async with ShellClient(b.url, "victim", token=TOKEN) as on_b:
+            await on_b.connect(max_wait=10)
+            async with ShellClient(a.url, "victim", token=TOKEN) as on_a:
+                await on_a.submit("a question nobody will answer")
+            await _until(on_b.events(), ("user",))
+            await asyncio.sleep(0.5)  # the model call is under way on A
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            events = await _until(on_b.events(), seconds=20)
+            return events, time.monotonic() - killed
+
+    events, seconds = asyncio.run(scenario())
+    assert [e.name for e in events] == ["error", "done"], events
+    assert "the turn was interrupted" in events[0].data["message"] and seconds < 10
+    rows = httpx.get(f"{b.url}/sessions", params={"client_id": "victim"}, headers=b.auth, timeout=10).json()
+    assert rows["sessions"][0]["history_length"] == 1 and rows["sessions"][0]["running"] is False
+    run_turn(b, "victim", "are you there?")
+    sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+    assert sent == ["a question nobody will answer", "are you there?"]
+
+
+def test_redis_stopped_and_started_under_a_running_instance(tmp_path, fake_openai) -> None:
+    own = OwnRedis(tmp_path).start()
+    (server,) = instances(tmp_path, fake_openai, f"{own.url}?prefix=own:", count=1)
+    try:
+        server.start()
+        assert answer(run_turn(server, "keeper", "remember this")) == "echo: remember this"
+        own.stop()
+        down = httpx.get(f"{server.url}/sessions", headers=server.auth, timeout=10)
+        assert down.status_code == 503 and "Redis at 127.0.0.1" in down.json()["error"]
+        assert "recovers by itself" in down.json()["error"]
+        assert httpx.get(f"{server.url}/health", headers=server.auth, timeout=10).status_code == 503
+        own.start()
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{server.url}/sessions", headers=server.auth, timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "no recovery after Redis came back"
+            time.sleep(0.2)
+        after = run_turn(server, "keeper", "and this")
+        assert answer(after) == "echo: and this", after
+        sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+        assert sent == ["remember this", "echo: remember this", "and this"]  # nothing lost
+    finally:
+        log = server.stop()
+        own.stop()
+    assert log.count("is unreachable") >= 1 and "answers again" in log
+
+
+def test_start_up_with_an_unreachable_redis_stops_with_one_clear_line(tmp_path, fake_openai) -> None:
+    (server,) = instances(tmp_path, fake_openai, f"redis://127.0.0.1:{free_port()}/0", count=1)
+    server.start(wait=False)
+    assert server.proc is not None and server.proc.wait(60) != 0
+    lines = [line for line in server.stop().splitlines() if "Redis" in line]
+    assert len(lines) == 1 and "cannot reach Redis at 127.0.0.1:" in lines[0] and "unset SESSION_STORE" in lines[0]
+
+
+# ── nginx in front ──────────────────────────────────────────────────────────────────────────
+
+NGINX_SITE = ROOT / "deploy" / "nginx-agent-mcp.conf"
+
+
+def _nginx(tmp_path: Path, ports: list[int]) -> tuple[subprocess.Popen[bytes], int]:
+    """Debian's nginx with the README's site file, its upstream pointed at `ports`."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    assert Path(binary).exists(), "nginx is not installed (.ci/run installs Debian's nginx)"
+    site = NGINX_SITE.read_text()
+    listen = free_port()
+    site = site.replace("127.0.0.1:8080", f"127.0.0.1:{listen}")
+    site = site.replace("server 127.0.0.1:8765;", f"server 127.0.0.1:{ports[0]};")
+    site = site.replace("server 127.0.0.1:8865;", f"server 127.0.0.1:{ports[1]};")
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(f"""daemon off;
+pid {tmp_path}/nginx.pid;
+error_log {tmp_path}/nginx-error.log;
+events {{ worker_connections 256; }}
+http {{
+    access_log {tmp_path}/nginx-access.log;
+    client_body_temp_path {tmp_path}/body; proxy_temp_path {tmp_path}/proxy;
+    fastcgi_temp_path {tmp_path}/fcgi; uwsgi_temp_path {tmp_path}/uwsgi; scgi_temp_path {tmp_path}/scgi;
+{site}
+}}
+""")
+    with (tmp_path / "nginx-stderr.log").open("wb") as errors:
+        proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(tmp_path)], stdout=subprocess.DEVNULL,
+                                stderr=errors)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{listen}/health", timeout=1)
+            return proc, listen
+        except httpx.TransportError:
+            assert proc.poll() is None, (tmp_path / "nginx-stderr.log").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_shell_session_and_an_sse_stream_through_nginx_round_robin(tmp_path, pair, fake_openai) -> None:
+    a, b = pair
+    proc, port = _nginx(tmp_path, [a.cfg.port, b.cfg.port])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async def shell_session() -> list[list]:
+            turns = []
+            async with ShellClient(url, "balanced", token=TOKEN) as client:
+                for n in range(4):
+                    turns.append(await asyncio.wait_for(collect_turn(client, f"message {n}"), 30))
+            return turns
+
+        turns = asyncio.run(shell_session())
+        assert [answer(t) for t in turns] == [f"echo: message {n}" for n in range(4)]
+        # The four turns and their streams were spread over both instances.
+        access = (tmp_path / "nginx-access.log").read_text()
+        assert access.count("POST /submit") == 4
+        served = [httpx.get(f"{s.url}/sessions", params={"client_id": "balanced"}, headers=s.auth,
+                            timeout=10).json()["sessions"][0]["history_length"] for s in (a, b)]
+        assert served == [8, 8]
+
+        # A raw SSE stream through nginx: events arrive one by one as they happen (no buffering).
+        fake_openai.script(text("slow ", "and ", "steady", delay=0.4))
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
+            with http.stream("GET", "/stream", params={"client_id": "raw"}) as stream:
+                http.post("/submit", json={"client_id": "raw", "text": "go"})
+                arrivals, names = [], []
+                for line in stream.iter_lines():
+                    if line.startswith("event: "):
+                        names.append(line.removeprefix("event: "))
+                        arrivals.append(time.monotonic())
+                        if names[-1] == "done":
+                            break
+        assert names == ["user", "tok", "tok", "tok", "done"]
+        assert arrivals[3] - arrivals[1] > 0.5  # each token when it was produced, not all at the end
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(10)
+
+
+def test_nginx_site_file_is_what_the_readme_shows() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert NGINX_SITE.read_text().strip() in readme
+
+
+# ── One instance on SQLite ──────────────────────────────────────────────────────────────────
+
+
+def test_one_instance_killed_mid_turn_and_restarted_gives_the_terminal_its_prompt_back(tmp_path, fake_openai) -> None:
+    from tests.test_grants import _prompt_back
+    from tests.test_newcomer import Window
+
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"fake": openai_model(fake_openai)}
+    server = AgentServer(cfg.write())  # the embedded default store: SQLite in the data dir
+    fake_openai.script(hang(60))
+    session = tmp_path / "session"
+    session.write_text("pty-restart")
+    server.start()
+    window = Window(server, session)
+    try:
+        assert window.shows("›", timeout=60), window.text[-800:]
+        window.type("what were we saying\r")
+        deadline = time.monotonic() + 30
+        while not fake_openai.requests:  # the turn is running: the model was asked
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert server.proc is not None
+        server.proc.kill()  # kill -9
+        server.stop()
+        server.start()
+        assert window.shows("the turn was interrupted", timeout=60), window.text[-1500:]
+        assert _prompt_back(window), window.text[-800:]
+        assert "server back online" in window.text
+    finally:
+        window.close()
+    run_turn(server, "pty-restart", "are you back?")
+    sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+    assert sent == ["what were we saying", "are you back?"]  # the interrupted message was kept
+    server.stop()
