@@ -492,6 +492,12 @@ class SessionManager:
         session.take_from(fresh)
         self._by_short[session.shorthand] = session.client_id
 
+    async def exists(self, client_id: str) -> bool:
+        """Whether the session exists (with a shared store: on any instance, now)."""
+        if self.store.shared:
+            return await self.store.fetch(client_id) is not None
+        return client_id in self._sessions
+
     async def refresh(self) -> None:
         """With a shared store: read every session again, since another instance may have added, changed
         or removed any (listings and sweeps call this first). Sessions held by a request here are the

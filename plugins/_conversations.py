@@ -16,7 +16,9 @@ reach the same fingerprint, neither keeps it (their next requests each start afr
 
 Fingerprints are stored in the session's settings (`FINGERPRINT`), so they persist with it and a
 restart continues conversations; the index is rebuilt from the stored sessions on first use, and
-a session's entry goes when the session does (`state.SessionManager.forgotten`).
+a session's entry goes when the session does (`state.SessionManager.forgotten`). With several
+instances on one Redis the index is kept there instead (`state.Runtime.values`), so a conversation
+continues on whichever instance its next request reaches; a claim there is atomic (GETDEL).
 
 Not a plugin itself (no manifest entry); `plugin_proxy_llama` imports it as `plugins._conversations`.
 """
@@ -26,9 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import state
+
+if TYPE_CHECKING:
+    import shared
 
 #: Session setting holding the fingerprint of the transcript the client will send next.
 FINGERPRINT = "proxy_fingerprint"
@@ -57,12 +62,17 @@ def seed(transcript: Sequence[Turn]) -> list[dict[str, Any]]:
     return [{"role": role, "content": text} for role, text in transcript if role in ("user", "assistant") and text]
 
 
+#: How long a fingerprint stays claimable in a shared index (a conversation idle longer starts afresh).
+SHARED_SECONDS = 30 * 86400
+
+
 class ConversationIndex:
     """fingerprint → client id of the session whose conversation it continues."""
 
-    def __init__(self, sessions: state.SessionManager, prefix: str):
+    def __init__(self, sessions: state.SessionManager, prefix: str, values: shared.SharedValues | None = None):
         self.sessions = sessions
         self.prefix = prefix
+        self.values = values
         self._by_print: dict[str, str] | None = None
 
     def _index(self) -> dict[str, str]:
@@ -75,9 +85,12 @@ class ConversationIndex:
             self.sessions.forgotten.append(self.forget)
         return self._by_print
 
-    def claim(self, mark: str) -> str | None:
+    async def claim(self, mark: str) -> str | None:
         """The client id of the live session whose conversation `mark` continues, taken out of the
         index (the turn about to run will leave a new one), or None."""
+        if self.values is not None:
+            taken = await self.values.take(f"fingerprint:{mark}")
+            return taken if taken and await self.sessions.exists(taken) else None
         client_id = self._index().pop(mark, None)
         session = self.sessions.get(client_id) if client_id else None
         if session is None or session.settings.get(FINGERPRINT) != mark:
@@ -89,6 +102,12 @@ class ConversationIndex:
         """Record that `client_id`'s conversation now continues with `mark`, and store it with the session."""
         session = self.sessions.get(client_id)
         if session is None:
+            return
+        if self.values is not None:
+            name = f"fingerprint:{mark}"
+            if not await self.values.put(name, client_id, SHARED_SECONDS, only_new=True) \
+                    and await self.values.get(name) != client_id:
+                await self.values.drop(name)  # two conversations with one transcript: neither keeps it
             return
         index = self._index()
         other = index.get(mark)

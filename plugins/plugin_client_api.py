@@ -17,6 +17,7 @@ is an administrator: its messages may run gate commands, and it sees every sessi
 from __future__ import annotations
 
 import hmac
+import json
 import re
 import uuid
 from collections import OrderedDict
@@ -40,6 +41,8 @@ CLIENT_ID = re.compile(_http.CLIENT_ID_PATTERN)
 DEFAULT_WAIT = 60.0
 #: Turns submitted without `wait` whose stream may still be asked for by `turn_id`.
 KEPT_TURNS = 4096
+#: How long a turn id stays known to every instance of a shared store (a stream asked for on another one).
+TURN_SECONDS = 86400
 
 
 class ApiConfig(PluginSettings, guard.ListenerSettings):
@@ -188,10 +191,19 @@ class ApiPlugin(BasePlugin):
         """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
         return admin or gate.client_class(client_id) in (gate.API, gate.SWARM)
 
-    def _remember(self, turn_id: str, client_id: str, after: int) -> None:
+    async def _remember(self, turn_id: str, client_id: str, after: int) -> None:
         self._turns[turn_id] = (client_id, after)
         while len(self._turns) > KEPT_TURNS:
             self._turns.popitem(last=False)
+        if self.rt.values is not None:  # several instances: the stream may be asked for on another one
+            await self.rt.values.put(f"api-turn:{turn_id}", json.dumps([client_id, after]), TURN_SECONDS)
+
+    async def _recall(self, turn_id: str) -> tuple[str, int] | None:
+        known = self._turns.get(turn_id)
+        if known is None and self.rt.values is not None:
+            stored = await self.rt.values.get(f"api-turn:{turn_id}")
+            known = tuple(json.loads(stored)) if stored else None  # type: ignore[assignment]
+        return known
 
     # ── endpoints ──
 
@@ -216,7 +228,7 @@ class ApiPlugin(BasePlugin):
             return JSONResponse({"client_id": client_id, **answer})
         after = self.rt.hub.last_id(client_id)
         turn = await routes.submit(self.rt, client_id, body.text, payload)
-        self._remember(turn.id, client_id, after)
+        await self._remember(turn.id, client_id, after)
         return JSONResponse({"client_id": client_id, "status": "accepted", "turn_id": turn.id, "after": after})
 
     async def stream(self, request: Request) -> Response:
@@ -224,7 +236,7 @@ class ApiPlugin(BasePlugin):
         after = _http.last_event_id(request)
         turn_id = request.query_params.get("turn_id")
         if turn_id is not None:
-            known = self._turns.get(turn_id)
+            known = await self._recall(turn_id)
             if known is None or known[0] != client_id:
                 raise _http.BadRequest(404, f"unknown turn_id '{turn_id[:40]}' for client {client_id}: use the "
                                              "turn_id that POST /api/v1/submit returned")

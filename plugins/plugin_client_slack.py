@@ -64,6 +64,8 @@ STATUS_LINE = re.compile(r"^\[(?P<tag>[^\]]+)\]\s*(?P<rest>.*)$", re.DOTALL)
 GATE_HINT = ("_Tools that need approval cannot be approved from Slack: ask from shell.py, "
              "or an operator can allow the tool there or in gate-defaults.json._")
 SHUTDOWN_GRACE = 3
+#: How long an event or message id stays claimed in Redis against repeats (several instances).
+DEDUPE_SECONDS = 3600
 
 
 # ── Settings ────────────────────────────────────────────────────────────────────────────────
@@ -319,6 +321,10 @@ class SlackPlugin(BasePlugin):
         self._latest: dict[str, asyncio.Task[None]] = {}
         self._users: OrderedDict[str, str] = OrderedDict()
         self._stopping = False
+        #: Several instances on one store: threads whose session another instance holds, and the
+        #: events being checked against Redis (see _dispatch_shared).
+        self._shared_threads: OrderedDict[str, None] = OrderedDict()
+        self._pending_events: set[asyncio.Future[None]] = set()
 
     # ── lifecycle ──
 
@@ -481,13 +487,43 @@ class SlackPlugin(BasePlugin):
         if kind != "events_api" or self.filter is None:
             self._ignore(f"{kind} envelope")
             return
-        accepted = self.filter.accept(payload)
+        if self.rt.values is not None:  # several instances: Slack may deliver a repeat to another one
+            self._pending_events.add(asyncio.ensure_future(self._dispatch_shared(payload)))
+            return
+        self._handle(self.filter.accept(payload))
+
+    def _handle(self, accepted: InboundMessage | str) -> None:
         if isinstance(accepted, str):
             self._ignore(accepted)
             return
         self.stats["messages"] += 1
         self._remember_user(accepted)
         self._start_answer(accepted)
+
+    async def _dispatch_shared(self, payload: dict[str, Any]) -> None:
+        """`_dispatch` when instances share a store: a thread is the bot's when its session exists on any
+        instance, and an event or message is handled by the first instance that claims it in Redis."""
+        values, event = self.rt.values, payload.get("event") or {}
+        try:
+            thread = f"{PREFIX}{event.get('channel')}-{event.get('thread_ts')}"
+            if event.get("thread_ts") and await self.rt.sessions.exists(thread):
+                self._shared_threads[thread] = None
+                while len(self._shared_threads) > SEEN_MEMORY:
+                    self._shared_threads.popitem(last=False)
+            event_id = payload.get("event_id")
+            if event_id and not await values.put(f"slack-event:{event_id}", "1", DEDUPE_SECONDS, only_new=True):
+                self._ignore("repeated delivery of an event (handled by another instance)")
+                return
+            assert self.filter is not None
+            accepted = self.filter.accept(payload)
+            if isinstance(accepted, InboundMessage) and not await values.put(
+                    f"slack-message:{accepted.channel}:{accepted.ts}", "1", DEDUPE_SECONDS, only_new=True):
+                accepted = "message already handled (by another instance)"
+            self._handle(accepted)
+        except state.SessionError as exc:
+            logger.error("slack: an event was not handled: %s", exc)
+        finally:
+            self._pending_events.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     def _ignore(self, reason: str) -> None:
         self.ignored[reason] += 1
@@ -500,7 +536,8 @@ class SlackPlugin(BasePlugin):
             self._users.popitem(last=False)
 
     def _is_bot_thread(self, client_id: str) -> bool:
-        return client_id in self._latest or self.rt.sessions.get(client_id) is not None
+        return (client_id in self._latest or client_id in self._shared_threads
+                or self.rt.sessions.get(client_id) is not None)
 
     def _start_answer(self, msg: InboundMessage) -> None:
         previous = self._latest.get(msg.client_id)

@@ -117,7 +117,7 @@ class LlamaProxyPlugin(BasePlugin):
 
     @functools.cached_property
     def conversations(self) -> ConversationIndex:
-        return ConversationIndex(self.rt.sessions, PREFIX)
+        return ConversationIndex(self.rt.sessions, PREFIX, self.rt.values)
 
     def shutdown(self) -> None:
         """Nothing to release: every request's turn ends with its connection."""
@@ -309,7 +309,7 @@ class LlamaProxyPlugin(BasePlugin):
         if by_header is not None or self.cfg.sessions_by == "address":
             return by_header or self._address(request), None
         scope, prior = self._scope(request), transcript[:-1]
-        client_id = self.conversations.claim(fingerprint(scope, prior)) if prior else None
+        client_id = await self.conversations.claim(fingerprint(scope, prior)) if prior else None
         if client_id is None:
             client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
             session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, gate.PROXY)

@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 
 import build
 import gate
+import shared
 import state
 from config import GatePermission, load_config
 from plugin_loader import BasePlugin
@@ -78,7 +79,7 @@ def message(text_: str, ts: str, *, channel: str = "C1", thread_ts: str | None =
 
 
 async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str, str] | None = None,
-                      **settings: Any) -> tuple[state.Runtime, Any]:
+                      store: state.SessionStore | None = None, **settings: Any) -> tuple[state.Runtime, Any]:
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(llm)}
     cfg.plugins.append("plugin_client_slack")
@@ -86,7 +87,7 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
         "api_base_url": slack.base_url, "port": free_port(), "update_interval": 0.05, "ping_interval": 1, **settings,
     }
     cfg.env = env if env is not None else {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
-    rt = await build.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(cfg.write().path), store=store or state.MemoryStore())
     state.set_current(rt)
     assert rt.plugins is not None
     await rt.plugins.load("plugin_client_slack")
@@ -200,6 +201,35 @@ async def test_a_retried_event_and_a_mention_that_is_also_a_message_are_processe
     assert bot.slack.acked(retry)  # duplicates are acknowledged too, or Slack keeps retrying
     assert bot.plugin.ignored["repeated delivery of an event"] == 1
     assert bot.plugin.ignored["message already handled (mention and message of one post)"] == 1
+
+
+async def test_two_instances_on_one_redis_answer_each_message_once_and_share_threads(tmp_path, fake_openai,
+                                                                                      fake_slack, redis_store):
+    """Slack spreads an app's events over its connections, and redelivers on any of them."""
+    pair = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        pair.append(await start_slack(tmp_path / name, fake_openai, fake_slack,
+                                      store=shared.open_store(redis_store, tmp_path / name)))
+    try:
+        await fake_slack.until(lambda: fake_slack.connections >= 2)
+        harness = Harness(pair[0][0], pair[0][1], fake_slack, fake_openai)
+        root = harness.ts()
+        first = fake_slack.push_event(mention("first", root), socket=0)
+        fake_slack.push_event(mention("first", root), event_id=first.event_id, retry_attempt=1, socket=1)
+        await harness.final("C1", root)
+        # A reply in that thread reaching the other instance continues the same session there.
+        fake_slack.push_event(message("second", harness.ts(), thread_ts=root), socket=1)
+        replies = await harness.final("C1", root, count=2)
+        assert [m.text for m in replies] == ["echo: first", "echo: second"]
+        assert [r.last_user_text for r in fake_openai.requests] == ["first", "second"]
+        assert [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]] == \
+            ["first", "echo: first", "second"]
+        ignored = pair[0][1].ignored + pair[1][1].ignored
+        assert ignored["repeated delivery of an event (handled by another instance)"] == 1
+    finally:
+        for rt, _ in pair:
+            await stop_slack(rt)
 
 
 async def test_the_bots_own_messages_and_edits_are_ignored(bot):

@@ -15,6 +15,8 @@ from pydantic import BaseModel
 import routes
 import shared
 import state
+from plugins._conversations import ConversationIndex
+from plugins.plugin_client_api import ApiPlugin
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, runtime, shell_payload
@@ -155,3 +157,27 @@ async def test_a_turn_whose_instance_died_is_ended_by_another(tmp_path, fake_ope
         assert a.sessions.get("c1").running is None
         assert a.sessions.get("c1").history == [{"role": "user", "content": "lost question"}]
         await sub.aclose()
+
+
+async def test_proxy_conversations_and_api_turns_are_known_to_every_instance(tmp_path, fake_openai,
+                                                                             redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        on_a, on_b = (ConversationIndex(rt.sessions, "llama-", rt.values) for rt in (a, b))
+        for rt, cid in ((a, "llama-one"), (a, "llama-two"), (b, "llama-three")):
+            await rt.sessions.get_or_create(cid, "fake")
+        await on_a.remember("llama-one", "mark-1")
+        assert await on_b.claim("mark-1") == "llama-one"  # the next request of that chat reached B
+        assert await on_a.claim("mark-1") is None  # claimed once
+        # Two sessions with one transcript (on two instances): neither keeps the fingerprint.
+        await on_a.remember("llama-two", "mark-2")
+        await on_b.remember("llama-three", "mark-2")
+        assert await on_a.claim("mark-2") is None and await on_b.claim("mark-2") is None
+        # A session deleted on one instance is not continued on the other.
+        await on_a.remember("llama-one", "mark-3")
+        await a.sessions.delete("llama-one")
+        assert await on_b.claim("mark-3") is None
+        # An API turn submitted on A can be streamed by its id on B.
+        api_a, api_b = ApiPlugin(), ApiPlugin()
+        api_a.runtime, api_b.runtime = a, b
+        await api_a._remember("turn-1", "api-x", 12345)
+        assert await api_b._recall("turn-1") == ("api-x", 12345) and await api_b._recall("turn-2") is None

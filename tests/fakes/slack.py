@@ -135,9 +135,11 @@ class FakeSlack(ThreadedServer):
         return asyncio.run_coroutine_threadsafe(coro, self._server.loop).result(10)
 
     def push_event(
-        self, event: dict[str, Any], *, event_id: str | None = None, retry_attempt: int = 0, retry_reason: str = ""
+        self, event: dict[str, Any], *, event_id: str | None = None, retry_attempt: int = 0, retry_reason: str = "",
+        socket: int | None = None,
     ) -> Envelope:
-        """Wrap `event` in an `events_api` envelope (new envelope id) and send it on the newest socket."""
+        """Wrap `event` in an `events_api` envelope (new envelope id) and send it on the newest socket (or on
+        socket number `socket`, oldest first: Slack spreads events over an app's connections)."""
         event_id = event_id or f"Ev{uuid.uuid4().hex[:10].upper()}"
         body = {
             "envelope_id": str(uuid.uuid4()),
@@ -156,7 +158,7 @@ class FakeSlack(ThreadedServer):
                 "event": event,
             },
         }
-        return self._run(self._send_envelope(body, event_id))
+        return self._run(self._send_envelope(body, event_id, socket))
 
     def send_raw(self, frame: dict[str, Any]) -> None:
         """Send any frame (e.g. a `slash_commands` envelope) on the newest socket."""
@@ -368,11 +370,12 @@ class FakeSlack(ThreadedServer):
     async def _send(self, frame: dict[str, Any]) -> None:
         await self._newest_socket().send_json(frame)
 
-    async def _send_envelope(self, body: dict[str, Any], event_id: str) -> Envelope:
+    async def _send_envelope(self, body: dict[str, Any], event_id: str, socket: int | None = None) -> Envelope:
         envelope = Envelope(body["envelope_id"], event_id, body, time.monotonic())
         with self._cond:
             self.envelopes.append(envelope)
-        await self._send(body)
+            ws = self._sockets[socket] if socket is not None else None
+        await (ws.send_json(body) if ws is not None else self._send(body))
         return envelope
 
     async def _drop(self) -> None:
