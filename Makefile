@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants metrics clean
+.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-guard: $(STAMP)
 
 bench-grants: $(STAMP)
 	$(PY) bench/grant_cost.py
+
+# Needs the machine's Redis at 127.0.0.1:6379 (keys under a prefix of its own, removed after).
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py
 
 metrics: $(STAMP)
 	$(VENV)/bin/radon cc --total-average -n C -s *.py plugins/*.py

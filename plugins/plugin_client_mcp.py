@@ -58,7 +58,7 @@ import state
 from config import save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
-from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore
+from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore, SharedApprovals
 from plugins._mcp_auth import (
     AGENT,
     HUMAN,
@@ -163,7 +163,8 @@ class McpServerPlugin(BasePlugin):
                            "(it is never logged) and add agent tokens there", self.token_path)
         table = load_tokens(self.token_path)
         resource = f"http://{self._url_host()}:{self.cfg.port}/mcp"
-        self.store = ApprovalStore(rt.config.data_dir() / "mcp-approvals.sqlite3", self.cfg.kept_approvals)
+        self.store = (SharedApprovals(rt.link, self.cfg.kept_approvals) if rt.link is not None  # several instances
+                      else ApprovalStore(rt.config.data_dir() / "mcp-approvals.sqlite3", self.cfg.kept_approvals))
         await self.store.open()
         self.mcp = self._build_server(TokenTable(table, resource), resource)
         # Host and Origin are checked by the server's guard in front of every listener (guard.py), from
@@ -445,9 +446,9 @@ class McpServerPlugin(BasePlugin):
             raise MCPError(INVALID_PARAMS, f"no session '{ident[:140]}' readable with this token")
         return session
 
-    def _pending(self, client_id: str | None = None) -> list[dict[str, Any]]:
+    async def _pending(self, client_id: str | None = None) -> list[dict[str, Any]]:
         assert self.store is not None
-        rows = [r for r in self.store.pending.values() if client_id is None or r["session"] == client_id]
+        rows = [r for r in await self.store.open_rows() if client_id is None or r["session"] == client_id]
         return sorted(rows, key=lambda r: r["opened_at"])
 
     def _session_row(self, s: state.Session) -> dict[str, Any]:
@@ -469,7 +470,7 @@ class McpServerPlugin(BasePlugin):
         @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
         async def pending_all() -> str:
             plugin._check_read(request_principal(), f"{SCHEME}approvals/pending")
-            return _json(plugin._pending())
+            return _json(await plugin._pending())
 
         @mcp.resource(f"{SCHEME}approvals/history", name="approval history", mime_type="application/json")
         async def history_all() -> str:
@@ -487,7 +488,7 @@ class McpServerPlugin(BasePlugin):
             s = await plugin._session(request_principal(), sid)
             return _json({**plugin._session_row(s), "history_length": len(s.history),
                           "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
-                          "pending_approvals": len(plugin._pending(s.client_id)),
+                          "pending_approvals": len(await plugin._pending(s.client_id)),
                           "gate_overrides": s.settings.get("gates", {})})
 
         @mcp.resource(SCHEME + "sessions/{sid}/history", name="session history", mime_type="application/json")
@@ -499,7 +500,7 @@ class McpServerPlugin(BasePlugin):
                       mime_type="application/json")
         async def session_pending(sid: str) -> str:
             s = await plugin._session(request_principal(), sid)
-            return _json(plugin._pending(s.client_id))
+            return _json(await plugin._pending(s.client_id))
 
         @mcp.resource(SCHEME + "sessions/{sid}/approvals/history", name="session approval history",
                       mime_type="application/json")
@@ -550,8 +551,8 @@ class McpServerPlugin(BasePlugin):
             """Gates waiting for a decision (all the token may see, or one session's)."""
             who = request_principal()
             if session:
-                return plugin._pending(await plugin._session(who, session).client_id)
-            return [r for r in plugin._pending() if who.may_read(r["session"])]
+                return await plugin._pending((await plugin._session(who, session)).client_id)
+            return [r for r in await plugin._pending() if who.may_read(r["session"])]
 
         @mcp.tool()
         async def answer_approval(

@@ -4,6 +4,7 @@ kill -9, a Redis stopped and started under a running instance, nginx round-robin
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import subprocess
@@ -18,14 +19,18 @@ from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.redis_help import OwnRedis
 from tests.runtime import ALL_GATED
+from tests.test_mcp_server import call_json, connect, read_json
 from tests.turns import answer, collect_turn, run_turn
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "scale-test-token-0123456789abcdef"
+MCP_HUMAN = "scale-test-mcp-human-token-0001"
 
 
-def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=None) -> list[AgentServer]:
-    """`count` servers on one store, each with its own config dir and port, one shell token."""
+def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=None, mcp: bool = False
+              ) -> list[AgentServer]:
+    """`count` servers on one store, each with its own config dir and port, one shell token; with `mcp`,
+    the MCP server plugin too (its port in `cfg.plugin_config`), with one human token (MCP_HUMAN)."""
     servers = []
     for n in range(count):
         path = tmp_path / f"instance{n}"
@@ -33,13 +38,18 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
         cfg = ConfigDir(path)
         cfg.models = {"fake": openai_model(fake_openai)}
         cfg.gates = gates
+        if mcp:
+            cfg.plugins.append("plugin_client_mcp")
+            cfg.plugin_config["plugin_client_mcp"] = {"port": free_port()}
+            (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
+                                                                                      "token": MCP_HUMAN}}}))
         servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN}))
     return servers
 
 
 @pytest.fixture
 def pair(tmp_path, fake_openai, redis_store):
-    started = [s.start(wait=False) for s in instances(tmp_path, fake_openai, redis_store, gates=ALL_GATED)]
+    started = [s.start(wait=False) for s in instances(tmp_path, fake_openai, redis_store, gates=ALL_GATED, mcp=True)]
     try:
         for s in started:
             s.wait_ready(60)
@@ -101,6 +111,29 @@ def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_opena
     assert answer(first) + answer(rest) == "one two three four"
     ids = [e.id for e in first + rest]
     assert ids == sorted(ids) and len(set(ids)) == len(ids) and [e.name for e in rest][-1] == "done"
+
+    async def gate_on_a_answered_over_mcp_on_b() -> tuple[list, dict, list]:
+        fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("Read again."))
+        mcp_b = f"http://127.0.0.1:{b.cfg.plugin_config['plugin_client_mcp']['port']}/mcp"
+        async with ShellClient(a.url, "erin", token=TOKEN) as on_a, connect(mcp_b, MCP_HUMAN) as human:
+            await on_a.connect(max_wait=10)
+            await on_a.submit("read it again")
+            await _until(on_a.events(), ("gate",))
+            (pending,) = await read_json(human, "agentmcp://approvals/pending")  # recorded by A, listed on B
+            answer = call_json(await human.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                          "decision": "allow_once"}))
+            events = await _until(on_a.events())
+            deadline = time.monotonic() + 10
+            while len(history := await read_json(human, "agentmcp://approvals/history")) < 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            return events, {**pending, **answer}, history
+
+    events, pending, history = asyncio.run(gate_on_a_answered_over_mcp_on_b())
+    assert pending["session"] == "erin" and pending["decided_by"] == "human:alice" and answer(events) == "Read again."
+    # Both gates so far (carol's, answered from B's shell, and this one), newest first, from either instance.
+    assert [(h["session"], h["decision"]) for h in history] == [("erin", "allow"), ("carol", "allow")]
+    assert history[0]["gate_id"] == pending["gate_id"]
 
 
 def test_simultaneous_submits_on_two_instances_are_answered_one_after_the_other(pair, fake_openai) -> None:
