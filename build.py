@@ -44,9 +44,10 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
     rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE)
     await rt.gate.grants.open()
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
-    if link is not None:  # several instances: gates, windows and plugin values in Redis
+    if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
             shared.SharedValues(link)
+        rt.gate.grants.link = link
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))

@@ -527,6 +527,8 @@ class GateKeeper:
             return shape, grants.digest([tool_name, shape]) if shape else ""
 
         audit = {"session": client_id, "tool": tool_name, "op": op, "tables": tables, "args": args}
+        if self.grants is not None:
+            await self.grants.refresh(client_id)  # with several instances: granted or revoked on another one
         grant = self.grants.find(client_id, tool_name, section, keys, op, lambda: shaped()[1]) if self.grants else None
         if grant is not None:
             assert self.grants is not None
@@ -859,6 +861,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     if store is None:
         return "Grants are not kept by this server."
     parts = args.split()
+    await store.refresh(turn.client_id)  # with several instances: as they are now
     if not parts:
         now = store.clock()
         rows = [f"  {g.describe(now)}" for g in store.active(turn.client_id)]
@@ -867,7 +870,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     if len(parts) != 2 or parts[0].lower() != "revoke":
         return "ERROR: Invalid arguments\nUsage: !grants  |  !grants revoke <id>  |  !grants revoke all"
     which = parts[1] if parts[1].lower() != "all" else "all"
-    owner = store.owner(which) if which != "all" and may_administer(turn) else None
+    owner = await store.find_owner(which) if which != "all" and may_administer(turn) else None
     ended = store.revoke(owner or turn.client_id, which, _actor(turn))
     if not ended:
         return f"No active grant {parts[1]} in this session; !grants lists them."

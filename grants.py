@@ -41,6 +41,8 @@ MAX_MINUTES = 24 * 60
 ANY = "*"
 GENESIS = "0" * 64
 AUDIT_FILE = "audit.sqlite3"
+#: With several instances on one Redis, a session's grants are kept there at most this long after a change.
+SHARED_SECONDS = 30 * 86400
 
 
 class GrantError(ValueError):
@@ -187,6 +189,12 @@ class GrantStore(state.SqliteFile):
         self._queue: asyncio.Queue[tuple[str, tuple[Any, ...]] | asyncio.Future[None] | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._observers: list[Callable[[str], None]] = []
+        #: Several instances on one Redis (shared.Link): grants are shared there (see `refresh`).
+        self.link: Any = None
+        self._shared: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._sharer: asyncio.Task[None] | None = None
+        self._shared_idle = asyncio.Event()
+        self._shared_idle.set()
 
     def observe(self, callback: Callable[[str], None]) -> Callable[[], None]:
         """Call `callback(session)` whenever a session's grants change; returns the function that stops it."""
@@ -246,7 +254,73 @@ class GrantStore(state.SqliteFile):
         if self._writer is not None and not self._writer.done():
             self._queue.put_nowait(None)
             await self._writer
+        if self._sharer is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2):
+                    await self._shared_idle.wait()
+            self._sharer.cancel()
         await super().close()
+
+    # ── shared with other instances (Redis) ──
+
+    def _share(self, op: str, value: Any) -> None:
+        if self.link is None:
+            return
+        self._shared.put_nowait((op, value))
+        self._shared_idle.clear()
+        if self._sharer is None or self._sharer.done():
+            self._sharer = asyncio.get_running_loop().create_task(self._share_forever(), name="grant-sharer")
+
+    async def _share_forever(self) -> None:
+        r = self.link.client
+        while True:
+            batch = [await self._shared.get()]
+            while not self._shared.empty():
+                batch.append(self._shared.get_nowait())
+            pipe = r.pipeline(transaction=True)
+            for op, value in batch:
+                if op == "set":
+                    key = self.link.key("grants", value.session)
+                    pipe.hset(key, value.id, json.dumps(asdict(value)))
+                    pipe.expire(key, SHARED_SECONDS)
+                    pipe.hset(self.link.key("grant-owners"), value.id, value.session)
+                elif op == "del":
+                    pipe.hdel(self.link.key("grants", value.session), value.id)
+                    pipe.hdel(self.link.key("grant-owners"), value.id)
+                else:  # "drop": a session's grants end with it
+                    pipe.delete(self.link.key("grants", value))
+            try:
+                await pipe.execute()
+            except Exception:  # Redis unreachable: the instance says so elsewhere; these changes are lost
+                logger.exception("sharing %d grant change(s) through Redis failed", len(batch))
+            if self._shared.empty():
+                self._shared_idle.set()
+
+    async def refresh(self, session: str) -> None:
+        """With several instances on one Redis: take the session's grants as they are there now (another
+        instance may have added, used or revoked one). Nothing without a shared store."""
+        if self.link is None:
+            return
+        await self._shared_idle.wait()  # this instance's own changes first
+        with self.link.calling():
+            rows = await self.link.client.hgetall(self.link.key("grants", session))
+        now = self.clock()
+        found = [g for g in (_grant(r) for r in rows.values()) if g.active(now)]
+        if found:
+            self.grants[session] = sorted(found, key=lambda g: g.created)
+        else:
+            self.grants.pop(session, None)
+
+    async def find_owner(self, grant_id: str) -> str | None:
+        """`owner`, on every instance of a shared store."""
+        if self.link is None:
+            return self.owner(grant_id)
+        with self.link.calling():
+            session = await self.link.client.hget(self.link.key("grant-owners"), grant_id)
+        if session is None:
+            return None
+        await self.refresh(session)
+        return self.owner(grant_id)
 
     # ── grants ──
 
@@ -287,6 +361,7 @@ class GrantStore(state.SqliteFile):
         for grant in ended:
             grant.revoked = now
             self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,)))
+            self._share("del", grant)
             self.audit("revoke", session=session, actor=actor, tool=grant.tool, op=grant.op,
                        tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked",
                        detail=detail)
@@ -303,10 +378,12 @@ class GrantStore(state.SqliteFile):
         """A deleted session's grants end with it (a later session with the same id starts with none)."""
         if self.grants.pop(session, None) is not None:
             self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,)))
+        self._share("drop", session)
 
     def _save(self, grant: Grant) -> None:
         self._queue.put_nowait(("INSERT OR REPLACE INTO grants (id, session, record) VALUES (?, ?, ?)",
                                 (grant.id, grant.session, json.dumps(asdict(grant)))))
+        self._share("set", grant)
 
     # ── the audit chain ──
 

@@ -514,6 +514,8 @@ class McpServerPlugin(BasePlugin):
             """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
             s = await plugin._session(request_principal(), sid)
             store = plugin.rt.gate.grants
+            if store is not None:
+                await store.refresh(s.client_id)
             return _json([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])
 
     # ── tools ──

@@ -181,3 +181,39 @@ async def test_proxy_conversations_and_api_turns_are_known_to_every_instance(tmp
         api_a.runtime, api_b.runtime = a, b
         await api_a._remember("turn-1", "api-x", 12345)
         assert await api_b._recall("turn-1") == ("api-x", 12345) and await api_b._recall("turn-2") is None
+
+
+async def test_a_grant_given_on_one_instance_allows_there_and_is_revoked_from_the_other(tmp_path, fake_openai,
+                                                                                      redis_store) -> None:
+    recorder = Recorder()
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}, gates=ALL_GATED) as (a, b):
+        for rt in (a, b):
+            add_plugin_tools(rt, "plugin_test", [recorder.tool("web_search", Query)], {"web_search": {"type": "read"}})
+        sub = b.hub.subscribe("c1", None)
+
+        async def search(rt: state.Runtime, answer: str | None) -> list[state.Event]:
+            fake_openai.script(tool_call("web_search", {"query": "q"}), text("done"))
+            ran = await routes.submit(rt, "c1", "search", shell_payload(rt, "c1", None))
+            events = []
+            async with asyncio.timeout(20):
+                async for ev in sub:
+                    if ev.turn == ran.id:
+                        events.append(ev)
+                        if ev.name == "gate" and answer:
+                            assert await b.gate.resolve(ev.data["gate_id"], answer, by="shell")
+                        if ev.name == "done":
+                            return events
+            return events
+
+        asked = await search(a, "allow_session")  # asked on A, answered on B: a grant of the session
+        assert [e.name for e in asked].count("gate") == 1
+        granted = await search(b, None)  # a turn of that session on B: the grant answers
+        assert not [e for e in granted if e.name == "gate"] and any("allowed by grant" in e.data.get("text", "")
+                                                                     for e in granted)
+        listing = await routes.wait_turn(b, "c1", "!grants", shell_payload(b, "c1", None), 20)
+        assert "this session" in listing["text"] and "granted by shell" in listing["text"]
+        revoked = await routes.wait_turn(b, "c1", "!grants revoke all", shell_payload(b, "c1", None), 20)
+        assert revoked["text"].startswith("Revoked")
+        again = await search(a, "reject")  # on A the next call asks again
+        assert [e.name for e in again].count("gate") == 1 and len(recorder.calls) == 2
+        await sub.aclose()
