@@ -92,7 +92,7 @@ async def close_runtime(rt: state.Runtime) -> None:
     if rt.plugins:
         await rt.plugins.shutdown_all()
     await rt.hub.aclose()
-    await rt.sessions.close()
-    await agents.close_models(rt)
     if rt.gate.grants is not None:
         await rt.gate.grants.close()
+    await rt.sessions.close()  # last: with a shared store it closes the Redis connection the others use
+    await agents.close_models(rt)
