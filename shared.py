@@ -290,6 +290,8 @@ _SEEN = """local now = tonumber(redis.call('GET', KEYS[1]) or '0')
 if tonumber(ARGV[1]) > now then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end return 0"""
 #: A stream with no reader for this long expires (a fresh event renews it).
 STREAM_SECONDS = 7 * 86400
+#: How often a subscriber records how far it has read (see `RedisEventHub.subscribe`).
+SEEN_EVERY = 0.5
 
 
 def stream_id(event_id: int) -> str:
@@ -314,6 +316,7 @@ class RedisEventHub(state.EventHub):
         self.link = link
         self.r = link.client
         self._last: OrderedDict[str, int] = OrderedDict()
+        self._expiry_set: dict[str, float] = {}
         self._queue: asyncio.Queue[tuple[str, int, str, str, str]] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
@@ -353,6 +356,7 @@ class RedisEventHub(state.EventHub):
 
     def drop(self, client_id: str) -> None:
         self._last.pop(client_id, None)
+        self._expiry_set.pop(client_id, None)
         self._enqueue((client_id, 0, "drop", "", ""))
         if self._observers:
             self._notify(client_id, None)
@@ -392,12 +396,16 @@ class RedisEventHub(state.EventHub):
         for client_id, _, _, name, body in retry:
             await self.r.xadd(self._key(client_id), {"name": name, "body": body}, maxlen=state.EVENT_BUFFER,
                               approximate=True)
-        touched = {i[0] for i in batch if i[2] == "add"}
+        now = time.monotonic()  # a stream's expiry is pushed back at most once a minute
+        touched = {i[0] for i in batch if i[2] == "add" and now - self._expiry_set.get(i[0], -60.0) >= 60}
         if touched:
             pipe = self.r.pipeline(transaction=False)
             for client_id in touched:
                 pipe.expire(self._key(client_id), STREAM_SECONDS)
+                self._expiry_set[client_id] = now
             await pipe.execute()
+            while len(self._expiry_set) > state.MAX_IDLE_CHANNELS * 10:
+                self._expiry_set.pop(next(iter(self._expiry_set)))
 
     async def flush(self) -> None:
         """Wait until every queued event is in Redis."""
@@ -412,6 +420,7 @@ class RedisEventHub(state.EventHub):
                 seen = await self.r.get(seen_key)
                 top = await self.r.xrevrange(key, count=1)
                 cursor = int(seen) if seen else (event_id(top[0][0]) if top else 0)
+        noted = time.monotonic()
         while not self.closed:
             with self.link.calling():
                 reply = await self.r.xread({key: stream_id(cursor)}, count=500, block=BLOCK_MS)
@@ -420,7 +429,9 @@ class RedisEventHub(state.EventHub):
                 cursor = event_id(entry_id)
                 body = json.loads(fields["body"])
                 yield state.Event(cursor, fields["name"], body.get("data") or {}, body.get("turn"))
-            if entries:
+            # What subscribers have seen: after a turn's end, else at most twice a second.
+            if entries and (fields["name"] == "done" or time.monotonic() - noted > SEEN_EVERY):
+                noted = time.monotonic()
                 with self.link.calling():
                     await self.r.eval(_SEEN, 1, seen_key, cursor, STREAM_SECONDS)
 
