@@ -20,7 +20,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/turn_overhead.py
