@@ -225,6 +225,7 @@ def _prompt_back(window, timeout: float = 20) -> bool:
     return False
 
 
+@pytest.mark.timeout(180)  # shell.py under a terminal: its own waits (60 s) report what it showed
 def test_shell_py_under_a_terminal_grants_with_one_key(config_dir, fake_openai, start_server, tmp_path) -> None:
     from tests.test_newcomer import Window
 

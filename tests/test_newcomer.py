@@ -345,6 +345,7 @@ class Window:
         self._reader.join(5)
 
 
+@pytest.mark.timeout(180)  # shell.py under a terminal: its own waits (60 s) report what it showed
 def test_shell_windows_under_terminals_share_the_transcript_hear_of_a_deletion_and_attach(server, tmp_path) -> None:
     shared, other = tmp_path / "shared", tmp_path / "other"
     shared.write_text("pty-shared")

@@ -306,6 +306,7 @@ def test_nginx_site_file_is_what_the_readme_shows() -> None:
 # ── One instance on SQLite ──────────────────────────────────────────────────────────────────
 
 
+@pytest.mark.timeout(180)  # shell.py under a terminal: its own waits (60 s) report what it showed
 def test_one_instance_killed_mid_turn_and_restarted_gives_the_terminal_its_prompt_back(tmp_path, fake_openai) -> None:
     from tests.test_grants import _prompt_back
     from tests.test_newcomer import Window
