@@ -14,8 +14,10 @@ Everything two instances could disagree about lives in Redis itself, under one k
 - rate-limit windows (`rate:<id>:<type>`, sorted sets) and disabled tool types (`disabled:<id>`);
 - small values of plugins (`value:<name>`): de-duplication keys, fingerprints, turn cursors.
 
-Event ids are microsecond-like integers as on one instance: a stream entry `ms-n` is id `ms * 1000 + n`,
-and each instance adds entries with ids it chooses from its clock (n < 1000), so ids keep increasing.
+Event ids are microsecond-like integers as on one instance, chosen by the publishing instance from its
+clock (each above the last). A stream entry holds a run of one session's events, written in one round
+trip; its stream id `ms-n` is the last event's id (`ms * 1000 + n`, n < 1000), so a reader resuming
+after any event id reads from the entry that holds the next one.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ SOCKET_TIMEOUT = 5.0
 GONE_SECONDS = 30 * 86400
 #: A deleted session's stream lingers this long, so its subscribers read what it had sent.
 DROPPED_STREAM_SECONDS = 30
+#: While events keep coming (one written less than STREAMING_SECONDS ago), the writer gathers them this
+#: long before a round trip, so a streamed answer costs a few writes instead of one per token.
+COALESCE_SECONDS = 0.002
+STREAMING_SECONDS = 0.05
 #: Events an instance keeps queued for Redis while it is unreachable; beyond this the oldest go.
 MAX_QUEUED_EVENTS = 20_000
 
@@ -317,10 +323,11 @@ class RedisEventHub(state.EventHub):
         self.r = link.client
         self._last: OrderedDict[str, int] = OrderedDict()
         self._expiry_set: dict[str, float] = {}
-        self._queue: asyncio.Queue[tuple[str, int, str, str, str]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[str, state.Event | None]] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._wrote = 0.0
 
     def _key(self, client_id: str) -> str:
         return self.link.key("events", client_id)
@@ -335,13 +342,12 @@ class RedisEventHub(state.EventHub):
     def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> state.Event:
         turn = state.current_turn()
         event = state.Event(self._next_id(client_id), name, data or {}, turn.id if turn is not None else None)
-        self._enqueue((client_id, event.id, "add", name, json.dumps({"data": event.data, "turn": event.turn},
-                                                                     ensure_ascii=False)))
+        self._enqueue((client_id, event))
         if self._observers:
             self._notify(client_id, event)
         return event
 
-    def _enqueue(self, item: tuple[str, int, str, str, str]) -> None:
+    def _enqueue(self, item: tuple[str, state.Event | None]) -> None:
         if self._queue.qsize() >= MAX_QUEUED_EVENTS:
             self._queue.get_nowait()
             logger.error("Redis is unreachable and %d events are queued: the oldest is dropped", MAX_QUEUED_EVENTS)
@@ -357,13 +363,17 @@ class RedisEventHub(state.EventHub):
     def drop(self, client_id: str) -> None:
         self._last.pop(client_id, None)
         self._expiry_set.pop(client_id, None)
-        self._enqueue((client_id, 0, "drop", "", ""))
+        self._enqueue((client_id, None))
         if self._observers:
             self._notify(client_id, None)
 
     async def _write_forever(self) -> None:
         while True:
             batch = [await self._queue.get()]
+            # While a session streams (a write a moment ago), gather its next tokens for a moment: one
+            # round trip, one entry; the first event of a burst goes at once.
+            streaming = time.monotonic() - self._wrote < STREAMING_SECONDS
+            await asyncio.sleep(COALESCE_SECONDS if streaming else 0)
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             while True:
@@ -373,31 +383,48 @@ class RedisEventHub(state.EventHub):
                 except (*_DOWN, RedisError) as exc:
                     self.link.unavailable(exc)
                     await asyncio.sleep(0.5)
+            self._wrote = time.monotonic()
             if self._queue.empty():
                 self._idle.set()
 
-    async def _write(self, batch: list[tuple[str, int, str, str, str]]) -> None:
+    @staticmethod
+    def _entries(batch: list[tuple[str, state.Event | None]]) -> list[tuple[str, list[state.Event] | None]]:
+        """The batch as stream writes: consecutive events of one session become one entry (None: a drop)."""
+        entries: list[tuple[str, list[state.Event] | None]] = []
+        for client_id, event in batch:
+            if event is not None and entries and entries[-1][0] == client_id and entries[-1][1] is not None:
+                entries[-1][1].append(event)
+            else:
+                entries.append((client_id, [event] if event is not None else None))
+        return entries
+
+    def _add(self, pipe: Any, client_id: str, events: list[state.Event]) -> None:
+        body = json.dumps([[e.id, e.name, e.data, e.turn] for e in events], ensure_ascii=False)
+        pipe.xadd(self._key(client_id), {"events": body}, id=stream_id(events[-1].id), maxlen=state.EVENT_BUFFER,
+                  approximate=True)
+
+    async def _write(self, batch: list[tuple[str, state.Event | None]]) -> None:
+        """One round trip for the batch: an entry per run of one session's events, carrying the last one's id
+        (a reader resuming inside an entry skips the events up to its cursor)."""
+        entries = self._entries(batch)
         pipe = self.r.pipeline(transaction=False)
-        for client_id, ident, op, name, body in batch:
-            key = self._key(client_id)
-            if op == "drop":
-                pipe.expire(key, DROPPED_STREAM_SECONDS)
+        for client_id, events in entries:
+            if events is None:
+                pipe.expire(self._key(client_id), DROPPED_STREAM_SECONDS)
                 pipe.delete(self.link.key("seen", client_id))
             else:
-                pipe.xadd(key, {"name": name, "body": body}, id=stream_id(ident), maxlen=state.EVENT_BUFFER,
-                          approximate=True)
-        results = await pipe.execute(raise_on_error=False)
-        retry = []
-        for item, result in zip((i for i in batch for _ in range(2 if i[2] == "drop" else 1)), results, strict=True):
-            if isinstance(result, ResponseError) and item[2] == "add":
-                retry.append(item)  # another instance wrote this stream further ahead: append after its top
+                self._add(pipe, client_id, events)
+        results = iter(await pipe.execute(raise_on_error=False))
+        for client_id, events in entries:
+            result = next(results)
+            if events is None:
+                next(results)
+            elif isinstance(result, ResponseError):  # another instance wrote this stream further ahead
+                await self._append_after_top(client_id, events)
             elif isinstance(result, Exception):
                 raise result
-        for client_id, _, _, name, body in retry:
-            await self.r.xadd(self._key(client_id), {"name": name, "body": body}, maxlen=state.EVENT_BUFFER,
-                              approximate=True)
         now = time.monotonic()  # a stream's expiry is pushed back at most once a minute
-        touched = {i[0] for i in batch if i[2] == "add" and now - self._expiry_set.get(i[0], -60.0) >= 60}
+        touched = {c for c, ev in entries if ev and now - self._expiry_set.get(c, -60.0) >= 60}
         if touched:
             pipe = self.r.pipeline(transaction=False)
             for client_id in touched:
@@ -406,6 +433,19 @@ class RedisEventHub(state.EventHub):
             await pipe.execute()
             while len(self._expiry_set) > state.MAX_IDLE_CHANNELS * 10:
                 self._expiry_set.pop(next(iter(self._expiry_set)))
+
+    async def _append_after_top(self, client_id: str, events: list[state.Event]) -> None:
+        """Give `events` ids after the stream's newest entry and add them (again if another write wins)."""
+        while True:
+            top = await self.r.xrevrange(self._key(client_id), count=1)
+            base = event_id(top[0][0]) + 1 if top else time.time_ns() // 1000
+            events = [state.Event(base + n, e.name, e.data, e.turn) for n, e in enumerate(events)]
+            self._last[client_id] = max(self._last.get(client_id, 0), events[-1].id)
+            pipe = self.r.pipeline(transaction=False)
+            self._add(pipe, client_id, events)
+            (result,) = await pipe.execute(raise_on_error=False)
+            if not isinstance(result, ResponseError):
+                return
 
     async def flush(self) -> None:
         """Wait until every queued event is in Redis."""
@@ -425,12 +465,14 @@ class RedisEventHub(state.EventHub):
             with self.link.calling():
                 reply = await self.r.xread({key: stream_id(cursor)}, count=500, block=BLOCK_MS)
             entries = reply[0][1] if reply else []
-            for entry_id, fields in entries:
-                cursor = event_id(entry_id)
-                body = json.loads(fields["body"])
-                yield state.Event(cursor, fields["name"], body.get("data") or {}, body.get("turn"))
+            last = ""
+            for _, fields in entries:
+                for ident, name, data, turn in json.loads(fields["events"]):
+                    if ident > cursor:  # a reader resuming inside an entry skips what it had
+                        cursor, last = ident, name
+                        yield state.Event(ident, name, data or {}, turn)
             # What subscribers have seen: after a turn's end, else at most twice a second.
-            if entries and (fields["name"] == "done" or time.monotonic() - noted > SEEN_EVERY):
+            if last and (last == "done" or time.monotonic() - noted > SEEN_EVERY):
                 noted = time.monotonic()
                 with self.link.calling():
                     await self.r.eval(_SEEN, 1, seen_key, cursor, STREAM_SECONDS)

@@ -150,6 +150,8 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         with FakeOpenAI(default_reply=lambda req: tokens(32)) as backend, tempfile.TemporaryDirectory() as tmp:
             overhead = await store_overhead(Path(tmp), backend, prefix, args)
+            if args.overhead_only:
+                return
             rows = [await throughput(Path(tmp), backend, prefix, n, args) for n in (1, 2)]
     finally:
         keys = list(client.scan_iter(match=prefix + "*", count=1000))
@@ -170,6 +172,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=300, help="turns per store in part 1")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--per-client", type=int, default=40)
+    p.add_argument("--overhead-only", action="store_true", help="part 1 only")
     asyncio.run(main_async(p.parse_args()))
 
 
