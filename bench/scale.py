@@ -26,13 +26,12 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.turn_overhead import cpu_seconds, pct  # noqa: E402
+from bench.turn_overhead import ServerPath, cpu_seconds, pct  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, openai_model  # noqa: E402
 from tests.fakes.backend import tokens  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
@@ -41,42 +40,15 @@ REDIS = "redis://127.0.0.1:6379/0"
 TOKEN = "bench-scale-token-0123456789abcdef"
 
 
-class Client:
-    """One session on one instance: a long-lived SSE stream; a turn is POST /submit, then read to `done`."""
-
-    def __init__(self, url: str, client_id: str):
-        self.url, self.client_id = url, client_id
-        self.http = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {TOKEN}"})
-        self.events: asyncio.Queue[str] = asyncio.Queue()
-        self.reader: asyncio.Task[None] | None = None
+class Client(ServerPath):
+    """One session on one instance (a long-lived SSE stream); `turn` gives the whole turn's time."""
 
     async def open(self) -> Client:
-        ready = asyncio.Event()
-
-        async def pump() -> None:
-            params = {"client_id": self.client_id}
-            async with self.http.stream("GET", f"{self.url}/stream", params=params) as resp:
-                ready.set()
-                async for line in resp.aiter_lines():
-                    if line.startswith("event:"):
-                        self.events.put_nowait(line[6:].strip())
-
-        self.reader = asyncio.create_task(pump())
-        await ready.wait()
+        await super().open()
         return self
 
-    async def turn(self, i: int) -> float:
-        start = time.perf_counter()
-        resp = await self.http.post(f"{self.url}/submit", json={"client_id": self.client_id, "text": f"q {i}"})
-        resp.raise_for_status()
-        while await self.events.get() != "done":
-            pass
-        return time.perf_counter() - start
-
-    async def close(self) -> None:
-        if self.reader:
-            self.reader.cancel()
-        await self.http.aclose()
+    async def turn(self, i: int) -> float:  # type: ignore[override]
+        return (await super().turn(i))[1]
 
 
 def server(tmp: Path, name: str, backend: FakeOpenAI, store: str) -> AgentServer:
@@ -94,7 +66,7 @@ def ms(values: list[float], q: float) -> str:
 async def store_overhead(tmp: Path, backend: FakeOpenAI, prefix: str, args: argparse.Namespace) -> dict:
     servers = {"sqlite": server(tmp, "sqlite", backend, "sqlite"),
                "redis": server(tmp, "redis", backend, f"{REDIS}?prefix={prefix}")}
-    clients = {k: await Client(s.url, f"overhead-{k}").open() for k, s in servers.items()}
+    clients = {k: await Client(s.url, TOKEN, f"overhead-{k}").open() for k, s in servers.items()}
     for i in range(20):  # warm-up: connections, imports
         for c in clients.values():
             await c.turn(i)
@@ -127,7 +99,7 @@ async def store_overhead(tmp: Path, backend: FakeOpenAI, prefix: str, args: argp
 
 async def throughput(tmp: Path, backend: FakeOpenAI, prefix: str, count: int, args: argparse.Namespace) -> dict:
     servers = [server(tmp, f"through{count}-{n}", backend, f"{REDIS}?prefix={prefix}") for n in range(count)]
-    clients = [await Client(servers[n % count].url, f"load-{count}-{n}").open() for n in range(args.clients)]
+    clients = [await Client(servers[n % count].url, TOKEN, f"load-{count}-{n}").open() for n in range(args.clients)]
     await asyncio.gather(*(c.turn(-1) for c in clients))  # warm-up
 
     async def run(c: Client) -> list[float]:

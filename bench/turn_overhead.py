@@ -62,8 +62,8 @@ async def direct_turn(llm: ChatOpenAI, system: str, i: int) -> tuple[float, floa
 class ServerPath:
     """One long-lived SSE stream per bench client; each turn is POST /submit then read until `done`."""
 
-    def __init__(self, url: str, token: str):
-        self.url = url
+    def __init__(self, url: str, token: str, client_id: str = "bench"):
+        self.url, self.client_id = url, client_id
         self.http = httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {token}"})
         self.lines: asyncio.Queue[str] = asyncio.Queue()
         self.reader: asyncio.Task[None] | None = None
@@ -72,7 +72,7 @@ class ServerPath:
         ready = asyncio.Event()
 
         async def pump() -> None:
-            async with self.http.stream("GET", f"{self.url}/stream", params={"client_id": "bench"}) as resp:
+            async with self.http.stream("GET", f"{self.url}/stream", params={"client_id": self.client_id}) as resp:
                 ready.set()
                 async for line in resp.aiter_lines():
                     if line.startswith("event:"):
@@ -84,7 +84,7 @@ class ServerPath:
     async def turn(self, i: int) -> tuple[float, float]:
         start = time.perf_counter()
         first = None
-        resp = await self.http.post(f"{self.url}/submit", json={"client_id": "bench", "text": f"question {i}"})
+        resp = await self.http.post(f"{self.url}/submit", json={"client_id": self.client_id, "text": f"question {i}"})
         resp.raise_for_status()
         while True:
             event = await self.lines.get()
