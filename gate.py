@@ -13,6 +13,7 @@ a specific entry beats `*`, and anything not found is gated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -599,30 +600,20 @@ class GateKeeper:
         gate_id = str(uuid.uuid4())
         future: asyncio.Future[grants.Decision] = asyncio.get_running_loop().create_future()
         self.pending[gate_id] = (client_id, future)
-        remote: asyncio.Task[None] | None = None
+        # With a shared store the gate is listed, and answerable, on every instance.
+        relayed = (self.relay.listening(gate_id, client_id, wait_seconds, future, grants.Decision)
+                   if self.relay is not None else contextlib.nullcontext())
         try:
-            if self.relay is not None:  # answerable on every instance of the shared store
-                await self.relay.raised(gate_id, client_id, wait_seconds)
-                remote = asyncio.ensure_future(self._answered_elsewhere(gate_id, future))
-            rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
-            try:
-                async with asyncio.timeout(wait_seconds):
-                    decision = await future
-            except TimeoutError:
-                decision = grants.Decision("timeout")
+            async with relayed:
+                rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
+                try:
+                    async with asyncio.timeout(wait_seconds):
+                        decision = await future
+                except TimeoutError:
+                    decision = grants.Decision("timeout")
         finally:
             self.pending.pop(gate_id, None)
-            if remote is not None:
-                remote.cancel()
-                await self.relay.closed(gate_id)  # type: ignore[union-attr]
         return decision, gate_id
-
-    async def _answered_elsewhere(self, gate_id: str, future: asyncio.Future[grants.Decision]) -> None:
-        assert self.relay is not None
-        answer = await self.relay.wait(gate_id)
-        if not future.done():
-            future.set_result(grants.Decision(answer["word"], answer.get("by", ""),
-                                              int(answer.get("minutes", grants.DEFAULT_MINUTES))))
 
     async def owner(self, gate_id: str) -> str | None:
         """The client id of the session a pending gate belongs to (on any instance), or None if it is not pending."""
@@ -939,10 +930,7 @@ class RateLimiter:
         """`hit`, in Redis when the store is shared."""
         if self.shared is None:
             return self.hit(client_id, tool_type)
-        limit = self.limits.get(tool_type)
-        if limit is None or limit.calls == 0 or limit.window_seconds == 0:
-            return "disabled" if await self.shared.disabled(client_id, tool_type) else None
-        return await self.shared.hit(client_id, tool_type, limit.calls, limit.window_seconds, limit.auto_disable)
+        return await self.shared.hit(client_id, tool_type, self.limits.get(tool_type))
 
     async def reenable(self, client_id: str, tool_type: str) -> bool:
         """`enable`, in Redis when the store is shared."""
@@ -990,10 +978,14 @@ class RateLimiter:
     async def describe(self, client_id: str, types: Iterable[str]) -> str:
         """The limits and this session's state, one line per tool type."""
         rows = []
-        now = self.clock()
+        windows = {k: v.window_seconds for k, v in self.limits.items()}
         if self.shared is not None:
-            windows = {k: v.window_seconds for k, v in self.limits.items()}
             used_by, off_types = await self.shared.usage(client_id, windows)
+        else:
+            now = self.clock()
+            used_by = {k: sum(1 for t in self.windows.get((client_id, k), ()) if t > now - seconds)
+                       for k, seconds in windows.items()}
+            off_types = self.disabled.get(client_id, set())
         for tool_type in sorted(set(types) | set(self.limits)):
             limit = self.limits.get(tool_type)
             rule = (
@@ -1001,12 +993,7 @@ class RateLimiter:
                 if limit and limit.calls and limit.window_seconds
                 else "unlimited"
             )
-            if self.shared is not None:
-                used, disabled = used_by.get(tool_type, 0), tool_type in off_types
-            else:
-                window = self.windows.get((client_id, tool_type), ())
-                used = sum(1 for t in window if limit and t > now - limit.window_seconds)
-                disabled = tool_type in self.disabled.get(client_id, ())
-            off = " — DISABLED for this session" if disabled else ""
+            used = used_by.get(tool_type, 0)
+            off = " — DISABLED for this session" if tool_type in off_types else ""
             rows.append(f"  {tool_type:<12} {rule}" + (f" (used {used})" if used else "") + off)
         return "\n".join(rows)

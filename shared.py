@@ -31,7 +31,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -187,11 +187,6 @@ class RedisStore(state.SessionStore):
 
     async def close(self) -> None:
         await self.link.close()
-
-    async def load(self) -> tuple[list[state.Session], int]:
-        with self.link.calling():
-            last = int(await self.r.get(self._key("shorthand")) or 0)
-        return await self.fetch_all(), last
 
     @staticmethod
     def _session(client_id: str, fields: dict[str, str]) -> state.Session | None:
@@ -447,10 +442,6 @@ class RedisEventHub(state.EventHub):
             if not isinstance(result, ResponseError):
                 return
 
-    async def flush(self) -> None:
-        """Wait until every queued event is in Redis."""
-        await self._idle.wait()
-
     async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[state.Event]:
         key, seen_key = self._key(client_id), self.link.key("seen", client_id)
         with self.link.calling():
@@ -481,7 +472,7 @@ class RedisEventHub(state.EventHub):
         """Send what is queued (for a moment at most) and stop the writer."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2):
-                await self.flush()
+                await self._idle.wait()
         if self._writer is not None:
             self._writer.cancel()
 
@@ -501,7 +492,20 @@ class GateRelay:
         self.link = link
         self.r = link.client
 
-    async def raised(self, gate_id: str, client_id: str, seconds: float) -> None:
+    @contextlib.asynccontextmanager
+    async def listening(self, gate_id: str, client_id: str, seconds: float, future: asyncio.Future[Any],
+                        decision: Callable[[str, str, int], Any]) -> AsyncIterator[None]:
+        """While inside: the gate of `client_id` is listed for every instance, and an answer given on any
+        sets `future` to `decision(word, by, minutes)`."""
+        await self._raised(gate_id, client_id, seconds)
+        delivering = asyncio.ensure_future(self._deliver(gate_id, future, decision))
+        try:
+            yield
+        finally:
+            delivering.cancel()
+            await self._closed(gate_id)
+
+    async def _raised(self, gate_id: str, client_id: str, seconds: float) -> None:
         key = self.link.key("gate", gate_id)
         with self.link.calling():
             pipe = self.r.pipeline(transaction=True)
@@ -521,7 +525,13 @@ class GateRelay:
             return bool(await self.r.eval(_ANSWER, 2, key, self.link.key("answer", gate_id), json.dumps(answer),
                                           60_000))
 
-    async def wait(self, gate_id: str) -> dict[str, Any]:
+    async def _deliver(self, gate_id: str, future: asyncio.Future[Any], decision: Callable[[str, str, int], Any]
+                       ) -> None:
+        answer = await self._wait(gate_id)
+        if not future.done():
+            future.set_result(decision(answer["word"], answer.get("by", ""), int(answer["minutes"])))
+
+    async def _wait(self, gate_id: str) -> dict[str, Any]:
         """The answer given on any instance (waits until one comes; the caller bounds the time)."""
         key = self.link.key("answer", gate_id)
         while True:
@@ -534,7 +544,7 @@ class GateRelay:
             if popped:
                 return dict(json.loads(popped[1]))
 
-    async def closed(self, gate_id: str) -> None:
+    async def _closed(self, gate_id: str) -> None:
         with contextlib.suppress(*_DOWN, RedisError):
             await self.r.delete(self.link.key("gate", gate_id), self.link.key("answer", gate_id))
 
@@ -559,17 +569,17 @@ class SharedLimits:
         self.link = link
         self.r = link.client
 
-    async def hit(self, client_id: str, tool_type: str, calls: int, window_seconds: float,
-                  auto_disable: bool) -> str | None:
+    async def hit(self, client_id: str, tool_type: str, limit: Any) -> str | None:
+        """gate.RateLimiter.hit for every instance: count one call under `limit` (a config.RateLimit, None:
+        unlimited); None if allowed, else "limit" or "disabled"."""
         with self.link.calling():
+            if limit is None or not limit.calls or not limit.window_seconds:
+                off = await self.r.sismember(self.link.key("disabled", client_id), tool_type)
+                return "disabled" if off else None
             why = await self.r.eval(_WINDOW, 2, self.link.key("rate", client_id, tool_type),
-                                    self.link.key("disabled", client_id), time.time(), window_seconds, calls,
-                                    "1" if auto_disable else "0", tool_type, uuid.uuid4().hex)
+                                    self.link.key("disabled", client_id), time.time(), limit.window_seconds,
+                                    limit.calls, "1" if limit.auto_disable else "0", tool_type, uuid.uuid4().hex)
         return why or None
-
-    async def disabled(self, client_id: str, tool_type: str) -> bool:
-        with self.link.calling():
-            return bool(await self.r.sismember(self.link.key("disabled", client_id), tool_type))
 
     async def usage(self, client_id: str, windows: dict[str, float]) -> tuple[dict[str, int], set[str]]:
         """(calls per tool type within its window, the disabled types) of a session."""

@@ -821,9 +821,6 @@ class EventHub:
     def last_id(self, client_id: str) -> int:
         return self._channel(client_id).last_id
 
-    async def flush(self) -> None:
-        """Wait until every published event can be read (a shared hub sends them in the background)."""
-
     async def aclose(self) -> None:
         """Release what the hub holds (a shared hub: its writer, after sending what is queued)."""
 
