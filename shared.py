@@ -163,6 +163,13 @@ class Link:
 
 # ── Sessions ────────────────────────────────────────────────────────────────────────────────
 
+#: Save a session (one round trip): its hash, the index by shorthand id, the running set; unless it must
+#: exist already (ARGV[6] = 0) and another instance removed it.
+_SAVE = """if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'shorthand', ARGV[2], 'updated', ARGV[3], 'record', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+if ARGV[5] == '1' then redis.call('SADD', KEYS[3], ARGV[1]) else redis.call('SREM', KEYS[3], ARGV[1]) end
+return 1"""
 _RELEASE = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"""
 _RENEW = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0"""
@@ -176,6 +183,7 @@ class RedisStore(state.SessionStore):
     def __init__(self, link: Link):
         self.link = link
         self.r = link.client
+        self._save = self.r.register_script(_SAVE)
 
     def _key(self, kind: str, client_id: str = "") -> str:
         return self.link.key(kind, client_id) if client_id else self.link.key(kind)
@@ -217,18 +225,12 @@ class RedisStore(state.SessionStore):
         with self.link.calling():
             return int(await self.r.incr(self._key("shorthand")))
 
-    async def save(self, session: state.Session, last_shorthand: int) -> None:
+    async def save(self, session: state.Session, last_shorthand: int, *, create: bool = True) -> bool:
+        keys = [self._key("session", session.client_id), self._key("sessions"), self._key("running")]
         with self.link.calling():
-            pipe = self.r.pipeline(transaction=True)
-            pipe.hset(self._key("session", session.client_id), mapping={
-                "shorthand": session.shorthand, "updated": session.updated,
-                "record": json.dumps(session.to_record(), ensure_ascii=False)})
-            pipe.zadd(self._key("sessions"), {session.client_id: session.shorthand})
-            if session.running:
-                pipe.sadd(self._key("running"), session.client_id)
-            else:
-                pipe.srem(self._key("running"), session.client_id)
-            await pipe.execute()
+            return bool(await self._save(keys, [
+                session.client_id, session.shorthand, session.updated,
+                json.dumps(session.to_record(), ensure_ascii=False), int(bool(session.running)), int(create)]))
 
     async def delete(self, client_id: str) -> None:
         with self.link.calling():

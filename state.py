@@ -203,8 +203,10 @@ class SessionStore:
         """Every stored session and the last shorthand id handed out (0 if none)."""
         return [], 0
 
-    async def save(self, session: Session, last_shorthand: int) -> None:
-        """Insert or replace one session and record the shorthand counter."""
+    async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
+        """Insert or replace one session and record the shorthand counter. Without `create`, a session the
+        store no longer has (removed by another instance: shared stores) is not written again: False."""
+        return True
 
     async def delete(self, client_id: str) -> None:
         """Forget one session (its shorthand id is never reused)."""
@@ -303,7 +305,7 @@ class SqliteStore(SqliteFile, SessionStore):
         last = max([int(row[0]) if row else 0, *(s.shorthand for s in sessions)])
         return sessions, last
 
-    async def save(self, session: Session, last_shorthand: int) -> None:
+    async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
         db = self._conn()
         await db.execute(
             "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
@@ -313,6 +315,7 @@ class SqliteStore(SqliteFile, SessionStore):
             "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
         )
         await db.commit()
+        return True
 
     async def delete(self, client_id: str) -> None:
         db = self._conn()
@@ -620,7 +623,9 @@ class SessionManager:
             self._by_short[session.shorthand] = session.client_id
         self._bound_history(session)
         self._touch(session)
-        await self.store.save(session, self._last_short)
+        if not await self.store.save(session, self._last_short, create=session.client_id in self._unsaved):
+            self._drop(session.client_id)  # removed on another instance meanwhile: not brought back
+            return
         if session.client_id in self._unsaved:
             self._unsaved.discard(session.client_id)
             kind = self._kind[session.client_id]

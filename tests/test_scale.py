@@ -217,3 +217,22 @@ async def test_a_grant_given_on_one_instance_allows_there_and_is_revoked_from_th
         again = await search(a, "reject")  # on A the next call asks again
         assert [e.name for e in again].count("gate") == 1 and len(recorder.calls) == 2
         await sub.aclose()
+
+
+async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_on_another(tmp_path, fake_openai,
+                                                                                         redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        fake_openai.script(text("slow ", "answer", delay=0.5))
+        sub = a.hub.subscribe("c1", a.hub.last_id("c1"))
+        ran = await routes.submit(a, "c1", "take your time", shell_payload(a, "c1", None))
+        async with asyncio.timeout(20):
+            async for ev in sub:
+                if ev.name == "tok":
+                    break
+        await b.sessions.refresh()
+        await routes.delete_session(b, "c1")  # while A's turn still runs
+        assert [e.name for e in await until_done(sub, ran.id)][-1] == "done"
+        assert not await a.sessions.exists("c1") and a.sessions.get("c1") is None
+        await b.sessions.refresh()
+        assert b.sessions.all() == []
+        await sub.aclose()
