@@ -48,6 +48,8 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
         rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
             shared.SharedValues(link)
         rt.gate.grants.link = link
+        rt.signals = shared.Signals(link)
+        rt.signals.start(functools.partial(routes.signalled, rt))
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
@@ -92,6 +94,8 @@ async def close_runtime(rt: state.Runtime) -> None:
     if rt.plugins:
         await rt.plugins.shutdown_all()
     await rt.hub.aclose()
+    if rt.signals is not None:
+        await rt.signals.close()
     if rt.gate.grants is not None:
         await rt.gate.grants.close()
     await rt.sessions.close()  # last: with a shared store it closes the Redis connection the others use

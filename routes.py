@@ -41,7 +41,14 @@ class Submitted:
 
 
 async def cancel_active_task(rt: state.Runtime, client_id: str) -> None:
-    """Cancel the client's running and waiting requests and wait until they have cleaned up."""
+    """Cancel the client's running and waiting requests and wait until they have cleaned up; with several
+    instances, those on the others too (they end by themselves; the session's lease orders what comes next)."""
+    if rt.signals is not None:
+        await rt.signals.send("cancel", client_id)
+    await _cancel_here(rt, client_id)
+
+
+async def _cancel_here(rt: state.Runtime, client_id: str) -> None:
     tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done() and t is not asyncio.current_task()]
     for task in tasks:
         task.cancel()
@@ -84,14 +91,28 @@ async def submit(
 async def stop(rt: state.Runtime, client_id: str) -> bool:
     """Cancel the client's requests without starting another; each cancelled one also ends with a
     `done` (clients that wait for `done`, as the original API client does, stop waiting). Returns
-    whether anything was running."""
+    whether anything was running (with several instances: here, or on another by the session's mark)."""
+    elsewhere = False
+    if rt.signals is not None:
+        await rt.signals.send("stop", client_id)
+        stored = await rt.sessions.store.fetch(client_id)
+        elsewhere = stored is not None and stored.running is not None
+    return await _stop_here(rt, client_id) or elsewhere
+
+
+async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done()]
-    await cancel_active_task(rt, client_id)
+    await _cancel_here(rt, client_id)
     for task in tasks:
         kind, _, turn_id = task.get_name().rpartition(":")
         with state.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
             rt.hub.done(client_id)
     return bool(tasks)
+
+
+async def signalled(rt: state.Runtime, what: str, client_id: str) -> None:
+    """Another instance asks this one to cancel (`cancel`) or stop (`stop`) a session's requests."""
+    await (_stop_here(rt, client_id) if what == "stop" else _cancel_here(rt, client_id))
 
 
 def ends_turn(ev: state.Event) -> bool:

@@ -31,7 +31,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -629,6 +629,48 @@ class SharedValues:
     async def drop(self, name: str) -> None:
         with self.link.calling():
             await self.r.delete(self.link.key("value", name))
+
+
+class Signals:
+    """Asks every instance to act on a session's requests (cancel them, or stop them with a `done`): a
+    Redis pub/sub channel each instance listens to; an instance ignores what it sent itself."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self._listener: asyncio.Task[None] | None = None
+        self._handling: set[asyncio.Future[Any]] = set()
+
+    async def send(self, what: str, client_id: str) -> None:
+        with self.link.calling():
+            await self.link.client.publish(self.link.key("signals"), json.dumps([self.link.instance, what, client_id]))
+
+    def start(self, handler: Callable[[str, str], Awaitable[Any]]) -> None:
+        """Call `handler(what, client_id)` for every signal another instance sends, until `close`."""
+        self._listener = asyncio.create_task(self._listen(handler), name="signals")
+
+    async def _listen(self, handler: Callable[[str, str], Awaitable[Any]]) -> None:
+        while True:
+            try:
+                async with self.link.client.pubsub() as channel:
+                    await channel.subscribe(self.link.key("signals"))
+                    while True:
+                        message = await channel.get_message(ignore_subscribe_messages=True, timeout=BLOCK_MS / 1000)
+                        if message is None:
+                            continue
+                        sender, what, client_id = json.loads(message["data"])
+                        if sender != self.link.instance:
+                            work = asyncio.ensure_future(handler(what, client_id))
+                            self._handling.add(work)
+                            work.add_done_callback(self._handling.discard)
+            except (*_DOWN, RedisError) as exc:
+                self.link.unavailable(exc)
+                await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
 
 
 def open_store(url: str | None, data_dir: Path) -> state.SessionStore:

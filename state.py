@@ -623,7 +623,7 @@ class SessionManager:
             self._by_short[session.shorthand] = session.client_id
         self._bound_history(session)
         self._touch(session)
-        if not await self.store.save(session, self._last_short, create=session.client_id in self._unsaved):
+        if await self.store.save(session, self._last_short, create=session.client_id in self._unsaved) is False:
             self._drop(session.client_id)  # removed on another instance meanwhile: not brought back
             return
         if session.client_id in self._unsaved:
@@ -945,6 +945,8 @@ class Runtime:
     #: small values plugins share through it (shared.SharedValues); None on one instance.
     link: Any = None
     values: Any = None
+    #: With a shared store: requests to the other instances (shared.Signals: cancel, stop).
+    signals: Any = None
 
     def unavailable(self) -> str | None:
         """Why this instance cannot serve requests now (its shared store is unreachable), or None."""

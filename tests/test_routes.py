@@ -269,9 +269,9 @@ async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fa
 async def test_the_first_requests_of_a_new_session_keep_their_order(rt, fake_openai, monkeypatch):
     save = rt.sessions.store.save
 
-    async def slow_save(*args):  # a store that really waits, as SQLite does
+    async def slow_save(*args, **kwargs):  # a store that really waits, as SQLite does
         await asyncio.sleep(0.05)
-        await save(*args)
+        return await save(*args, **kwargs)
 
     monkeypatch.setattr(rt.sessions.store, "save", slow_save)
     first = asyncio.create_task(_collect(routes.run_turn(rt, "brand-new", "one")))

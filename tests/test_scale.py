@@ -107,8 +107,10 @@ async def test_simultaneous_turns_on_two_instances_run_one_at_a_time(tmp_path, f
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
         fake_openai.script(text("one ", "two ", delay=0.2), text("three ", "four", delay=0.2))
         sub = a.hub.subscribe("c1", None)
-        first, second = await asyncio.gather(routes.submit(a, "c1", "first", shell_payload(a, "c1", None)),
-                                             routes.submit(b, "c1", "second", shell_payload(b, "c1", None)))
+        # Queued, not replacing each other (as the proxy, Slack and MCP send): both are answered.
+        first, second = await asyncio.gather(
+            routes.submit(a, "c1", "first", shell_payload(a, "c1", None), cancel_running=False),
+            routes.submit(b, "c1", "second", shell_payload(b, "c1", None), cancel_running=False))
         events = [e for e in await until_done_both(sub, {first.id, second.id}) if e.name in ("user", "tok", "done")]
         # Each turn's events come together: user, its tokens, done; then the other turn.
         turns = [e.turn for e in events]
@@ -230,9 +232,41 @@ async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_
                 if ev.name == "tok":
                     break
         await b.sessions.refresh()
-        await routes.delete_session(b, "c1")  # while A's turn still runs
-        assert [e.name for e in await until_done(sub, ran.id)][-1] == "done"
+        await routes.delete_session(b, "c1")  # while A's turn still runs: it is cancelled there
+        async with asyncio.timeout(20):
+            async for ev in sub:
+                if ev.turn == ran.id and routes.ends_turn(ev):
+                    break
+        await asyncio.sleep(0.2)  # A's turn has cleaned up (its last save would come now)
         assert not await a.sessions.exists("c1") and a.sessions.get("c1") is None
         await b.sessions.refresh()
         assert b.sessions.all() == []
+        await sub.aclose()
+
+
+async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_another(tmp_path, fake_openai,
+                                                                                      redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        sub = b.hub.subscribe("c1", b.hub.last_id("c1"))
+
+        async def first_token_of(rt: state.Runtime, text_: str) -> str:
+            fake_openai.script(text("never ", "ending ", "story", delay=5))
+            ran = await routes.submit(rt, "c1", text_, shell_payload(rt, "c1", None))
+            async with asyncio.timeout(20):
+                async for ev in sub:
+                    if ev.turn == ran.id and ev.name == "tok":
+                        return ran.id
+            return ran.id
+
+        slow = await first_token_of(a, "tell me everything")
+        fake_openai.script(text("short answer"))
+        newer = await routes.submit(b, "c1", "never mind", shell_payload(b, "c1", None), cancel_running=True)
+        events = await until_done_both(sub, {newer.id})
+        assert {"text": "[cancelled]", "cancelled": True} in [e.data for e in events if e.turn == slow]
+        assert said([e for e in events if e.turn == newer.id]) == "short answer"
+        # A stop on B ends A's turn at once, with a `done` (clients waiting for one stop waiting).
+        slow = await first_token_of(a, "and again")
+        assert await routes.stop(b, "c1")
+        events = await until_done(sub, slow)
+        assert [e.name for e in events][-1] == "done" and "story" not in said(events)
         await sub.aclose()

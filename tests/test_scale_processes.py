@@ -114,8 +114,7 @@ def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_opena
 
     async def gate_on_a_answered_over_mcp_on_b() -> tuple[list, dict, list]:
         fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("Read again."))
-        mcp_b = f"http://127.0.0.1:{b.cfg.plugin_config['plugin_client_mcp']['port']}/mcp"
-        async with ShellClient(a.url, "erin", token=TOKEN) as on_a, connect(mcp_b, MCP_HUMAN) as human:
+        async with ShellClient(a.url, "erin", token=TOKEN) as on_a, connect(mcp_url(b), MCP_HUMAN) as human:
             await on_a.connect(max_wait=10)
             await on_a.submit("read it again")
             await _until(on_a.events(), ("gate",))
@@ -136,24 +135,31 @@ def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_opena
     assert history[0]["gate_id"] == pending["gate_id"]
 
 
-def test_simultaneous_submits_on_two_instances_are_answered_one_after_the_other(pair, fake_openai) -> None:
+def mcp_url(server: AgentServer) -> str:
+    return f"http://127.0.0.1:{server.cfg.plugin_config['plugin_client_mcp']['port']}/mcp"
+
+
+def test_simultaneous_messages_on_two_instances_are_answered_one_after_the_other(pair, fake_openai) -> None:
     a, b = pair
     fake_openai.script(text("first ", "answer", delay=0.2), text("second ", "answer", delay=0.2))
 
-    async def both() -> list:
-        async with ShellClient(a.url, "same", token=TOKEN) as on_a, ShellClient(b.url, "same", token=TOKEN) as on_b:
-            await on_a.connect(max_wait=10)
-            await on_b.connect(max_wait=10)
-            await asyncio.gather(on_a.submit("from A"), on_b.submit("from B"))
-            got = await _until(on_a.events())
-            return got + await _until(on_a.events())
+    async def both() -> tuple[list, list]:
+        # MCP send_message queues (a shell message would replace the running turn, on any instance).
+        async with ShellClient(a.url, "mcp-same", token=TOKEN) as watcher, \
+                connect(mcp_url(a), MCP_HUMAN) as on_a, connect(mcp_url(b), MCP_HUMAN) as on_b:
+            await watcher.connect(max_wait=10)
+            answers = await asyncio.gather(
+                on_a.call_tool("send_message", {"text": "from A", "session": "mcp-same"}),
+                on_b.call_tool("send_message", {"text": "from B", "session": "mcp-same"}))
+            events = await _until(watcher.events())
+            return [call_json(x)["text"] for x in answers], events + await _until(watcher.events())
 
-    events = asyncio.run(both())
+    answers, events = asyncio.run(both())
     said = [(e.name, e.text) for e in events if e.name in ("user", "tok", "done")]
     # One turn at a time: each question, then its whole answer, then the other.
     assert [n for n, _ in said] == ["user", "tok", "tok", "done", "user", "tok", "tok", "done"]
-    assert answer(events) == "first answersecond answer"
-    history = httpx.get(f"{b.url}/sessions", params={"client_id": "same"}, headers=b.auth, timeout=10).json()
+    assert answer(events) == "first answersecond answer" and sorted(answers) == ["first answer", "second answer"]
+    history = httpx.get(f"{b.url}/sessions", params={"client_id": "mcp-same"}, headers=b.auth, timeout=10).json()
     assert history["sessions"][0]["history_length"] == 4
 
 
