@@ -61,7 +61,7 @@ GONE_SECONDS = 30 * 86400
 DROPPED_STREAM_SECONDS = 30
 #: While events keep coming (one written less than STREAMING_SECONDS ago), the writer gathers them this
 #: long before a round trip, so a streamed answer costs a few writes instead of one per token.
-COALESCE_SECONDS = 0.002
+COALESCE_SECONDS = 0.005
 STREAMING_SECONDS = 0.05
 #: Events an instance keeps queued for Redis while it is unreachable; beyond this the oldest go.
 MAX_QUEUED_EVENTS = 20_000
