@@ -284,6 +284,9 @@ class SqliteStore(SqliteFile, SessionStore):
     """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
 
     SCHEMA = (
+        # WAL without an fsync per commit: a killed process loses nothing committed (power loss may lose
+        # the last commits). A turn commits as it starts, with the user's message, and as it ends.
+        "PRAGMA synchronous=NORMAL",
         "CREATE TABLE IF NOT EXISTS sessions ("
         " client_id TEXT PRIMARY KEY, shorthand INTEGER UNIQUE NOT NULL,"
         " record TEXT NOT NULL, updated REAL NOT NULL)",
