@@ -125,11 +125,11 @@ class Link:
         return StoreUnavailable(self.unavailable_message() or "")
 
     def unavailable_message(self) -> str | None:
-        """Why requests cannot be served now, or None."""
+        """Why requests cannot be served now, or None. Clients are not told where Redis is (the log says)."""
         if self.down is None:
             return None
-        return (f"the session store (Redis at {self.where}) is unreachable ({self.down}); "
-                "try again in a moment: this server recovers by itself when Redis is back")
+        return ("the session store (Redis) is unreachable; try again in a moment: this server recovers by itself "
+                "when Redis is back")
 
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
