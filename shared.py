@@ -151,7 +151,8 @@ class Link:
         try:
             await self.client.ping()
         except (*_DOWN, RedisError) as exc:
-            raise StoreUnavailable(f"SESSION_STORE: cannot reach Redis at {self.where} ({exc}); start it, or fix "
+            why = str(exc).rstrip(".")
+            raise StoreUnavailable(f"SESSION_STORE: cannot reach Redis at {self.where} ({why}); start it, or fix "
                                    "the URL (redis://host:port/db), or unset SESSION_STORE for the embedded "
                                    "SQLite store") from None
 
