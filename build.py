@@ -49,7 +49,9 @@ async def build_runtime(config: AppConfig, store: state.SessionStore | None = No
             shared.SharedValues(link)
         rt.gate.grants.link = link
         rt.signals = shared.Signals(link)
-        rt.signals.start(functools.partial(routes.signalled, rt))
+        for what in ("cancel", "stop"):
+            rt.signals.on(what, functools.partial(routes.signalled, rt, what))
+        rt.signals.start()
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))

@@ -633,23 +633,30 @@ class SharedValues:
 
 
 class Signals:
-    """Asks every instance to act on a session's requests (cancel them, or stop them with a `done`): a
-    Redis pub/sub channel each instance listens to; an instance ignores what it sent itself."""
+    """Messages every other instance acts on: cancel or stop a session's requests (`cancel`, `stop`),
+    and whatever plugins register (`on`). One Redis pub/sub channel that each instance listens to; an
+    instance ignores what it sent itself."""
 
     def __init__(self, link: Link):
         self.link = link
         self._listener: asyncio.Task[None] | None = None
         self._handling: set[asyncio.Future[Any]] = set()
+        self._handlers: dict[str, Callable[[str], Awaitable[Any]]] = {}
 
-    async def send(self, what: str, client_id: str) -> None:
+    async def send(self, what: str, subject: str) -> None:
         with self.link.calling():
-            await self.link.client.publish(self.link.key("signals"), json.dumps([self.link.instance, what, client_id]))
+            await self.link.client.publish(self.link.key("signals"), json.dumps([self.link.instance, what, subject]))
 
-    def start(self, handler: Callable[[str, str], Awaitable[Any]]) -> None:
-        """Call `handler(what, client_id)` for every signal another instance sends, until `close`."""
-        self._listener = asyncio.create_task(self._listen(handler), name="signals")
+    def on(self, what: str, handler: Callable[[str], Awaitable[Any]]) -> Callable[[], None]:
+        """Call `handler(subject)` for every `what` another instance sends; returns the function that stops it."""
+        self._handlers[what] = handler
+        return lambda: self._handlers.pop(what, None) if self._handlers.get(what) is handler else None
 
-    async def _listen(self, handler: Callable[[str, str], Awaitable[Any]]) -> None:
+    def start(self) -> None:
+        """Listen until `close`."""
+        self._listener = asyncio.create_task(self._listen(), name="signals")
+
+    async def _listen(self) -> None:
         while True:
             try:
                 async with self.link.client.pubsub() as channel:
@@ -658,14 +665,20 @@ class Signals:
                         message = await channel.get_message(ignore_subscribe_messages=True, timeout=BLOCK_MS / 1000)
                         if message is None:
                             continue
-                        sender, what, client_id = json.loads(message["data"])
-                        if sender != self.link.instance:
-                            work = asyncio.ensure_future(handler(what, client_id))
+                        sender, what, subject = json.loads(message["data"])
+                        handler = self._handlers.get(what)
+                        if sender != self.link.instance and handler is not None:
+                            work = asyncio.ensure_future(handler(subject))
                             self._handling.add(work)
-                            work.add_done_callback(self._handling.discard)
+                            work.add_done_callback(self._handled)
             except (*_DOWN, RedisError) as exc:
                 self.link.unavailable(exc)
                 await asyncio.sleep(0.5)
+
+    def _handled(self, work: asyncio.Future[Any]) -> None:
+        self._handling.discard(work)
+        if not work.cancelled() and work.exception() is not None:
+            logger.error("acting on another instance's signal failed", exc_info=work.exception())
 
     async def close(self) -> None:
         if self._listener is not None:

@@ -93,6 +93,10 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "get_gate_policy": (HUMAN,),
     "set_gate_default": (HUMAN,),
 }
+#: Signals to the other instances on one Redis (state.Runtime.signals): notify your subscribers of these
+#: URIs; apply this change of the gate defaults.
+NOTIFY_SIGNAL = "mcp-notify"
+DEFAULT_SIGNAL = "mcp-gate-default"
 DECISION_WORDS = {"allow_once": "allow", "allow_for": "allow_for", "allow_session": "allow_session",
                   "allow_pattern": "allow_pattern", "reject": "reject"}
 
@@ -131,6 +135,7 @@ class McpServerPlugin(BasePlugin):
         super().__init__()
         self._unobserve: Callable[[], None] = lambda: None
         self._unobserve_grants: Callable[[], None] = lambda: None
+        self._unsignal: list[Callable[[], None]] = []
         self.cfg = McpServerConfig()
         self.store: ApprovalStore | None = None
         self.bus = InMemorySubscriptionBus()
@@ -172,6 +177,9 @@ class McpServerPlugin(BasePlugin):
         self.app = self.mcp.streamable_http_app(transport_security=_NO_SDK_CHECKS, host=self.cfg.host)
         self._known_sessions = {s.client_id for s in rt.sessions.all()}
         self._unobserve = rt.hub.observe(self._observe)
+        if rt.signals is not None:  # several instances: their subscribers hear of changes made here, and ours of theirs
+            self._unsignal = [rt.signals.on(NOTIFY_SIGNAL, self._notified),
+                              rt.signals.on(DEFAULT_SIGNAL, self._default_changed_elsewhere)]
         if rt.gate.grants is not None:
             self._unobserve_grants = rt.gate.grants.observe(
                 lambda client_id: self._notes.put_nowait(tuple(self._session_uris(client_id, "grants"))))
@@ -192,6 +200,8 @@ class McpServerPlugin(BasePlugin):
     async def shutdown(self) -> None:
         self._unobserve()
         self._unobserve_grants()
+        for stop in self._unsignal:
+            stop()
         self._stop.set()
         self._queue.put_nowait((None, ()))  # the writer and the notifier finish what is queued, then stop
         self._notes.put_nowait(None)
@@ -225,8 +235,21 @@ class McpServerPlugin(BasePlugin):
     # ── notifications ──
 
     async def notify(self, *uris: str) -> None:
-        """Tell subscribers of each URI that it changed: 2026-07-28 listeners and 2025-11-25 subscribers."""
-        for uri in dict.fromkeys(uris):
+        """Tell subscribers of each URI that it changed: 2026-07-28 listeners and 2025-11-25 subscribers,
+        of this instance and (on one Redis) of the others."""
+        unique = list(dict.fromkeys(uris))
+        await self._notify_here(unique)
+        if self.rt.signals is not None and unique:
+            try:
+                await self.rt.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
+            except state.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
+                pass
+
+    async def _notified(self, subject: str) -> None:
+        await self._notify_here(json.loads(subject))
+
+    async def _notify_here(self, uris: list[str]) -> None:
+        for uri in uris:
             await self.bus.publish(ResourceUpdated(uri=uri))
             for key, (session, _) in [(k, v) for k, v in self._legacy.items() if k[1] == uri]:
                 try:
@@ -252,8 +275,7 @@ class McpServerPlugin(BasePlugin):
             self.store.pending[row["gate_id"]] = row
             if event.turn is not None:
                 self._gated_turns.add(event.turn)
-            self._notes.put_nowait(self._pending_uris(client_id))
-            self._queue.put_nowait((self.store.record_open(row), ()))
+            self._queue.put_nowait((self.store.record_open(row), self._at_once(self._pending_uris(client_id))))
         elif event.name == "status" and "gate_id" in event.data and "decision" in event.data:
             self._close(client_id, str(event.data["gate_id"]), str(event.data["decision"]))
         elif routes.ends_turn(event):
@@ -282,9 +304,18 @@ class McpServerPlugin(BasePlugin):
         if by is None:
             by = "timeout" if decision == "timeout" else (
                 "gate closed" if decision == "cancelled" else f"{gate.client_class(client_id)} client ({client_id})")
-        self._notes.put_nowait(self._pending_uris(client_id))
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
-                                (f"{SCHEME}approvals/history", *self._session_uris(client_id, "approvals/history"))))
+                                (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
+                                 *self._session_uris(client_id, "approvals/history"))))
+
+    def _at_once(self, uris: tuple[str, ...]) -> tuple[str, ...]:
+        """Pending approvals are read from memory on one instance: their subscribers are told at once (and
+        nothing is left to tell after the write); on one Redis, readers anywhere read the store, so they are
+        told after the write (the URIs are returned to go with it)."""
+        if isinstance(self.store, SharedApprovals):
+            return uris
+        self._notes.put_nowait(uris)
+        return ()
 
     async def _close_stale(self, client_id: str, why: str) -> None:
         """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""
@@ -643,7 +674,21 @@ class McpServerPlugin(BasePlugin):
         key = key.strip()
         if not key or len(key) > 128:
             raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
-        ops = ("read", "write") if operation == "both" else (operation,)
+        ops = ["read", "write"] if operation == "both" else [operation]
+        change = {"section": section, "key": key, "ops": ops, "allowed": allowed, "by": f"mcp token '{who.name}'"}
+        entry, note = self._apply_default(change)
+        if self.rt.signals is not None:
+            try:
+                await self.rt.signals.send(DEFAULT_SIGNAL, json.dumps(change))
+                note += "; in force on every instance on this Redis"
+            except state.SessionError:
+                note += "; NOT in force on the other instances (the session store is unreachable): set it again"
+        await self.notify(f"{SCHEME}policy")
+        return {"section": section, "key": key, **entry.model_dump(include={"read", "write"}), "note": note}
+
+    def _apply_default(self, change: dict[str, Any]) -> tuple[Any, str]:
+        """Change one gate default here, save gate-defaults.json and audit it: (the new entry, what was saved)."""
+        section, key, ops, allowed = change["section"], change["key"], change["ops"], change["allowed"]
         entry = self.rt.gate.set_default(section, key, ops, allowed)
         try:
             path = save_gate_defaults(self.rt.config.config_dir, self.rt.gate.defaults)
@@ -651,12 +696,15 @@ class McpServerPlugin(BasePlugin):
         except Exception as exc:  # in force anyway; say it was not saved
             logger.exception("saving gate defaults failed")
             note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
-        logger.info("gate default %s.%s %s=%s set by %s", section, key, operation, allowed, who.label)
-        self.rt.gate.audit("policy", actor=f"mcp token '{who.name}'", op="+".join(ops),
-                                 tables=[key] if section == "db" else (), tool="" if section == "db" else key,
-                                 outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
-        await self.notify(f"{SCHEME}policy")
-        return {"section": section, "key": key, **entry.model_dump(include={"read", "write"}), "note": note}
+        logger.info("gate default %s.%s %s=%s set by %s", section, key, "+".join(ops), allowed, change["by"])
+        self.rt.gate.audit("policy", actor=change["by"], op="+".join(ops),
+                           tables=[key] if section == "db" else (), tool="" if section == "db" else key,
+                           outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
+        return entry, note
+
+    async def _default_changed_elsewhere(self, subject: str) -> None:
+        change = json.loads(subject)
+        self._apply_default({**change, "by": f"{change['by']} on another instance"})
 
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
         """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,

@@ -19,7 +19,7 @@ from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.redis_help import OwnRedis
 from tests.runtime import ALL_GATED
-from tests.test_mcp_server import call_json, connect, read_json
+from tests.test_mcp_server import PENDING, call_json, connect, next_note, read_json, subscribe
 from tests.turns import answer, collect_turn, run_turn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,8 +135,12 @@ def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_opena
     assert history[0]["gate_id"] == pending["gate_id"]
 
 
+def _mcp_port(server: AgentServer) -> int:
+    return server.cfg.plugin_config["plugin_client_mcp"]["port"]
+
+
 def mcp_url(server: AgentServer) -> str:
-    return f"http://127.0.0.1:{server.cfg.plugin_config['plugin_client_mcp']['port']}/mcp"
+    return f"http://127.0.0.1:{_mcp_port(server)}/mcp"
 
 
 def test_simultaneous_messages_on_two_instances_are_answered_one_after_the_other(pair, fake_openai) -> None:
@@ -229,15 +233,18 @@ def test_start_up_with_an_unreachable_redis_stops_with_one_clear_line(tmp_path, 
 NGINX_SITE = ROOT / "deploy" / "nginx-agent-mcp.conf"
 
 
-def _nginx(tmp_path: Path, ports: list[int]) -> tuple[subprocess.Popen[bytes], int]:
-    """Debian's nginx with the README's site file, its upstream pointed at `ports`."""
+def _nginx(tmp_path: Path, pair: list[AgentServer]) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Debian's nginx with the README's site file, its upstreams pointed at the two instances: (nginx, the
+    shell endpoint's port, the MCP server's port)."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     assert Path(binary).exists(), "nginx is not installed (.ci/run installs Debian's nginx)"
     site = NGINX_SITE.read_text()
-    listen = free_port()
-    site = site.replace("127.0.0.1:8080", f"127.0.0.1:{listen}")
-    site = site.replace("server 127.0.0.1:8765;", f"server 127.0.0.1:{ports[0]};")
-    site = site.replace("server 127.0.0.1:8865;", f"server 127.0.0.1:{ports[1]};")
+    listen, listen_mcp = free_port(), free_port()
+    for shipped, port in (("127.0.0.1:8080", listen), ("127.0.0.1:8081", listen_mcp),
+                          ("127.0.0.1:8765;", pair[0].cfg.port), ("127.0.0.1:8865;", pair[1].cfg.port),
+                          ("127.0.0.1:8768;", _mcp_port(pair[0])), ("127.0.0.1:8868;", _mcp_port(pair[1]))):
+        assert shipped in site
+        site = site.replace(shipped, f"127.0.0.1:{port}" + (";" if shipped.endswith(";") else ""))
     conf = tmp_path / "nginx.conf"
     conf.write_text(f"""daemon off;
 pid {tmp_path}/nginx.pid;
@@ -257,7 +264,7 @@ http {{
     while True:
         try:
             httpx.get(f"http://127.0.0.1:{listen}/health", timeout=1)
-            return proc, listen
+            return proc, listen, listen_mcp
         except httpx.TransportError:
             assert proc.poll() is None, (tmp_path / "nginx-stderr.log").read_text()
             assert time.monotonic() < deadline
@@ -266,7 +273,7 @@ http {{
 
 def test_a_shell_session_and_an_sse_stream_through_nginx_round_robin(tmp_path, pair, fake_openai) -> None:
     a, b = pair
-    proc, port = _nginx(tmp_path, [a.cfg.port, b.cfg.port])
+    proc, port, _ = _nginx(tmp_path, pair)
     url = f"http://127.0.0.1:{port}"
     try:
         async def shell_session() -> list[list]:
@@ -302,6 +309,63 @@ def test_a_shell_session_and_an_sse_stream_through_nginx_round_robin(tmp_path, p
     finally:
         proc.send_signal(signal.SIGQUIT)
         proc.wait(10)
+
+
+def test_mcp_clients_through_nginx_hear_answer_and_set_policy_for_both_instances(tmp_path, pair, fake_openai
+                                                                                ) -> None:
+    a, b = pair
+    proc, _, port = _nginx(tmp_path, pair)
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    async def scenario() -> tuple[list[str], list[dict], dict]:
+        legacy_notes: asyncio.Queue[str] = asyncio.Queue()
+        modern_notes: asyncio.Queue[str] = asyncio.Queue()
+        async with connect(url, MCP_HUMAN, notes=legacy_notes) as legacy, \
+                connect(url, MCP_HUMAN, mode="auto") as modern:
+            await subscribe(legacy, PENDING)  # a 2025-11-25 session: every request must reach its instance
+            async with modern.listen(resource_subscriptions=[PENDING]) as listener:
+                async def heard() -> None:
+                    async for event in listener:
+                        modern_notes.put_nowait(getattr(event, "uri", ""))
+                hearing = asyncio.create_task(heard())
+                answers, seen = [], []
+                for n, server in enumerate((a, b)):  # a gate raised on each instance
+                    await asyncio.sleep(0.5)  # the notes of the gate before have come: forget them
+                    for queue in (legacy_notes, modern_notes):
+                        while not queue.empty():
+                            queue.get_nowait()
+                    fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text(f"Read {n}."))
+                    async with ShellClient(server.url, f"through-nginx-{n}", token=TOKEN) as shell:
+                        turn = asyncio.create_task(collect_turn(shell, "read your behaviour"))
+                        await next_note(legacy_notes, PENDING)
+                        await next_note(modern_notes, PENDING)
+                        (pending,) = await read_json(legacy, PENDING)
+                        seen.append(pending)
+                        call_json(await legacy.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                              "decision": "allow_once"}))
+                        answers.append(answer(await asyncio.wait_for(turn, 30)))
+                hearing.cancel()
+            policy = call_json(await legacy.call_tool("set_gate_default", {
+                "section": "tools", "key": "read_system_prompt", "operation": "both", "allowed": True}))
+        return answers, seen, policy
+
+    try:
+        answers, seen, policy = asyncio.run(scenario())
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(10)
+    assert answers == ["Read 0.", "Read 1."]
+    assert [p["session"] for p in seen] == ["through-nginx-0", "through-nginx-1"]
+    assert "in force on every instance" in policy["note"]
+    # The new default reached both instances: in memory (no gate) and in each one's gate-defaults.json.
+    for n, server in enumerate((a, b)):
+        deadline, saved = time.monotonic() + 10, server.cfg.path / "gate-defaults.json"
+        while not json.loads(saved.read_text())["tools"]["read_system_prompt"]["read"]:
+            assert time.monotonic() < deadline, f"instance {n} did not save the new default"
+            time.sleep(0.1)
+        fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("No gate."))
+        events = run_turn(server, f"after-policy-{n}", "read it")
+        assert "gate" not in [e.name for e in events] and answer(events) == "No gate."
 
 
 def test_nginx_site_file_is_what_the_readme_shows() -> None:
