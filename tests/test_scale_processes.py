@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 
 import httpx
+import ollama
+import openai
 import pytest
 
+from api_client import AgentClient
 from shell import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
@@ -25,12 +28,15 @@ from tests.turns import answer, collect_turn, run_turn
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "scale-test-token-0123456789abcdef"
 MCP_HUMAN = "scale-test-mcp-human-token-0001"
+#: The listeners besides the shell endpoint, by the name the nginx tests give them.
+DOORS = {"api": "plugin_client_api", "proxy": "plugin_proxy_llama", "mcp": "plugin_client_mcp"}
 
 
-def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=None, mcp: bool = False
+def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=None, every_door: bool = False
               ) -> list[AgentServer]:
-    """`count` servers on one store, each with its own config dir and port, one shell token; with `mcp`,
-    the MCP server plugin too (its port in `cfg.plugin_config`), with one human token (MCP_HUMAN)."""
+    """`count` servers on one store, each with its own config dir and port, one shell token; with
+    `every_door`, the API, the proxy and the MCP server too (their ports in `cfg.plugin_config`), with
+    one human MCP token (MCP_HUMAN)."""
     servers = []
     for n in range(count):
         path = tmp_path / f"instance{n}"
@@ -38,9 +44,10 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
         cfg = ConfigDir(path)
         cfg.models = {"fake": openai_model(fake_openai)}
         cfg.gates = gates
-        if mcp:
-            cfg.plugins.append("plugin_client_mcp")
-            cfg.plugin_config["plugin_client_mcp"] = {"port": free_port()}
+        if every_door:
+            for plugin in DOORS.values():
+                cfg.plugins.append(plugin)
+                cfg.plugin_config[plugin] = {"port": free_port()}
             (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
                                                                                       "token": MCP_HUMAN}}}))
         servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN}))
@@ -49,7 +56,8 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
 
 @pytest.fixture
 def pair(tmp_path, fake_openai, redis_store):
-    started = [s.start(wait=False) for s in instances(tmp_path, fake_openai, redis_store, gates=ALL_GATED, mcp=True)]
+    started = [s.start(wait=False)
+               for s in instances(tmp_path, fake_openai, redis_store, gates=ALL_GATED, every_door=True)]
     try:
         for s in started:
             s.wait_ready(60)
@@ -233,25 +241,32 @@ def test_start_up_with_an_unreachable_redis_stops_with_one_clear_line(tmp_path, 
 NGINX_SITE = ROOT / "deploy" / "nginx-agent-mcp.conf"
 
 
-def _nginx(tmp_path: Path, pair: list[AgentServer]) -> tuple[subprocess.Popen[bytes], int, int]:
-    """Debian's nginx with the README's site file, its upstreams pointed at the two instances: (nginx, the
-    shell endpoint's port, the MCP server's port)."""
+def _nginx(tmp_path: Path, pair: list[AgentServer]) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """Debian's nginx with the README's site file, its upstreams pointed at the two instances, and the API
+    and the proxy behind copies of its shell block, as the README says: (nginx, its port for each of
+    "shell", "mcp", "api", "proxy")."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     assert Path(binary).exists(), "nginx is not installed (.ci/run installs Debian's nginx)"
-    site = NGINX_SITE.read_text()
-    listen, listen_mcp = free_port(), free_port()
-    for shipped, port in (("127.0.0.1:8080", listen), ("127.0.0.1:8081", listen_mcp),
-                          ("127.0.0.1:8765;", pair[0].cfg.port), ("127.0.0.1:8865;", pair[1].cfg.port),
-                          ("127.0.0.1:8768;", _mcp_port(pair[0])), ("127.0.0.1:8868;", _mcp_port(pair[1]))):
-        assert shipped in site
-        site = site.replace(shipped, f"127.0.0.1:{port}" + (";" if shipped.endswith(";") else ""))
+    shipped = NGINX_SITE.read_text()
+    shell_part = shipped[:shipped.index("# The MCP server")]
+    listen = {door: free_port() for door in ("shell", *DOORS)}
+    site = ""
+    for door, part, backends in (("shell", shell_part, (8765, 8865)), ("mcp", shipped[len(shell_part):], (8768, 8868)),
+                                 ("api", shell_part, (8765, 8865)), ("proxy", shell_part, (8765, 8865))):
+        mine = [s.cfg.port if door == "shell" else s.cfg.plugin_config[DOORS[door]]["port"] for s in pair]
+        for old, new in ((f"127.0.0.1:{8081 if door == 'mcp' else 8080}", listen[door]),
+                         (f"127.0.0.1:{backends[0]};", mine[0]), (f"127.0.0.1:{backends[1]};", mine[1])):
+            assert old in part
+            part = part.replace(old, f"127.0.0.1:{new}" + (";" if old.endswith(";") else ""))
+        site += part.replace("agent_mcp_shell", f"agent_mcp_{door}") if door in ("api", "proxy") else part
     conf = tmp_path / "nginx.conf"
     conf.write_text(f"""daemon off;
 pid {tmp_path}/nginx.pid;
 error_log {tmp_path}/nginx-error.log;
 events {{ worker_connections 256; }}
 http {{
-    access_log {tmp_path}/nginx-access.log;
+    log_format upstream '$request -> $upstream_addr';
+    access_log {tmp_path}/nginx-access.log upstream;
     client_body_temp_path {tmp_path}/body; proxy_temp_path {tmp_path}/proxy;
     fastcgi_temp_path {tmp_path}/fcgi; uwsgi_temp_path {tmp_path}/uwsgi; scgi_temp_path {tmp_path}/scgi;
 {site}
@@ -263,8 +278,8 @@ http {{
     deadline = time.monotonic() + 10
     while True:
         try:
-            httpx.get(f"http://127.0.0.1:{listen}/health", timeout=1)
-            return proc, listen, listen_mcp
+            httpx.get(f"http://127.0.0.1:{listen['shell']}/health", timeout=1)
+            return proc, listen
         except httpx.TransportError:
             assert proc.poll() is None, (tmp_path / "nginx-stderr.log").read_text()
             assert time.monotonic() < deadline
@@ -273,8 +288,8 @@ http {{
 
 def test_a_shell_session_and_an_sse_stream_through_nginx_round_robin(tmp_path, pair, fake_openai) -> None:
     a, b = pair
-    proc, port, _ = _nginx(tmp_path, pair)
-    url = f"http://127.0.0.1:{port}"
+    proc, ports = _nginx(tmp_path, pair)
+    url = f"http://127.0.0.1:{ports['shell']}"
     try:
         async def shell_session() -> list[list]:
             turns = []
@@ -314,8 +329,8 @@ def test_a_shell_session_and_an_sse_stream_through_nginx_round_robin(tmp_path, p
 def test_mcp_clients_through_nginx_hear_answer_and_set_policy_for_both_instances(tmp_path, pair, fake_openai
                                                                                 ) -> None:
     a, b = pair
-    proc, _, port = _nginx(tmp_path, pair)
-    url = f"http://127.0.0.1:{port}/mcp"
+    proc, ports = _nginx(tmp_path, pair)
+    url = f"http://127.0.0.1:{ports['mcp']}/mcp"
 
     async def scenario() -> tuple[list[str], list[dict], dict]:
         legacy_notes: asyncio.Queue[str] = asyncio.Queue()
@@ -366,6 +381,49 @@ def test_mcp_clients_through_nginx_hear_answer_and_set_policy_for_both_instances
         fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("No gate."))
         events = run_turn(server, f"after-policy-{n}", "read it")
         assert "gate" not in [e.name for e in events] and answer(events) == "No gate."
+
+
+def test_the_api_and_the_proxy_through_nginx_round_robin(tmp_path, pair, fake_openai) -> None:
+    proc, ports = _nginx(tmp_path, pair)
+    try:
+        async def api_turns() -> list[str]:
+            client = AgentClient(f"http://127.0.0.1:{ports['api']}", "balanced-app")  # submit, then its stream
+            return [await client.send(f"api message {n}") for n in range(4)]
+
+        assert asyncio.run(api_turns()) == [f"echo: api message {n}" for n in range(4)]
+        assert _sent(fake_openai) == ["api message 0", "echo: api message 0", "api message 1",
+                                      "echo: api message 1", "api message 2", "echo: api message 2", "api message 3"]
+        # open-webui's way: the whole conversation in every request, no chat id (the proxy's fingerprints).
+        proxy = f"http://127.0.0.1:{ports['proxy']}"
+        with openai.OpenAI(base_url=proxy + "/v1", api_key="unused", max_retries=0, timeout=30) as sdk:
+            said: list[dict[str, str]] = []
+            for n in range(3):
+                said.append({"role": "user", "content": f"sdk {n}"})
+                stream = sdk.chat.completions.create(model="fake", messages=said, stream=True)  # type: ignore[arg-type]
+                said.append({"role": "assistant",
+                             "content": "".join(c.choices[0].delta.content or "" for c in stream if c.choices)})
+        assert [m["content"] for m in said[1::2]] == ["echo: sdk 0", "echo: sdk 1", "echo: sdk 2"]
+        assert _sent(fake_openai) == ["sdk 0", "echo: sdk 0", "sdk 1", "echo: sdk 1", "sdk 2"]  # one session
+        with ollama.Client(host=proxy, timeout=30) as local:
+            said = []
+            for n in range(3):
+                said.append({"role": "user", "content": f"ollama {n}"})
+                said.append({"role": "assistant", "content": "".join(
+                    c.message.content or "" for c in local.chat(model="fake", messages=said, stream=True))})
+        assert _sent(fake_openai) == ["ollama 0", "echo: ollama 0", "ollama 1", "echo: ollama 1", "ollama 2"]
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(10)
+    served = (tmp_path / "nginx-access.log").read_text()
+    # Each door's requests reached both instances (an API turn's submit and its stream alternate).
+    for door, request in (("api", " /api/v1/"), ("proxy", "POST /v1/chat/completions "), ("proxy", "POST /api/chat ")):
+        upstreams = {line.rsplit(" ", 1)[1] for line in served.splitlines() if request in line}
+        assert upstreams == {f"127.0.0.1:{s.cfg.plugin_config[DOORS[door]]['port']}" for s in pair}, served
+
+
+def _sent(backend) -> list[str]:
+    """What the last model request carried after the system prompt."""
+    return [m["content"] for m in backend.requests[-1].json["messages"][1:]]
 
 
 def test_nginx_site_file_is_what_the_readme_shows() -> None:
