@@ -274,6 +274,9 @@ def _close_socket_mode(client: SocketModeClient) -> None:
     """
     client.closed = True
     client.auto_reconnect_enabled = False
+    # The session monitor reconnects whenever auto_reconnect is on, which a connect still under way turns
+    # back on: its thread ends at its next round, and one such a connect starts ends at once.
+    client.current_app_monitor.event.set()
     client.current_session_state.terminated = True
     session = client.current_session
     if session is not None and session.sock is not None:
