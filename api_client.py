@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource, SSEError, aconnect_sse
 from httpx_sse import ServerSentEvent as _RawEvent
-from httpx_sse import SSEError, aconnect_sse
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 #: How a client answers the gates of its turns: None rejects every gate at once, True approves every
@@ -125,6 +125,15 @@ class AgentEvent:
         event_id = int(raw.id) if raw.id and raw.id.strip().isdigit() else None
         # An event without a name ("message") is answer text, as servers without names send it.
         return cls("tok" if raw.event in ("", "message") else raw.event, data, event_id)
+
+
+async def sse_events(source: EventSource) -> AsyncIterator[AgentEvent]:
+    """The events of an SSE stream as the WHATWG algorithm dispatches them: never one without data.
+    (httpx-sse also yields an empty message after every keepalive comment once an id was seen, which
+    would read as an empty `tok` every 15 s.)"""
+    async for raw in source.aiter_sse():
+        if raw.data:
+            yield AgentEvent.from_sse(raw)
 
 
 def gate_decision(policy: GatePolicy, gate: Mapping[str, Any]) -> bool:
@@ -273,8 +282,7 @@ class AgentClient:
                     if source.response.status_code >= 400:
                         await source.response.aread()
                         self._raise_for(source.response)
-                    async for raw in source.aiter_sse():
-                        ev = AgentEvent.from_sse(raw)
+                    async for ev in sse_events(source):
                         if ev.id is not None:
                             last = ev.id
                         if ev.name == "gate":

@@ -16,7 +16,7 @@ from httpx_sse import EventSource
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 import guard
-from api_client import AgentEvent
+from api_client import AgentEvent, sse_events
 from config import CODE_DIR
 
 DEFAULT_URL = "http://127.0.0.1:8765"
@@ -394,8 +394,7 @@ class ShellClient:
                 raise RequestRejected(response.status_code, response.text[:200] or "stream refused")
             self._connected.set()
             self._set_state(generation, "connected")
-            async for message in EventSource(response).aiter_sse():
-                event = ShellEvent.from_sse(message)
+            async for event in sse_events(EventSource(response)):
                 if event.id is not None:
                     self.last_event_id = event.id
                 self._queue.put_nowait((generation, event))

@@ -14,6 +14,7 @@ from tenacity import wait_none
 
 import api_client
 from api_client import AgentClient, AgentConnectionError
+from shell_client import ShellClient
 from tests.fakes.server import ThreadedServer
 
 TURN = [("tok", {"text": "Hel"}), ("tok", {"text": "lo"}), ("done", {})]
@@ -23,9 +24,10 @@ class DroppingApi(ThreadedServer):
     """/api/v1/submit accepts; each /api/v1/stream connection sends at most `per_connection` events of
     TURN after the client's Last-Event-ID, then closes."""
 
-    def __init__(self, per_connection: int) -> None:
+    def __init__(self, per_connection: int, pings: bool = False) -> None:
         super().__init__()
         self.per_connection = per_connection
+        self.pings = pings  # a keepalive comment after each event, as the server sends every 15 s
         self.last_event_ids: list[str | None] = []
 
     def app(self) -> Starlette:
@@ -38,11 +40,13 @@ class DroppingApi(ThreadedServer):
             self.last_event_ids.append(last)
             start = int(last or 0)
             events = list(enumerate(TURN, 1))[start:start + self.per_connection]
-            body = "".join(f"id: {i}\nevent: {name}\ndata: {json.dumps(data)}\n\n" for i, (name, data) in events)
+            ping = ": ping\n\n" if self.pings else ""
+            body = "".join(f"id: {i}\nevent: {name}\ndata: {json.dumps(data)}\n\n{ping}" for i, (name, data) in events)
             return Response(body, media_type="text/event-stream")
 
         return Starlette(routes=[Route("/api/v1/submit", submit, methods=["POST"]),
-                                 Route("/api/v1/stream/{client_id}", stream)])
+                                 Route("/api/v1/stream/{client_id}", stream),
+                                 Route("/stream", stream)])  # shell.py's endpoint: the same stream
 
 
 @pytest.fixture(autouse=True)
@@ -68,3 +72,17 @@ async def test_a_stream_that_never_brings_an_event_is_given_up_with_a_clear_erro
         with pytest.raises(AgentConnectionError, match="keeps breaking: the stream ended before the turn did"):
             await AgentClient(api.url, client_id="c1").send("hi")
     assert len(api.last_event_ids) == api_client.RECONNECTS + 1
+
+
+async def test_keepalive_comments_are_not_events():
+    # httpx-sse yields an empty message after a comment once an id was seen; the SSE spec dispatches nothing.
+    with DroppingApi(per_connection=3, pings=True) as api:
+        events = [ev async for ev in AgentClient(api.url, client_id="c1").events("hi")]
+        async with ShellClient(api.url, "c1", retry_initial=0.05) as shell:  # shell.py's reader too
+            seen = []
+            async for ev in shell.events():
+                seen.append(ev)
+                if ev.name == "done":
+                    break
+    assert [(e.name, e.data) for e in events] == TURN
+    assert [(e.name, e.data) for e in seen] == TURN
