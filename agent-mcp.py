@@ -32,6 +32,7 @@ from starlette.types import ASGIApp
 
 import agents
 import build
+import routes
 import shared
 import state
 from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
@@ -238,7 +239,9 @@ async def serve(config: AppConfig) -> int:
         servers = [s for s, _, _ in prepared]
         loop = asyncio.get_running_loop()
 
-        def stop() -> None:
+        async def end() -> None:
+            # Running turns end first, each telling its clients (error + done) while their streams are open.
+            await routes.end_all(rt)
             for s in servers:
                 s.should_exit = True
             if rt.stopping is not None:
@@ -247,6 +250,12 @@ async def serve(config: AppConfig) -> int:
             # of this flag is the fallback), so a stop with shell windows attached is quick and clean.
             rt.hub.close()
             AppStatus.should_exit = True
+
+        ending: list[asyncio.Task[None]] = []
+
+        def stop() -> None:
+            if not ending:
+                ending.append(asyncio.create_task(end(), name="stop"))
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
@@ -258,7 +267,7 @@ async def serve(config: AppConfig) -> int:
                     len(rt.plugins.loaded), len(problems), config.default_model)
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop()  # one server stopped (or a signal came): stop the rest
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *ending, return_exceptions=True)
         return 0
     finally:
         await build.close_runtime(rt)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 
@@ -87,12 +86,8 @@ def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]
 
 
 async def close_runtime(rt: state.Runtime) -> None:
-    """Stop running turns, shut plugins down (reverse order) and close the session store."""
-    tasks = [t for group in rt.active_tasks.values() for t in group if not t.done()]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=routes.CANCEL_GRACE_SECONDS)
+    """End running turns (routes.end_all), shut plugins down (reverse order) and close the session store."""
+    await routes.end_all(rt)
     if rt.plugins:
         await rt.plugins.shutdown_all()
     await rt.hub.aclose()

@@ -110,6 +110,17 @@ async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     return bool(tasks)
 
 
+async def end_all(rt: state.Runtime) -> None:
+    """The server stops: cancel every request, each of which tells its clients it was interrupted
+    (`error` + `done`, as a killed server's turns do) and keeps its user's message; wait for them."""
+    rt.closing = True
+    tasks = [t for group in rt.active_tasks.values() for t in group if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
+
+
 async def signalled(rt: state.Runtime, what: str, client_id: str) -> None:
     """Another instance asks this one to cancel (`cancel`) or stop (`stop`) a session's requests."""
     await (_stop_here(rt, client_id) if what == "stop" else _cancel_here(rt, client_id))
@@ -216,13 +227,14 @@ async def process_request(
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
     turn = gate.new_turn(rt, client_id, payload, turn_id)
     untrack = _track(rt, client_id)
-    cancelled = False
+    cancelled = started = False
     with state.running(turn):
         try:
             # Added without awaiting, so requests take the session in the order they arrived.
             session, _ = rt.sessions.get_or_add(client_id, model, turn.kind)
             turn.session = session
             async with rt.sessions.hold(session, turn.id) as created:  # saved (user message first) as it ends
+                started = True
                 why = await rt.sessions.take_gone(client_id) if created else None
                 if why is not None:
                     rt.hub.publish(client_id, "status", {
@@ -234,9 +246,12 @@ async def process_request(
                 else:
                     await _process(rt, turn, text)
         except asyncio.CancelledError:
+            cancelled = True
+            if rt.closing:  # the server stops: as if it had been killed, but said at once
+                interrupted(rt, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
+                raise
             # No `done`: the request that replaced this one sends its own, and a client must not
             # mistake this turn's end for the end of the newer one.
-            cancelled = True
             rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
             raise
         except Exception as exc:
@@ -256,12 +271,13 @@ async def process_request(
 
 INTERRUPTED = ("the turn was interrupted: the server running it stopped before it finished. Your message is kept "
                "in the history; send it again to get an answer.")
+NOT_STARTED = "the server stopped before this message's turn began (the session was busy); send it again."
 
 
-def interrupted(rt: state.Runtime, client_id: str, turn_id: str) -> None:
+def interrupted(rt: state.Runtime, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
     """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
     with state.running(gate.new_turn(rt, client_id, turn_id=turn_id)):
-        rt.hub.error(client_id, INTERRUPTED, "interrupted")
+        rt.hub.error(client_id, message, "interrupted")
         rt.hub.done(client_id)
 
 

@@ -944,6 +944,9 @@ class Runtime:
     rate_limiter: RateLimiter = None  # type: ignore[assignment]
     #: Set when the server stops, so endless event streams end (an anyio.Event).
     stopping: Any = None
+    #: Set when the server starts to stop (routes.end_all): requests cancelled from then on end as
+    #: interrupted (error + done, the user's message kept), not as replaced by a newer one.
+    closing: bool = False
     #: With a shared store (several instances on one Redis): the connection (shared.Link), and the
     #: small values plugins share through it (shared.SharedValues); None on one instance.
     link: Any = None

@@ -322,8 +322,10 @@ async def test_an_answer_cut_short_by_a_server_stop_says_so(tmp_path, fake_opena
     finally:
         await stop_slack(rt)
         hold.set()
-    [reply] = fake_slack.thread("C1", root)
-    assert reply.text == "Half\n_(cancelled)_"
+    reply, note = fake_slack.thread("C1", root)
+    assert reply.text == "Half"
+    assert note.text.startswith("⚠️ the turn was interrupted: the server running it stopped before it finished.")
+    assert "send it again" in note.text
 
 
 async def test_a_backend_error_is_reported_in_the_thread(bot):

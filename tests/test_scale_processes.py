@@ -175,7 +175,10 @@ def test_simultaneous_messages_on_two_instances_are_answered_one_after_the_other
     assert history["sessions"][0]["history_length"] == 4
 
 
-def test_kill_9_of_the_instance_running_a_turn_ends_it_on_the_other(pair, fake_openai) -> None:
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill -9", "SIGTERM"])
+def test_the_instance_running_a_turn_killed_or_stopped_ends_it_on_the_other(pair, fake_openai, how) -> None:
+    """kill -9: the turn's lease lapses and the other instance ends it; a stop (SIGTERM, as systemd and
+    rolling restarts send): the stopping instance ends it itself, at once."""
     a, b = pair
     fake_openai.script(hang(60))
 
@@ -187,14 +190,14 @@ def test_kill_9_of_the_instance_running_a_turn_ends_it_on_the_other(pair, fake_o
             await _until(on_b.events(), ("user",))
             await asyncio.sleep(0.5)  # the model call is under way on A
             assert a.proc is not None
-            a.proc.send_signal(signal.SIGKILL)
+            a.proc.send_signal(how)
             killed = time.monotonic()
             events = await _until(on_b.events(), seconds=20)
             return events, time.monotonic() - killed
 
     events, seconds = asyncio.run(scenario())
     assert [e.name for e in events] == ["error", "done"], events
-    assert "the turn was interrupted" in events[0].data["message"] and seconds < 10
+    assert "the turn was interrupted" in events[0].data["message"] and seconds < (10 if how == signal.SIGKILL else 2)
     rows = httpx.get(f"{b.url}/sessions", params={"client_id": "victim"}, headers=b.auth, timeout=10).json()
     assert rows["sessions"][0]["history_length"] == 1 and rows["sessions"][0]["running"] is False
     run_turn(b, "victim", "are you there?")
@@ -435,7 +438,9 @@ def test_nginx_site_file_is_what_the_readme_shows() -> None:
 
 
 @pytest.mark.timeout(180)  # shell.py under a terminal: its own waits (60 s) report what it showed
-def test_one_instance_killed_mid_turn_and_restarted_gives_the_terminal_its_prompt_back(tmp_path, fake_openai) -> None:
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill -9", "SIGTERM"])
+def test_one_instance_stopped_mid_turn_gives_the_terminal_its_prompt_back(tmp_path, fake_openai, how) -> None:
+    """kill -9: the restarted server ends the turn it finds unfinished; SIGTERM: the stopping server ends it."""
     from tests.test_grants import _prompt_back
     from tests.test_newcomer import Window
 
@@ -455,12 +460,17 @@ def test_one_instance_killed_mid_turn_and_restarted_gives_the_terminal_its_promp
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert server.proc is not None
-        server.proc.kill()  # kill -9
+        server.proc.send_signal(how)
+        if how == signal.SIGTERM:  # said before the server goes
+            assert window.shows("the turn was interrupted", timeout=60), window.text[-1500:]
+            assert _prompt_back(window), window.text[-800:]
+            assert server.proc.wait(30) == 0
         server.stop()
         server.start()
         assert window.shows("the turn was interrupted", timeout=60), window.text[-1500:]
         assert _prompt_back(window), window.text[-800:]
-        assert "server back online" in window.text
+        assert window.shows("server back online", timeout=60), window.text[-800:]
+        assert window.text.count("the turn was interrupted") == 1  # told once, by whichever server ended it
     finally:
         window.close()
     run_turn(server, "pty-restart", "are you back?")
