@@ -249,6 +249,25 @@ async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
     assert last.name == "status" and last.data == {"text": "[cancelled]", "cancelled": True}
 
 
+async def test_a_stopping_server_ends_the_running_and_the_waiting_turns_with_error_and_done(rt, fake_openai):
+    hold = threading.Event()
+    fake_openai.script(text("partial ", "rest", hold=hold))
+    first = routes.run_turn(rt, "c1", "slow")  # as the proxy, Slack and MCP send: queued
+    assert [(await anext(first)).data["text"] for _ in range(2)] == ["slow", "partial "]
+    second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "waiting")))
+    await asyncio.sleep(0.1)  # the second waits for the session
+    await routes.end_all(rt)
+    hold.set()
+    _, rest = await _collect(first)
+    _, waited = await second
+    assert [e.name for e in rest] == [e.name for e in waited] == ["error", "done"]
+    assert rest[0].data == {"message": routes.INTERRUPTED, "kind": "interrupted"}
+    assert waited[0].data == {"message": routes.NOT_STARTED, "kind": "interrupted"}
+    # As after kill -9: the question that was being answered is kept, the partial answer is not.
+    assert [m["content"] for m in rt.sessions.get("c1").history] == ["slow"]
+    assert rt.sessions.get("c1").running is None
+
+
 async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fake_openai, fake_gemini):
     fake_gemini.script(text("from ", "gemini"))
     out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "gem"}))
