@@ -876,8 +876,8 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     try:
         await agentic_lc(rt, turn, key)
     except asyncio.CancelledError:
-        # Replaced or stopped: as if never asked. The server stopping: as if it died (the message stays).
-        del session.history[mark + rt.closing:]
+        # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
+        del session.history[mark + 1 if rt.closing else mark:]
         raise
     except Exception as exc:
         if not _from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
