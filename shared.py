@@ -78,18 +78,36 @@ def is_redis_url(url: str | None) -> bool:
 
 
 def split_prefix(url: str) -> tuple[str, str]:
-    """(the URL for redis-py, the key prefix) from a SESSION_STORE URL with an optional `prefix` parameter."""
+    """(the URL for redis-py, the key prefix) from a SESSION_STORE URL with an optional `prefix` parameter.
+    A URL redis-py would misread (it takes a database that is not a number for 0) is refused."""
     parts = urlsplit(url.strip())
+    shown = f"{parts.scheme}://{where(url)}{parts.path}"  # never the password
+    if parts.scheme != "unix":
+        if not parts.hostname:
+            raise state.SessionError(f"SESSION_STORE={shown!r} names no host: write redis://host:port/db")
+        if parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise state.SessionError(f"SESSION_STORE={shown!r}: the database after the port must be a number "
+                                     "(redis://host:port/0; a default Redis has 0 to 15)")
     query = parse_qsl(parts.query, keep_blank_values=True)
     prefix = next((v for k, v in query if k == "prefix"), DEFAULT_PREFIX)
+    if not prefix:
+        raise state.SessionError(f"SESSION_STORE={shown!r}: prefix= is empty, so agent-mcp's keys would mix with "
+                                 f"everything else in that database; leave it out for the default {DEFAULT_PREFIX!r}")
     rest = urlencode([(k, v) for k, v in query if k != "prefix"])
     return urlunsplit(parts._replace(query=rest)), prefix
 
 
 def where(url: str) -> str:
     """The Redis server of a URL without its password, for messages."""
-    parts = urlsplit(url)
-    return f"{parts.hostname or 'localhost'}:{parts.port or 6379}" if parts.scheme != "unix" else parts.path
+    parts = urlsplit(url.strip())
+    if parts.scheme == "unix":
+        return parts.path
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise state.SessionError(f"SESSION_STORE={parts.scheme}://{parts.hostname or ''}:…: the port must be a number "
+                                 "from 1 to 65535 (Redis listens on 6379)") from None
+    return f"{parts.hostname or 'localhost'}:{port}"
 
 
 class Link:

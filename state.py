@@ -335,7 +335,9 @@ def open_store(url: str | None, data_dir: Path) -> SessionStore:
         return SqliteStore(data_dir / "sessions.sqlite3")
     if url.startswith("sqlite:///"):
         return SqliteStore(Path(url.removeprefix("sqlite:///")))
-    raise SessionError(f"SESSION_STORE={url!r} is not supported; use 'sqlite', 'sqlite:///<path>' or 'memory'")
+    shown = f"{url.split(':', 1)[0]}:…" if "@" in url or "://" in url else repr(url)  # never a password
+    raise SessionError(f"SESSION_STORE={shown} is not supported; use 'sqlite' (the default), "
+                       "'sqlite:///<path>', 'memory', or redis://host:port/db for several instances on one Redis")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
 from pydantic import BaseModel
 
 import routes
@@ -270,3 +271,18 @@ async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_
         events = await until_done(sub, slow)
         assert [e.name for e in events][-1] == "done" and "story" not in said(events)
         await sub.aclose()
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://db.example:6379/abc", "the database after the port must be a number"),
+    ("redis://db.example:99999/0", "the port must be a number from 1 to 65535"),
+    ("redis://:secret@db.example:6379/0?prefix=", "prefix= is empty"),
+    ("redis:///0", "names no host"),
+    ("postgres://user:secret@db.example/agent", "SESSION_STORE=postgres:… is not supported"),
+    ("redis:/db.example", "use 'sqlite' (the default), 'sqlite:///<path>', 'memory', or redis://host:port/db"),
+])
+def test_a_session_store_url_redis_would_misread_is_refused_with_what_to_write(tmp_path, url, says) -> None:
+    # redis-py itself would take "/abc" for database 0 and fail on the port with a traceback.
+    with pytest.raises(state.SessionError) as refused:
+        shared.open_store(url, tmp_path)
+    assert says in str(refused.value) and "secret" not in str(refused.value)
