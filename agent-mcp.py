@@ -213,6 +213,10 @@ async def serve(config: AppConfig) -> int:
     state.set_current(rt)
     try:
         assert rt.plugins is not None
+        others = await rt.sessions.store.instances() - 1
+        sharing = {0: "; no other instance shares them now", 1: "; 1 other instance shares them now"}.get(
+            others, f"; {others} other instances share them now")
+        logger.info("sessions: %s%s", rt.sessions.store.describe(), sharing if rt.sessions.store.shared else "")
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens: no request waits for an import, no event loop stalls on one.

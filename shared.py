@@ -203,6 +203,7 @@ class RedisStore(state.SessionStore):
         self.link = link
         self.r = link.client
         self._save = self.r.register_script(_SAVE)
+        self._beating: asyncio.Task[None] | None = None
 
     def _key(self, kind: str, client_id: str = "") -> str:
         return self.link.key(kind, client_id) if client_id else self.link.key(kind)
@@ -211,9 +212,40 @@ class RedisStore(state.SessionStore):
         await self.link.open()
         with self.link.calling():  # the first id handed out is FIRST_SHORTHAND
             await self.r.set(self._key("shorthand"), state.FIRST_SHORTHAND - 1, nx=True)
+        await self._beat()
+        self._beating = asyncio.create_task(self._beat_forever(), name="instance-heartbeat")
 
     async def close(self) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beating
+            with contextlib.suppress(*_DOWN, RedisError):
+                await self.r.zrem(self._key("instances"), self.link.instance)  # a stopped instance leaves at once
         await self.link.close()
+
+    async def _beat(self) -> None:
+        """Say this instance is alive for the next LEASE_SECONDS (instances that stop saying so drop out)."""
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(self._key("instances"), {self.link.instance: now + LEASE_SECONDS})
+        pipe.zremrangebyscore(self._key("instances"), "-inf", now)
+        await pipe.execute()
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_SECONDS / 3)
+            try:
+                await self._beat()
+            except (*_DOWN, RedisError) as exc:
+                self.link.unavailable(exc)
+
+    async def instances(self) -> int:
+        with self.link.calling():
+            return int(await self.r.zcount(self._key("instances"), time.time(), "+inf"))
+
+    def describe(self) -> str:
+        return f"Redis at {self.link.where}, keys under {self.link.prefix!r} (this instance: {self.link.instance})"
 
     @staticmethod
     def _session(client_id: str, fields: dict[str, str]) -> state.Session | None:

@@ -203,6 +203,14 @@ class SessionStore:
         """Every stored session and the last shorthand id handed out (0 if none)."""
         return [], 0
 
+    def describe(self) -> str:
+        """Where sessions are kept (the start-up log says it)."""
+        return "in memory only (gone when the server stops)"
+
+    async def instances(self) -> int:
+        """How many servers use this store now (more than 1 only for a shared store)."""
+        return 1
+
     async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
         """Insert or replace one session and record the shorthand counter. Without `create`, a session the
         store no longer has (removed by another instance: shared stores) is not written again: False."""
@@ -282,6 +290,9 @@ class SqliteFile:
 
 class SqliteStore(SqliteFile, SessionStore):
     """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
+
+    def describe(self) -> str:
+        return f"SQLite {self.path}"
 
     SCHEMA = (
         # WAL without an fsync per commit: a killed process loses nothing committed (power loss may lose

@@ -154,6 +154,7 @@ class ShellpyPlugin(BasePlugin):
             "models": list(rt.config.models),
             "default_model": rt.config.default_model,
             "sessions": len(rt.sessions.all()),
+            "instances": await rt.sessions.store.instances(),  # several on one Redis: how many are alive
             "plugins": plugins,
         })
 

@@ -79,6 +79,7 @@ async def _until(events, names: tuple[str, ...] = ("done",), seconds: float = 30
 
 def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_openai) -> None:
     a, b = pair
+    assert [s.health()["instances"] for s in pair] == [2, 2]
     assert answer(run_turn(a, "alice", "my name is Alice")) == "echo: my name is Alice"
     assert answer(run_turn(b, "alice", "what is my name?")) == "echo: what is my name?"
     sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
@@ -200,6 +201,10 @@ def test_the_instance_running_a_turn_killed_or_stopped_ends_it_on_the_other(pair
     assert "the turn was interrupted" in events[0].data["message"] and seconds < (10 if how == signal.SIGKILL else 2)
     rows = httpx.get(f"{b.url}/sessions", params={"client_id": "victim"}, headers=b.auth, timeout=10).json()
     assert rows["sessions"][0]["history_length"] == 1 and rows["sessions"][0]["running"] is False
+    deadline = time.monotonic() + 10  # the dead instance drops out of the count (a stopped one left at once)
+    while b.health()["instances"] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     run_turn(b, "victim", "are you there?")
     sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
     assert sent == ["a question nobody will answer", "are you there?"]
