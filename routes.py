@@ -245,8 +245,10 @@ async def process_request(
                     rt.hub.error(client_id, f"unknown model '{turn.model}'; available: {', '.join(rt.config.models)}")
                 else:
                     await _process(rt, turn, text)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             cancelled = True
+            if exc.args == (state.LEASE_LOST,):  # another instance ended this turn already, and said so
+                raise
             if rt.closing:  # the server stops: as if it had been killed, but said at once
                 interrupted(rt, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
                 raise

@@ -183,8 +183,10 @@ class Link:
 # ── Sessions ────────────────────────────────────────────────────────────────────────────────
 
 #: Save a session (one round trip): its hash, the index by shorthand id, the running set; unless it must
-#: exist already (ARGV[6] = 0) and another instance removed it.
+#: exist already (ARGV[6] = 0) and another instance removed it, or it is saved under a turn lease (ARGV[7])
+#: that this instance no longer holds.
 _SAVE = """if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[7] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[7] then return 0 end
 redis.call('HSET', KEYS[1], 'shorthand', ARGV[2], 'updated', ARGV[3], 'record', ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 if ARGV[5] == '1' then redis.call('SADD', KEYS[3], ARGV[1]) else redis.call('SREM', KEYS[3], ARGV[1]) end
@@ -204,6 +206,8 @@ class RedisStore(state.SessionStore):
         self.r = link.client
         self._save = self.r.register_script(_SAVE)
         self._beating: asyncio.Task[None] | None = None
+        #: The turn leases this instance holds: client id → its token (saves under a lease are fenced by it).
+        self._held: dict[str, str] = {}
 
     def _key(self, kind: str, client_id: str = "") -> str:
         return self.link.key(kind, client_id) if client_id else self.link.key(kind)
@@ -277,11 +281,13 @@ class RedisStore(state.SessionStore):
             return int(await self.r.incr(self._key("shorthand")))
 
     async def save(self, session: state.Session, last_shorthand: int, *, create: bool = True) -> bool:
-        keys = [self._key("session", session.client_id), self._key("sessions"), self._key("running")]
+        keys = [self._key("session", session.client_id), self._key("sessions"), self._key("running"),
+                self._key("lease", session.client_id)]
         with self.link.calling():
             return bool(await self._save(keys, [
                 session.client_id, session.shorthand, session.updated,
-                json.dumps(session.to_record(), ensure_ascii=False), int(bool(session.running)), int(create)]))
+                json.dumps(session.to_record(), ensure_ascii=False), int(bool(session.running)), int(create),
+                self._held.get(session.client_id, "")]))
 
     async def delete(self, client_id: str) -> None:
         with self.link.calling():
@@ -302,26 +308,35 @@ class RedisStore(state.SessionStore):
     @contextlib.asynccontextmanager
     async def lease(self, client_id: str, holder: str) -> AsyncIterator[None]:
         """The session's turn lease: taken when free (tried again every LEASE_POLL_SECONDS), renewed while
-        held, given back at the end. If its instance dies it lapses after LEASE_SECONDS."""
+        held, given back at the end. If its instance dies it lapses after LEASE_SECONDS. An instance that
+        finds it lost (paused, or cut from Redis, for longer) cancels the holder with state.LEASE_LOST, and
+        its saves of the session are refused meanwhile: another instance has ended that turn."""
         key, token, ms = self._key("lease", client_id), f"{self.link.instance}:{holder}", int(LEASE_SECONDS * 1000)
         with self.link.calling():
             while not await self.r.set(key, token, nx=True, px=ms):  # noqa: ASYNC110 (the holder may be elsewhere)
                 await asyncio.sleep(LEASE_POLL_SECONDS)
-        renewer = asyncio.get_running_loop().create_task(self._renew(key, token, ms), name=f"lease:{client_id}")
+        self._held[client_id] = token
+        renewer = asyncio.get_running_loop().create_task(
+            self._renew(key, token, ms, asyncio.current_task()), name=f"lease:{client_id}")
         try:
             yield
         finally:
             renewer.cancel()
+            if self._held.get(client_id) == token:
+                del self._held[client_id]
             with contextlib.suppress(*_DOWN, RedisError):  # unreachable: it lapses by itself
                 await self.r.eval(_RELEASE, 1, key, token)
 
-    async def _renew(self, key: str, token: str, ms: int) -> None:
+    async def _renew(self, key: str, token: str, ms: int, holder: asyncio.Task[Any] | None) -> None:
         while True:
             await asyncio.sleep(LEASE_SECONDS / 3)
             try:
                 if not await self.r.eval(_RENEW, 1, key, token, ms):
-                    logger.error("lost the turn lease %s (Redis was unreachable longer than %g s): another instance "
-                                 "may run this session's next turn meanwhile", key, LEASE_SECONDS)
+                    logger.error("lost the turn lease %s (this instance was paused, or cut off from Redis, for over "
+                                 "%g s): another instance has ended that turn; it stops here and is not saved",
+                                 key, LEASE_SECONDS)
+                    if holder is not None:
+                        holder.cancel(state.LEASE_LOST)
                     return
             except (*_DOWN, RedisError) as exc:
                 logger.warning("could not renew the turn lease %s: %s", key, exc)

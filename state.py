@@ -183,6 +183,10 @@ def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[
     return []
 
 
+#: What a turn's task is cancelled with when its instance lost the session's turn lease (shared stores).
+LEASE_LOST = "the session's turn lease was lost"
+
+
 class SessionStore:
     """Where sessions persist. The memory store keeps nothing across restarts (tests).
 

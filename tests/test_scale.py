@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -286,3 +287,28 @@ def test_a_session_store_url_redis_would_misread_is_refused_with_what_to_write(t
     with pytest.raises(state.SessionError) as refused:
         shared.open_store(url, tmp_path)
     assert says in str(refused.value) and "secret" not in str(refused.value)
+
+
+async def test_an_instance_that_lost_its_turn_lease_does_not_write_over_what_came_after(tmp_path, fake_openai,
+                                                                                        redis_store) -> None:
+    """A paused instance (a frozen VM, a stalled process) loses its lease; another ends its turn and runs the
+    next. When the paused one wakes, its late answer must not replace the history written meanwhile."""
+    hold = threading.Event()
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        fake_openai.script(text("late ", "answer", hold=hold))
+        sub = b.hub.subscribe("c1", None)
+        first = await routes.submit(a, "c1", "first", shell_payload(a, "c1", None))
+        assert [e.name for e in [await anext(sub), await anext(sub)]] == ["user", "tok"]  # the model answers
+        # What a pause longer than the lease looks like from outside: the lease is gone.
+        link = a.sessions.store.link
+        await link.client.delete(link.key("lease", "c1"))
+        ended = await until_done(sub, first.id)  # another instance ends the turn it thinks is dead
+        assert [e.name for e in ended][-2:] == ["error", "done"]
+        second = await routes.submit(b, "c1", "second", shell_payload(b, "c1", None), cancel_running=False)
+        assert said(await until_done(sub, second.id)) == "echo: second"
+        hold.set()  # the paused instance wakes up
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(first.task, 20)
+        await b.sessions.refresh()
+        assert [m["content"] for m in b.sessions.get("c1").history] == ["first", "second", "echo: second"]
+        await sub.aclose()
