@@ -41,6 +41,9 @@ from plugin_loader import BasePlugin
 
 logger = logging.getLogger("agent_mcp")
 
+#: How long a stopping instance of several lets its running turns finish, unless AGENT_DRAIN_SECONDS says.
+DRAIN_SECONDS = 30.0
+
 
 class StartupError(Exception):
     """The server cannot start; the message names the plugin, the address and what to change."""
@@ -156,8 +159,9 @@ def _bind(name: str, host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _store_unavailable(request: Request, exc: Exception) -> Response:
-    """A request that needed the shared store while Redis is unreachable: 503 with what to do."""
+async def _unavailable(request: Request, exc: Exception) -> Response:
+    """A request that needed the shared store while Redis is unreachable, or a turn asked of a stopping
+    server: 503 with what to do (nothing was done, so it may be sent again)."""
     return JSONResponse({"error": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
 
@@ -166,7 +170,8 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
 
     `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins.
     """
-    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _store_unavailable})
+    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _unavailable,
+                                                                        state.Stopping: _unavailable})
     app.state.runtime = rt
     app.state.plugin = plugin
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
@@ -174,7 +179,7 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
                  allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
 
 
-def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, str]]:
+def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, socket.socket, str]]:
     assert rt.plugins is not None
     prepared: list[tuple[_Server, socket.socket, str]] = []
     try:
@@ -197,7 +202,8 @@ def _prepare_servers(rt: state.Runtime) -> list[tuple[_Server, socket.socket, st
             sock = _bind(name, host, port)
             config = uvicorn.Config(
                 build_app(rt, plugin, cfg), log_config=None, access_log=False, lifespan="off",
-                timeout_graceful_shutdown=3,
+                # Open requests (event streams of draining turns among them) may finish; then they are ended.
+                timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,
             )
             prepared.append((_Server(config), sock, f"{cfg.get('name', name)} ({name}) on http://{host}:{port}"))
     except BaseException:
@@ -235,7 +241,8 @@ async def serve(config: AppConfig) -> int:
         if problem:
             logger.warning("the default model '%s' cannot answer yet: %s. Or use another model: !model <name> in "
                            "shell.py, or default_model in plugins-enabled.json", config.default_model, problem)
-        prepared = _prepare_servers(rt)
+        drain = drain_seconds(config.env, rt.sessions.store.shared)
+        prepared = _prepare_servers(rt, drain)
         if not prepared:
             failed = "; ".join(r.line() for r in problems)
             raise StartupError("no client interface plugin is running, so there is nothing to serve; " + (
@@ -243,7 +250,16 @@ async def serve(config: AppConfig) -> int:
         servers = [s for s, _, _ in prepared]
         loop = asyncio.get_running_loop()
 
+        hurry = asyncio.Event()
+
         async def end() -> None:
+            if drain and _running(rt):
+                # Several instances: this one takes no new connections (the others do) while its turns finish.
+                for s in servers:
+                    s.should_exit = True
+                logger.warning("stopping: waiting up to %g s for %d running request(s) to finish "
+                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, _running(rt))
+                await _drained(rt, drain, hurry)
             # Running turns end first, each telling its clients (error + done) while their streams are open.
             await routes.end_all(rt)
             for s in servers:
@@ -257,12 +273,14 @@ async def serve(config: AppConfig) -> int:
 
         ending: list[asyncio.Task[None]] = []
 
-        def stop() -> None:
+        def stop(signalled: bool = False) -> None:
             if not ending:
                 ending.append(asyncio.create_task(end(), name="stop"))
+            elif signalled:
+                hurry.set()  # a second signal: no more waiting
 
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop)
+            loop.add_signal_handler(sig, stop, True)
         rt.stopping = anyio.Event()
         tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock, _ in prepared]
         for _, _, where in prepared:
@@ -277,6 +295,38 @@ async def serve(config: AppConfig) -> int:
         await build.close_runtime(rt)
         state.set_current(None)
         logger.info("agent-mcp stopped")
+
+
+def drain_seconds(env: dict[str, str], shared: bool) -> float:
+    """AGENT_DRAIN_SECONDS: how long a stopping server lets its running turns finish. Default: 30 s with
+    several instances on one store (the others take new requests meanwhile), else 0 (they end at once)."""
+    raw = env.get("AGENT_DRAIN_SECONDS", "").strip()
+    if not raw:
+        return DRAIN_SECONDS if shared else 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 3600:
+        raise ConfigError(f"environment variable AGENT_DRAIN_SECONDS={raw!r}: must be a number of seconds from 0 "
+                          "(end running turns at once) to 3600")
+    return value
+
+
+def _running(rt: state.Runtime) -> int:
+    return sum(1 for group in rt.active_tasks.values() for t in group if not t.done())
+
+
+async def _drained(rt: state.Runtime, seconds: float, hurry: asyncio.Event) -> None:
+    """Return when no request runs, `seconds` passed, or `hurry` is set."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while _running(rt) and not hurry.is_set():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(left, 0.1)):
+                await hurry.wait()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -295,6 +345,7 @@ def _parser() -> argparse.ArgumentParser:
             "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint; unset: generated into\n"
             "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
+            "  AGENT_DRAIN_SECONDS (how long a stopping server lets running turns finish).\n"
             "  the API keys named in llm-models.json. The README documents every setting."
         ),
     )

@@ -23,14 +23,23 @@ import contextlib
 import json
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource, SSEError, aconnect_sse
 from httpx_sse import ServerSentEvent as _RawEvent
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 #: How a client answers the gates of its turns: None rejects every gate at once, True approves every
 #: one, a mapping decides by tool name first and then by operation type ("read" / "write"); a gate
@@ -43,6 +52,12 @@ STREAM_READ_TIMEOUT = 60.0
 RECONNECTS = 5
 #: Back-off between those tries: 0.4, 0.8, 1.6, then 3 s.
 RECONNECT_WAIT = wait_exponential(multiplier=0.4, max=3)
+#: Answers that say nothing took the request, so it may be sent again: 502 (a load balancer found no
+#: instance to take it, e.g. during a restart) and 503 (the server cannot take requests for a moment).
+#: Not 504: the request may be running.
+RETRY_STATUSES = (502, 503)
+#: How long a request is sent again while it gets those answers or its connection is refused.
+RETRY_SECONDS = 8.0
 
 
 class AgentClientError(RuntimeError):
@@ -152,14 +167,33 @@ def gate_decision(policy: GatePolicy, gate: Mapping[str, Any]) -> bool:
     return False
 
 
-def _error_message(response: httpx.Response) -> str:
+def error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
     except ValueError:
         body = None
     if isinstance(body, dict) and body.get("error"):
         return str(body["error"])
+    if "html" in response.headers.get("content-type", ""):  # agent-mcp answers JSON or text, never a page
+        return f"{response.reason_phrase} from {response.headers.get('server') or 'a proxy'} in front of the server"
     return response.text[:300] or response.reason_phrase
+
+
+async def send_retrying(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+    """`send()`, and again for RETRY_SECONDS at most while nothing took the request (its connection
+    refused, or a RETRY_STATUSES answer); then the last answer, or the connection error."""
+    def last(state: RetryCallState) -> httpx.Response:
+        assert state.outcome is not None
+        return state.outcome.result()  # the last answer, or raises the last error
+
+    async def once() -> httpx.Response:
+        return await send()
+
+    return await AsyncRetrying(
+        stop=stop_after_delay(RETRY_SECONDS), wait=wait_exponential(multiplier=0.2, max=2),
+        retry=retry_if_exception_type(httpx.ConnectError) | retry_if_result(
+            lambda r: r.status_code in RETRY_STATUSES), retry_error_callback=last,
+    )(once)
 
 
 class AgentClient:
@@ -350,7 +384,7 @@ class AgentClient:
 
     async def _call(self, http: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
-            response = await http.request(method, path, **kwargs)
+            response = await send_retrying(lambda: http.request(method, path, **kwargs))
         except httpx.TransportError as exc:
             raise AgentConnectionError(f"cannot reach {self.base_url}: {exc or type(exc).__name__}") from exc
         self._raise_for(response)
@@ -365,9 +399,9 @@ class AgentClient:
     def _raise_for(self, response: httpx.Response) -> None:
         if response.status_code in (401, 403):
             raise AgentAuthError(f"{self.base_url} refused the credentials (HTTP {response.status_code}): "
-                                 f"{_error_message(response)}; pass the endpoint's API key as api_key")
+                                 f"{error_message(response)}; pass the endpoint's API key as api_key")
         if response.status_code >= 400:
-            raise AgentRequestError(response.status_code, _error_message(response))
+            raise AgentRequestError(response.status_code, error_message(response))
 
 
 class SyncAgentClient:

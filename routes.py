@@ -72,6 +72,8 @@ async def submit(
     """
     if cancel_running:
         await cancel_active_task(rt, client_id)
+    if rt.closing:  # checked after the last await: end_all either refuses this request or sees its task
+        raise state.Stopping(STOPPING)
     turn_id = uuid.uuid4().hex[:16]
     task = asyncio.create_task(
         process_request(client_id, text, payload, rt=rt, turn_id=turn_id), name=f"request:{client_id}:{turn_id}"
@@ -273,6 +275,8 @@ async def process_request(
 
 INTERRUPTED = ("the turn was interrupted: the server running it stopped before it finished. Your message is kept "
                "in the history; send it again to get an answer.")
+STOPPING = ("this server is stopping and starts no more turns; send the message again (behind a load balancer "
+            "another instance takes it)")
 NOT_STARTED = "the server stopped before this message's turn began (the session was busy); send it again."
 
 

@@ -16,7 +16,7 @@ from httpx_sse import EventSource
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 import guard
-from api_client import AgentEvent, sse_events
+from api_client import AgentEvent, error_message, send_retrying, sse_events
 from config import CODE_DIR
 
 DEFAULT_URL = "http://127.0.0.1:8765"
@@ -247,21 +247,17 @@ class ShellClient:
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await send_retrying(lambda: self._http.request(method, path, **kwargs))
         except httpx.TransportError as exc:
             raise ServerOffline(f"server offline ({self.base_url}): {_describe(exc)}") from exc
         if response.status_code in (401, 403):
             raise AuthRequired(self._auth_message())
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
         if response.status_code >= 400:
-            message = body.get("error") if isinstance(body, dict) else None
-            raise RequestRejected(
-                response.status_code, str(message or response.text[:200] or response.reason_phrase)
-            )
-        return body
+            raise RequestRejected(response.status_code, error_message(response)[:200])
+        try:
+            return response.json()
+        except ValueError:
+            return None
 
     def _auth_message(self) -> str:
         if self._has_token:

@@ -53,6 +53,10 @@ class SessionError(Exception):
     """A session cannot be found or changed; the message says which and why."""
 
 
+class Stopping(SessionError):
+    """This server is stopping and starts no more turns (HTTP: 503, so the request is sent again)."""
+
+
 # ── Turns ───────────────────────────────────────────────────────────────────────────────────
 
 

@@ -571,6 +571,8 @@ class SlackPlugin(BasePlugin):
         except asyncio.CancelledError:
             poster.cancel()
             raise
+        except state.Stopping as exc:  # the server stopped before this message's turn could start
+            reply.errors.append(str(exc))
         except Exception as exc:
             logger.exception("slack: request of %s failed", msg.client_id)
             reply.errors.append(f"internal error: {type(exc).__name__}")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import json
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from langchain_core.tools import StructuredTool
@@ -152,3 +155,13 @@ async def with_events(rt: state.Runtime, client_id: str, work: Awaitable[Any], a
             await rt.gate.resolve(ev.data["gate_id"], answer)
     await sub.aclose()
     return await task, events
+
+
+@functools.cache
+def entry() -> ModuleType:
+    """agent-mcp.py as a module (its file name is not an importable one)."""
+    spec = importlib.util.spec_from_file_location("agent_mcp_entry", ROOT / "agent-mcp.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -18,7 +18,6 @@ without an example database, so every run sends the same requests.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import re
@@ -37,9 +36,10 @@ from starlette.routing import Mount, Route
 import build
 import state
 from config import load_config
-from tests.conftest import ROOT, ConfigDir, free_port, openai_model
+from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.fakes.slack import APP_TOKEN, BOT_TOKEN, FakeSlack
+from tests.runtime import entry
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,7 @@ PLUGINS = ("plugin_client_shellpy", "plugin_client_api", "plugin_proxy_llama", "
            "plugin_client_mcp")
 STREAMING = ("text/event-stream", "application/x-ndjson")
 
-_spec = importlib.util.spec_from_file_location("agent_mcp_entry", ROOT / "agent-mcp.py")
-assert _spec and _spec.loader
-agent_mcp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(agent_mcp)
+agent_mcp = entry()
 
 
 # ── The server under test ───────────────────────────────────────────────────────────────────

@@ -7,6 +7,8 @@ import threading
 
 import httpx
 import pytest
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 import build
 import plugin_loader
@@ -15,7 +17,7 @@ import state
 from config import load_config
 from tests.conftest import ConfigDir, gemini_model, openai_model
 from tests.fakes.backend import error, hang, malformed, text, tool_call
-from tests.runtime import SHIPPED_NAMESPACES, shell_payload
+from tests.runtime import SHIPPED_NAMESPACES, entry, shell_payload
 
 
 @pytest.fixture
@@ -266,6 +268,28 @@ async def test_a_stopping_server_ends_the_running_and_the_waiting_turns_with_err
     # As after kill -9: the question that was being answered is kept, the partial answer is not.
     assert [m["content"] for m in rt.sessions.get("c1").history] == ["slow"]
     assert rt.sessions.get("c1").running is None
+
+
+async def test_a_turn_asked_of_a_stopping_server_is_refused_with_503(rt):
+    """Once running turns are ended, a request still on its way starts none (it would be cut at once)."""
+    class Submitting:
+        PLUGIN_NAME = "plugin_test_submit"
+
+        @staticmethod
+        def get_routes() -> list[Route]:
+            async def submit(request):
+                await routes.submit(rt, "c1", (await request.json())["text"])
+                return JSONResponse({"status": "OK"})
+            return [Route("/submit", submit, methods=["POST"])]
+
+    await routes.end_all(rt)
+    with pytest.raises(state.Stopping):
+        await routes.submit(rt, "c1", "too late")
+    app = entry().build_app(rt, Submitting(), {"port": 8765})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8765") as http:
+        answer = await http.post("/submit", json={"text": "too late"})
+    assert answer.status_code == 503 and answer.json() == {"error": routes.STOPPING}
+    assert "c1" not in rt.active_tasks
 
 
 async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fake_openai, fake_gemini):

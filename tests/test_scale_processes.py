@@ -178,8 +178,8 @@ def test_simultaneous_messages_on_two_instances_are_answered_one_after_the_other
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill -9", "SIGTERM"])
 def test_the_instance_running_a_turn_killed_or_stopped_ends_it_on_the_other(pair, fake_openai, how) -> None:
-    """kill -9: the turn's lease lapses and the other instance ends it; a stop (SIGTERM, as systemd and
-    rolling restarts send): the stopping instance ends it itself, at once."""
+    """kill -9: the turn's lease lapses and the other instance ends it; a stop that does not wait (SIGTERM
+    twice: the second ends the drain the first began): the stopping instance ends it itself, at once."""
     a, b = pair
     fake_openai.script(hang(60))
 
@@ -192,6 +192,9 @@ def test_the_instance_running_a_turn_killed_or_stopped_ends_it_on_the_other(pair
             await asyncio.sleep(0.5)  # the model call is under way on A
             assert a.proc is not None
             a.proc.send_signal(how)
+            if how == signal.SIGTERM:
+                await asyncio.sleep(0.2)
+                a.proc.send_signal(how)  # stop waiting for the turn (it would never finish)
             killed = time.monotonic()
             events = await _until(on_b.events(), seconds=20)
             return events, time.monotonic() - killed
@@ -236,6 +239,16 @@ def test_redis_stopped_and_started_under_a_running_instance(tmp_path, fake_opena
     assert log.count("is unreachable") >= 1 and "answers again" in log
 
 
+def test_a_drain_setting_that_is_not_seconds_stops_start_up_with_one_clear_line(tmp_path, fake_openai) -> None:
+    (server,) = instances(tmp_path, fake_openai, "sqlite", count=1)
+    server.env["AGENT_DRAIN_SECONDS"] = "a minute"
+    server.start(wait=False)
+    assert server.proc is not None and server.proc.wait(60) == 1
+    lines = [line for line in server.stop().splitlines() if "AGENT_DRAIN_SECONDS" in line]
+    assert lines == ["agent-mcp: cannot start: environment variable AGENT_DRAIN_SECONDS='a minute': must be a number "
+                     "of seconds from 0 (end running turns at once) to 3600"]
+
+
 def test_start_up_with_an_unreachable_redis_stops_with_one_clear_line(tmp_path, fake_openai) -> None:
     (server,) = instances(tmp_path, fake_openai, f"redis://127.0.0.1:{free_port()}/0", count=1)
     server.start(wait=False)
@@ -262,10 +275,10 @@ def _nginx(tmp_path: Path, pair: list[AgentServer]) -> tuple[subprocess.Popen[by
     for door, part, backends in (("shell", shell_part, (8765, 8865)), ("mcp", shipped[len(shell_part):], (8768, 8868)),
                                  ("api", shell_part, (8765, 8865)), ("proxy", shell_part, (8765, 8865))):
         mine = [s.cfg.port if door == "shell" else s.cfg.plugin_config[DOORS[door]]["port"] for s in pair]
-        for old, new in ((f"127.0.0.1:{8081 if door == 'mcp' else 8080}", listen[door]),
-                         (f"127.0.0.1:{backends[0]};", mine[0]), (f"127.0.0.1:{backends[1]};", mine[1])):
-            assert old in part
-            part = part.replace(old, f"127.0.0.1:{new}" + (";" if old.endswith(";") else ""))
+        for old, new in ((8081 if door == "mcp" else 8080, listen[door]), (backends[0], mine[0]),
+                         (backends[1], mine[1])):
+            assert f"127.0.0.1:{old}" in part
+            part = part.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
         site += part.replace("agent_mcp_shell", f"agent_mcp_{door}") if door in ("api", "proxy") else part
     conf = tmp_path / "nginx.conf"
     conf.write_text(f"""daemon off;
@@ -432,6 +445,78 @@ def test_the_api_and_the_proxy_through_nginx_round_robin(tmp_path, pair, fake_op
 def _sent(backend) -> list[str]:
     """What the last model request carried after the system prompt."""
     return [m["content"] for m in backend.requests[-1].json["messages"][1:]]
+
+
+def test_a_stopped_instance_lets_its_running_turn_finish_while_the_other_takes_new_requests(pair, fake_openai
+                                                                                          ) -> None:
+    a, b = pair
+    fake_openai.script(text("one ", "two ", "three ", "four", delay=0.4))
+
+    async def scenario() -> tuple[list, list]:
+        async with ShellClient(b.url, "drained", token=TOKEN) as on_b, \
+                ShellClient(a.url, "drained", token=TOKEN, retry_max=0.5) as on_a:
+            await on_b.connect(max_wait=10)
+            await on_a.connect(max_wait=10)
+            await on_a.submit("count slowly")
+            await _until(on_b.events(), ("tok",))
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGTERM)  # while the turn runs on A
+            await asyncio.sleep(0.3)
+            refused = []
+            try:  # A takes no new connection: a balancer sends it to B
+                await httpx.AsyncClient(timeout=2).get(f"{a.url}/health")
+            except httpx.ConnectError as exc:
+                refused.append(exc)
+            assert refused, "the stopping instance still accepted a connection"
+            rest_b, rest_a = await asyncio.gather(_until(on_b.events()), _until(on_a.events()))
+            return rest_b, rest_a
+
+    rest_b, rest_a = asyncio.run(scenario())
+    for rest in (rest_b, rest_a):  # both windows, the one on the stopping instance too, see the whole answer
+        assert [e.name for e in rest][-1] == "done" and "error" not in [e.name for e in rest], rest
+        assert answer(rest).endswith("three four")
+    assert a.proc is not None and a.proc.wait(30) == 0
+    assert "stopping: waiting up to 30 s for 1 running request(s) to finish" in a.stop()
+    sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+    assert sent == ["count slowly"]
+    assert answer(run_turn(b, "drained", "and now?")) == "echo: and now?"
+    assert [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]] == \
+        ["count slowly", "one two three four", "and now?"]  # the drained turn's answer was saved
+
+
+def test_a_rolling_restart_behind_nginx_answers_every_message(tmp_path, pair, fake_openai) -> None:
+    """Restart A, wait until it is ready, restart B, while one client keeps talking through nginx."""
+    a, b = pair
+    proc, ports = _nginx(tmp_path, pair)
+    fake_openai.script(*[text("slow ", "answer", delay=0.15) for _ in range(24)])
+    answers: list[str] = []
+
+    async def talk() -> None:
+        async with ShellClient(f"http://127.0.0.1:{ports['shell']}", "rolling", token=TOKEN) as client:
+            for n in range(24):
+                events = await asyncio.wait_for(collect_turn(client, f"message {n}"), 60)
+                answers.append(answer(events))
+                if answers[-1] != "slow answer":
+                    print("TURN", n, [(e.id, e.name, e.data) for e in events])
+
+    async def restart() -> None:
+        for server in (a, b):
+            await asyncio.sleep(1)
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(server.proc.wait, 60)
+            server.stop()
+            await asyncio.to_thread(server.start)  # returns once it is ready
+
+    async def both() -> None:
+        await asyncio.gather(talk(), restart())
+
+    try:
+        asyncio.run(both())
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(10)
+    assert answers == ["slow answer"] * 24
 
 
 def test_nginx_site_file_is_what_the_readme_shows() -> None:
