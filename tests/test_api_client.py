@@ -14,7 +14,7 @@ from tenacity import wait_none
 
 import api_client
 from api_client import AgentClient, AgentConnectionError
-from shell_client import ShellClient
+from shell_client import RequestRejected, ShellClient
 from tests.fakes.server import ThreadedServer
 
 TURN = [("tok", {"text": "Hel"}), ("tok", {"text": "lo"}), ("done", {})]
@@ -46,7 +46,8 @@ class DroppingApi(ThreadedServer):
 
         return Starlette(routes=[Route("/api/v1/submit", submit, methods=["POST"]),
                                  Route("/api/v1/stream/{client_id}", stream),
-                                 Route("/stream", stream)])  # shell.py's endpoint: the same stream
+                                 Route("/submit", submit, methods=["POST"]),  # shell.py's endpoints: the same
+                                 Route("/stream", stream)])
 
 
 @pytest.fixture(autouse=True)
@@ -86,3 +87,52 @@ async def test_keepalive_comments_are_not_events():
                     break
     assert [(e.name, e.data) for e in events] == TURN
     assert [(e.name, e.data) for e in seen] == TURN
+
+
+class Restarting(DroppingApi):
+    """A load balancer in front of a restarting server: the first `bad` submits get nginx's 502 page."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__(per_connection=3)
+        self.bad = bad
+        self.submits = 0
+
+    def app(self) -> Starlette:
+        inner = super().app()
+
+        async def gateway(scope, receive, send):
+            if scope["type"] == "http" and scope["path"] in ("/api/v1/submit", "/submit"):
+                self.submits += 1
+                if self.submits <= self.bad:
+                    page = Response("<html><body><h1>502 Bad Gateway</h1></body></html>", status_code=502,
+                                    media_type="text/html", headers={"server": "nginx/1.22.1"})
+                    await page(scope, receive, send)
+                    return
+            await inner(scope, receive, send)
+
+        return gateway  # type: ignore[return-value]
+
+
+async def test_a_request_no_instance_took_is_sent_again(monkeypatch):
+    monkeypatch.setattr(api_client, "RETRY_SECONDS", 5.0)
+    with Restarting(bad=2) as api:
+        assert await AgentClient(api.url, client_id="c1").send("hi") == "Hello"
+        assert api.submits == 3
+    with Restarting(bad=2) as api:
+        async with ShellClient(api.url, "c1") as shell:
+            await shell.submit("hi")
+        assert api.submits == 3
+
+
+async def test_a_gateway_that_keeps_failing_is_named_not_pasted(monkeypatch):
+    monkeypatch.setattr(api_client, "RETRY_SECONDS", 0.5)
+    with Restarting(bad=1000) as api:
+        with pytest.raises(api_client.AgentRequestError) as failed:
+            await AgentClient(api.url, client_id="c1").send("hi")
+        async with ShellClient(api.url, "c1") as shell:
+            with pytest.raises(RequestRejected) as rejected:
+                await shell.submit("hi")
+    for error in (failed.value, rejected.value):
+        assert "HTTP 502: Bad Gateway from " in str(error) and "nginx/1.22.1 in front of the server" in str(error)
+        assert "<html>" not in str(error)
+    assert api.submits > 2  # sent again while the time lasted
