@@ -268,7 +268,7 @@ class AgentClient:
         deadline = loop.time() + limit
         received: list[str] = []
         async with self._http() as http:
-            accepted = await self._call(http, "POST", "/api/v1/submit",
+            accepted = await self._call(http, "POST", "/api/v1/submit", again=True,
                                         json={"client_id": self.client_id, "text": text, "wait": False})
             self.client_id = str(accepted.get("client_id") or self.client_id)
             turn_id = accepted.get("turn_id")
@@ -355,8 +355,8 @@ class AgentClient:
             return
         # A gate that timed out meanwhile answers 404: nothing left to do.
         with contextlib.suppress(httpx.HTTPError):
-            await http.post(f"/api/v1/gate/{gate_id}",
-                            json={"approve": gate_decision(self.auto_approve_gates, gate)})
+            await send_retrying(lambda: http.post(f"/api/v1/gate/{gate_id}",
+                                                  json={"approve": gate_decision(self.auto_approve_gates, gate)}))
 
     # ── sessions ──
 
@@ -382,9 +382,14 @@ class AgentClient:
         return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=REQUEST_TIMEOUT,
                                  verify=self._verify, transport=self._transport)
 
-    async def _call(self, http: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    async def _call(self, http: httpx.AsyncClient, method: str, path: str, again: bool = False,
+                    **kwargs: Any) -> dict[str, Any]:
+        """One request (with `again`: sent again while nothing took it, see send_retrying)."""
+        def send() -> Awaitable[httpx.Response]:
+            return http.request(method, path, **kwargs)
+
         try:
-            response = await send_retrying(lambda: http.request(method, path, **kwargs))
+            response = await (send_retrying(send) if again else send())
         except httpx.TransportError as exc:
             raise AgentConnectionError(f"cannot reach {self.base_url}: {exc or type(exc).__name__}") from exc
         self._raise_for(response)

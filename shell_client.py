@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +215,7 @@ class ShellClient:
         payload: dict[str, Any] = {"client_id": self._client_id, "text": text}
         if default_model:
             payload["default_model"] = default_model
-        return await self._request("POST", "/submit", json=payload)
+        return await self._request("POST", "/submit", json=payload, again=True)
 
     async def gate_response(self, gate_id: str, decision: str, minutes: int | None = None) -> dict[str, Any]:
         """POST /gate_response: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject."""
@@ -224,7 +224,7 @@ class ShellClient:
         body: dict[str, Any] = {"gate_id": gate_id, "decision": decision}
         if minutes is not None:
             body["minutes"] = minutes
-        return await self._request("POST", "/gate_response", json=body)
+        return await self._request("POST", "/gate_response", json=body, again=True)
 
     async def attach(self, session_id: str) -> dict[str, Any]:
         """Switch to an existing session (full id or shorthand) at once; return its /sessions entry.
@@ -245,9 +245,14 @@ class ShellClient:
         await self._switch(client_id)
         return client_id
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(self, method: str, path: str, again: bool = False, **kwargs: Any) -> Any:
+        """One request; with `again`, sent again while nothing took it (api_client.send_retrying): what the
+        user asked goes through a restart behind a load balancer (the shell says when the server is away)."""
+        def send() -> Awaitable[httpx.Response]:
+            return self._http.request(method, path, **kwargs)
+
         try:
-            response = await send_retrying(lambda: self._http.request(method, path, **kwargs))
+            response = await (send_retrying(send) if again else send())
         except httpx.TransportError as exc:
             raise ServerOffline(f"server offline ({self.base_url}): {_describe(exc)}") from exc
         if response.status_code in (401, 403):
