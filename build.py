@@ -12,6 +12,7 @@ import grants
 import routes
 import shared
 import state
+import stores
 from config import CORE_GATES, AppConfig, SessionsConfig
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
@@ -21,7 +22,7 @@ from tools import make_core_tools
 logger = logging.getLogger("agent_mcp.build")
 
 
-async def build_runtime(config: AppConfig, store: state.SessionStore | None = None) -> state.Runtime:
+async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),

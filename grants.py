@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import state
+import stores
 
 logger = logging.getLogger("agent_mcp.grants")
 
@@ -163,7 +163,7 @@ def verify_rows(rows: Iterable[tuple[Any, ...]]) -> tuple[int, Broken | None]:
     return count, None
 
 
-class GrantStore(state.SqliteFile):
+class GrantStore(stores.SqliteFile):
     """Grants (kept in memory) and the audit chain, in `<data dir>/audit.sqlite3`.
 
     Decisions are made from memory; every change and audit record is written by one writer task,

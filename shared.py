@@ -44,6 +44,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import state
+import stores
 
 logger = logging.getLogger("agent_mcp.shared")
 
@@ -196,7 +197,7 @@ _RENEW = """if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEX
 return 0"""
 
 
-class RedisStore(state.SessionStore):
+class RedisStore(stores.SessionStore):
     """Sessions in Redis, shared by every instance that names the same server and prefix."""
 
     shared = True
@@ -752,8 +753,8 @@ class Signals:
                 await self._listener
 
 
-def open_store(url: str | None, data_dir: Path) -> state.SessionStore:
-    """A store from a `SESSION_STORE` setting: `redis://…` (several instances), else state.open_store."""
+def open_store(url: str | None, data_dir: Path) -> stores.SessionStore:
+    """A store from a `SESSION_STORE` setting: `redis://…` (several instances), else stores.open_store."""
     if is_redis_url(url):
         return RedisStore(Link(str(url)))
-    return state.open_store(url, data_dir)
+    return stores.open_store(url, data_dir)

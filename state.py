@@ -12,17 +12,12 @@ import contextlib
 import contextvars
 import inspect
 import itertools
-import json
 import logging
-import sqlite3
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import aiosqlite
 
 if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) would slow every CLI start
     from config import AppConfig
@@ -30,6 +25,7 @@ if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) woul
     from plugin_loader import PluginLoader
     from prompt import PromptTree
     from registry import ToolRegistry
+    from stores import SessionStore
 
 logger = logging.getLogger("agent_mcp.state")
 
@@ -189,174 +185,6 @@ def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[
 
 #: What a turn's task is cancelled with when its instance lost the session's turn lease (shared stores).
 LEASE_LOST = "the session's turn lease was lost"
-
-
-class SessionStore:
-    """Where sessions persist. The memory store keeps nothing across restarts (tests).
-
-    A `shared` store (Redis) is written and read by several instances at once: the manager reads
-    a session again whenever a request takes it (`fetch`, under the store's `lease`) and before
-    every listing (`fetch_all`), and shorthand ids come from the store (`allocate_shorthand`).
-    """
-
-    shared = False
-
-    async def open(self) -> None:
-        """Prepare the store (create tables)."""
-
-    async def close(self) -> None:
-        """Release connections."""
-
-    async def load(self) -> tuple[list[Session], int]:
-        """Every stored session and the last shorthand id handed out (0 if none)."""
-        return [], 0
-
-    def describe(self) -> str:
-        """Where sessions are kept (the start-up log says it)."""
-        return "in memory only (gone when the server stops)"
-
-    async def instances(self) -> int:
-        """How many servers use this store now (more than 1 only for a shared store)."""
-        return 1
-
-    async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
-        """Insert or replace one session and record the shorthand counter. Without `create`, a session the
-        store no longer has (removed by another instance: shared stores) is not written again: False."""
-        return True
-
-    async def delete(self, client_id: str) -> None:
-        """Forget one session (its shorthand id is never reused)."""
-
-    # Shared stores only:
-
-    async def fetch(self, client_id: str) -> Session | None:
-        """The stored session as it is now."""
-        raise NotImplementedError
-
-    async def fetch_all(self) -> list[Session]:
-        """Every stored session as it is now."""
-        raise NotImplementedError
-
-    async def allocate_shorthand(self) -> int:
-        """A shorthand id no instance has handed out."""
-        raise NotImplementedError
-
-    @contextlib.asynccontextmanager
-    async def lease(self, client_id: str, holder: str) -> AsyncIterator[None]:
-        """Hold the session's turn lease (every instance's requests on it run one at a time)."""
-        yield
-
-    async def orphans(self) -> list[str]:
-        """Sessions marked running whose lease nobody holds: their process died."""
-        return []
-
-    async def mark_gone(self, client_id: str, why: str) -> None:
-        """Remember why a session was removed (see SessionManager.take_gone)."""
-
-    async def take_gone(self, client_id: str) -> str | None:
-        """Why the session was removed, once."""
-        return None
-
-
-class MemoryStore(SessionStore):
-    """Sessions live only as long as the process."""
-
-
-class SqliteFile:
-    """One aiosqlite connection to a file in WAL mode, its tables created by `SCHEMA` at open."""
-
-    SCHEMA: tuple[str, ...] = ()
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._db: aiosqlite.Connection | None = None
-
-    async def open(self) -> None:
-        """Open (creating the file and its directory); SessionError names the file when that fails."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = await aiosqlite.connect(self.path)
-            await self._db.execute("PRAGMA journal_mode=WAL")
-            for statement in self.SCHEMA:
-                await self._db.execute(statement)
-            await self._db.commit()
-        except (OSError, sqlite3.Error) as exc:
-            await self.close()
-            raise SessionError(f"cannot open {self.path} ({exc}): make it and its directory writable, "
-                               "or set AGENT_DATA_DIR (or SESSION_STORE) to a writable place") from None
-
-    async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
-
-    def _conn(self) -> aiosqlite.Connection:
-        if self._db is None:
-            raise SessionError(f"{self.path} is not open")
-        return self._db
-
-
-class SqliteStore(SqliteFile, SessionStore):
-    """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
-
-    def describe(self) -> str:
-        return f"SQLite {self.path}"
-
-    SCHEMA = (
-        # WAL without an fsync per commit: a killed process loses nothing committed (power loss may lose
-        # the last commits). A turn commits as it starts, with the user's message, and as it ends.
-        "PRAGMA synchronous=NORMAL",
-        "CREATE TABLE IF NOT EXISTS sessions ("
-        " client_id TEXT PRIMARY KEY, shorthand INTEGER UNIQUE NOT NULL,"
-        " record TEXT NOT NULL, updated REAL NOT NULL)",
-        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    )
-
-    async def load(self) -> tuple[list[Session], int]:
-        db = self._conn()
-        sessions = []
-        async with db.execute("SELECT client_id, shorthand, record, updated FROM sessions ORDER BY shorthand") as cur:
-            async for client_id, shorthand, record, updated in cur:
-                try:
-                    sessions.append(Session.from_record(client_id, shorthand, json.loads(record), updated))
-                except (ValueError, KeyError, TypeError) as exc:
-                    # One damaged row must not take the others down; it stays in the file.
-                    logger.error("session %s in %s is damaged and was skipped: %s", client_id, self.path, exc)
-        async with db.execute("SELECT value FROM meta WHERE key = 'last_shorthand'") as cur:
-            row = await cur.fetchone()
-        last = max([int(row[0]) if row else 0, *(s.shorthand for s in sessions)])
-        return sessions, last
-
-    async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
-        db = self._conn()
-        await db.execute(
-            "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
-            (session.client_id, session.shorthand, json.dumps(session.to_record()), session.updated),
-        )
-        await db.execute(
-            "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
-        )
-        await db.commit()
-        return True
-
-    async def delete(self, client_id: str) -> None:
-        db = self._conn()
-        await db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
-        await db.commit()
-
-
-def open_store(url: str | None, data_dir: Path) -> SessionStore:
-    """A store from a `SESSION_STORE` setting: `sqlite` (default), `sqlite:///path`, or `memory`."""
-    url = (url or "sqlite").strip()
-    if url == "memory":
-        return MemoryStore()
-    if url == "sqlite":
-        return SqliteStore(data_dir / "sessions.sqlite3")
-    if url.startswith("sqlite:///"):
-        return SqliteStore(Path(url.removeprefix("sqlite:///")))
-    shown = f"{url.split(':', 1)[0]}:…" if "@" in url or "://" in url else repr(url)  # never a password
-    raise SessionError(f"SESSION_STORE={shown} is not supported; use 'sqlite' (the default), "
-                       "'sqlite:///<path>', 'memory', or redis://host:port/db for several instances on one Redis")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import build
 import gate
 import grants
 import state
+import stores
 from config import load_config
 from tests.conftest import ConfigDir
 
@@ -55,7 +56,7 @@ async def _runtime(directory: Path, gates: dict) -> state.Runtime:
     cfg.models = {"fake": {"type": "OPENAI", "model_id": "fake", "host": "http://127.0.0.1:9/v1", "env_key": "K"}}
     cfg.gates = gates
     cfg.env = {"K": "k"}
-    rt = await build.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(cfg.write().path), store=stores.MemoryStore())
     rt.tools.register_plugin_tools("bench", {"lc": [StructuredTool.from_function(
         coroutine=_ok, name="db_query", description="SQL", args_schema=_Sql)]})
     rt.tools.register_gate_tools("bench", {"db_query": {"type": "db"}})

@@ -11,6 +11,7 @@ import pytest
 
 import build
 import state
+import stores
 from config import load_config
 from plugin_loader import BasePlugin, PluginReport
 from tests.conftest import ConfigDir
@@ -52,7 +53,7 @@ async def plugin_runtime(path: Path, plugins: dict[str, dict[str, Any]], env: di
                          gates: dict[str, Any] | None = None) -> AsyncIterator[state.Runtime]:
     """A runtime with `plugins` loaded (each with its plugin_config), shut down on exit."""
     write_config(path, plugins, env, gates=gates)
-    rt = await build.build_runtime(load_config(path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(path), store=stores.MemoryStore())
     try:
         assert rt.plugins is not None
         await rt.plugins.load_all()

@@ -22,6 +22,7 @@ import build
 import gate
 import routes
 import state
+import stores
 from config import load_config
 from tests.conftest import ROOT, ConfigDir
 
@@ -71,7 +72,7 @@ async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, 
 async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
                   gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None,
                   agents: dict[str, Any] | None = None, plugins: tuple[str, ...] = (),
-                  store: state.SessionStore | None = None) -> AsyncIterator[state.Runtime]:
+                  store: stores.SessionStore | None = None) -> AsyncIterator[state.Runtime]:
     """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions
     (or `store`'s).
 
@@ -88,7 +89,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     if rate_limits is not None:
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
-    rt = await build.build_runtime(load_config(path), store=store or state.MemoryStore())
+    rt = await build.build_runtime(load_config(path), store=store or stores.MemoryStore())
     rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
     state.set_current(rt)
     try:

@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (the README's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("config", "guard", "failures", "prompt", "registry", "state", "shared", "grants", "budget", "gate",
+CORE = ("config", "guard", "failures", "prompt", "registry", "state", "stores", "shared", "grants", "budget", "gate",
         "plugin_loader", "api_client", "agents", "tools", "database", "routes", "commands", "build")
 
 

@@ -22,6 +22,7 @@ import build
 import gate
 import routes
 import state
+import stores
 from config import load_config
 from tests.conftest import ROOT, ConfigDir, openai_model
 from tests.fakes.backend import hang, text, tool_call
@@ -61,7 +62,7 @@ async def acme(tmp_path: Path, fake_openai: Any):
     cfg.add_plugin("plugin_client_acme", ACME, type_="client_interface")
     cfg.write()
     shutil.copytree(ROOT / ".system_prompt", tmp_path / ".system_prompt")
-    rt = await build.build_runtime(load_config(tmp_path), store=state.MemoryStore())
+    rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
     state.set_current(rt)
     assert rt.plugins is not None
     report = await rt.plugins.load("plugin_client_acme")

@@ -22,6 +22,7 @@ import pytest
 import build
 import routes
 import state
+import stores
 from config import ConfigError, load_config
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
@@ -103,7 +104,7 @@ async def make_rt(tmp_path, fake_openai):
         cfg = ConfigDir(tmp_path)
         cfg.models = {"fake": openai_model(fake_openai)}
         cfg.env = env or {}
-        rt = await build.build_runtime(load_config(write_config(cfg, servers).path), store=state.MemoryStore())
+        rt = await build.build_runtime(load_config(write_config(cfg, servers).path), store=stores.MemoryStore())
         built.append(rt)
         assert rt.plugins is not None
         await rt.plugins.load_all()
@@ -364,7 +365,7 @@ async def test_shutdown_closes_every_session_and_child_process(tmp_path, fake_op
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(fake_openai)}
     rt = await build.build_runtime(load_config(write_config(cfg, {"a": stdio_server(), "b": stdio_server()}).path),
-                                    store=state.MemoryStore())
+                                    store=stores.MemoryStore())
     await rt.plugins.load_all()
     pids = [json.loads(await execute(rt, "c1", f"{s}_whoami", {"names": []}))["pid"] for s in "ab"]
     conns = list(plugin(rt).servers.values())

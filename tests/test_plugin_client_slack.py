@@ -20,6 +20,7 @@ import build
 import gate
 import shared
 import state
+import stores
 from config import GatePermission, load_config
 from plugin_loader import BasePlugin
 from plugins._slack_text import split_message, to_mrkdwn
@@ -79,7 +80,7 @@ def message(text_: str, ts: str, *, channel: str = "C1", thread_ts: str | None =
 
 
 async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str, str] | None = None,
-                      store: state.SessionStore | None = None, **settings: Any) -> tuple[state.Runtime, Any]:
+                      store: stores.SessionStore | None = None, **settings: Any) -> tuple[state.Runtime, Any]:
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(llm)}
     cfg.plugins.append("plugin_client_slack")
@@ -87,7 +88,7 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
         "api_base_url": slack.base_url, "port": free_port(), "update_interval": 0.05, "ping_interval": 1, **settings,
     }
     cfg.env = env if env is not None else {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
-    rt = await build.build_runtime(load_config(cfg.write().path), store=store or state.MemoryStore())
+    rt = await build.build_runtime(load_config(cfg.write().path), store=store or stores.MemoryStore())
     state.set_current(rt)
     assert rt.plugins is not None
     await rt.plugins.load("plugin_client_slack")

@@ -14,6 +14,7 @@ import build
 import plugin_loader
 import routes
 import state
+import stores
 from config import load_config
 from tests.conftest import ConfigDir, gemini_model, openai_model
 from tests.fakes.backend import error, hang, malformed, text, tool_call
@@ -29,7 +30,7 @@ async def rt(tmp_path, fake_openai, fake_gemini):
         "nokey": {"model_id": "x", "type": "OPENAI", "host": fake_openai.base_url, "env_key": "NOT_SET_ANYWHERE_KEY"},
     }
     cfg.env = {"FAKE_GEMINI_KEY": "k"}
-    runtime = await build.build_runtime(load_config(cfg.write().path), store=state.MemoryStore())
+    runtime = await build.build_runtime(load_config(cfg.write().path), store=stores.MemoryStore())
     runtime.client_namespaces.update(SHIPPED_NAMESPACES)
     state.set_current(runtime)
     yield runtime

@@ -10,6 +10,7 @@ import pytest
 import build
 import routes
 import state
+import stores
 from config import ConfigError, SessionsConfig, load_config
 from tests.conftest import ConfigDir, openai_model
 from tests.runtime import SHIPPED_NAMESPACES
@@ -42,7 +43,7 @@ async def manager():
 
     async def open_manager(path, clock, pol=None, **kw) -> state.SessionManager:
         """A manager over `path`, opened (bounds apply at its first `sweep()`, as in the server)."""
-        m = state.SessionManager(state.SqliteStore(path), pol or policy(), clock=clock, **kw)
+        m = state.SessionManager(stores.SqliteStore(path), pol or policy(), clock=clock, **kw)
         opened.append(m)
         await m.open()
         return m
@@ -283,7 +284,7 @@ async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fak
     enabled = json.loads((tmp_path / "plugins-enabled.json").read_text())
     enabled["sessions"] = {"non_interactive": {"idle_days": 1}}
     (tmp_path / "plugins-enabled.json").write_text(json.dumps(enabled))
-    rt = await build.build_runtime(load_config(tmp_path), store=state.SqliteStore(tmp_path / "sessions.sqlite3"))
+    rt = await build.build_runtime(load_config(tmp_path), store=stores.SqliteStore(tmp_path / "sessions.sqlite3"))
     rt.client_namespaces.update(SHIPPED_NAMESPACES)
     clock = Clock()
     rt.sessions.clock = clock

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 import state
+import stores
 from state import trim_history
 
 
@@ -51,7 +52,7 @@ async def test_buffer_is_bounded():
 
 async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
     path = tmp_path / "s.db"
-    m = state.SessionManager(state.SqliteStore(path))
+    m = state.SessionManager(stores.SqliteStore(path))
     await m.open()
     a = await m.get_or_create("alice", "m1")
     b = await m.get_or_create("bob", "m2")
@@ -59,7 +60,7 @@ async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
     await m.save(a)
     await m.delete("102")
     await m.close()
-    m2 = state.SessionManager(state.SqliteStore(path))
+    m2 = state.SessionManager(stores.SqliteStore(path))
     await m2.open()
     assert [(s.client_id, s.shorthand, s.model) for s in m2.all()] == [("alice", 101, "m1")]
     assert m2.get("alice").history == [{"role": "user", "content": "hi"}]
@@ -70,9 +71,9 @@ async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
 
 
 def test_store_setting():
-    assert isinstance(state.open_store("memory", None), state.MemoryStore)
+    assert isinstance(stores.open_store("memory", None), stores.MemoryStore)
     with pytest.raises(state.SessionError, match="SESSION_STORE=postgres:… is not supported"):
-        state.open_store("postgres://x", None)
+        stores.open_store("postgres://x", None)
 
 
 def test_trim_never_separates_tool_call_from_result():

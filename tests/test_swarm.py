@@ -18,6 +18,7 @@ from starlette.routing import BaseRoute, Route
 import build
 import gate
 import state
+import stores
 from api_client import AgentClient
 from config import ConfigError, load_config
 from tests.conftest import ConfigDir, free_port, openai_model
@@ -245,7 +246,7 @@ async def test_api_plugin_refuses_an_admin_key_equal_to_the_api_key(tmp_path, fa
         cfg.plugin_config["plugin_client_api"] = settings
         cfg.env = env
         cfg.write()
-        rt = await build.build_runtime(load_config(tmp_path), store=state.MemoryStore())
+        rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
         try:
             report = await rt.plugins.load("plugin_client_api")
         finally:
