@@ -461,10 +461,15 @@ def test_a_stopped_instance_lets_its_running_turn_finish_while_the_other_takes_n
             await _until(on_b.events(), ("tok",))
             assert a.proc is not None
             a.proc.send_signal(signal.SIGTERM)  # while the turn runs on A
-            await asyncio.sleep(0.3)
-            async with httpx.AsyncClient(timeout=2) as http:  # A takes no new connection: a balancer sends it to B
-                with pytest.raises(httpx.ConnectError):
-                    await http.get(f"{a.url}/health")
+            async with httpx.AsyncClient(timeout=2) as http:  # A soon takes no new connection: a balancer uses B
+                async with asyncio.timeout(10):
+                    while True:
+                        try:
+                            await http.get(f"{a.url}/health", headers={"Connection": "close"})
+                        except httpx.ConnectError:
+                            break
+                        await asyncio.sleep(0.05)
+            assert a.proc.poll() is None  # refused while A still runs (its turn drains)
             rest_b, rest_a = await asyncio.gather(_until(on_b.events()), _until(on_a.events()))
             return rest_b, rest_a
 
