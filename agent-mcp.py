@@ -21,6 +21,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import anyio
 import uvicorn
@@ -70,7 +71,10 @@ class _RedactSecrets(logging.Filter):
 def _setup_logging(level: str, env: dict[str, str]) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(_RedactSecrets([v for k, v in env.items() if SECRET_NAME.search(k) and v]))
+    secrets = [v for k, v in env.items() if SECRET_NAME.search(k) and v]
+    with contextlib.suppress(ValueError):  # the password in a redis://:password@host URL is one too
+        secrets.append(unquote(urlsplit(env.get("SESSION_STORE", "")).password or ""))
+    handler.addFilter(_RedactSecrets(secrets))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator
 
@@ -312,3 +313,17 @@ async def test_an_instance_that_lost_its_turn_lease_does_not_write_over_what_cam
         await b.sessions.refresh()
         assert [m["content"] for m in b.sessions.get("c1").history] == ["first", "second", "echo: second"]
         await sub.aclose()
+
+
+def test_the_redis_password_never_reaches_the_log(capsys) -> None:
+    from tests.runtime import entry
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        entry()._setup_logging("INFO", {"SESSION_STORE": "redis://:S3cret%2Fpass@db.example:6379/0"})
+        logging.getLogger("agent_mcp.test").warning("connecting with S3cret/pass")
+    finally:
+        root.handlers[:], root.level = handlers, level
+    err = capsys.readouterr().err
+    assert "connecting with ***" in err and "S3cret" not in err
