@@ -223,10 +223,9 @@ async def serve(config: AppConfig) -> int:
     state.set_current(rt)
     try:
         assert rt.plugins is not None
-        others = await rt.sessions.store.instances() - 1
-        sharing = {0: "; no other instance shares them now", 1: "; 1 other instance shares them now"}.get(
-            others, f"; {others} other instances share them now")
-        logger.info("sessions: %s%s", rt.sessions.store.describe(), sharing if rt.sessions.store.shared else "")
+        store = rt.sessions.store
+        sharing = f"; other instances sharing them now: {await store.instances() - 1}" if store.shared else ""
+        logger.info("sessions: %s%s", store.describe(), sharing)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens: no request waits for an import, no event loop stalls on one.
@@ -257,12 +256,12 @@ async def serve(config: AppConfig) -> int:
         hurry = asyncio.Event()
 
         async def end() -> None:
-            if drain and _running(rt):
+            if drain and routes.running(rt):
                 # Several instances: this one takes no new connections (the others do) while its turns finish.
                 for s in servers:
                     s.should_exit = True
                 logger.warning("stopping: waiting up to %g s for %d running request(s) to finish "
-                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, _running(rt))
+                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, len(routes.running(rt)))
                 await _drained(rt, drain, hurry)
             # Running turns end first, each telling its clients (error + done) while their streams are open.
             await routes.end_all(rt)
@@ -317,14 +316,10 @@ def drain_seconds(env: dict[str, str], shared: bool) -> float:
     return value
 
 
-def _running(rt: state.Runtime) -> int:
-    return sum(1 for group in rt.active_tasks.values() for t in group if not t.done())
-
-
 async def _drained(rt: state.Runtime, seconds: float, hurry: asyncio.Event) -> None:
     """Return when no request runs, `seconds` passed, or `hurry` is set."""
     deadline = asyncio.get_running_loop().time() + seconds
-    while _running(rt) and not hurry.is_set():
+    while routes.running(rt) and not hurry.is_set():
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             return

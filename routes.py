@@ -112,11 +112,16 @@ async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     return bool(tasks)
 
 
+def running(rt: state.Runtime) -> list[asyncio.Task[None]]:
+    """Every request still running on this instance."""
+    return [t for group in rt.active_tasks.values() for t in group if not t.done()]
+
+
 async def end_all(rt: state.Runtime) -> None:
     """The server stops: cancel every request, each of which tells its clients it was interrupted
     (`error` + `done`, as a killed server's turns do) and keeps its user's message; wait for them."""
     rt.closing = True
-    tasks = [t for group in rt.active_tasks.values() for t in group if not t.done()]
+    tasks = running(rt)
     for task in tasks:
         task.cancel()
     if tasks:

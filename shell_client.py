@@ -392,7 +392,7 @@ class ShellClient:
                 raise AuthRequired(self._auth_message())
             if response.status_code != 200:
                 await response.aread()
-                raise RequestRejected(response.status_code, response.text[:200] or "stream refused")
+                raise RequestRejected(response.status_code, error_message(response)[:200] or "stream refused")
             self._connected.set()
             self._set_state(generation, "connected")
             async for event in sse_events(EventSource(response)):
