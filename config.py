@@ -165,10 +165,15 @@ class ModelsFile(_Model):
 
 
 class GatePermission(_Model):
-    """Whether reads / writes run without asking (True = auto-allow, gate off)."""
+    """Whether reads / writes / DDL run without asking (True = auto-allow, gate off).
+
+    `ddl` (CREATE, DROP, ALTER, RENAME, TRUNCATE) is for database keys only and never follows from
+    `write`; files written before it existed load with it off.
+    """
 
     read: bool = False
     write: bool = False
+    ddl: bool = False
 
 
 class GateDefaults(_Model):
