@@ -42,8 +42,8 @@ from tenacity import (
 )
 
 #: How a client answers the gates of its turns: None rejects every gate at once, True approves every
-#: one, a mapping decides by tool name first and then by operation type ("read" / "write"); a gate
-#: found in neither is rejected.
+#: one, a mapping decides by tool name first and then by operation type ("read" / "write"; database
+#: gates also "ddl", which a "write" entry does not cover); a gate found in neither is rejected.
 GatePolicy = bool | Mapping[str, bool] | None
 
 REQUEST_TIMEOUT = 10.0

@@ -53,7 +53,7 @@ class MySQLPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_database_mysql"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "data_tool"
-    DESCRIPTION = "db_query: SQL on MySQL/MariaDB, gated per table and read/write/ddl"
+    DESCRIPTION = "db_query: SQL on MySQL/MariaDB, gated per table and read/write"
     DEPENDENCIES = ["aiomysql", "sqlglot"]
     ENV_VARS = ["MYSQL_USER"]
 

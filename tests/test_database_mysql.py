@@ -22,7 +22,6 @@ from typing import Any
 import pymysql
 import pytest
 
-from sql import classify_sql
 from config import ConfigError
 from database import (
     Database,
@@ -34,6 +33,7 @@ from database import (
     split_statements,
 )
 from shell_client import ShellClient
+from sql import classify_sql
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, report
@@ -350,7 +350,7 @@ async def test_every_write_of_the_sql_table_is_gated_and_changes_nothing(people:
     for table in ("users", "orders", "logs", "staging", "t", "a", "b", "docs", "items"):
         people.query(f"CREATE TABLE IF NOT EXISTS `{table}` (id INT PRIMARY KEY, a INT, note VARCHAR(20))")
         people.query(f"REPLACE INTO `{table}` VALUES (1, 1, 'x'), (2, 2, 'y')")
-    writes = [sql for sql, op, _ in SQL_CORPUS if op == "write" and sql.strip(" ;")]
+    writes = [sql for sql, op, _ in SQL_CORPUS if op in ("write", "ddl") and sql.strip(" ;")]
     gates = {"db": {"*": {"read": True}, "__meta__": {"read": True}}, "tools": {}}
     before = _snapshot(people)
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=people.env(), gates=gates,
