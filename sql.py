@@ -472,7 +472,7 @@ _PLACEHOLDERS = {"STRING": "?s", "NUMBER": "?n", "HEX_STRING": "?x", "BIT_STRING
                  "NATIONAL_STRING": "?ns", "BYTE_STRING": "?x"}
 # Literals whose value changes how much a statement touches or how it matches: kept as written
 # (numbers after these words; any pattern after REGEXP/RLIKE; a LIKE pattern with a wildcard).
-_NUMBER_KEPT_AFTER = frozenset({"LIMIT", "OFFSET", "BY", "INTERVAL"})
+_NUMBER_KEPT_AFTER = frozenset({"LIMIT", "OFFSET", "BY", "ORDER BY", "GROUP BY", "INTERVAL"})
 _PATTERN_WORDS = frozenset({"REGEXP", "RLIKE"})
 _LIKE_WILDCARDS = re.compile(r"[%_\\]")
 

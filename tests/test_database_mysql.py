@@ -381,11 +381,11 @@ async def test_db_query_through_the_gate(people: RunDatabase, fake_openai: Any, 
         assert tool_results(fake_openai) == ["OK — rows affected: 1 (last insert id: 4)"]
         assert people.query("SELECT name FROM people WHERE id = 4") == (("dee",),)
 
-        # A write riding behind an allowed read: the gate asks about the write, the user says no.
+        # DDL riding behind an allowed read: the gate asks about the DROP (ddl), the user says no.
         fake_openai.script(tool_call("db_query", {"sql": "SELECT * FROM people; DROP TABLE people"}), text("no"))
         _, events = await turn(rt, "list them", answer="reject")
         (asked,) = [e.data for e in events if e.name == "gate"]
-        assert asked["tool_args"]["operation_type"] == "write"
+        assert asked["tool_args"]["operation_type"] == "ddl"
         assert tool_results(fake_openai)[0].startswith("TOOL CALL REJECTED: the user rejected your db_query")
         assert people.query("SELECT COUNT(*) FROM people") == ((4,),)
 
