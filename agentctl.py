@@ -888,7 +888,8 @@ class AgentCtl:
             raise InputError(f"invalid operation '{operation}': {', '.join(operations)}{hint}")
         value = _bool(text)
         raw = self.files.raw(GATE_DEFAULTS_FILE)
-        raw.setdefault(section, {}).setdefault(key, {"read": False, "write": False})[operation] = value
+        blank = dict.fromkeys(operations, False)
+        raw.setdefault(section, {}).setdefault(key, blank)[operation] = value
         self.files.save(GATE_DEFAULTS_FILE, raw)
         what = f"{section} {key}" if section == "db" else f"tool {key}"
         self.term.done(f"{what}: {operation} {'auto-allowed' if value else 'gated'}")

@@ -31,7 +31,7 @@ import grants
 import guard
 import sql
 import state
-from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit
+from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, ToolPermission
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
     from registry import RegisteredTool
@@ -286,11 +286,12 @@ class GateKeeper:
         found = set(self._defaults(section)) | set(_overrides(session, section))
         return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
 
-    def set_default(self, section: str, key: str, ops: Iterable[str], allowed: bool) -> GatePermission:
+    def set_default(self, section: str, key: str, ops: Iterable[str], allowed: bool) -> ToolPermission:
         """Change `gate-defaults.json`'s entry for `key` in memory (every session); returns the new entry.
         The caller saves `self.defaults` (config.save_gate_defaults) and says whether that worked."""
         entries = self.defaults.db if section == "db" else self.defaults.tools
-        entries[key] = (entries.get(key) or GatePermission()).model_copy(update=dict.fromkeys(ops, allowed))
+        blank = GatePermission() if section == "db" else ToolPermission()
+        entries[key] = (entries.get(key) or blank).model_copy(update=dict.fromkeys(ops, allowed))
         return entries[key]
 
     @staticmethod

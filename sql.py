@@ -252,7 +252,7 @@ def _scope_ctes(tree: exp.Expression) -> set[int]:
 def _tables(tree: exp.Expression, case_sensitive: bool) -> set[str]:
     """Gate keys of the real tables in a statement: every table reference except the bare DUAL keyword and
     names that both scope analysis and SQL's visibility rules resolve to a CTE."""
-    hidden = _scope_ctes(tree)
+    hidden = _scope_ctes(tree) if tree.find(exp.With) else set()  # no WITH: no name can be a CTE's
     names = set()
     for table in tree.find_all(exp.Table):
         if not isinstance(table.this, exp.Identifier):  # @variables of SELECT … INTO, table functions

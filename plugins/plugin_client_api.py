@@ -11,7 +11,9 @@ approve); ids starting with `api-swarm-` are swarm calls from other agents (gate
 no onward `agent_call`). With `API_KEY` set, every request needs `Authorization: Bearer <key>`
 (checked by the server for the whole port). A caller that also sends `X-Admin-Key: <API_ADMIN_KEY>`
 is an administrator: its messages may run gate commands, and it sees every session, not only the
-`api-` ones.
+`api-` ones. A gate event names the permission it asks for in `tool_args.operation_type`: read,
+write, or for database tables ddl (CREATE, DROP, ALTER, RENAME, TRUNCATE), which no write covers;
+a grant (`scope` minutes/session/pattern) allows that permission only.
 """
 
 from __future__ import annotations

@@ -688,8 +688,7 @@ class McpServerPlugin(BasePlugin):
             except state.SessionError:
                 note += "; NOT in force on the other instances (the session store is unreachable): set it again"
         await self.notify(f"{SCHEME}policy")
-        shown = set(gate.DB_OPERATIONS if section == "db" else gate.OPERATIONS)
-        return {"section": section, "key": key, **entry.model_dump(include=shown), "note": note}
+        return {"section": section, "key": key, **entry.model_dump(), "note": note}
 
     def _apply_default(self, change: dict[str, Any]) -> tuple[Any, str]:
         """Change one gate default here, save gate-defaults.json and audit it: (the new entry, what was saved)."""

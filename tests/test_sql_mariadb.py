@@ -12,12 +12,17 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pymysql
 import pytest
 
+import gate
 import sql
+from database import Database, DatabaseSettings
+from tests.conftest import openai_model
+from tests.runtime import runtime
 from tests.sql_cases import SQL_CORPUS
 from tests.sql_corpus import ATTACKS, CASE_SENSITIVE
 
@@ -115,3 +120,29 @@ def test_a_cte_hides_the_table_only_where_the_server_says_so(server: pymysql.Con
     error = _run_alone(server, real, set())
     assert error is not None and error[0] == NO_SUCH_TABLE
     assert _run_alone(server, real, {"secrets"}) is None
+
+
+async def test_the_database_reads_the_servers_case_rule_when_it_connects(server: pymysql.Connection) -> None:
+    with server.cursor() as cur:
+        cur.execute("SELECT @@lower_case_table_names")
+        ((lower,),) = cur.fetchall()
+    db = Database(DatabaseSettings(host=SERVER["host"], port=SERVER["port"], user=SERVER["user"],
+                                   password=SERVER["password"]))
+    assert db.case_sensitive is None  # not connected yet: the gate matches keys both ways
+    try:
+        assert await db.check() is None
+        assert db.case_sensitive is (str(lower) == "0")
+    finally:
+        await db.close()
+
+
+async def test_the_mysql_plugin_hands_the_case_rule_to_the_gate(server: pymysql.Connection, tmp_path: Path,
+                                                                 fake_openai: Any) -> None:
+    with server.cursor() as cur:
+        cur.execute("SELECT @@lower_case_table_names")
+        ((lower,),) = cur.fetchall()
+    env = {"MYSQL_HOST": SERVER["host"], "MYSQL_PORT": str(SERVER["port"]), "MYSQL_USER": SERVER["user"],
+           "MYSQL_PASS": SERVER["password"]}
+    models = {"fake": openai_model(fake_openai)}
+    async with runtime(tmp_path, models, env=env, plugins=("plugin_database_mysql",)) as rt:
+        assert gate.case_rule(rt.tools.entry("db_query")) is (str(lower) == "0")
