@@ -435,7 +435,7 @@ def classify_sql(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozen
 def _classify(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
     if EXECUTABLE_COMMENT.search(sql):
         return DDL, frozenset(_guess_tables(sql, case_sensitive) | {ANY_TABLE})
-    statements = split_statements(sql)
+    statements = split_statements(sql) if ";" in sql else [sql.strip()]  # no ';': one statement, no second pass
     ops, tables, unknown = [], set(), not statements
     for text in statements:
         tree = _parse(text)
