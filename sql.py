@@ -249,14 +249,16 @@ def _scope_ctes(tree: exp.Expression) -> set[int]:
     return found
 
 
-def _tables(tree: exp.Expression, case_sensitive: bool) -> set[str]:
+def _tables(tree: exp.Expression, case_sensitive: bool, nodes: list[exp.Expression] | None = None) -> set[str]:
     """Gate keys of the real tables in a statement: every table reference except the bare DUAL keyword and
-    names that both scope analysis and SQL's visibility rules resolve to a CTE."""
-    hidden = _scope_ctes(tree) if tree.find(exp.With) else set()  # no WITH: no name can be a CTE's
+    names that both scope analysis and SQL's visibility rules resolve to a CTE (`nodes`: `tree.walk()`)."""
+    nodes = list(tree.walk()) if nodes is None else nodes
+    has_with = any(isinstance(n, exp.With) for n in nodes)
+    hidden = _scope_ctes(tree) if has_with else set()  # no WITH: no name can be a CTE's
     names = set()
-    for table in tree.find_all(exp.Table):
-        if not isinstance(table.this, exp.Identifier):  # @variables of SELECT … INTO, table functions
-            continue
+    for table in nodes:
+        if not isinstance(table, exp.Table) or not isinstance(table.this, exp.Identifier):
+            continue  # not a table, or @variables of SELECT … INTO, table functions
         if _is_dual(table) or (id(table) in hidden and _visible_cte(table, case_sensitive)):
             continue
         names.add(table_key(table.name, table.db or None, case_sensitive=case_sensitive))
@@ -304,9 +306,11 @@ def _without_modifiers(sql: str) -> str:
     return sql
 
 
-def _risky_call(tree: exp.Expression) -> bool:
-    """Whether the statement calls a builtin with side effects, or a function that is no known builtin."""
-    for func in tree.find_all(exp.Func):
+def _risky_call(nodes: list[exp.Expression]) -> bool:
+    """Whether a statement (its nodes) calls a builtin with side effects, or a function that is no known builtin."""
+    for func in nodes:
+        if not isinstance(func, exp.Func):
+            continue
         if isinstance(func, exp.Anonymous):
             name = str(func.name).lower()
             if name in _SIDE_EFFECT_FUNCTIONS or name not in _SAFE_UNMODELLED_FUNCTIONS:
@@ -383,12 +387,13 @@ def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -
             return READ, {META}  # DESCRIBE t: the columns of a table, its schema only
         # EXPLAIN <statement>: EXPLAIN ANALYZE runs it, and EXPLAIN may run subqueries: judge the statement.
         return _classify_statement(inner, "", case_sensitive) if isinstance(inner, exp.Expression) else None
-    if any(t.name.upper() in _ALL_MODIFIERS and not t.this.quoted for t in tree.find_all(exp.Table)
-           if isinstance(t.this, exp.Identifier)):
+    nodes = list(tree.walk())  # one walk, read by every check below
+    if any(isinstance(t, exp.Table) and isinstance(t.this, exp.Identifier) and not t.this.quoted
+           and t.name.upper() in _ALL_MODIFIERS for t in nodes):
         return None  # a modifier the parser took for a table: do not trust the names it found
-    if tree.find(exp.Command):
+    if any(isinstance(n, exp.Command) for n in nodes):
         return None
-    tables = _tables(tree, case_sensitive)
+    tables = _tables(tree, case_sensitive, nodes)
     if isinstance(tree, exp.Drop) and str(tree.args.get("kind") or "").upper() == "INDEX":
         on = tree.args.get("cluster")  # DROP INDEX i ON t: `i` names an index, `t` the table
         if not (isinstance(on, exp.OnProperty) and isinstance(on.this, exp.Table)):
@@ -398,17 +403,13 @@ def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -
         kind = "TABLE" if isinstance(tree, exp.TruncateTable) else str(tree.args.get("kind") or "").upper()
         if kind not in _TABLE_OBJECTS:
             return DDL, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
-        return (DDL, tables | ({ANY_TABLE} if _risky_call(tree) else set())) if tables else None
-    if _risky_call(tree):
+        return (DDL, tables | ({ANY_TABLE} if _risky_call(nodes) else set())) if tables else None
+    if _risky_call(nodes):
         return WRITE, tables | {ANY_TABLE}
-    if isinstance(tree, _READ_ROOTS):
-        if not any(isinstance(n, _NOT_READ_NODES) for n in tree.walk()):
-            return READ, tables or {META}
-        if any(isinstance(n, _DDL_ROOTS) for n in tree.walk()):
-            return None
-        return (WRITE, tables) if tables else None
-    if isinstance(tree, _WRITE_ROOTS):
-        if any(isinstance(n, _DDL_ROOTS) for n in tree.walk()):
+    if isinstance(tree, _READ_ROOTS) and not any(isinstance(n, _NOT_READ_NODES) for n in nodes):
+        return READ, tables or {META}
+    if isinstance(tree, (*_READ_ROOTS, *_WRITE_ROOTS)):
+        if any(isinstance(n, _DDL_ROOTS) for n in nodes):
             return None
         return (WRITE, tables) if tables else None
     return None
