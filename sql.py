@@ -145,10 +145,18 @@ def _tokens(text: str) -> list[Token] | None:
 
 def table_key(name: str, schema: str | None = None, *, case_sensitive: bool = False) -> str:
     """The gate key of a table: `name`, or `schema.name` when the statement names its schema; lower case
-    unless the server tells names apart by case (`information_schema` never does)."""
+    unless the server tells names apart by case (`information_schema` never does). A name that could be
+    read as another key (one with a dot or a backquote, `*`, `__meta__`) is backquoted: the table
+    `` `shop.users` `` is not `shop.users`, and a table named `__meta__` is not metadata."""
     caseless = not case_sensitive or (schema or "").lower() in _CASELESS_SCHEMAS
-    key = f"{schema}.{name}" if schema else name
+    key = f"{_key_part(schema)}.{_key_part(name)}" if schema else _key_part(name)
     return key.lower() if caseless else key
+
+
+def _key_part(part: str) -> str:
+    if "." in part or "`" in part or part in (META, ANY_TABLE):
+        return "`" + part.replace("`", "``") + "`"
+    return part
 
 
 def is_system_key(key: str) -> bool:

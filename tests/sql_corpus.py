@@ -105,6 +105,11 @@ KEYWORD_NAMES = [
     ("SELECT * FROM `dumpfile` WHERE 1", R, {"dumpfile"}),
     ("SELECT * INTO OUTFILE '/tmp/x' FROM outfile", D, {"outfile", ANY}),
     ("SELECT 1 FROM DUAL", R, {META}),
+    # names that read like other keys are backquoted in the key
+    ("SELECT * FROM `__meta__`", R, {"`__meta__`"}),
+    ("SELECT * FROM `*`", R, {"`*`"}),
+    ("SELECT * FROM `shop.users`", R, {"`shop.users`"}),
+    ("SELECT * FROM `mysql.user`", R, {"`mysql.user`"}),
 ]
 
 # The classifier parses with backslash escapes on and `"` as a string (connections pin that sql_mode).

@@ -66,6 +66,7 @@ def test_system_keys_and_table_keys() -> None:
     assert sql.table_key("Users", "Shop") == "shop.users"
     assert sql.table_key("TABLES", "INFORMATION_SCHEMA", case_sensitive=True) == "information_schema.tables"
     assert sql.ASSUMED_SQL_MODE_OFF == ("NO_BACKSLASH_ESCAPES", "ANSI_QUOTES")
+    assert not sql.is_system_key(sql.table_key("mysql.user"))  # a table named so, in the current schema
 
 
 # ── Shapes ──────────────────────────────────────────────────────────────────────────────────

@@ -57,7 +57,7 @@ def _judged(texts: list[str], case_sensitive: bool) -> list[tuple[str, set[str]]
     for text in texts:
         keys = set(sql.classify_sql(text, case_sensitive=case_sensitive)[1])
         tables = keys - {sql.META}
-        if sql.ANY_TABLE in tables or any("." in k for k in tables):
+        if sql.ANY_TABLE in tables or any("." in k or "`" in k for k in tables):
             continue
         if sql.META in keys and text.split()[0].upper() in ("SHOW", "DESC", "DESCRIBE", "EXPLAIN"):
             if not tables:
