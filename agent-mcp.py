@@ -179,7 +179,7 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
     app.state.runtime = rt
     app.state.plugin = plugin
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
-                 token=cfg.get("token"), allowed_hosts=cfg.get("allowed_hosts", ()),
+                 token=cfg.get("token"), token_hint=cfg.get("token_hint"), allowed_hosts=cfg.get("allowed_hosts", ()),
                  allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
 
 
@@ -206,6 +206,9 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
             sock = _bind(name, host, port)
             config = uvicorn.Config(
                 build_app(rt, plugin, cfg), log_config=None, access_log=False, lifespan="off",
+                # The client address is the TCP peer: uvicorn would take X-Forwarded-For from any local
+                # caller. Forwarded identity counts only from a configured forwarder (plugin_proxy_llama).
+                proxy_headers=False, forwarded_allow_ips="",
                 # Open requests (event streams of draining turns among them) may finish; then they are ended.
                 timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,
             )

@@ -82,6 +82,15 @@ class Turn:
     session: Session | None = None
     #: The request deletes its own session (`!session <own id> delete`): done once it has answered.
     ends_session: bool = False
+    #: Who the client plugin proved the caller to be (its token, key or user: `shell`, `api:key`,
+    #: `proxy:alice`, `mcp:worker`, `slack:U123`); None: nothing proven beyond the session.
+    identity: str | None = None
+
+    @property
+    def rate_key(self) -> str:
+        """What rate limits count by: the proven identity within its client class, so new session ids
+        under one token share its windows; the session id only when nothing is proven."""
+        return f"{self.kind}|{self.identity}" if self.identity else self.client_id
 
     @property
     def may_administer(self) -> bool:
