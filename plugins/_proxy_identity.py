@@ -60,6 +60,10 @@ class IdentitySettings(BaseModel):
     #: User names (of `user_keys`) that are forwarders: their requests from `trusted_proxies` may say
     #: which user, chat and address they are for.
     forwarders: list[str] = []
+    #: With `user_keys`: refuse requests without one of them (401). False lets keyless requests in as
+    #: anonymous callers, told apart only by their address (as without any keys), unless the port
+    #: token (`token_env`) is set.
+    keys_required: bool = True
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -147,6 +151,8 @@ class Identities:
         self.networks = [ipaddress.ip_network(e, strict=False) for e in settings.trusted_proxies]
         #: The shared port token, checked here when per-user keys are configured (else the guard does).
         self.token = token
+        #: A set port token always demands a credential, whatever `keys_required` says.
+        self.required = settings.keys_required or token is not None
         self._logged: set[tuple[str, str]] = set()
 
     @property
@@ -178,7 +184,7 @@ class Identities:
         auth = request.headers.get("authorization", "")
         bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         user = self._user_of(bearer) if bearer and self.digests else None
-        if self.digests and user is None:
+        if self.digests and user is None and self.required:
             raise IdentityError("unauthorized: send Authorization: Bearer <your proxy key> (a key listed in "
                                 "plugin_config.plugin_proxy_llama.user_keys)")
         if self.token is not None and not self.digests:
@@ -219,4 +225,6 @@ class Identities:
 
 def config_extra(identities: Identities) -> dict[str, Any]:
     """What the proxy's `get_config` says about authentication when it checks keys itself."""
-    return {"authenticates_requests": True, "token": None} if identities.checks_keys else {}
+    if not identities.checks_keys:
+        return {}
+    return {"authenticates_requests": identities.required, "token": None}
