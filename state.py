@@ -37,6 +37,9 @@ DEFAULT_MAX_HISTORY = 1000
 DEFAULT_MAX_MESSAGE_CHARS = 200_000
 TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 EVENT_BUFFER = 2000
+#: The name of the marker `EventHub.subscribe(..., report_gaps=True)` yields where a subscriber lost
+#: events (it fell more than EVENT_BUFFER events behind); `data["missed"]` says how many, if known.
+LOST = "lost"
 #: Channels without subscribers kept for replay; beyond this the least recently used go.
 MAX_IDLE_CHANNELS = 1000
 #: Seconds between two looks for turns whose instance died (shared stores; see SessionManager.recover).
@@ -703,8 +706,14 @@ class EventHub:
         if self._observers:
             self._notify(client_id, None)
 
-    async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[Event]:
-        """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live."""
+    async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
+                        ) -> AsyncIterator[Event]:
+        """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live.
+
+        A subscriber that falls more than EVENT_BUFFER events behind misses the oldest; with
+        `report_gaps` a `LOST` marker event (turn None) comes where they are missing, so a reader that
+        must not present a gapped answer as whole (run_turn) can tell.
+        """
         ch = self._channel(client_id)
         cursor = ch.seen if last_event_id is None else last_event_id
         ch.subscribers += 1
@@ -723,6 +732,8 @@ class EventHub:
                         return
                     await ch._wake.wait()
                     continue
+                if report_gaps and event.id > cursor + 1:  # ids of one channel are consecutive
+                    yield Event(event.id - 1, LOST, {"missed": event.id - cursor - 1})
                 cursor = event.id
                 if cursor > ch.seen:
                     ch.seen = cursor

@@ -5,17 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 import routes
 import state
 from config import field_problems
+
+logger = logging.getLogger("agent_mcp.http")
 
 # ── Event streams ───────────────────────────────────────────────────────────────────────────
 
@@ -69,6 +73,9 @@ MAX_BODY = 8 * MAX_TEXT
 #: Deeper values would later break json.dumps, repr and copies of the history with a RecursionError.
 MAX_JSON_DEPTH = 64
 
+#: What a lone surrogate can look like in a JSON body: an escape of one, or its (invalid) UTF-8 bytes,
+#: which json.loads lets through. A body without either cannot hold one (a cheap test before the walk).
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
@@ -103,11 +110,17 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     if declared.isdigit() and int(declared) > max_bytes:
         raise BadRequest(413, f"request body is {declared} bytes; the limit is {max_bytes}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
+            chunks.append(chunk)
+    except ClientDisconnect:  # one line, never a traceback: nobody is left to answer
+        client = request.client.host if request.client else "?"
+        logger.info("%s %s from %s: the client went away before its body was complete (%d of %s bytes)",
+                    request.method, request.url.path, client, size, declared or "?")
+        raise BadRequest(400, "the request body ended before it was complete; send the whole body") from None
     body = b"".join(chunks)
     try:
         raw = json.loads(body)
@@ -118,6 +131,12 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     # Fewer brackets than the limit cannot nest deeper than it: most bodies skip the walk.
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nested_deeper(raw, MAX_JSON_DEPTH):
         raise BadRequest(400, _TOO_DEEP)
+    if _MAYBE_SURROGATE.search(body):
+        try:  # a surrogate pair is one character and encodes; a lone surrogate does not
+            json.dumps(raw, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(400, "request body has invalid Unicode: a lone surrogate (\\ud800-\\udfff) in a "
+                                  "string; send text as valid UTF-8") from None
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
