@@ -276,7 +276,10 @@ async def process_request(
             rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
             raise
         except Exception as exc:
-            logger.exception("request of %s failed", client_id)
+            if isinstance(exc, state.SessionError):  # a dependency outage, not a bug: one line, no traceback
+                logger.warning("request of %s failed: %s", client_id, exc)
+            else:
+                logger.exception("request of %s failed", client_id)
             detail = f": {type(exc).__name__}: {exc}" if turn.may_administer else " (details are in the server log)"
             if isinstance(exc, state.SessionError):  # the store is unreachable: say so, whoever asks
                 detail = f": {exc}"

@@ -42,13 +42,18 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
     """
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
-            async for ev in subscription:
-                if turn is not None and ev.turn != turn:
-                    continue
-                yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
-                if turn is not None and routes.ends_turn(ev):
-                    return
+        try:
+            async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
+                async for ev in subscription:
+                    if turn is not None and ev.turn != turn:
+                        continue
+                    yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
+                    if turn is not None and routes.ends_turn(ev):
+                        return
+        except state.SessionError as exc:  # the shared store went away: an error event and one log line
+            logger.warning("event stream of %s ended early: %s", client_id, exc)
+            yield ServerSentEvent(data=json.dumps({"message": f"the event stream was cut short: {exc}"},
+                                                  ensure_ascii=False), event="error")
 
     if rt.stopping is None:
         rt.stopping = anyio.Event()
