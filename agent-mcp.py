@@ -345,9 +345,10 @@ def _parser() -> argparse.ArgumentParser:
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory |\n"
             "  redis://host:port/db[?prefix=name:] for several instances), AGENT_DATA_DIR,\n"
             "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint; unset: generated into\n"
-            "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
-            "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
-            "  AGENT_DRAIN_SECONDS (how long a stopping server lets running turns finish).\n"
+            "  <data dir>/shell-token), API_KEY (unset: generated into <data dir>/api-key) and\n"
+            "  API_ADMIN_KEY (API), AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT\n"
+            "  (seconds a gate waits); AGENT_DRAIN_SECONDS (how long a stopping server lets running\n"
+            "  turns finish); AGENT_EVENT_BUFFER (events kept per session for slow readers).\n"
             "  the API keys named in llm-models.json. The README documents every setting."
         ),
     )

@@ -44,8 +44,8 @@ def summary(text: str, limit: int = SUMMARY_LIMIT) -> str:
     """A backend's message as clients may see it: its first non-empty line, credentials replaced by
     `<redacted>`, whitespace collapsed, at most `limit` characters."""
     first = next((line for line in str(text).splitlines() if line.strip()), "")
-    clean = _SECRET_FIELDS.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", first)
-    clean = " ".join(_SECRETS.sub(REDACTED, clean).split())
+    clean = _SECRETS.sub(REDACTED, first)  # first: `Authorization: Bearer <token>` loses the token whole
+    clean = " ".join(_SECRET_FIELDS.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", clean).split())
     return clean if len(clean) <= limit else clean[: limit - 1] + "…"
 
 

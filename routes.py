@@ -145,9 +145,9 @@ async def delete_session(rt: state.Runtime, client_id: str, remember: bool = Tru
     return await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
 
 
-FELL_BEHIND = (f"the answer is incomplete: this client read it more slowly than it was produced and fell more "
-               f"than {state.EVENT_BUFFER} events behind, so part of it was lost; the request was cancelled, send "
-               "it again (and read the stream as it comes)")
+FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than it was produced and fell more "
+               "than {buffer} events behind, so part of it was lost; the request was cancelled, send it again (and "
+               "read the stream as it comes)")
 
 
 async def run_turn(
@@ -174,8 +174,9 @@ async def run_turn(
                 # The reader fell behind the event buffer: what it would answer has a hole. An error (and
                 # no end) instead, and the turn is cancelled below: no client takes a gapped answer as whole.
                 logger.warning("a reader of %s fell more than %d events behind; its request ends with an error",
-                               client_id, state.EVENT_BUFFER)
-                yield state.Event(ev.id, "error", {"message": FELL_BEHIND, "kind": "lost"}, turn.id)
+                               client_id, rt.hub.buffer)
+                yield state.Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
+                                  turn.id)
                 return
             if ev.turn != turn.id:
                 continue

@@ -381,8 +381,8 @@ class RedisEventHub(state.EventHub):
     instance publishes.
     """
 
-    def __init__(self, link: Link):
-        super().__init__()
+    def __init__(self, link: Link, buffer: int = state.EVENT_BUFFER):
+        super().__init__(buffer=buffer)
         self.link = link
         self.r = link.client
         self._last: OrderedDict[str, int] = OrderedDict()
@@ -474,7 +474,7 @@ class RedisEventHub(state.EventHub):
         if len(self._written) > state.MAX_IDLE_CHANNELS * 10:
             self._written.popitem(last=False)
         body = json.dumps(rows, ensure_ascii=False)
-        pipe.xadd(self._key(client_id), {"events": body}, id=stream_id(events[-1].id), maxlen=state.EVENT_BUFFER,
+        pipe.xadd(self._key(client_id), {"events": body}, id=stream_id(events[-1].id), maxlen=self.buffer,
                   approximate=True)
 
     async def _write(self, batch: list[tuple[str, state.Event | None]]) -> None:

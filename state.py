@@ -603,14 +603,14 @@ class _Channel:
 
     __slots__ = ("_wake", "events", "last_id", "seen", "subscribers", "touched")
 
-    def __init__(self) -> None:
+    def __init__(self, buffer: int = EVENT_BUFFER) -> None:
         self.subscribers = 0
         self.touched = time.monotonic()
         # Ids start at the current time in microseconds so that they keep increasing across
         # restarts: a client that reconnects with an old Last-Event-ID gets everything new.
         self.last_id = time.time_ns() // 1000
         self.seen = self.last_id  # highest id handed to any subscriber
-        self.events: deque[Event] = deque(maxlen=EVENT_BUFFER)
+        self.events: deque[Event] = deque(maxlen=buffer)
         self._wake = asyncio.Event()
 
     def publish(self, name: str, data: dict[str, Any]) -> Event:
@@ -644,8 +644,10 @@ class EventHub:
     logged and never disturbs the publisher.
     """
 
-    def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS) -> None:
+    def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS, buffer: int = EVENT_BUFFER) -> None:
         self._channels: dict[str, _Channel] = {}
+        #: Events kept per session for readers that fall behind or reconnect (AGENT_EVENT_BUFFER).
+        self.buffer = buffer
         self.max_idle_channels = max_idle_channels
         self._observers: list[HubObserver] = []
         self.closed = False
@@ -670,7 +672,7 @@ class EventHub:
     def _channel(self, client_id: str) -> _Channel:
         ch = self._channels.get(client_id)
         if ch is None:
-            ch = self._channels[client_id] = _Channel()
+            ch = self._channels[client_id] = _Channel(self.buffer)
             if len(self._channels) > self.max_idle_channels:
                 self._evict_idle()
         return ch
@@ -710,7 +712,7 @@ class EventHub:
                         ) -> AsyncIterator[Event]:
         """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live.
 
-        A subscriber that falls more than EVENT_BUFFER events behind misses the oldest; with
+        A subscriber that falls more than `buffer` events behind misses the oldest; with
         `report_gaps` a `LOST` marker event (turn None) comes where they are missing, so a reader that
         must not present a gapped answer as whole (run_turn) can tell.
         """
