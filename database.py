@@ -12,8 +12,7 @@ mistake in one layer is caught by the next:
 - `LOAD DATA LOCAL` is off; every statement has a server-side time limit (MariaDB
   `max_statement_time`, MySQL `max_execution_time`) and a client-side one slightly longer,
   after which the connection is dropped and the server thread killed.
-- A connection whose session state a statement may have changed (`SET`, `USE`, an open
-  transaction, anything the classifier cannot analyse) is closed, never handed to the next call.
+- A connection left inside a transaction is closed (the server rolls it back), never handed on.
 - Every call starts from a clean session: `COM_RESET_CONNECTION` (clears user variables,
   temporary tables, prepared statements, session variables, locks and transactions; MariaDB
   keeps the active role and the current database through it, so both are set again), then
@@ -61,7 +60,8 @@ KILL_TIMEOUT = 5.0
 POOL_RECYCLE_SECONDS = 3600
 
 _ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS", "db": "MYSQL_DB",
-        "grantor_user": "MYSQL_GRANTOR_USER", "grantor_password": "MYSQL_GRANTOR_PASS"}
+        "grantor_user": "MYSQL_GRANTOR_USER", "grantor_password": "MYSQL_GRANTOR_PASS",
+        "role_prefix": "MYSQL_ROLE_PREFIX"}
 #: The accounts `agentctl db-setup` made (0600, in the data dir): they replace MYSQL_USER/MYSQL_PASS.
 ACCOUNTS_FILE = "db-accounts.env"
 ACCOUNT_VARS = ("MYSQL_USER", "MYSQL_PASS", "MYSQL_GRANTOR_USER", "MYSQL_GRANTOR_PASS")
@@ -301,6 +301,7 @@ class Database:
         #: The roles of enforced mode; None: calls run on the classifier alone (`problem` says why).
         self.roles: db_roles.Roles | None = None
         self.problem: str | None = "not checked yet"
+        self._recheck = False
         #: lower_case_table_names = 0: the server tells `Users` from `users` (so do the keys of its tables).
         self.case_sensitive = True
 
@@ -353,6 +354,8 @@ class Database:
         nothing but USAGE and roles (db_roles.runner_problem). Stale roles of an earlier run are dropped.
         """
         self.problem = await self._enforcement_problem()
+        # The server did not answer: check again at the next call instead of staying unlimited.
+        self._recheck = self.problem is not None and self.problem.startswith("cannot check")
         return self.problem
 
     async def _enforcement_problem(self) -> str | None:
@@ -398,7 +401,7 @@ class Database:
         tables = await self.roles.tables()
         pairs: list[tuple[str, str]] = list(access.pairs)
         if access.allows is not None:
-            pairs += db_roles.standing_pairs(access.allows, tables, operations=(*gate.OPERATIONS, db_roles.DDL),
+            pairs += db_roles.standing_pairs(access.allows, tables, operations=gate.OPERATIONS,
                                              case_sensitive=self.case_sensitive)
         return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables, case_sensitive=self.case_sensitive)
 
@@ -506,24 +509,28 @@ class Database:
         await self.open()
         pool = self._pool
         assert pool is not None
+        if self._recheck:
+            await self.enforce()
         try:
             conn, role, shapes = await self._connection(pool, access)
         except ConnectError as exc:
             outcome.error = exc
             return outcome
-        reusable, session_changed = False, False
+        # The next call resets the session (COM_RESET_CONNECTION), so whatever a statement set, opened or
+        # created does not reach it; a connection is closed only when it left a transaction open.
+        reusable = False
         try:
             for statement in outcome.statements:
-                op, tables = gate.classify_sql(statement)
-                session_changed = session_changed or gate.ANY_TABLE in tables  # SET, USE, BEGIN, unknown …
+                op, _tables = gate.classify_sql(statement)
                 outcome.results.append(await self._run_one(conn, statement, read=op == gate.READ))
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")
             else:
-                reusable = not session_changed
+                reusable = True
         except StatementError as exc:
             outcome.error = exc
+            reusable = not conn.closed and not conn.get_transaction_status()
         finally:
             if not reusable:
                 conn.close()  # the server rolls back whatever was left open

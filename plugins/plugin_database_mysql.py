@@ -86,12 +86,13 @@ class MySQLPlugin(BasePlugin):
         settings = connection.model_copy(update={"timeout": limits.timeout, "max_rows": limits.max_rows})
         self.db = Database(settings)
         await self.db.open()
+        enforced = await self.db.enforce() is None
         problem = await self.db.check()
         if problem:
             logger.warning("MySQL is not usable yet (%s); db_query stays registered and connects on every call",
                            problem)
             return True
-        if await self.db.enforce() is None:
+        if enforced:
             logger.info("MySQL: connected as %s; %s", settings.where(), self.db.describe_mode())
         else:
             logger.warning("MySQL (%s): %s", settings.where(), self.db.describe_mode())
