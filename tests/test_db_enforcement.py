@@ -389,7 +389,7 @@ async def test_start_up_says_in_one_line_why_an_account_cannot_be_limited(
             assert not text.startswith("ERROR")  # db_query still works, on the classifier alone
     lines = [r.getMessage() for r in caplog.records if "classifier only" in r.getMessage()]
     assert len(lines) == 1 and "agentctl db-setup" in lines[0] and "cannot be limited" in lines[0]
-    assert "SELECT" in lines[0] and fx.classic[1] not in caplog.text
+    assert "ALL PRIVILEGES" in lines[0] and fx.classic[1] not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="agent_mcp"):
         async with plugin_runtime(tmp_path / "runner", {PLUGIN: {}}, fx.env()) as rt:
