@@ -95,7 +95,7 @@ DDL_AND_MORE = [
     "CALL {db}.leak_proc()", "DO (SELECT s FROM secrets LIMIT 1)", "DO leak()",
     "GRANT SELECT ON {db}.secrets TO CURRENT_USER", "GRANT ALL ON *.* TO CURRENT_USER",
     "CREATE USER eve IDENTIFIED BY 'x'",
-    "CREATE ROLE evil", "SET PASSWORD = PASSWORD('x')", "ALTER USER CURRENT_USER IDENTIFIED BY 'x'",
+    "CREATE ROLE evil",
     "DROP USER root@localhost", "REVOKE ALL PRIVILEGES, GRANT OPTION FROM root@localhost",
     "SELECT * FROM secrets INTO OUTFILE '{tmp}_1'", "SELECT s FROM secrets INTO DUMPFILE '{tmp}_2'",
     "SELECT 'x' INTO OUTFILE '{tmp}_3'", "SELECT LOAD_FILE('/etc/passwd')",
@@ -120,6 +120,11 @@ DDL_AND_MORE = [
     "CREATE SEQUENCE sq", "CREATE TEMPORARY TABLE secrets (id INT)", "HELP 'SELECT'", "SELECT @@datadir",
     "SELECT * FROM orders JOIN secrets", "SELECT * FROM a, secrets", "SELECT * FROM users NATURAL JOIN secrets",
 ]
+
+#: What MariaDB lets any account do to itself, whatever its privileges: change its own password (a
+#: denial of service, no data). The database cannot limit these; the gate keys them `*` (it asks), and
+#: `agentctl db-setup` sets the password again. Not in ATTACKS: the run would lose its account.
+SELF_SERVICE = ["SET PASSWORD = PASSWORD('x')", "ALTER USER CURRENT_USER IDENTIFIED BY 'x'"]
 
 #: Every attack statement above, in order.
 ATTACKS = CTE_SHADOWS + SHOW_READS + NAMES + QUOTING + STATE + DDL_AND_MORE

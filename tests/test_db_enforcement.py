@@ -30,7 +30,7 @@ import state
 from database import Database, DatabaseSettings, query_text, read_accounts
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
 from tests.runtime import SHIPPED_NAMESPACES, execute
-from tests.sql_attack_corpus import ATTACKS
+from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
 from tests.sql_cases import SQL_CORPUS
 
 SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
@@ -245,6 +245,11 @@ async def test_the_real_classifier_under_both_policies(fx: Fixture, tmp_path: Pa
     alone = await _run_corpus(fx, tmp_path / "alone", policy, enforced=False, skip=skip, per_statement=True)
     print(f"classifier alone let through: {alone.leaks} leaks, {alone.changed} changes: {alone.examples}")
     assert alone.statements == enforced.statements
+
+
+def test_what_the_database_cannot_limit_is_asked_for() -> None:
+    for sql in SELF_SERVICE:
+        assert gate.ANY_TABLE in gate.classify_sql(sql)[1], sql
 
 
 # ── Clean state per call ────────────────────────────────────────────────────────────────────
