@@ -29,7 +29,7 @@ import gate
 import state
 from database import Database, DatabaseSettings, query_text, read_accounts
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
-from tests.runtime import SHIPPED_NAMESPACES, execute
+from tests.runtime import SHIPPED_NAMESPACES, execute, with_events
 from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
 from tests.sql_cases import SQL_CORPUS
 
@@ -72,6 +72,8 @@ class Fixture:
 
     def fill(self) -> None:
         """(Re)create the tables: `users` with plain rows, the victims with canaries, a definer view and function."""
+        with _admin() as conn, conn.cursor() as cur:  # a run on an unlimited account may have dropped it all
+            cur.execute(f"CREATE DATABASE IF NOT EXISTS `{self.db}`")
         for name in ("users", *VICTIMS, "orders", "a", "b", "c", "t", "logs", "staging"):
             self.query(f"DROP TABLE IF EXISTS `{name}`")
         self.query("CREATE TABLE users (id INT PRIMARY KEY, name VARCHAR(200))")
@@ -179,6 +181,7 @@ class Tally:
     statements: int = 0
     leaks: int = 0  # results holding a canary of a table outside the approval
     changed: int = 0  # statements after which something outside the approval differed
+    ran: int = 0  # statements that ran without an error (the rest the gate or the database refused)
     examples: list[str] | None = None
 
 
@@ -192,9 +195,15 @@ async def _run_corpus(fx: Fixture, tmp: Path, gates: dict[str, Any], *, enforced
     async with plugin_runtime(tmp, {PLUGIN: {"timeout": 1}}, fx.env(enforced=enforced), gates=gates) as rt:
         rt.client_namespaces.update(SHIPPED_NAMESPACES)
         assert plugin(rt, PLUGIN).db.mode == (database.ENFORCED if enforced else database.CLASSIFIER_ONLY)
+        # What the approval covers works (so the zeros below are not every call failing) ...
+        assert "secrets" in await execute(rt, PROXY_CLIENT, "db_query", {"sql": "SHOW TABLES"})
+        assert "\nname " in await execute(rt, PROXY_CLIENT, "db_query", {"sql": "DESCRIBE users"})
+        users = await execute(rt, PROXY_CLIENT, "db_query", {"sql": "SELECT name FROM users ORDER BY id"})
+        assert ("ada" in users) == ("users" in gates["db"] or gates["db"]["*"]["read"]), users
         for sql in _corpus(fx):
             text = await execute(rt, PROXY_CLIENT, "db_query", {"sql": sql})
             tally.statements += 1
+            tally.ran += not text.startswith(("ERROR", "TOOL CALL REJECTED"))
             if fx.leaked(text):
                 tally.leaks += 1
                 tally.examples.append(sql)
@@ -208,7 +217,7 @@ async def _run_corpus(fx: Fixture, tmp: Path, gates: dict[str, Any], *, enforced
         if after != before:
             tally.examples.append(str({k: (before[k], after[k]) for k in before if before[k] != after[k]})[:2000])
     print(f"\n{'enforced' if enforced else 'classifier alone'} {gates['db']}: {tally.statements} statements, "
-          f"{tally.leaks} leaked, {tally.changed} changed")
+          f"{tally.ran} ran, {tally.leaks} leaked, {tally.changed} changed")
     return tally
 
 
@@ -232,8 +241,8 @@ async def test_with_the_classifier_disabled_no_canary_leaves_and_nothing_changes
     tally = await _run_corpus(fx, tmp_path / "meta-write", open_meta, enforced=True)
     assert (tally.leaks, tally.changed) == (0, 0), tally.examples
     # The corpus has teeth: on an account the database does not limit, the same run leaks.
-    bare = await _run_corpus(fx, tmp_path / "bare", open_meta, enforced=False)
-    assert bare.leaks > 0 and bare.changed == 1
+    bare = await _run_corpus(fx, tmp_path / "bare", open_meta, enforced=False, per_statement=True)
+    assert bare.leaks > 0 and bare.changed > 0
 
 
 @pytest.mark.timeout(900)
@@ -408,3 +417,37 @@ async def test_start_up_says_in_one_line_why_an_account_cannot_be_limited(
             assert plugin(rt, PLUGIN).db.mode == database.ENFORCED
     assert any("enforced by the database" in r.getMessage() for r in caplog.records)
     assert fx.accounts["MYSQL_PASS"] not in caplog.text and fx.accounts["MYSQL_GRANTOR_PASS"] not in caplog.text
+
+
+# ── What a person approved, and what a grant covers ─────────────────────────────────────────
+
+
+def _misreads_secrets_as_users(real: Any) -> Any:
+    """A classifier that takes any statement on `secrets` for a read of `users` (a misreading to survive)."""
+    def classify(sql: Any) -> tuple[str, frozenset[str]]:
+        return (gate.READ, frozenset({"users"})) if "secrets" in str(sql) else real(sql)
+    return classify
+
+
+@pytest.mark.parametrize("answer", ["allow", "allow_session"])
+async def test_an_approval_or_a_grant_covers_exactly_what_was_shown(
+        fx: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
+    fx.fill()
+    monkeypatch.setattr(gate, "classify_sql", _misreads_secrets_as_users(gate.classify_sql))
+    closed = {"db": {"*": {"read": False, "write": False}}, "tools": {}}
+    async with plugin_runtime(tmp_path, {PLUGIN: {"timeout": 2}}, fx.env(), gates=closed) as rt:
+        rt.client_namespaces.update(SHIPPED_NAMESPACES)
+        await rt.sessions.get_or_create("dba", rt.config.default_model)
+
+        async def ask(sql: str) -> str:
+            work = execute(rt, "dba", "db_query", {"sql": sql})
+            return (await with_events(rt, "dba", work, answer=answer))[0]
+
+        # the person sees "read on users" and says yes: users is readable, secrets is not
+        assert "ada" in await ask("SELECT name FROM users ORDER BY id")
+        text = await ask("SELECT s FROM secrets")
+        assert "denied" in text and not fx.leaked(text)
+        assert "denied" in await ask("UPDATE users u JOIN secrets s ON u.id = s.id SET u.name = s.s")
+        assert "denied" in await ask("DELETE FROM secrets")  # a read approval writes nothing
+    assert fx.query("SELECT name FROM users WHERE id = 1") == [("ada",)]
+    assert fx.query("SELECT COUNT(*) FROM secrets") == [(2,)]
