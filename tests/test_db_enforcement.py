@@ -57,6 +57,7 @@ class Fixture:
     config_dir: Path
     accounts: dict[str, str]
     classic: tuple[str, str]  # an account with ALL on the database: what the README used to recommend
+    admin: pymysql.Connection | None = None
 
     def env(self, *, enforced: bool = True) -> dict[str, str]:
         base = {"MYSQL_HOST": SERVER["host"], "MYSQL_PORT": str(SERVER["port"]), "MYSQL_DB": self.db,
@@ -66,7 +67,11 @@ class Fixture:
         return {**base, "MYSQL_USER": self.classic[0], "MYSQL_PASS": self.classic[1]}
 
     def query(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-        with _admin(database=self.db) as conn, conn.cursor() as cur:
+        """One statement as the administrator, in this run's database (one connection for the run)."""
+        if self.admin is None or not self.admin.open:
+            self.admin = _admin()
+        self.admin.select_db(self.db)
+        with self.admin.cursor() as cur:
             cur.execute(sql, args or None)
             return list(cur.fetchall())
 
@@ -74,6 +79,9 @@ class Fixture:
         """(Re)create the tables: `users` with plain rows, the victims with canaries, a definer view and function."""
         with _admin() as conn, conn.cursor() as cur:  # a run on an unlimited account may have dropped it all
             cur.execute(f"CREATE DATABASE IF NOT EXISTS `{self.db}`")
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         for name in ("users", *VICTIMS, "orders", "a", "b", "c", "t", "logs", "staging"):
             self.query(f"DROP TABLE IF EXISTS `{name}`")
         self.query("CREATE TABLE users (id INT PRIMARY KEY, name VARCHAR(200))")
@@ -94,7 +102,8 @@ class Fixture:
         snap: dict[str, Any] = {}
         tables = [r[0] for r in self.query("SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
                                            "AND TABLE_TYPE = 'BASE TABLE'", self.db)]
-        snap["checksums"] = {t: self.query(f"CHECKSUM TABLE `{t}`")[0][1] for t in sorted(tables) if t not in skip}
+        names = ", ".join(f"`{t}`" for t in sorted(tables) if t not in skip)
+        snap["checksums"] = self.query(f"CHECKSUM TABLE {names}") if names else []
         # Only what this run owns (other helpers change their own databases and accounts meanwhile).
         for what, sql in {
             "tables": "SELECT TABLE_NAME, TABLE_TYPE FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s",
@@ -124,6 +133,8 @@ class Fixture:
 
 
 def _drop_everything(fx: Fixture, users: list[str]) -> None:
+    if fx.admin is not None:
+        fx.admin.close()
     with _admin() as conn, conn.cursor() as cur:
         cur.execute(f"DROP DATABASE IF EXISTS `{fx.db}`")
         cur.execute("DROP DATABASE IF EXISTS dbenforce_evil")
@@ -199,7 +210,8 @@ async def _run_corpus(fx: Fixture, tmp: Path, gates: dict[str, Any], *, enforced
         assert "secrets" in await execute(rt, PROXY_CLIENT, "db_query", {"sql": "SHOW TABLES"})
         assert "\nname " in await execute(rt, PROXY_CLIENT, "db_query", {"sql": "DESCRIBE users"})
         users = await execute(rt, PROXY_CLIENT, "db_query", {"sql": "SELECT name FROM users ORDER BY id"})
-        assert ("ada" in users) == ("users" in gates["db"] or gates["db"]["*"]["read"]), users
+        if enforced:
+            assert ("ada" in users) == ("users" in gates["db"]), users
         for sql in _corpus(fx):
             text = await execute(rt, PROXY_CLIENT, "db_query", {"sql": sql})
             tally.statements += 1
