@@ -13,7 +13,8 @@ mistake in one layer is caught by the next:
   `max_statement_time`, MySQL `max_execution_time`) and a client-side one slightly longer,
   after which the connection is dropped and the server thread killed.
 - A connection left inside a transaction is closed (the server rolls it back), never handed on.
-- Every call starts from a clean session: `COM_RESET_CONNECTION` (clears user variables,
+- Every call starts from a clean session and leaves one: `COM_RESET_CONNECTION` before and after
+  it (clears user variables,
   temporary tables, prepared statements, session variables, locks and transactions; MariaDB
   keeps the active role and the current database through it, so both are set again), then
   `sql_mode` pinned to the grammar the classifier parses (see PINNED_SQL_MODE), the statement
@@ -418,9 +419,7 @@ class Database:
 
     async def _clean(self, conn: aiomysql.Connection, role: str | None) -> None:
         """Start the call from a clean session: reset, pinned sql_mode and time limit, the call's role, `USE`."""
-        # PyMySQL/aiomysql offer no reset call: send the command byte and read its OK packet ourselves.
-        await conn._execute_command(COM_RESET_CONNECTION, b"")
-        await conn._read_ok_packet()
+        await self._reset(conn)
         await self._settings(conn, role)
         if self.settings.db:
             try:
@@ -434,6 +433,13 @@ class Database:
                 await conn.ping(reconnect=True)
                 await self._prepare(conn)
                 await self._settings(conn, role)
+
+    @staticmethod
+    async def _reset(conn: aiomysql.Connection) -> None:
+        """COM_RESET_CONNECTION: aiomysql offers no call for it, so the command byte is sent and its OK read here."""
+        async with asyncio.timeout(KILL_TIMEOUT):
+            await conn._execute_command(COM_RESET_CONNECTION, b"")
+            await conn._read_ok_packet()
 
     async def _settings(self, conn: aiomysql.Connection, role: str | None) -> None:
         async with conn.cursor() as cur:
@@ -532,8 +538,15 @@ class Database:
             outcome.error = exc
             reusable = not conn.closed and not conn.get_transaction_status()
         finally:
+            if reusable:
+                # Reset now too, not only before the next call: table locks, HANDLERs and the role must not
+                # outlive the call on an idle pooled connection (another client would wait on those locks).
+                try:
+                    await self._reset(conn)
+                except (pymysql.err.MySQLError, OSError):
+                    reusable = False
             if not reusable:
-                conn.close()  # the server rolls back whatever was left open
+                conn.close()  # the server rolls back whatever was left open and releases its locks
             pool.release(conn)
             if self.roles is not None:
                 self.roles.release(role)
