@@ -101,6 +101,14 @@ class Fixture:
 
     def snapshot(self, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
         """Everything a statement could change: checksums, object lists, accounts and their grants, files."""
+        try:
+            return self._snapshot(skip)
+        except pymysql.err.OperationalError as exc:
+            if exc.args[0] != 1049:
+                raise
+            return {"database": "dropped"}
+
+    def _snapshot(self, skip: tuple[str, ...]) -> dict[str, Any]:
         snap: dict[str, Any] = {}
         tables = [r[0] for r in self.query("SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
                                            "AND TABLE_TYPE = 'BASE TABLE'", self.db)]
@@ -310,10 +318,12 @@ async def test_nothing_carries_over_between_calls_on_one_connection(fx: Fixture)
         assert "denied" in await query_text(db, f"SELECT * FROM {fx.db}.users", None)
         assert "denied" in await query_text(db, "SELECT * FROM secrets", USERS_ONLY)
         # a table lock or an open HANDLER ends with its call, not when the pooled connection is next used
-        assert not (await query_text(db, "LOCK TABLES secrets WRITE; HANDLER users OPEN", EVERYTHING)).startswith("E")
+        for sql in ("LOCK TABLES secrets WRITE", "HANDLER users OPEN"):
+            assert not (await query_text(db, sql, EVERYTHING)).startswith("ERROR")
         with _admin() as conn, conn.cursor() as cur:
             cur.execute("SET SESSION lock_wait_timeout = 5")
-            cur.execute(f"CHECKSUM TABLE `{fx.db}`.secrets, `{fx.db}`.users")
+            cur.execute(f"CHECKSUM TABLE `{fx.db}`.secrets, `{fx.db}`.users")  # not waiting on a lock
+            cur.execute(f"ALTER TABLE `{fx.db}`.users COMMENT 'no HANDLER holds it open'")
     finally:
         await db.close()
 
