@@ -31,13 +31,13 @@ from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_s
 
 logger = logging.getLogger("agent_mcp.mysql")
 
-DB_USAGE = """Mode: {mode}
-Usage: !db <sql>   run SQL directly on {where} (no model, no gate)
+DB_USAGE = """Usage: !db <sql>   run SQL directly on {where} (no model, no gate)
 Examples:
   !db SHOW TABLES
   !db DESCRIBE people
   !db SELECT * FROM people LIMIT 10
-Statements are separated by ';' and run one at a time; reads run in a read-only transaction."""
+Statements are separated by ';' and run one at a time; reads run in a read-only transaction.
+db_query mode: {mode}"""
 
 
 #: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
