@@ -40,14 +40,12 @@ import pymysql
 from dotenv import dotenv_values
 from pydantic import BaseModel, Field, ValidationError
 from pymysql.constants import CLIENT
-from sqlglot.dialects.mysql import MySQL
-from sqlglot.errors import SqlglotError
-from sqlglot.tokens import TokenType
 
 import db_roles
-import gate
+import sql
 import state
 from config import ConfigError
+from sql import split_statements
 
 logger = logging.getLogger("agent_mcp.database")
 
@@ -170,31 +168,6 @@ def describe_error(exc: BaseException) -> str:
 # ── Statements and results ──────────────────────────────────────────────────────────────────
 
 
-def split_statements(sql: str) -> list[str]:
-    """The statements of `sql` as sqlglot's MySQL tokenizer separates them, each with its original text.
-
-    Semicolons inside strings and comments do not split. Empty statements and statements of
-    nothing but comments are dropped, except executable comments (`/*!40101 SET … */`), which the
-    server runs. Text the tokenizer rejects is returned whole: the server then runs at most one
-    statement of it.
-    """
-    try:
-        tokens = MySQL().tokenize(sql)
-    except (SqlglotError, RecursionError, ValueError):
-        return [sql.strip()] if sql.strip() else []
-    statements, start, has_tokens = [], 0, False
-    for token in [*tokens, None]:  # None: the end of the text
-        if token is not None and token.token_type != TokenType.SEMICOLON:
-            has_tokens = True
-            continue
-        end = token.start if token is not None else len(sql)
-        text = sql[start:end].strip()
-        if has_tokens or gate.EXECUTABLE_COMMENT.search(text):
-            statements.append(text)
-        start, has_tokens = end + 1, False
-    return statements
-
-
 @dataclass
 class StatementResult:
     """One statement's outcome: a result set (`columns`, the first rows, `row_count` of all rows) or rows affected."""
@@ -303,8 +276,9 @@ class Database:
         self.roles: db_roles.Roles | None = None
         self.problem: str | None = "not checked yet"
         self._recheck = False
-        #: lower_case_table_names = 0: the server tells `Users` from `users` (so do the keys of its tables).
-        self.case_sensitive = True
+        #: Whether the server tells table names apart by case (`lower_case_table_names` = 0), read when
+        #: connecting; None until a connection was made. The gate keys tables by this rule.
+        self.case_sensitive: bool | None = None
 
     @property
     def client_timeout(self) -> float:
@@ -402,9 +376,10 @@ class Database:
         tables = await self.roles.tables()
         pairs: list[tuple[str, str]] = list(access.pairs)
         if access.allows is not None:
-            pairs += db_roles.standing_pairs(access.allows, tables, operations=gate.OPERATIONS,
-                                             case_sensitive=self.case_sensitive)
-        return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables, case_sensitive=self.case_sensitive)
+            pairs += db_roles.standing_pairs(access.allows, tables, operations=sql.OPERATIONS,
+                                             case_sensitive=self.case_sensitive is not False)
+        return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables,
+                                       case_sensitive=self.case_sensitive is not False)
 
     async def _prepare(self, conn: aiomysql.Connection) -> None:
         """Make sure this server session has multi-statements off."""
@@ -415,6 +390,10 @@ class Database:
             conn.client_flag &= ~CLIENT.MULTI_STATEMENTS
             await conn.ensure_closed()
             await conn.ping(reconnect=True)
+        async with conn.cursor() as cur:
+            await cur.execute("SELECT @@lower_case_table_names")
+            row = await cur.fetchone()
+            self.case_sensitive = row is not None and str(row[0]) == "0"
         self._prepared[conn] = conn.connected_time
 
     async def _clean(self, conn: aiomysql.Connection, role: str | None) -> None:
@@ -527,8 +506,8 @@ class Database:
         reusable = False
         try:
             for statement in outcome.statements:
-                op, _tables = gate.classify_sql(statement)
-                outcome.results.append(await self._run_one(conn, statement, read=op == gate.READ))
+                op, _tables = sql.classify_sql(statement)
+                outcome.results.append(await self._run_one(conn, statement, read=op == sql.READ))
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")

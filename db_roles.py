@@ -39,10 +39,10 @@ from typing import Any
 import aiomysql
 import pymysql
 
+from sql import ANY_TABLE, DDL, META, READ, SYSTEM_SCHEMAS, WRITE, table_key
+
 logger = logging.getLogger("agent_mcp.db_roles")
 
-READ, WRITE, DDL = "read", "write", "ddl"
-META, ANY_TABLE = "__meta__", "*"
 #: Strongest first: the standing set gives a table the strongest operation the policy allows.
 RANKED_OPS = (DDL, WRITE, READ)
 PRIVILEGES = {
@@ -54,7 +54,6 @@ META_PRIVILEGE = "REFERENCES"
 ALL = "ALL PRIVILEGES"
 #: Privileges that let a statement add a FOREIGN KEY (which REFERENCES would then open).
 _SHAPE_CHANGING = frozenset({"CREATE", "ALTER", ALL})
-SYSTEM_SCHEMAS = frozenset({"mysql", "information_schema", "performance_schema", "sys"})
 DEFAULT_PREFIX = "amcp_"
 DEFAULT_MAX_ROLES = 64
 #: A table-level grant on a table that is not there (1146), or one the grantor may not give (1044/1142/1147).
@@ -84,22 +83,39 @@ def quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def _key_parts(key: str) -> list[str]:
+    """The parts of a gate key (`name`, `schema.name`, a part in backquotes when it holds a dot; sql.table_key)."""
+    parts, i = [], 0
+    while i < len(key):
+        if key[i] == "`":
+            j, chars = i + 1, []
+            while j < len(key) and not (key[j] == "`" and key[j + 1:j + 2] != "`"):
+                chars.append(key[j])
+                j += 2 if key[j] == "`" else 1
+            parts.append("".join(chars))
+            i = j + 1
+        else:
+            j = key.find(".", i)
+            j = len(key) if j < 0 else j
+            parts.append(key[i:j])
+            i = j
+        i += 1 if key[i:i + 1] == "." else 0
+    return parts
+
+
 def _table_of(key: str, db: str, case_sensitive: bool) -> tuple[str, str] | None:
     """(schema, table) of a gate key naming a real table, or None (`*`, `__meta__`, system schemas)."""
     if key in (ANY_TABLE, META):
         return None
-    schema, dot, name = key.partition(".")
-    if not dot:
-        return db, key
-    same = schema == db if case_sensitive else schema.lower() == db.lower()
-    if same:
+    parts = _key_parts(key)
+    if len(parts) == 1:
+        return db, parts[0]
+    if len(parts) != 2:
+        return None
+    schema, name = parts
+    if (schema == db) if case_sensitive else (schema.lower() == db.lower()):
         return db, name
     return None if schema.lower() in SYSTEM_SCHEMAS else (schema, name)
-
-
-def _key(table: str, case_sensitive: bool) -> str:
-    """The gate key of a table of the agent database (lower case unless the server tells cases apart)."""
-    return table if case_sensitive else table.lower()
 
 
 def privileges_for(pairs: Iterable[tuple[str, str]], *, db: str, tables: Iterable[str],
@@ -134,7 +150,7 @@ def standing_pairs(allows: Callable[[str, str], bool], tables: Iterable[str], *,
     known = [op for op in RANKED_OPS if op in set(operations)]
     pairs = []
     for table in tables:
-        op = next((op for op in known if allows(_key(table, case_sensitive), op)), None)
+        op = next((op for op in known if allows(table_key(table, case_sensitive=case_sensitive), op)), None)
         if op is not None:
             pairs.append((table, op))
     any_op = next((op for op in known if allows(ANY_TABLE, op)), None)

@@ -10,6 +10,7 @@ person, so only what policy opens runs.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -26,8 +27,10 @@ import agentctl
 import database
 import db_roles
 import gate
+import sql as sql_module
 import state
 from database import Database, DatabaseSettings, query_text, read_accounts
+from tests.conftest import ROOT
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
 from tests.runtime import SHIPPED_NAMESPACES, execute, with_events
 from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
@@ -38,8 +41,8 @@ SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
           "user": os.environ.get("TEST_MYSQL_USER", "root"),
           "password": os.environ.get("TEST_MYSQL_PASS", "")}
 PLUGIN = "plugin_database_mysql"
-SHIPPED = {"db": {"*": {"read": False, "write": False}, "__meta__": {"read": True, "write": False}}, "tools": {}}
-USERS_RW = {"db": {**SHIPPED["db"], "users": {"read": True, "write": True}}, "tools": {}}
+SHIPPED = {"db": json.loads((ROOT / "gate-defaults.json").read_text())["db"], "tools": {}}
+USERS_RW = {"db": {**SHIPPED["db"], "users": {"read": True, "write": True, "ddl": False}}, "tools": {}}
 VICTIMS = ("secrets", "Users", "outfile", "dumpfile", "dual")
 PROXY_CLIENT = "llama-10.0.0.9"  # a client class that cannot ask a person: only policy runs
 
@@ -244,7 +247,7 @@ async def _run_corpus(fx: Fixture, tmp: Path, gates: dict[str, Any], *, enforced
 
 
 def _no_classifier(read: str) -> Any:
-    def classify(sql: Any) -> tuple[str, frozenset[str]]:
+    def classify(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozenset[str]]:
         return read, frozenset({gate.META})
     return classify
 
@@ -253,12 +256,12 @@ def _no_classifier(read: str) -> Any:
 async def test_with_the_classifier_disabled_no_canary_leaves_and_nothing_changes(
         fx: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every statement is a `__meta__` read for the gate (and for database.py's read-only wrap) ...
-    monkeypatch.setattr(gate, "classify_sql", _no_classifier(gate.READ))
+    monkeypatch.setattr(sql_module, "classify_sql", _no_classifier(gate.READ))
     tally = await _run_corpus(fx, tmp_path / "meta-read", SHIPPED, enforced=True)
     assert tally.statements >= 300
     assert (tally.leaks, tally.changed) == (0, 0), tally.examples
     # ... and a `__meta__` write (no read-only transaction): the roles alone hold.
-    monkeypatch.setattr(gate, "classify_sql", _no_classifier(gate.WRITE))
+    monkeypatch.setattr(sql_module, "classify_sql", _no_classifier(gate.WRITE))
     open_meta = {"db": {**SHIPPED["db"], "__meta__": {"read": True, "write": True}}, "tools": {}}
     tally = await _run_corpus(fx, tmp_path / "meta-write", open_meta, enforced=True)
     assert (tally.leaks, tally.changed) == (0, 0), tally.examples
@@ -280,7 +283,7 @@ async def test_the_real_classifier_under_both_policies(fx: Fixture, tmp_path: Pa
 
 def test_what_the_database_cannot_limit_is_asked_for() -> None:
     for sql in SELF_SERVICE:
-        assert gate.ANY_TABLE in gate.classify_sql(sql)[1], sql
+        assert gate.ANY_TABLE in sql_module.classify_sql(sql)[1], sql
 
 
 # ── Clean state per call ────────────────────────────────────────────────────────────────────
@@ -453,8 +456,8 @@ async def test_start_up_says_in_one_line_why_an_account_cannot_be_limited(
 
 def _misreads_secrets_as_users(real: Any) -> Any:
     """A classifier that takes any statement on `secrets` for a read of `users` (a misreading to survive)."""
-    def classify(sql: Any) -> tuple[str, frozenset[str]]:
-        return (gate.READ, frozenset({"users"})) if "secrets" in str(sql) else real(sql)
+    def classify(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozenset[str]]:
+        return (gate.READ, frozenset({"users"})) if "secrets" in str(sql) else real(sql, case_sensitive=case_sensitive)
     return classify
 
 
@@ -462,7 +465,7 @@ def _misreads_secrets_as_users(real: Any) -> Any:
 async def test_an_approval_or_a_grant_covers_exactly_what_was_shown(
         fx: Fixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
     fx.fill()
-    monkeypatch.setattr(gate, "classify_sql", _misreads_secrets_as_users(gate.classify_sql))
+    monkeypatch.setattr(sql_module, "classify_sql", _misreads_secrets_as_users(sql_module.classify_sql))
     closed = {"db": {"*": {"read": False, "write": False}}, "tools": {}}
     async with plugin_runtime(tmp_path, {PLUGIN: {"timeout": 2}}, fx.env(), gates=closed) as rt:
         rt.client_namespaces.update(SHIPPED_NAMESPACES)
