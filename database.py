@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pymysql.constants import CLIENT
 
 import db_roles
-import sql
+import sql as sql_rules  # `sql` is the name of the SQL text in this module
 import state
 from config import ConfigError
 from sql import split_statements
@@ -376,7 +376,7 @@ class Database:
         tables = await self.roles.tables()
         pairs: list[tuple[str, str]] = list(access.pairs)
         if access.allows is not None:
-            pairs += db_roles.standing_pairs(access.allows, tables, operations=sql.OPERATIONS,
+            pairs += db_roles.standing_pairs(access.allows, tables, operations=sql_rules.OPERATIONS,
                                              case_sensitive=self.case_sensitive is not False)
         return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables,
                                        case_sensitive=self.case_sensitive is not False)
@@ -506,8 +506,8 @@ class Database:
         reusable = False
         try:
             for statement in outcome.statements:
-                op, _tables = sql.classify_sql(statement)
-                outcome.results.append(await self._run_one(conn, statement, read=op == sql.READ))
+                op, _tables = sql_rules.classify_sql(statement)
+                outcome.results.append(await self._run_one(conn, statement, read=op == sql_rules.READ))
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")
