@@ -505,9 +505,11 @@ class Database:
         # created does not reach it; a connection is closed only when it left a transaction open.
         reusable = False
         try:
-            for statement in outcome.statements:
+            for i, statement in enumerate(outcome.statements):
                 op, _tables = sql_rules.classify_sql(statement)
                 outcome.results.append(await self._run_one(conn, statement, read=op == sql_rules.READ))
+                if self.roles is not None and i < len(outcome.statements) - 1:
+                    await self._same_role(conn, role)
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")
@@ -532,6 +534,21 @@ class Database:
                 if shapes:
                     self.roles.tables_changed()
         return outcome
+
+    @staticmethod
+    async def _same_role(conn: aiomysql.Connection, role: str | None) -> None:
+        """Stop the call when a statement switched roles: the runner holds every role agent-mcp made, so
+        `SET ROLE <another>` would reach what other calls were approved for."""
+        try:
+            async with conn.cursor() as cur:
+                await cur.execute("SELECT CURRENT_ROLE()")
+                row = await cur.fetchone()
+        except pymysql.err.MySQLError as exc:
+            raise StatementError(describe_error(exc)) from exc
+        if row is None or row[0] != role:
+            conn.close()
+            raise StatementError("a statement changed the active role (SET ROLE), so the rest of this call was not "
+                                 "run — a call has the role of what was approved for it, no other")
 
     async def _run_one(self, conn: aiomysql.Connection, sql: str, *, read: bool) -> StatementResult:
         thread_id = conn.thread_id()

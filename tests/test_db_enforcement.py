@@ -320,6 +320,11 @@ async def test_nothing_carries_over_between_calls_on_one_connection(fx: Fixture)
         # the role of the earlier call is gone: with no decision, nothing
         assert "denied" in await query_text(db, f"SELECT * FROM {fx.db}.users", None)
         assert "denied" in await query_text(db, "SELECT * FROM secrets", USERS_ONLY)
+        # the runner holds every role agent-mcp made: switching to a stronger one within a call stops the call
+        stronger = db_roles.role_name(fx.prefix, db_roles.privileges_for(
+            EVERYTHING.pairs, db=fx.db, tables=[], case_sensitive=True))
+        switched = await query_text(db, f"SET ROLE `{stronger}`; SELECT * FROM secrets", USERS_ONLY)
+        assert "changed the active role" in switched and not fx.leaked(switched)
         # a table lock or an open HANDLER ends with its call, not when the pooled connection is next used
         for sql in ("LOCK TABLES secrets WRITE", "HANDLER users OPEN"):
             assert not (await query_text(db, sql, EVERYTHING)).startswith("ERROR")
