@@ -36,6 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import grants
+from agentctl_db import DbCommands
 from agentctl_files import (
     ALL_GATED,
     FILE_MODELS,
@@ -112,7 +113,7 @@ def _bool(text: str) -> bool:
 # --------------------------------------------------------------------------- commands
 
 
-class AgentCtl:
+class AgentCtl(DbCommands):
     """The commands: `cmd_<name>` (dashes in the command become underscores) takes the words after it.
 
     Each docstring is the help text; its first line is `usage: what it does`.
