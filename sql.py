@@ -330,6 +330,21 @@ def _risky_call(nodes: list[exp.Expression]) -> bool:
     return False
 
 
+# Storage engines that keep a table's rows in the table itself. Any other engine (CONNECT, FEDERATED,
+# SPIDER, MERGE, …) or a CONNECTION option can make a table a window on other tables or servers.
+_LOCAL_ENGINES = frozenset({"INNODB", "MYISAM", "ARIA", "MEMORY", "HEAP"})
+
+
+def _reaches_elsewhere(nodes: list[exp.Expression]) -> bool:
+    """Whether a CREATE/ALTER TABLE's options make the table read or write something beyond itself."""
+    for node in nodes:
+        if isinstance(node, exp.EngineProperty) and node.name.upper() not in _LOCAL_ENGINES:
+            return True
+        if type(node) is exp.Property and node.name.upper() in ("CONNECTION", "UNION", "TABLE_TYPE"):
+            return True
+    return False
+
+
 # ── One statement ───────────────────────────────────────────────────────────────────────────
 
 Verdict = tuple[str, set[str]]
@@ -411,7 +426,8 @@ def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -
         kind = "TABLE" if isinstance(tree, exp.TruncateTable) else str(tree.args.get("kind") or "").upper()
         if kind not in _TABLE_OBJECTS:
             return DDL, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
-        return (DDL, tables | ({ANY_TABLE} if _risky_call(nodes) else set())) if tables else None
+        elsewhere = _risky_call(nodes) or _reaches_elsewhere(nodes)
+        return (DDL, tables | ({ANY_TABLE} if elsewhere else set())) if tables else None
     if _risky_call(nodes):
         return WRITE, tables | {ANY_TABLE}
     if isinstance(tree, _READ_ROOTS) and not any(isinstance(n, _NOT_READ_NODES) for n in nodes):

@@ -170,6 +170,15 @@ DDL_FORMS = [
     ("DROP INDEX ix ON users", D, {"users"}),
     ("SELECT * FROM users; DROP TABLE users", D, {"users"}),
     ("CREATE VIEW v AS SELECT * FROM secrets", D, {ANY}),
+    ("CREATE TABLE t2 (a INT) SELECT * FROM secrets", D, {"t2", S}),
+    ("CREATE TABLE t2 (a INT, FOREIGN KEY (a) REFERENCES secrets (id))", D, {"t2", S}),
+    ("CREATE TABLE t2 (a INT) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4", D, {"t2"}),
+    # engines and options that make a table a window on other tables or servers: any table
+    ("CREATE TABLE t2 ENGINE=CONNECT TABLE_TYPE=MYSQL CONNECTION='mysql://root@127.0.0.1/shop/secrets'",
+     D, {"t2", ANY}),
+    ("ALTER TABLE t ENGINE=FEDERATED CONNECTION='mysql://root@127.0.0.1/shop/secrets'", D, {"t", ANY}),
+    ("CREATE TABLE t2 (a INT) ENGINE=SPIDER COMMENT='wrapper \"mysql\", table \"secrets\"'", D, {"t2", ANY}),
+    ("CREATE TABLE t2 (note VARCHAR(20)) ENGINE=MERGE UNION=(secrets)", D, {"t2", ANY}),
 ]
 
 ATTACKS = CTE_SCOPES + SHOW_WHERE + KEYWORD_NAMES + QUOTING + OTHER_FORMS + DDL_FORMS
