@@ -135,7 +135,8 @@ def new_turn(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None =
     payload = payload or {}
     return state.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(rt, client_id, payload),
                       admin=payload.get("admin") is True, interactive=payload.get("interactive") is True,
-                      model=payload.get("model") or None)
+                      model=payload.get("model") or None,
+                      identity=identity if isinstance(identity := payload.get("identity"), str) and identity else None)
 
 
 def may_administer(turn: state.Turn | None) -> bool:
@@ -628,18 +629,22 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
 
 
 async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
-    """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for this session"""
-    session = turn.session
+    """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for you (★ enable)"""
     parts = args.lower().split()
+    whom = _whom(turn)
     if not parts:
         kinds = {gate_type(e) for e in rt.tools.entries()}
-        return ("Rate limits (plugins-enabled.json rate_limits, per session and tool type):\n"
-                + await rt.rate_limiter.describe(session.client_id, kinds))
-    if len(parts) == 2 and parts[0] == "enable":
-        if await rt.rate_limiter.reenable(session.client_id, parts[1]):
-            return f"{parts[1]} tools are enabled again for this session."
-        return f"{parts[1]} tools are not disabled for this session."
-    return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type>"
+        return (f"Rate limits (plugins-enabled.json rate_limits, per tool type, counted for {whom}):\n"
+                + await rt.rate_limiter.describe(turn.rate_key, kinds))
+    if len(parts) in (2, 3) and parts[0] == "enable":
+        if not may_administer(turn):  # else auto_disable would stop nobody: the caller lifts it itself
+            return refusal("!ratelimit enable", turn)
+        key = args.split()[2] if len(parts) == 3 else turn.rate_key  # another caller's, as its refusal names it
+        whom = f"'{key}'" if len(parts) == 3 else whom
+        if await rt.rate_limiter.reenable(key, parts[1]):
+            return f"{parts[1]} tools are enabled again for {whom}."
+        return f"{parts[1]} tools are not disabled for {whom}."
+    return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type> [<caller>]"
 
 
 #: The gate commands: name → handler (rt, turn, args).
@@ -687,12 +692,21 @@ COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] 
 SWEEP_EVERY = 256
 
 
-class RateLimiter:
-    """Sliding windows per (session, tool type) from `plugins-enabled.json` `rate_limits`.
+def _whom(turn: state.Turn) -> str:
+    """Who a rate limit counts for, as the model and the user are told."""
+    return "this caller (all its sessions)" if turn.identity else "this session"
 
-    A call over the limit is refused (and not counted). With `auto_disable` the whole tool type
-    is then disabled for that session until `!ratelimit enable <type>`. Empty windows are
-    dropped every `SWEEP_EVERY` checks, so memory stays bounded by the recently active sessions.
+
+class RateLimiter:
+    """Sliding windows per (identity, tool type) from `plugins-enabled.json` `rate_limits`.
+
+    The key is a turn's `rate_key`: the proven identity within its client class (one shell token,
+    API key, proxy user, MCP token, Slack user), so a caller that makes new session ids still
+    shares one window; a session id only when the client plugin proved nothing. A call over the
+    limit is refused (and not counted). With `auto_disable` the whole tool type is then disabled
+    for that key until `!ratelimit enable <type>`. Deleting a session leaves an identity's windows
+    alone. Empty windows are dropped every `SWEEP_EVERY` checks, so memory stays bounded by the
+    recently active callers.
     """
 
     def __init__(self, limits: dict[str, RateLimit], clock: Callable[[], float] = time.monotonic):
@@ -766,20 +780,21 @@ class RateLimiter:
                     args: dict[str, Any]) -> Refusal | None:
         """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
         client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)
-        why = await self.count(client_id, tool_type)
+        why = await self.count(turn.rate_key, tool_type)
         if why is None:
             return None
-        again = f"the user can re-enable them with !ratelimit enable {tool_type}"
+        again = f"the operator can re-enable them with !ratelimit enable {tool_type}"
         if why == "disabled":
-            rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for this session")
-            return Refusal("rate_limited", f"TOOL DISABLED: {tool_type} tools were disabled for this session after "
+            rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for {_whom(turn)}")
+            return Refusal("rate_limited", f"TOOL DISABLED: {tool_type} tools were disabled for {_whom(turn)} after "
                                            f"the rate limit was exceeded; {again}. Do not call them again.")
+        logger.info("rate limit: %s (%s) refused for %s (%s)", tool_name, tool_type, turn.rate_key, why)
         limit = self.limits[tool_type]
-        rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for this session"
+        rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for {_whom(turn)}"
         rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} ({tool_type}): {rule}")
         message = f"RATE LIMIT EXCEEDED: {tool_name} ({tool_type}) — {rule}."
         if limit.auto_disable:
-            return Refusal("rate_limited", f"{message} All {tool_type} tools are now disabled for this session; "
+            return Refusal("rate_limited", f"{message} All {tool_type} tools are now disabled for {_whom(turn)}; "
                                            f"{again}.")
         return Refusal("rate_limited", f"{message} Wait before calling it again.")
 

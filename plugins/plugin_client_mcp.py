@@ -652,7 +652,7 @@ class McpServerPlugin(BasePlugin):
             raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
         if model and model not in self.rt.config.models:
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None}
+        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None, "identity": f"mcp:{who.name}"}
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
         return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds)}
 
