@@ -330,6 +330,21 @@ def _risky_call(nodes: list[exp.Expression]) -> bool:
     return False
 
 
+# Storage engines that keep a table's rows in the table itself. Any other engine (CONNECT, FEDERATED,
+# SPIDER, MERGE, …) or a CONNECTION option can make a table a window on other tables or servers.
+_LOCAL_ENGINES = frozenset({"INNODB", "MYISAM", "ARIA", "MEMORY", "HEAP"})
+
+
+def _reaches_elsewhere(nodes: list[exp.Expression]) -> bool:
+    """Whether a CREATE/ALTER TABLE's options make the table read or write something beyond itself."""
+    for node in nodes:
+        if isinstance(node, exp.EngineProperty) and node.name.upper() not in _LOCAL_ENGINES:
+            return True
+        if type(node) is exp.Property and node.name.upper() in ("CONNECTION", "UNION", "TABLE_TYPE"):
+            return True
+    return False
+
+
 # ── One statement ───────────────────────────────────────────────────────────────────────────
 
 Verdict = tuple[str, set[str]]
@@ -411,7 +426,8 @@ def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -
         kind = "TABLE" if isinstance(tree, exp.TruncateTable) else str(tree.args.get("kind") or "").upper()
         if kind not in _TABLE_OBJECTS:
             return DDL, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
-        return (DDL, tables | ({ANY_TABLE} if _risky_call(nodes) else set())) if tables else None
+        elsewhere = _risky_call(nodes) or _reaches_elsewhere(nodes)
+        return (DDL, tables | ({ANY_TABLE} if elsewhere else set())) if tables else None
     if _risky_call(nodes):
         return WRITE, tables | {ANY_TABLE}
     if isinstance(tree, _READ_ROOTS) and not any(isinstance(n, _NOT_READ_NODES) for n in nodes):
@@ -487,14 +503,17 @@ _LIKE_WILDCARDS = re.compile(r"[%_\\]")
 
 
 def sql_shape(sql: Any) -> str:
-    """The statement with each literal value replaced by a placeholder of its type, or "" when it is not
+    r"""The statement with each literal value replaced by a placeholder of its type, or "" when it is not
     exactly one statement that parses: then no shape grant can match it.
 
     `'x'` becomes `?s`, `0` `?n`, `0x41` `?x`, `b'1'` `?bit`; NULL, TRUE, variables, columns and
-    function calls stay as written, and so do the numbers of LIMIT/OFFSET, ORDER/GROUP BY positions,
-    INTERVALs, REGEXP patterns and LIKE patterns with a wildcard: `name = 'x'` never shapes like
-    `name = 0`, and `LIMIT 1` never like `LIMIT 1000`. Built from the tokens (keywords upper-cased,
-    comments dropped, quoted names kept quoted), so nothing the parser drops can hide in it.
+    function calls stay as written. Values whose content decides what a statement matches or how
+    much it touches stay as written too: the numbers of LIMIT/OFFSET, ORDER/GROUP BY positions and
+    INTERVALs, REGEXP patterns, strings with a LIKE wildcard or escape (`%`, `_`, `\`), and every
+    argument of a function call (`INSTR(name, '')`, `REGEXP_LIKE(name, '.*')` are true for every
+    row). So `name = 'x'` never shapes like `name = 0`, nor `LIKE 'x'` like `LIKE '%'`, nor `LIMIT 1`
+    like `LIMIT 1000`. Built from the tokens (keywords upper-cased, comments dropped, quoted names
+    kept quoted), so nothing the parser drops can hide in it.
     """
     if not isinstance(sql, str) or EXECUTABLE_COMMENT.search(sql) or len(split_statements(sql)) != 1:
         return ""
@@ -506,16 +525,20 @@ def sql_shape(sql: Any) -> str:
     if len(statements) != 1 or isinstance(statements[0], exp.Command):
         return ""
     words: list[str] = []
-    previous = ""
+    previous, previous_kind = "", ""
+    calls: list[bool] = []  # one entry per open parenthesis: whether it holds a function's arguments
     for i, token in enumerate(tokens):
         kind = token.token_type.name
         if kind == "SEMICOLON":
             continue
+        if kind == "L_PAREN":
+            calls.append(_opens_call(previous, previous_kind))
+        elif kind == "R_PAREN" and calls:
+            calls.pop()
         if kind in _PLACEHOLDERS:
             number = kind == "NUMBER"
-            kept = ((number and (previous in _NUMBER_KEPT_AFTER or (previous == "," and _after_limit(tokens, i))))
-                    or previous in _PATTERN_WORDS
-                    or (previous == "LIKE" and bool(_LIKE_WILDCARDS.search(token.text))))
+            kept = (any(calls) or previous in _PATTERN_WORDS or bool(_LIKE_WILDCARDS.search(token.text))
+                    or (number and (previous in _NUMBER_KEPT_AFTER or (previous == "," and _after_limit(tokens, i)))))
             words.append(_literal(token) if kept else _PLACEHOLDERS[kind])
         elif kind == "IDENTIFIER":
             words.append("`" + token.text.replace("`", "``") + "`")
@@ -523,8 +546,24 @@ def sql_shape(sql: Any) -> str:
             words.append(token.text)
         else:
             words.append(token.text.upper())
-        previous = words[-1] if kind not in _PLACEHOLDERS else "?"
+        previous, previous_kind = (words[-1], kind) if kind not in _PLACEHOLDERS else ("?", kind)
     return " ".join(words)
+
+
+# Words a parenthesis follows that opens a list, a subquery or a group, not a function's arguments.
+_NOT_CALLS = frozenset({
+    "IN", "VALUES", "VALUE", "EXISTS", "NOT", "ANY", "SOME", "ALL", "AND", "OR", "XOR", "ON", "USING", "AS",
+    "SELECT", "FROM", "WHERE", "HAVING", "BY", "INTO", "SET", "JOIN", "TABLE", "WITH", "UNION", "INTERSECT",
+    "EXCEPT", "LIMIT", "OFFSET", "ROW", "WHEN", "THEN", "ELSE", "CASE", "RETURNING", "LATERAL", "OVER",
+})
+
+
+def _opens_call(previous: str, previous_kind: str) -> bool:
+    """Whether a `(` after this token opens a function's arguments: after a name or a keyword that names
+    a function (`CONCAT(`, `DATE(`, `LEFT(`); not after an operator, a comma or a clause word."""
+    if previous_kind in ("VAR", "IDENTIFIER"):
+        return True
+    return previous.replace("_", "").isalpha() and previous not in _NOT_CALLS
 
 
 def _after_limit(tokens: list[Token], i: int) -> bool:

@@ -25,7 +25,8 @@ CTE_SCOPES = [
     ("WITH a AS (SELECT * FROM secrets), secrets AS (SELECT 1) SELECT * FROM a", R, {S}),  # second CTE
     ("WITH x AS (WITH secrets AS (SELECT 1) SELECT * FROM secrets) SELECT * FROM x, secrets", R, {S}),
     ("WITH secrets AS (SELECT * FROM secrets) SELECT * FROM secrets", R, {S}),  # not recursive: the table
-    ("SELECT * FROM secrets UNION (WITH secrets AS (SELECT 1) SELECT * FROM secrets)", R, {S}),
+    ("SELECT * FROM secrets UNION (WITH secrets AS (SELECT 1) SELECT * FROM secrets)", R, {S}),  # not MariaDB's
+    ("SELECT note FROM secrets UNION SELECT a FROM (WITH secrets AS (SELECT 1 AS a) SELECT a FROM secrets) d", R, {S}),
     ("SELECT 1 WHERE EXISTS (WITH secrets AS (SELECT 1) SELECT 1) AND (SELECT COUNT(*) FROM secrets) > 0", R, {S}),
     ("WITH secrets AS (SELECT 1) SELECT * FROM shop.secrets", R, {"shop.secrets"}),
     # where the CTE is in scope it hides the name (no table is read)
@@ -41,13 +42,14 @@ CTE_SCOPES = [
     ("DELETE s FROM secrets s JOIN (WITH secrets AS (SELECT 1 AS id) SELECT id FROM secrets) d ON s.id = d.id",
      W, {"s", S}),  # `s` is an alias the classifier keys too: over-keying is safe
     ("DELETE FROM secrets WHERE id IN (WITH secrets AS (SELECT 1 AS id) SELECT id FROM secrets)", W, {S}),
-    ("INSERT INTO users (note) SELECT note FROM secrets WHERE 1 IN (WITH secrets AS (SELECT 1) SELECT 1)",
-     W, {"users", S}),
-    ("INSERT INTO users SELECT * FROM secrets WHERE EXISTS (WITH secrets AS (SELECT 1) SELECT * FROM secrets)",
-     W, {"users", S}),
-    ("INSERT INTO users SELECT s.* FROM (WITH secrets AS (SELECT 1) SELECT * FROM secrets) d JOIN secrets s",
-     W, {"users", S}),
-    ("INSERT INTO users WITH secrets AS (SELECT 1, 1, 'x') SELECT * FROM secrets", W, {"users"}),
+    ("INSERT INTO users (id, note) SELECT id + 100, note FROM secrets WHERE 1 IN (WITH secrets AS (SELECT 1) "
+     "SELECT 1)", W, {"users", S}),
+    ("INSERT INTO users (id, note) SELECT id + 200, note FROM secrets "
+     "WHERE EXISTS (WITH secrets AS (SELECT 1) SELECT * FROM secrets)", W, {"users", S}),
+    ("INSERT INTO users (id, note) SELECT s.id + 300, s.note FROM (WITH secrets AS (SELECT 1) SELECT * FROM secrets) d "
+     "JOIN secrets s", W, {"users", S}),
+    ("INSERT INTO users (id, note) WITH secrets AS (SELECT 400 AS id, 'x' AS note) SELECT * FROM secrets",
+     W, {"users"}),
     ("CREATE TABLE copy AS SELECT * FROM secrets WHERE EXISTS (WITH secrets AS (SELECT 1) SELECT 1 FROM secrets)",
      D, {"copy", S}),
     ("CREATE TABLE copy AS WITH secrets AS (SELECT 1) SELECT * FROM secrets", D, {"copy"}),
@@ -96,9 +98,9 @@ KEYWORD_NAMES = [
     ("SELECT * FROM `dual`", R, {"dual"}),
     ("SELECT * FROM `DUAL`", R, {"dual"}),
     ("SELECT * FROM shop.dual", R, {"shop.dual"}),
-    ("SELECT * FROM dual d", R, {"dual"}),
+    ("SELECT * FROM dual d", R, {"dual"}),  # MariaDB refuses it; keyed all the same
     ("SELECT * FROM users JOIN `dual`", R, {"users", "dual"}),
-    ("INSERT INTO `dual` VALUES (1)", W, {"dual"}),
+    ("INSERT INTO `dual` (id) VALUES (7)", W, {"dual"}),
     ("SELECT * FROM `outfile`", R, {"outfile"}),
     ("SELECT * FROM shop.outfile", R, {"shop.outfile"}),
     ("SELECT * FROM dumpfile", R, {"dumpfile"}),
@@ -170,6 +172,15 @@ DDL_FORMS = [
     ("DROP INDEX ix ON users", D, {"users"}),
     ("SELECT * FROM users; DROP TABLE users", D, {"users"}),
     ("CREATE VIEW v AS SELECT * FROM secrets", D, {ANY}),
+    ("CREATE TABLE t2 (a INT) SELECT * FROM secrets", D, {"t2", S}),
+    ("CREATE TABLE t2 (a INT, FOREIGN KEY (a) REFERENCES secrets (id))", D, {"t2", S}),
+    ("CREATE TABLE t2 (a INT) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4", D, {"t2"}),
+    # engines and options that make a table a window on other tables or servers: any table
+    ("CREATE TABLE t2 ENGINE=CONNECT TABLE_TYPE=MYSQL CONNECTION='mysql://root@127.0.0.1/shop/secrets'",
+     D, {"t2", ANY}),
+    ("ALTER TABLE t ENGINE=FEDERATED CONNECTION='mysql://root@127.0.0.1/shop/secrets'", D, {"t", ANY}),
+    ("CREATE TABLE t2 (a INT) ENGINE=SPIDER COMMENT='wrapper \"mysql\", table \"secrets\"'", D, {"t2", ANY}),
+    ("CREATE TABLE t2 (note VARCHAR(20)) ENGINE=MERGE UNION=(secrets)", D, {"t2", ANY}),
 ]
 
 ATTACKS = CTE_SCOPES + SHOW_WHERE + KEYWORD_NAMES + QUOTING + OTHER_FORMS + DDL_FORMS

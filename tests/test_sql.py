@@ -132,3 +132,21 @@ def test_no_shape_for_what_is_not_exactly_one_statement_that_parses(text: Any) -
 def test_split_statements_keeps_each_statements_text() -> None:
     assert sql.split_statements("SELECT ';'; /* c */ ; SELECT 2;") == ["SELECT ';'", "SELECT 2"]
     assert sql.split_statements("/*!40101 SET x = 1 */") == ["/*!40101 SET x = 1 */"]
+
+
+@pytest.mark.parametrize(("granted", "other"), [
+    ("DELETE FROM users WHERE INSTR(name, 'nobody') > 0", "DELETE FROM users WHERE INSTR(name, '') > 0"),
+    ("DELETE FROM users WHERE REGEXP_LIKE(name, 'nobody')", "DELETE FROM users WHERE REGEXP_LIKE(name, '.*')"),
+    ("DELETE FROM users WHERE name LIKE CONCAT('no', 'body')", "DELETE FROM users WHERE name LIKE CONCAT('%', '')"),
+    ("DELETE FROM users WHERE name = LOWER('X')", "DELETE FROM users WHERE name = LOWER(name)"),
+    ("DELETE FROM users WHERE name = 'nobody'", "DELETE FROM users WHERE name = 'nob_dy'"),
+])
+def test_function_arguments_and_wildcards_stay_as_written(granted: str, other: str) -> None:
+    assert sql.sql_shape(granted) and sql.sql_shape(granted) != sql.sql_shape(other)
+
+
+def test_lists_subqueries_and_groups_still_generalise() -> None:
+    assert sql.sql_shape("INSERT INTO users (name, a) VALUES ('x', 5)") == (
+        "INSERT INTO users ( name , a ) VALUES ( ?s , ?n )")
+    assert sql.sql_shape("SELECT * FROM t WHERE (a = 1 OR b = 'x') AND c IN (SELECT d FROM e WHERE f = 2)") == (
+        "SELECT * FROM t WHERE ( a = ?n OR b = ?s ) AND c IN ( SELECT d FROM e WHERE f = ?n )")

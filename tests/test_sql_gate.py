@@ -161,3 +161,10 @@ async def test_a_case_rule_that_fails_counts_as_unknown(make) -> None:
 
     rt = await make({"db": {"users": {"read": True}}, "tools": {}}, broken)
     assert await ran(rt, "SELECT * FROM users") and not await ran(rt, "SELECT * FROM USERS")
+
+
+async def test_autoaidb_keeps_the_case_of_a_table_name(make) -> None:
+    rt = await make({"db": {}, "tools": {}}, True)
+    out, _ = await turn(rt, "!autoAIdb Users READ TRUE")
+    assert "autoAIdb Users read: auto-allow" in out
+    assert await ran(rt, "SELECT * FROM Users") and not await ran(rt, "SELECT * FROM users")

@@ -24,7 +24,7 @@ from database import Database, DatabaseSettings
 from tests.conftest import openai_model
 from tests.runtime import runtime
 from tests.sql_cases import SQL_CORPUS
-from tests.sql_corpus import ATTACKS, CASE_SENSITIVE
+from tests.sql_corpus import ATTACKS, CASE_SENSITIVE, CTE_SCOPES, KEYWORD_NAMES, SHOW_WHERE
 
 SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
           "port": int(os.environ.get("TEST_MYSQL_PORT", "3306")),
@@ -48,23 +48,24 @@ def server() -> Iterator[pymysql.Connection]:
         yield conn
 
 
-def _judged(texts: list[str], case_sensitive: bool) -> list[tuple[str, set[str]]]:
-    """(statement, the tables to create) for the statements whose keys the server can check here: plain
-    table names under the server's own case rule. SHOW/DESCRIBE of a table show its schema only
+def _judged(text: str, case_sensitive: bool) -> set[str] | None:
+    """The tables to create for a statement whose keys the server can check here (plain table names
+    under the server's own case rule), else None. SHOW/DESCRIBE of a table show its schema only
     (`__meta__`): alone they are not judged; with a WHERE that reads tables, the table they describe
-    is created too."""
-    out = []
-    for text in texts:
-        keys = set(sql.classify_sql(text, case_sensitive=case_sensitive)[1])
-        tables = keys - {sql.META}
-        if sql.ANY_TABLE in tables or any("." in k or "`" in k for k in tables):
-            continue
-        if sql.META in keys and text.split()[0].upper() in ("SHOW", "DESC", "DESCRIBE", "EXPLAIN"):
-            if not tables:
-                continue
-            tables |= {k for k in sql._guess_tables(text, case_sensitive) if "." not in k}
-        out.append((text, tables))
-    return out
+    is created too. A table the statement creates is not created before it."""
+    keys = set(sql.classify_sql(text, case_sensitive=case_sensitive)[1])
+    tables = keys - {sql.META}
+    if sql.ANY_TABLE in tables or any("." in k or "`" in k for k in tables):
+        return None
+    if sql.META in keys and text.split()[0].upper() in ("SHOW", "DESC", "DESCRIBE", "EXPLAIN"):
+        if not tables:
+            return None
+        tables |= {k for k in sql._guess_tables(text, case_sensitive) if "." not in k}
+    words = text.upper().split()
+    if words[:2] == ["CREATE", "TABLE"] or words[:3] == ["CREATE", "TEMPORARY", "TABLE"]:
+        created = text.split()[3 if words[1] == "TEMPORARY" else 2]
+        tables.discard(created if case_sensitive else created.lower())
+    return tables
 
 
 def _run_alone(conn: pymysql.Connection, text: str, tables: set[str]) -> tuple[int, str] | None:
@@ -90,24 +91,47 @@ def _run_alone(conn: pymysql.Connection, text: str, tables: set[str]) -> tuple[i
             cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
 
 
-@pytest.mark.parametrize("corpus", ["attacks", "cases"])
-def test_the_server_never_reads_a_table_the_classifier_did_not_name(server: pymysql.Connection, corpus: str) -> None:
-    source = {"attacks": ATTACKS + CASE_SENSITIVE, "cases": SQL_CORPUS}[corpus]
+def _lower_case_table_names(server: pymysql.Connection) -> str:
     with server.cursor() as cur:
         cur.execute("SELECT @@lower_case_table_names")
         ((lower,),) = cur.fetchall()
-    judged = _judged([text for text, _, _ in source], case_sensitive=str(lower) == "0")
-    missed: list[tuple[str, list[str], str]] = []
-    ran = 0
-    for text, tables in judged:
+    return str(lower)
+
+
+_ALL = [text for text, _, _ in ATTACKS + CASE_SENSITIVE + SQL_CORPUS]
+_CHUNK = 12  # statements per test: each stays well inside the per-test timeout on a loaded machine
+_CHUNKS = [_ALL[i:i + _CHUNK] for i in range(0, len(_ALL), _CHUNK)]
+
+
+@pytest.mark.parametrize("texts", _CHUNKS, ids=[f"statements {i * _CHUNK + 1}-{i * _CHUNK + len(c)}"
+                                                for i, c in enumerate(_CHUNKS)])
+def test_the_server_never_reads_a_table_the_classifier_did_not_name(server: pymysql.Connection,
+                                                                    texts: list[str]) -> None:
+    case_sensitive = _lower_case_table_names(server) == "0"
+    missed = []
+    for text in texts:
+        tables = _judged(text, case_sensitive)
+        if tables is None:
+            continue
         error = _run_alone(server, text, tables)
-        if error is None:
-            ran += 1
-        elif error[0] == NO_SUCH_TABLE:
+        if error is not None and error[0] == NO_SUCH_TABLE:
             missed.append((text, sorted(tables), error[1]))
     assert missed == [], "\n".join(map(str, missed))
-    # The check has teeth: most statements really run against exactly their named tables.
-    assert ran >= len(judged) // 2, (ran, len(judged))
+
+
+# Crafted statements MariaDB refuses whatever the tables (kept to show how they are keyed).
+_NOT_MARIADB = {"SELECT * FROM secrets UNION (WITH secrets AS (SELECT 1) SELECT * FROM secrets)",
+                "SELECT * FROM dual d"}
+
+
+@pytest.mark.parametrize("text", [t for t, _, _ in CTE_SCOPES + SHOW_WHERE + KEYWORD_NAMES if t not in _NOT_MARIADB
+                                  and _judged(t, True) is not None and _judged(t, False) is not None])
+def test_crafted_statements_run_against_exactly_the_tables_they_name(server: pymysql.Connection, text: str) -> None:
+    # The check above has teeth: these statements really run with nothing but their named tables.
+    tables = _judged(text, _lower_case_table_names(server) == "0")
+    if tables is None:
+        pytest.skip("keyed * or another schema: nothing for the server to judge here")
+    assert _run_alone(server, text, tables) is None
 
 
 def test_a_cte_hides_the_table_only_where_the_server_says_so(server: pymysql.Connection) -> None:
