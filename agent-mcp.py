@@ -36,6 +36,7 @@ import build
 import routes
 import shared
 import state
+from audit_chain import AuditError
 from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
 from guard import Guard
 from plugin_loader import BasePlugin
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if created:
             logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
         return _run(serve(config))
-    except (StartupError, ConfigError, state.SessionError) as exc:
+    except (StartupError, ConfigError, state.SessionError, AuditError) as exc:
         # One line on stderr, not a log record as well: the log handler writes to stderr too.
         print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)
         return 1

@@ -562,8 +562,11 @@ class GateKeeper:
         resolved = {"gate_id": gate_id, "decision": decision.word}
         if decision.word in offers:
             assert self.grants is not None
-            grant = self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape))
-            self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id, **audit)
+            grant = grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape)
+            # Its record first: the grant is bound to it (honoured only while that record is in the chain).
+            grant.audit_seq = self.grants.audit("grant", actor=decision.by, outcome=grant.describe(grant.created),
+                                                grant_id=grant.id, **audit)
+            self.grants.add(grant)
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
                                                  "grant": grant.id, **resolved})
             return None
