@@ -131,7 +131,7 @@ class AgentCtl:
             if not self.config_dir.is_dir():
                 raise FileProblem(f"{self.config_dir}: config directory does not exist")
             self._files = ConfigFiles(self.config_dir)
-            self._files.via_server = agentctl_remote.OwnedWriter(self._files.app_config())
+            self._files.via_server = agentctl_remote.OwnedWriter(self._files.app_config(), self.term)
         return self._files
 
     def commands(self) -> dict[str, Callable[[list[str]], None]]:
@@ -300,7 +300,8 @@ class AgentCtl:
             ended, how = agentctl_remote.revoke(cfg, args[1])
             if not ended:
                 raise InputError(f"no active grant '{args[1]}'; agentctl grants lists them")
-            self.term.done(f"revoked {', '.join(ended)} ({how})")
+            self.term.applied = how
+            self.term.done(f"revoked {', '.join(ended)}")
             return
         active = agentctl_remote.active_grants(cfg)
         if self.term.json_output:

@@ -115,16 +115,19 @@ class OwnedWriter:
 
     owned = SERVER_OWNED
 
-    def __init__(self, cfg: AppConfig):
+    def __init__(self, cfg: AppConfig, told: Any = None):
         self.cfg = cfg
-        self.note = ""
+        self.told = told  # the Terminal: its next `done` says the server applied it
+
 
     def save(self, name: str, raw: Any) -> bool:
         """True when a running server saved `raw` as `name` (and applied it); False: none runs, write it here."""
         server = find_server(self.cfg)
         if server is None:
             return False
-        self.note = str(server.admin("save", file=name, data=raw).get("note", ""))
+        note = str(server.admin("save", file=name, data=raw).get("note", ""))
+        if self.told is not None:
+            self.told.applied = f"The running server saved and applied it ({note}), and audited it."
         return True
 
 
@@ -138,12 +141,13 @@ def revoke(cfg: AppConfig, which: str) -> tuple[list[str], str]:
     Returns the ids revoked and how."""
     server = find_server(cfg)
     if server is not None:
-        return list(server.admin("revoke", which=which)["revoked"]), "by the running server, in force now"
+        return list(server.admin("revoke", which=which)["revoked"]), ("Revoked by the running server: in force now, "
+                                                                      "audited by it.")
     path = cfg.data_dir() / grants.AUDIT_FILE
     if not path.exists():
         return [], ""
     ended = grants.revoke_offline(path, which, actor="agentctl", key_file=_key_file(cfg))
-    return [g.id for g in ended], "in the audit log (the server is stopped)"
+    return [g.id for g in ended], "Revoked in the audit log (the server is stopped), audited as agentctl."
 
 
 def active_grants(cfg: AppConfig) -> list[grants.Grant]:

@@ -161,12 +161,12 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
     AuditError names the first record that breaks the chain, or how the log differs from its head."""
     log_id, unkeyed = meta.get("log_id", ""), int(meta.get("unkeyed", "0") or 0)
     if meta.get("format") != FORMAT or not log_id:
-        raise AuditError(f"{where} has no keyed-chain header (audit_meta): the file was replaced or damaged")
+        raise AuditError("the log has no keyed-chain header (audit_meta): the file was replaced or damaged")
     if head is None:
-        raise AuditError(f"the audit head of {where} is missing: cannot tell whether the log's tail was cut; "
+        raise AuditError(f"its head {where} is missing: cannot tell whether the log's tail was cut; "
                          "restore it from a backup or from the last 'audit head' line of the server log")
     if head.log_id != log_id:
-        raise AuditError(f"{where} is not the log its head describes (log {log_id}, head of log {head.log_id}): "
+        raise AuditError(f"the log is not the one its head describes (log {log_id}, head of log {head.log_id}): "
                          "the file was replaced")
     prev, expected = GENESIS, 1
     at_head = start_mac(key, log_id, unkeyed, GENESIS) if unkeyed == 0 else None
@@ -195,22 +195,23 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
         prev, expected = stored, expected + 1
     count = expected - 1
     if count < max(head.count, unkeyed):
-        raise AuditError(f"{where} has {count} records but its head says {head.count}: the tail was cut "
+        raise AuditError(f"the log has {count} records but its head says {head.count}: the tail was cut "
                          f"({head.count - count} records missing) or the file was emptied")
     if at_head is None or not hmac.compare_digest(at_head, head.last):
-        raise AuditError(f"record {head.count} of {where} is not the one its head recorded: the log was replaced "
-                         "or rewritten")
+        raise AuditError(f"record {head.count} is not the one its head recorded: the log was replaced or "
+                         "rewritten")
     last = prev if count > unkeyed else start_mac(key, log_id, unkeyed, prev)
     return Verified(Head(log_id, count, last), grant_records, unkeyed, count - head.count)
 
 
 def verify_log(db: sqlite3.Connection, key: bytes, head: Head | None, where: str) -> Verified:
-    """Verify an open log against its head; AuditError (one line) when anything does not hold."""
+    """Verify an open log against its head (`where`: the head's file); AuditError (one line) when anything does
+    not hold."""
     try:
         rows = db.execute(f"SELECT {', '.join(AUDIT_FIELDS)}, prev, hash FROM audit ORDER BY seq")
         return verify_rows(rows, key, read_meta(db), head, where)
     except sqlite3.DatabaseError as exc:
-        raise AuditError(f"{where} is not a readable audit log ({exc}): it is damaged or not an SQLite file; "
+        raise AuditError(f"not a readable audit log ({exc}): it is damaged or not an SQLite file; "
                          "restore it from a backup") from None
 
 

@@ -301,9 +301,9 @@ class GrantStore(stores.SqliteFile):
         with contextlib.closing(sqlite3.connect(self.path)) as db:
             try:
                 head = audit_chain.read_head(self.head_file, self._key)
-                return audit_chain.verify_log(db, self._key, head, str(self.path))
+                return audit_chain.verify_log(db, self._key, head, str(self.head_file))
             except AuditError as exc:
-                raise AuditError(f"audit log does not verify: {exc}; run agentctl audit-verify, and move "
+                raise AuditError(f"audit log {self.path} does not verify: {exc}; run agentctl audit-verify, and move "
                                  f"{self.path} and {self.head_file} aside (keep them as evidence) to start a new "
                                  "log") from None
 
@@ -594,9 +594,10 @@ def verify_file(path: Path, key_file: Path | None = None, shared_head: str | Non
     """Check a data dir's audit chain against its key and head (for `agentctl audit-verify`); AuditError (one
     line) says what does not hold. `shared_head`: the head checkpointed in Redis, when sessions are there."""
     key = audit_chain.load_key(key_file or audit_chain.key_path(path.parent), create=False)
-    head = audit_chain.read_head(path.parent / audit_chain.HEAD_FILE, key)
+    head_file = path.parent / audit_chain.HEAD_FILE
+    head = audit_chain.read_head(head_file, key)
     with audit_chain.open_readonly(path) as db:
-        found = audit_chain.verify_log(db, key, head, str(path))
+        found = audit_chain.verify_log(db, key, head, str(head_file))
     if shared_head is not None:
         other = Head.unseal(shared_head, key, "in Redis")
         if other.count > found.head.count or (other.count == found.head.count and other.last != found.head.last):
