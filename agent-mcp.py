@@ -38,7 +38,7 @@ import shared
 import state
 from audit_chain import AuditError
 from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
-from guard import Guard
+from guard import Guard, hide_userinfo
 from plugin_loader import BasePlugin
 
 logger = logging.getLogger("agent_mcp")
@@ -52,27 +52,50 @@ class StartupError(Exception):
 
 
 class _RedactSecrets(logging.Filter):
-    """Replace the values of secret-looking settings in every log record with `***`."""
+    """Take secrets out of every log record, its exception text included: the values of secret-looking
+    settings become `***`, and so does the user:password part of any URL (guard.hide_userinfo)."""
 
     def __init__(self, secrets: list[str]):
         super().__init__()
         self.secrets = sorted((s for s in secrets if len(s) >= 6), key=len, reverse=True)
 
+    def redact(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return hide_userinfo(text)
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.secrets:
-            message = record.getMessage()
-            redacted = message
-            for secret in self.secrets:
-                redacted = redacted.replace(secret, "***")
-            if redacted != message:
-                record.msg, record.args = redacted, None
+        message = record.getMessage()
+        redacted = self.redact(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = _FORMATTER.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
         return True
 
 
-def _setup_logging(level: str, env: dict[str, str]) -> None:
+_FORMATTER = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _config_secrets(value: Any, key: str = "") -> list[str]:
+    """Values under secret-looking names anywhere in a plugin's settings (a password in plugin_config)."""
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _config_secrets(v, str(k))]
+    if isinstance(value, list):
+        return [s for v in value for s in _config_secrets(v, key)]
+    return [str(value)] if SECRET_NAME.search(key) and isinstance(value, str | int) and str(value) else []
+
+
+def _setup_logging(level: str, env: dict[str, str], config: AppConfig | None = None) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_FORMATTER)
     secrets = [v for k, v in env.items() if SECRET_NAME.search(k) and v]
+    if config is not None:
+        secrets += _config_secrets(config.enabled.plugin_config)
     with contextlib.suppress(ValueError):  # the password in a redis://:password@host URL is one too
         secrets.append(unquote(urlsplit(env.get("SESSION_STORE", "")).password or ""))
     handler.addFilter(_RedactSecrets(secrets))
@@ -378,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"agent-mcp: configuration error: {exc}", file=sys.stderr)
         return 2
-    _setup_logging(args.log_level, config.env)
+    _setup_logging(args.log_level, config.env, config)
     try:
         check_data_dir(config.data_dir())
         if created:
