@@ -21,7 +21,6 @@ import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import anyio
 import uvicorn
@@ -37,7 +36,7 @@ import routes
 import shared
 import state
 from audit_chain import AuditError
-from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
+from config import AppConfig, ConfigError, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
 from plugin_loader import BasePlugin
 
@@ -81,23 +80,10 @@ class _RedactSecrets(logging.Filter):
 _FORMATTER = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _config_secrets(value: Any, key: str = "") -> list[str]:
-    """Values under secret-looking names anywhere in a plugin's settings (a password in plugin_config)."""
-    if isinstance(value, dict):
-        return [s for k, v in value.items() for s in _config_secrets(v, str(k))]
-    if isinstance(value, list):
-        return [s for v in value for s in _config_secrets(v, key)]
-    return [str(value)] if SECRET_NAME.search(key) and isinstance(value, str | int) and str(value) else []
-
-
 def _setup_logging(level: str, env: dict[str, str], config: AppConfig | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(_FORMATTER)
-    secrets = [v for k, v in env.items() if SECRET_NAME.search(k) and v]
-    if config is not None:
-        secrets += _config_secrets(config.enabled.plugin_config)
-    with contextlib.suppress(ValueError):  # the password in a redis://:password@host URL is one too
-        secrets.append(unquote(urlsplit(env.get("SESSION_STORE", "")).password or ""))
+    secrets = secret_values(env, config.enabled.plugin_config if config else {})
     handler.addFilter(_RedactSecrets(secrets))
     root = logging.getLogger()
     root.handlers[:] = [handler]

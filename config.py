@@ -8,6 +8,7 @@ second instance only needs the files it changes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
 
 from dotenv import dotenv_values
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -279,6 +281,28 @@ def atomic_write(path: Path, text: str, check: Callable[[Path], None] | None = N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def secret_values(env: dict[str, str], plugin_config: dict[str, Any]) -> list[str]:
+    """Every configured secret, longest first: env values under secret-looking names (SECRET_NAME), the
+    password of a SESSION_STORE URL, and values under such names anywhere in the plugins' settings. What
+    the log filter and the non-admin redaction (gate.without_locations) replace by `***`."""
+    found = [v for k, v in env.items() if SECRET_NAME.search(k) and v]
+    with contextlib.suppress(ValueError):
+        found.append(unquote(urlsplit(env.get("SESSION_STORE", "")).password or ""))
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, str(k))
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, key)
+        elif SECRET_NAME.search(key) and isinstance(value, str | int) and not isinstance(value, bool):
+            found.append(str(value))
+
+    walk(plugin_config, "")
+    return sorted({s for s in found if len(s) >= 6}, key=len, reverse=True)
 
 
 class SecretFileError(ConfigError):

@@ -34,7 +34,7 @@ from sqlglot.errors import SqlglotError
 import grants
 import guard
 import state
-from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit
+from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, secret_values
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
     from registry import RegisteredTool
@@ -162,9 +162,12 @@ def may_administer(turn: state.Turn | None) -> bool:
 
 
 def without_locations(rt: state.Runtime, text: str) -> str:
-    """`text` with no file path, hostname, address or DSN in it, for readers nobody vouched for
-    (non-admin clients and the model): known directories by name, anything else `<hidden>`."""
-    return guard.hide_locations(text, {"<config dir>": rt.config.config_dir, "<data dir>": rt.config.data_dir,
+    """`text` with no secret, file path, hostname, address, URL (userinfo included) or DSN in it: the one
+    redaction of every surface a non-admin reads (command output, errors, the model's tool results).
+    Configured secrets become `***`, known directories their name, any other location `<hidden>`."""
+    for secret in secret_values(rt.config.env, rt.config.enabled.plugin_config):
+        text = text.replace(secret, "***")
+    return guard.hide_locations(text, {"<config dir>": rt.config.config_dir, "<data dir>": rt.config.data_dir(),
                                        "<install dir>": CODE_DIR, "~": Path.home()})
 
 
