@@ -442,3 +442,66 @@ def test_the_key_and_the_head_are_private_and_the_key_is_never_in_the_log(real_l
     key = (data / audit_chain.KEY_FILE).read_text().strip()
     assert key.encode() not in (data / grants.AUDIT_FILE).read_bytes()
     assert key not in (data / audit_chain.HEAD_FILE).read_text()
+
+
+# ── with sessions on Redis ──────────────────────────────────────────────────────────────────────
+
+
+async def test_a_grant_written_into_redis_by_hand_is_ignored(tmp_path, fake_openai, redis_store, caplog) -> None:
+    """Another instance's grants come through Redis: only those MACed with the shared audit key count."""
+    import shared
+    from tests.conftest import openai_model
+    from tests.runtime import runtime
+
+    async with runtime(tmp_path, {"fake": openai_model(fake_openai)},
+                       store=shared.open_store(redis_store, tmp_path)) as rt:
+        store, link = rt.gate.grants, rt.link
+        assert store is not None and link is not None
+        real = grants.new_grant("c1", grants.Decision("allow_session", "shell"), "db_query", "db", ["users"], "write")
+        real.audit_seq = store.audit("grant", session="c1", grant_id=real.id)
+        store.add(real)
+        await store.flush()
+        await store.refresh("c1")
+        assert [g.id for g in store.active("c1")] == [real.id]
+        forged = grants.new_grant("c1", grants.Decision("allow_session", "x"), "db_query", "db", ["salaries"], "write")
+        record = grants.canonical(forged)
+        key = link.key("grants", "c1")
+        await link.client.hset(key, forged.id, json.dumps({"record": record, "mac": "0" * 64}))
+        await link.client.hset(key, "gplain", record)  # the format before MACs
+        with caplog.at_level("ERROR", logger="agent_mcp.grants"):
+            await store.refresh("c1")
+        assert [g.id for g in store.active("c1")] == [real.id]
+        assert sum("is ignored" in r.getMessage() for r in caplog.records) == 2
+        head = json.loads(await link.client.get(link.key("audit-head", store._log_id)))
+        assert head["count"] == 1  # the head is checkpointed in Redis too
+
+
+def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp_path, redis_store, capsys) -> None:
+    """A backup of the log and its head, both valid, put back: only a head kept elsewhere can tell."""
+    import shared
+
+    cfg = ConfigDir(tmp_path / "cfg")
+    cfg.path.mkdir()
+    cfg.models = {"m": MODEL}
+    cfg.env = {"SESSION_STORE": redis_store}
+    cfg.write()
+    data = cfg.path / "data"
+
+    async def write(records: int) -> None:
+        store = grants.GrantStore(data / grants.AUDIT_FILE)
+        store.link = shared.Link(redis_store)
+        await store.open()
+        for _ in range(records):
+            store.audit("decision", session="c1", actor="shell", outcome="rejected")
+        await store.close()
+        await store.link.client.aclose()
+
+    asyncio.run(write(3))
+    backup = tmp_path / "backup"
+    shutil.copytree(data, backup)
+    asyncio.run(write(2))
+    assert _verify(cfg.path, capsys)[0] == 0
+    for name in (grants.AUDIT_FILE, audit_chain.HEAD_FILE):
+        shutil.copy(backup / name, data / name)
+    code, out, err = _verify(cfg.path, capsys)
+    assert code == 2 and "the head checkpointed in Redis says 5 records" in err, err + out
