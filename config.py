@@ -334,21 +334,28 @@ def read_secret_file(path: Path, what: str = "a secret") -> bytes:
 
 
 def ensure_secret_file(path: Path, make: Callable[[], bytes], what: str = "a secret") -> tuple[bytes, bool]:
-    """The contents of `path`, written first from `make()` (mode 0600, created exclusively) when it is missing:
-    (contents, whether it was created now). SecretFileError as `read_secret_file`."""
+    """The contents of `path`, written first from `make()` (mode 0600) when it is missing: (contents, whether
+    it was created now). The file appears whole or not at all (written aside, then linked into place), so
+    two processes starting at once read the same one. SecretFileError as `read_secret_file`."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
-        return read_secret_file(path, what), False
+        if path.exists() or path.is_symlink():
+            return read_secret_file(path, what), False
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")  # mkstemp: 0600
     except OSError as exc:
         raise SecretFileError(f"cannot create {path} ({what}: {exc.strerror}): make {path.parent} a directory "
                               "this user can write, or set AGENT_DATA_DIR to one") from None
-    data = make()
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        data = make()
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)  # fails if another process created it meanwhile: theirs is the one
+    except FileExistsError:
+        return read_secret_file(path, what), False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return data, True
 
 

@@ -51,7 +51,9 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
             (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
                                                                                       "token": MCP_HUMAN}}}))
             (path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
-        servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN}))
+        servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN,
+                                                 # one audit key: each instance honours the others' grants
+                                                 "AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key")}))
     return servers
 
 
