@@ -89,9 +89,11 @@ def server_holds_log(data_dir: Path) -> bool:
 
 
 def find_server(cfg: AppConfig) -> Server | None:
-    """The running server of this config, or None when none runs. FileProblem when one runs but cannot be
-    reached or refuses the token (agentctl must then not write what it owns)."""
+    """The running server of this config, or None when none runs. FileProblem when it runs (it holds the
+    audit log's lock) but its shell endpoint cannot be reached or refuses the token: agentctl must then not
+    write what it owns. A server of another config answering on the port is not this one."""
     endpoint = _endpoint(cfg)
+    why = "its shell endpoint (plugin_client_shellpy) cannot be reached: enable it"
     if endpoint is not None:
         url, token = endpoint
         try:
@@ -101,12 +103,11 @@ def find_server(cfg: AppConfig) -> Server | None:
         if response is not None and response.status_code == 200:
             return Server(url, token)
         if response is not None:
-            raise FileProblem(f"a server answers at {url} but refuses agentctl (HTTP {response.status_code}): give "
-                              "agentctl its token (AGENT_SHELL_TOKEN or <data dir>/shell-token); nothing was changed")
+            why = (f"its shell endpoint at {url} refuses agentctl (HTTP {response.status_code}): give agentctl its "
+                   "token (AGENT_SHELL_TOKEN or <data dir>/shell-token)")
     if server_holds_log(cfg.data_dir()):
-        raise FileProblem("the server of this config is running, but its shell endpoint (plugin_client_shellpy) "
-                          "cannot be reached: enable it, or stop the server, then run the command again; nothing "
-                          "was changed")
+        raise FileProblem(f"the server of this config is running, but {why}, or stop the server; then run the "
+                          "command again; nothing was changed")
     return None
 
 

@@ -23,7 +23,7 @@ import json
 import secrets
 import sqlite3
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ GENESIS = "0" * 64
 #: The columns of an audit record that its MAC covers, in order.
 AUDIT_FIELDS = ("seq", "ts", "event", "session", "actor", "tool", "op", "tables", "args_digest", "outcome",
                 "grant_id", "detail")
+#: The event recorded when a session's grants end with it (deleted, expired, evicted).
+GRANTS_DROPPED = "grants_dropped"
 META_TABLE = "CREATE TABLE IF NOT EXISTS audit_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 
 
@@ -146,6 +148,15 @@ class Verified:
     grant_records: dict[str, int]
     unkeyed: int
     after_checkpoint: int = 0
+    #: Grants the chain says were revoked, and sessions whose grants ended with them (session → last seq):
+    #: a stored row of one of those is never honoured again, however valid its MAC (a replayed row).
+    revoked: set[str] = field(default_factory=set)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def backs(self, grant_id: str, session: str, audit_seq: int) -> bool:
+        """Whether the chain holds this grant's record and neither its revocation nor its session's end."""
+        return (self.grant_records.get(grant_id) == audit_seq and grant_id not in self.revoked
+                and self.dropped.get(session, 0) < audit_seq)
 
 
 def read_meta(db: sqlite3.Connection) -> dict[str, str]:
@@ -171,6 +182,8 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
     prev, expected = GENESIS, 1
     at_head = start_mac(key, log_id, unkeyed, GENESIS) if unkeyed == 0 else None
     grant_records: dict[str, int] = {}
+    revoked: set[str] = set()
+    dropped: dict[str, int] = {}
     for row in rows:
         fields, stored_prev, stored = list(row[:len(AUDIT_FIELDS)]), row[-2], str(row[-1])
         seq = fields[0]
@@ -190,6 +203,10 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
                              "without the key")
         if fields[2] == "grant" and fields[10]:
             grant_records[str(fields[10])] = seq
+        elif fields[2] == "revoke" and fields[10]:
+            revoked.add(str(fields[10]))
+        elif fields[2] == GRANTS_DROPPED:
+            dropped[str(fields[3])] = seq
         if seq == head.count:
             at_head = stored
         prev, expected = stored, expected + 1
@@ -201,7 +218,7 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
         raise AuditError(f"record {head.count} is not the one its head recorded: the log was replaced or "
                          "rewritten")
     last = prev if count > unkeyed else start_mac(key, log_id, unkeyed, prev)
-    return Verified(Head(log_id, count, last), grant_records, unkeyed, count - head.count)
+    return Verified(Head(log_id, count, last), grant_records, unkeyed, count - head.count, revoked, dropped)
 
 
 def verify_log(db: sqlite3.Connection, key: bytes, head: Head | None, where: str) -> Verified:

@@ -247,7 +247,7 @@ class GrantStore(stores.SqliteFile):
         now = self.clock()
         async with db.execute("SELECT id, record, mac FROM grants") as cur:
             async for grant_id, record, mac in cur:
-                grant = self._backed(grant_id, record, mac, verified.grant_records, migrated)
+                grant = self._backed(grant_id, record, mac, verified, migrated)
                 if grant is not None and grant.active(now):
                     self.grants.setdefault(grant.session, []).append(grant)
         # Ended and unbacked grants stay in the audit log; the table keeps only those that can still allow.
@@ -307,19 +307,20 @@ class GrantStore(stores.SqliteFile):
                                  f"{self.path} and {self.head_file} aside (keep them as evidence) to start a new "
                                  "log") from None
 
-    def _backed(self, grant_id: str, record: str, mac: str, backed: dict[str, int], migrated: int | None
+    def _backed(self, grant_id: str, record: str, mac: str, verified: audit_chain.Verified, migrated: int | None
                 ) -> Grant | None:
         """The stored grant if its row is the server's (valid MAC) and its grant record is in the chain."""
         try:
             grant = _grant(record)
         except (ValueError, KeyError, TypeError):
             grant = None
-        if grant is not None and migrated is not None and not mac and grant.id in backed:
-            grant.audit_seq = backed[grant.id]  # written before the key: backed by its record in the old chain
-            return grant
+        old = verified.grant_records.get(grant.id) if grant is not None else None
+        if grant is not None and migrated is not None and not mac and old is not None:
+            grant.audit_seq = old  # written before the key: backed by its record in the old chain
+            return grant if verified.backs(grant.id, grant.session, old) else None
         if (grant is None or grant.id != grant_id or not hmac.compare_digest(
                 audit_chain.grant_mac(self._key, canonical(grant)), mac or "")
-                or backed.get(grant.id) != grant.audit_seq):
+                or not verified.backs(grant.id, grant.session, grant.audit_seq)):
             self._ignore(grant_id, str(self.path))
             return None
         return grant
@@ -535,6 +536,8 @@ class GrantStore(stores.SqliteFile):
         """A deleted session's grants end with it (a later session with the same id starts with none)."""
         if self.grants.pop(session, None) is not None:
             self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,), None))
+            # In the chain, so a row of this session put back by hand is not honoured again.
+            self.audit(audit_chain.GRANTS_DROPPED, session=session, outcome="the session ended")
         self._share("drop", session)
 
     def _save(self, grant: Grant) -> None:

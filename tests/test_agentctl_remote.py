@@ -122,7 +122,7 @@ def test_a_running_server_that_refuses_agentctl_gets_no_file_written_behind_its_
     before = gates_file.read_bytes() if gates_file.exists() else None
     env = {**os.environ, "AGENT_SHELL_TOKEN": "not-the-token"}
     refused = _agentctl(server, "gate-set", "*", "read", "true", env=env)
-    assert refused.returncode == 2 and "refuses agentctl (HTTP 401)" in refused.stderr
+    assert refused.returncode == 2 and "refuses agentctl (HTTP 401)" in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     assert (gates_file.read_bytes() if gates_file.exists() else None) == before
     revoke = _agentctl(server, "grants", "revoke", "all", env=env)

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -269,7 +270,13 @@ TAMPERING = [
 
 
 def _verify(cfg: Path, capsys) -> tuple[int, str, str]:
-    code = agentctl.main(["--config-dir", str(cfg), "audit-verify"])
+    """`agentctl audit-verify` through its main; the logger it sets up for itself is put back afterwards."""
+    logger = logging.getLogger("agent_mcp")
+    handlers, propagate = logger.handlers[:], logger.propagate
+    try:
+        code = agentctl.main(["--config-dir", str(cfg), "audit-verify"])
+    finally:
+        logger.handlers[:], logger.propagate = handlers, propagate
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -505,3 +512,26 @@ def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp
         shutil.copy(backup / name, data / name)
     code, out, err = _verify(cfg.path, capsys)
     assert code == 2 and "the head checkpointed in Redis says 5 records" in err, err + out
+
+
+def test_a_revoked_grants_row_put_back_is_not_honoured_again(real_log, tmp_path, caplog) -> None:
+    """A copy of the row taken before the revoke carries a valid MAC; the chain's revoke record still wins."""
+    cfg = _copy(real_log, tmp_path)
+    path = cfg / "data" / grants.AUDIT_FILE
+    with _db(cfg) as db:
+        saved = db.execute("SELECT id, session, record, mac FROM grants").fetchone()
+    assert [g.id for g in grants.revoke_offline(path, "all", actor="agentctl")] == [saved[0]]
+    with _db(cfg) as db:
+        db.execute("INSERT INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)", saved)
+
+    async def run() -> list[str]:
+        store = grants.GrantStore(path)
+        await store.open()
+        try:
+            return [g.id for g in store.active("c1")]
+        finally:
+            await store.close()
+
+    with caplog.at_level("ERROR", logger="agent_mcp.grants"):
+        assert asyncio.run(run()) == []
+    assert any(saved[0] in r.getMessage() and "is ignored" in r.getMessage() for r in caplog.records)
