@@ -76,7 +76,7 @@ def test_agentctl_revoke_while_the_server_runs_is_in_force_at_once_and_the_chain
     revokes = [r for r in records if r["event"] == "revoke"]
     assert [(r["actor"], r["grant_id"]) for r in revokes] == [("agentctl", grant_id_of(records))]
     assert records[-1]["event"] == "decision" and records[-1]["outcome"] == "rejected"  # after the revoke
-    server.start()  # the revoked grant stays revoked after a restart
+    server.start(wait=False).wait_ready(60)  # the revoked grant stays revoked after a restart
     assert "No active grants." in _agentctl(server, "grants").stdout
 
 

@@ -125,7 +125,7 @@ def planted(tmp_path: Path, fake_openai: Any, fake_slack: Any) -> AgentServer:  
     tokens.chmod(0o600)
     server = AgentServer(cfg)
     server.api, server.proxy, server.mcp = (f"http://127.0.0.1:{p}" for p in (api_port, proxy_port, mcp_port))
-    server.start()
+    server.start(wait=False).wait_ready(60)  # many plugins: slow to start on a busy machine
     yield server
     server.stop()
 
@@ -274,7 +274,8 @@ def test_every_data_file_is_0600_in_an_open_data_dir_whatever_the_umask(tmp_path
     (data / "sessions.sqlite3").chmod(0o644)
     old = os.umask(0)
     try:
-        server = AgentServer(cfg).start()
+        server = AgentServer(cfg).start(wait=False)
+        server.wait_ready(60)
     finally:
         os.umask(old)
     try:
