@@ -44,7 +44,7 @@ GRANT_SCOPES = (TIMED, SESSION, PATTERN)
 DECISIONS = (ALLOW, *GRANT_SCOPES, REJECT)
 DEFAULT_MINUTES = 15
 MAX_MINUTES = 24 * 60
-#: The gate key of a statement that could not be analysed (gate.ANY_TABLE): never covered by a grant.
+#: The gate key of a statement that could not be analysed (sql.ANY_TABLE): never covered by a grant.
 ANY = "*"
 AUDIT_FILE = "audit.sqlite3"
 #: With several instances on one Redis, a session's grants are kept there at most this long after a change.

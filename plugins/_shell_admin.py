@@ -88,9 +88,9 @@ def _save_gates(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
     for section in ("db", "tools"):
         before, after = getattr(old, section), getattr(new, section)
         for key in sorted(set(before) | set(after)):
-            for op in ("read", "write"):
-                was = getattr(before[key], op) if key in before else None
-                now = getattr(after[key], op) if key in after else None
+            for op in ("read", "write", "ddl"):  # ddl: database keys only (absent on tools: None both ways)
+                was = getattr(before[key], op, None) if key in before else None
+                now = getattr(after[key], op, None) if key in after else None
                 if was != now:
                     word = "removed" if now is None else "auto-allow" if now else "gated"
                     rt.gate.audit("policy", actor=ACTOR, op=op, tables=[key] if section == "db" else (),

@@ -27,6 +27,7 @@ from tests.turns import answer, collect_turn, run_turn
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "scale-test-token-0123456789abcdef"
+API_KEY = "scale-test-api-key-0123456789"
 MCP_HUMAN = "scale-test-mcp-human-token-0001"
 #: The listeners besides the shell endpoint, by the name the nginx tests give them.
 DOORS = {"api": "plugin_client_api", "proxy": "plugin_proxy_llama", "mcp": "plugin_client_mcp"}
@@ -51,9 +52,11 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
             (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
                                                                                       "token": MCP_HUMAN}}}))
             (path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
-        servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN,
-                                                 # one audit key: each instance honours the others' grants
-                                                 "AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key")}))
+        # One API key for every instance (behind a balancer a client must not care which one answers), and
+        # one audit key: each instance honours the others' grants.
+        env = {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN, "API_KEY": API_KEY,
+               "AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key")}
+        servers.append(AgentServer(cfg.write(), env))
     return servers
 
 
@@ -411,7 +414,7 @@ def test_the_api_and_the_proxy_through_nginx_round_robin(tmp_path, pair, fake_op
     proc, ports = _nginx(tmp_path, pair)
     try:
         async def api_turns() -> list[str]:
-            client = AgentClient(f"http://127.0.0.1:{ports['api']}", "balanced-app")  # submit, then its stream
+            client = AgentClient(f"http://127.0.0.1:{ports['api']}", "balanced-app", api_key=API_KEY)  # then its stream
             return [await client.send(f"api message {n}") for n in range(4)]
 
         assert asyncio.run(api_turns()) == [f"echo: api message {n}" for n in range(4)]
