@@ -45,7 +45,8 @@ def test_agentctl_revoke_while_the_server_runs_is_in_force_at_once_and_the_chain
         config_dir, fake_openai, start_server) -> None:
     config_dir.models = {"fake": openai_model(fake_openai)}
     config_dir.add_plugin("plugin_test_db", DB_PLUGIN)
-    server: AgentServer = start_server(config_dir)
+    server: AgentServer = start_server(config_dir, wait=False)
+    server.wait_ready(60)  # slow to start on a busy machine
     fake_openai.script(tool_call("db_query", {"sql": BASE}), text("renamed"),
                        tool_call("db_query", {"sql": BASE.replace("1", "2")}), text("again"),
                        tool_call("db_query", {"sql": BASE.replace("1", "3")}), text("asked"))
@@ -89,7 +90,8 @@ def test_gate_policy_from_agentctl_is_applied_saved_and_audited_by_the_running_s
     config_dir.models = {"fake": openai_model(fake_openai)}
     config_dir.add_plugin("plugin_test_db", DB_PLUGIN)
     config_dir.gates = {"db": {"*": {"read": False, "write": False}}, "tools": {"*": {"read": False, "write": False}}}
-    server: AgentServer = start_server(config_dir)
+    server: AgentServer = start_server(config_dir, wait=False)
+    server.wait_ready(60)  # slow to start on a busy machine
     gates_file = server.cfg.path / "gate-defaults.json"
     fake_openai.script(tool_call("db_query", {"sql": BASE}), text("one"),
                        tool_call("db_query", {"sql": BASE}), text("two"))
@@ -104,20 +106,22 @@ def test_gate_policy_from_agentctl_is_applied_saved_and_audited_by_the_running_s
             assert not _asked(await _turn(client, "rename again", None))  # in force at once
 
     asyncio.run(run())
-    assert json.loads(gates_file.read_text())["db"]["users"] == {"read": False, "write": True}
+    assert json.loads(gates_file.read_text())["db"]["users"] == {"read": False, "write": True, "ddl": False}
     server.stop()
     policy = [r for r in grants.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "policy"]
-    # The new entry for users: write auto-allowed, read gated explicitly (it was gated through * before).
+    # The new entry for users: write auto-allowed, read and DDL gated explicitly (gated through * before).
     assert [(r["actor"], r["tables"], r["op"], r["outcome"]) for r in policy] == [
         ("agentctl", ["users"], "read", "gate-defaults.json: gated"),
-        ("agentctl", ["users"], "write", "gate-defaults.json: auto-allow")]
+        ("agentctl", ["users"], "write", "gate-defaults.json: auto-allow"),
+        ("agentctl", ["users"], "ddl", "gate-defaults.json: gated")]
 
 
 def test_a_running_server_that_refuses_agentctl_gets_no_file_written_behind_its_back(
         config_dir, fake_openai, start_server) -> None:
     """agentctl with a wrong token: the server answers 401, so agentctl refuses instead of writing the file."""
     config_dir.models = {"fake": openai_model(fake_openai)}
-    server: AgentServer = start_server(config_dir)
+    server: AgentServer = start_server(config_dir, wait=False)
+    server.wait_ready(60)  # slow to start on a busy machine
     gates_file = server.cfg.path / "gate-defaults.json"
     before = gates_file.read_bytes() if gates_file.exists() else None
     env = {**os.environ, "AGENT_SHELL_TOKEN": "not-the-token"}
