@@ -37,6 +37,7 @@ from rich.table import Table
 
 import agentctl_remote
 import grants
+from agentctl_db import DbCommands
 from agentctl_files import (
     ALL_GATED,
     FILE_MODELS,
@@ -113,7 +114,7 @@ def _bool(text: str) -> bool:
 # --------------------------------------------------------------------------- commands
 
 
-class AgentCtl:
+class AgentCtl(DbCommands):
     """The commands: `cmd_<name>` (dashes in the command become underscores) takes the words after it.
 
     Each docstring is the help text; its first line is `usage: what it does`.

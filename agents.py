@@ -322,6 +322,7 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
         return ToolOutcome(f"ERROR: {problem}. Fix them and call again.", "invalid", problem=problem)
     args = parsed.model_dump()
     with state.running(turn):
+        turn.db_access = None  # what the gate decides for this call, and nothing an earlier call left
         for check in rt.tool_checks:
             refused = await check(rt, turn, entry, args)
             if refused is not None:

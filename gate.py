@@ -327,6 +327,7 @@ class GateKeeper:
         else:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op, case_sensitive=case) for k in keys):
+            _covers(turn, section, "policy", allows=functools.partial(self.allowed, session, "db", case_sensitive=case))
             return None
 
         @functools.cache
@@ -343,7 +344,9 @@ class GateKeeper:
             self.grants.used(grant)
             self.audit("grant_used", actor=_actor(turn), outcome="allowed", grant_id=grant.id, **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
+            _covers(turn, section, "grant", grant.keys, grant.op)
             return None
+        _covers(turn, section, "approval", keys, op)  # what a person approves below (or an @model turn)
         if turn.bypass_gates:
             self.audit("decision", actor=_actor(turn), outcome="allowed (@model turn)", **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
@@ -447,6 +450,14 @@ class GateKeeper:
             return False
         waiting[1].set_result(checked)
         return True
+
+
+def _covers(turn: state.Turn, section: str, source: str, keys: Iterable[str] = (), op: str = "",
+            allows: Callable[[str, str], bool] | None = None) -> None:
+    """Record on the turn what a `db` call's decision covers, for the database to enforce (db_roles.py);
+    a refusal after this leaves it unused, and execute_tool clears it before the next call."""
+    if section == "db":
+        turn.db_access = state.DbAccess(source, frozenset((k, op) for k in keys), allows)
 
 
 def _actor(turn: state.Turn) -> str:

@@ -85,6 +85,9 @@ class Turn:
     session: Session | None = None
     #: The request deletes its own session (`!session <own id> delete`): done once it has answered.
     ends_session: bool = False
+    #: What the gate decision of the tool call running now covers (a `db` tool's; see DbAccess), set
+    #: by the gate and cleared before each call's checks, so it never outlives its call.
+    db_access: DbAccess | None = None
     #: Who the client plugin proved the caller to be (its token, key or user: `shell`, `api:key`,
     #: `proxy:alice`, `mcp:worker`, `slack:U123`); None: nothing proven beyond the session.
     identity: str | None = None
@@ -99,6 +102,20 @@ class Turn:
     def may_administer(self) -> bool:
         """Whether this request may change gates and run privileged (★) commands."""
         return self.interactive or self.admin
+
+
+@dataclass(frozen=True)
+class DbAccess:
+    """What the gate decision of one `db` tool call covers, for the database to enforce (db_roles.py).
+
+    `source`: "policy" (ran unasked: `allows(key, op)` says what this session's gates open),
+    "grant" (a grant's keys × operation) or "approval" (exactly what a person approved for this
+    call, or an `@model` turn's classified keys); `pairs` are the (gate key, operation) covered.
+    """
+
+    source: str
+    pairs: frozenset[tuple[str, str]] = frozenset()
+    allows: Callable[[str, str], bool] | None = field(default=None, compare=False)
 
 
 _turn: contextvars.ContextVar[Turn | None] = contextvars.ContextVar("agent_mcp_turn", default=None)
