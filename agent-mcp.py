@@ -21,7 +21,6 @@ import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import anyio
 import uvicorn
@@ -36,8 +35,9 @@ import build
 import routes
 import shared
 import state
-from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
-from guard import Guard
+from audit_chain import AuditError
+from config import AppConfig, ConfigError, load_config, own_copies, secret_values
+from guard import Guard, hide_userinfo
 from plugin_loader import BasePlugin
 
 logger = logging.getLogger("agent_mcp")
@@ -51,29 +51,39 @@ class StartupError(Exception):
 
 
 class _RedactSecrets(logging.Filter):
-    """Replace the values of secret-looking settings in every log record with `***`."""
+    """Take secrets out of every log record, its exception text included: the values of secret-looking
+    settings become `***`, and so does the user:password part of any URL (guard.hide_userinfo)."""
 
     def __init__(self, secrets: list[str]):
         super().__init__()
         self.secrets = sorted((s for s in secrets if len(s) >= 6), key=len, reverse=True)
 
+    def redact(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return hide_userinfo(text)
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.secrets:
-            message = record.getMessage()
-            redacted = message
-            for secret in self.secrets:
-                redacted = redacted.replace(secret, "***")
-            if redacted != message:
-                record.msg, record.args = redacted, None
+        message = record.getMessage()
+        redacted = self.redact(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = _FORMATTER.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
         return True
 
 
-def _setup_logging(level: str, env: dict[str, str]) -> None:
+_FORMATTER = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _setup_logging(level: str, env: dict[str, str], config: AppConfig | None = None) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    secrets = [v for k, v in env.items() if SECRET_NAME.search(k) and v]
-    with contextlib.suppress(ValueError):  # the password in a redis://:password@host URL is one too
-        secrets.append(unquote(urlsplit(env.get("SESSION_STORE", "")).password or ""))
+    handler.setFormatter(_FORMATTER)
+    secrets = secret_values(env, config.enabled.plugin_config if config else {})
     handler.addFilter(_RedactSecrets(secrets))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -381,13 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"agent-mcp: configuration error: {exc}", file=sys.stderr)
         return 2
-    _setup_logging(args.log_level, config.env)
+    _setup_logging(args.log_level, config.env, config)
     try:
         check_data_dir(config.data_dir())
         if created:
             logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
         return _run(serve(config))
-    except (StartupError, ConfigError, state.SessionError) as exc:
+    except (StartupError, ConfigError, state.SessionError, AuditError) as exc:
         # One line on stderr, not a log record as well: the log handler writes to stderr too.
         print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)
         return 1

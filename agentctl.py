@@ -35,6 +35,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from rich.markup import escape
 from rich.table import Table
 
+import agentctl_remote
 import grants
 from agentctl_db import DbCommands
 from agentctl_files import (
@@ -131,6 +132,7 @@ class AgentCtl(DbCommands):
             if not self.config_dir.is_dir():
                 raise FileProblem(f"{self.config_dir}: config directory does not exist")
             self._files = ConfigFiles(self.config_dir)
+            self._files.via_server = agentctl_remote.OwnedWriter(self._files.app_config(), self.term)
         return self._files
 
     def commands(self) -> dict[str, Callable[[list[str]], None]]:
@@ -150,6 +152,9 @@ class AgentCtl(DbCommands):
         except CtlError as exc:
             self.term.error(str(exc))
             return exc.exit_code
+        except grants.AuditError as exc:
+            self.term.error(str(exc))
+            return FileProblem.exit_code
         except (KeyboardInterrupt, EOFError):
             self.term.error("cancelled; nothing was changed")
             return 1
@@ -283,22 +288,23 @@ class AgentCtl(DbCommands):
         return self.files.app_config().data_dir() / grants.AUDIT_FILE
 
     def cmd_grants(self, args: list[str]) -> None:
-        """grants [revoke <id>|all]: the active grants of every session, or end them (with the server stopped).
+        """grants [revoke <id>|all]: the active grants of every session, or end them.
 
-        Grants are answers to gates that reach beyond one call; a running server keeps its own copy
-        (revoke there with !grants).
+        Grants are answers to gates that reach beyond one call. While the server runs, both go through
+        it (its shell endpoint): a revoke is in force at once and audited by the server.
         """
         self._args(args, self.cmd_grants, 0, 2)
+        cfg = self.files.app_config()
         if args:
             if len(args) != 2 or args[0] != "revoke":
                 raise InputError(f"usage: agentctl {self._usage(self.cmd_grants)}")
-            ended = grants.revoke_offline(self._audit_file(), args[1], actor="agentctl")
+            ended, how = agentctl_remote.revoke(cfg, args[1])
             if not ended:
                 raise InputError(f"no active grant '{args[1]}'; agentctl grants lists them")
-            self.term.done(f"revoked {', '.join(g.id for g in ended)}")
+            self.term.applied = how
+            self.term.done(f"revoked {', '.join(ended)}")
             return
-        path = self._audit_file()
-        active = grants.read_grants(path) if path.exists() else []
+        active = agentctl_remote.active_grants(cfg)
         if self.term.json_output:
             self.term.json({"grants": [dataclasses.asdict(g) for g in active]})
             return
@@ -331,21 +337,27 @@ class AgentCtl(DbCommands):
         self.term.table(table)
 
     def cmd_audit_verify(self, args: list[str]) -> None:
-        """audit-verify: check the audit log's hash chain; names the first changed or missing record."""
+        """audit-verify: check the audit log's keyed chain and its checkpointed head; says what does not hold.
+
+        Finds changed, deleted, inserted or reordered records, a chain recomputed without the key, a cut
+        tail, an emptied or replaced file (exit code 2, one line saying which).
+        """
         self._args(args, self.cmd_audit_verify, 0)
-        path = self._audit_file()
-        if not path.exists():
-            raise FileProblem(f"{path} does not exist: this data dir has no audit log yet")
-        count, broken = grants.verify_file(path)
-        if broken is not None:
+        cfg = self.files.app_config()
+        path = cfg.data_dir() / grants.AUDIT_FILE
+        try:
+            found = agentctl_remote.verify(cfg)
+        except grants.AuditError as exc:
             if self.term.json_output:
-                self.term.json({"ok": False, "checked": count, "broken_record": broken.seq, "why": broken.why})
-            raise FileProblem(f"audit log {path}: record {broken.seq} breaks the chain: {broken.why} "
-                              f"({count} records before it are intact)")
+                self.term.json({"ok": False, "why": str(exc)})
+            raise FileProblem(f"audit log {path}: {exc}") from None
+        later = f", {found.after_checkpoint} after the last checkpoint" if found.after_checkpoint else ""
+        unkeyed = f" (the first {found.unkeyed} written before the audit key)" if found.unkeyed else ""
         if self.term.json_output:
-            self.term.json({"ok": True, "checked": count})
+            self.term.json({"ok": True, "checked": found.head.count, "unkeyed": found.unkeyed})
         else:
-            self.term.say(f"audit log {path}: {count} records, chain intact")
+            self.term.say(f"audit log {path}: {found.head.count} records{unkeyed}{later}, chain intact and "
+                          "matches its head")
 
     def cmd_repair(self, args: list[str]) -> None:
         """repair [file…]: re-create each broken or missing config file from the shipped defaults, the broken

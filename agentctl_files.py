@@ -69,6 +69,8 @@ class ConfigFiles:
         self.env = load_env(config_dir)
         self.data: dict[str, Any] = {}
         self._read: dict[str, tuple[Path, bytes | None]] = {}  # what each file was read from, to notice edits
+        #: Saves a file a running server owns through that server (agentctl_remote.OwnedWriter); None: never.
+        self.via_server: Any = None
         for name, model in FILE_MODELS.items():
             path = config_path(config_dir, name)
             try:
@@ -120,6 +122,17 @@ class ConfigFiles:
         """Write one file into the config dir after loading the written copy with the server's models."""
         target = self.dir / name
         before = self._problems(self.data)
+        if self.via_server is not None and name in self.via_server.owned:
+            candidate = {**self.data, name: copy.deepcopy(raw)}
+            try:
+                self.parsed(name, candidate)
+            except ConfigError as exc:
+                raise InputError(f"refused, the result would be invalid: {exc}") from None
+            if new := [p for p in self._problems(candidate) if p not in before]:
+                raise InputError(f"refused: the server would not start with this change: {new[0]}")
+            if self.via_server.save(name, raw):  # the running server wrote it, applied it and audited it
+                self.data[name] = copy.deepcopy(raw)
+                return target
 
         def check(tmp: Path) -> None:
             source, contents = self._read[name]

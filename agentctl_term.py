@@ -32,6 +32,8 @@ class Terminal:
         self.out = Console(width=width, highlight=False)
         self.err = Console(stderr=True, width=width, highlight=False)
         self._session = session
+        #: What the next `done` says instead of RESTART (a running server applied the change itself).
+        self.applied: str | None = None
 
     def ask(self, question: str, words: list[str] | None = None) -> str:
         """One line from the operator; EOFError at the end of input."""
@@ -53,17 +55,18 @@ class Terminal:
 
     def done(self, text: str) -> None:
         """A change was written: say what, and that the server reads it at start."""
+        note, self.applied = self.applied or RESTART, None
         if self.json_output:
-            self.json({"done": text, "note": RESTART})
+            self.json({"done": text, "note": note})
             return
         self.out.print(f"✓ {text}", style="green", markup=False)
-        self.out.print(RESTART, style="dim", markup=False)
+        self.out.print(note, style="dim", markup=False)
 
     def warn(self, text: str) -> None:
         self.err.print(f"warning: {text}", style="yellow", markup=False)
 
     def error(self, text: str) -> None:
-        self.err.print(f"agentctl: {text}", style="red", markup=False)
+        self.err.print(f"agentctl: {text}", style="red", markup=False, soft_wrap=True)  # one line for grep
 
     def table(self, table: Table) -> None:
         self.out.print(table)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Mapping
 
 import agents
+import audit_chain
 import commands
 import gate
 import grants
@@ -55,8 +56,13 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     for tool in make_core_tools(rt):
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
     rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
-    rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE)
-    await rt.gate.grants.open()
+    rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
+                                       key_file=audit_chain.key_path(config.data_dir(), config.env))
+    try:
+        await rt.gate.grants.open()
+    except BaseException:
+        await sessions.close()
+        raise
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \

@@ -31,7 +31,7 @@ import grants
 import guard
 import sql
 import state
-from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, ToolPermission
+from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, ToolPermission, secret_values
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
     from registry import RegisteredTool
@@ -151,9 +151,12 @@ def may_administer(turn: state.Turn | None) -> bool:
 
 
 def without_locations(rt: state.Runtime, text: str) -> str:
-    """`text` with no file path, hostname, address or DSN in it, for readers nobody vouched for
-    (non-admin clients and the model): known directories by name, anything else `<hidden>`."""
-    return guard.hide_locations(text, {"<config dir>": rt.config.config_dir, "<data dir>": rt.config.data_dir,
+    """`text` with no secret, file path, hostname, address, URL (userinfo included) or DSN in it: the one
+    redaction of every surface a non-admin reads (command output, errors, the model's tool results).
+    Configured secrets become `***`, known directories their name, any other location `<hidden>`."""
+    for secret in secret_values(rt.config.env, rt.config.enabled.plugin_config):
+        text = text.replace(secret, "***")
+    return guard.hide_locations(text, {"<config dir>": rt.config.config_dir, "<data dir>": rt.config.data_dir(),
                                        "<install dir>": CODE_DIR, "~": Path.home()})
 
 
@@ -369,8 +372,11 @@ class GateKeeper:
         resolved = {"gate_id": gate_id, "decision": decision.word}
         if decision.word in offers:
             assert self.grants is not None
-            grant = self.grants.add(grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape))
-            self.audit("grant", actor=decision.by, outcome=grant.describe(grant.created), grant_id=grant.id, **audit)
+            grant = grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape)
+            # Its record first: the grant is bound to it (honoured only while that record is in the chain).
+            grant.audit_seq = self.grants.audit("grant", actor=decision.by, outcome=grant.describe(grant.created),
+                                                grant_id=grant.id, **audit)
+            self.grants.add(grant)
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
                                                  "grant": grant.id, **resolved})
             return None

@@ -6,18 +6,23 @@ statement with other values; the same values of a tool's defining arguments). Gr
 session in SQLite, survive restarts until they expire, and end at once when revoked.
 
 The audit log is one append-only table in the same file: every gate decision, grant, use of a
-grant, revocation and gate-policy change, each record carrying the SHA-256 of the one before, so a
-changed or missing record breaks the chain (`verify_file`, `agentctl audit-verify`). Records name who,
-what and when, and hold a digest of the arguments, never the arguments themselves.
+grant, revocation and gate-policy change, chained with a keyed MAC and checkpointed outside the file
+(`audit_chain`), so a changed, missing, added or cut record is found (`verify_file`, `agentctl
+audit-verify`). Records name who, what and when, and hold a digest of the arguments, never the
+arguments themselves. A grant is honoured only while its row carries a valid MAC and its grant record
+is in the verified chain: a row added or edited by hand (in the file or in Redis) is ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
+import hmac
 import json
 import logging
+import os
 import secrets
 import sqlite3
 import time
@@ -26,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import audit_chain
 import stores
+from audit_chain import AUDIT_FIELDS, GENESIS, AuditError, Head
 
 logger = logging.getLogger("agent_mcp.grants")
 
@@ -39,7 +46,6 @@ DEFAULT_MINUTES = 15
 MAX_MINUTES = 24 * 60
 #: The gate key of a statement that could not be analysed (sql.ANY_TABLE): never covered by a grant.
 ANY = "*"
-GENESIS = "0" * 64
 AUDIT_FILE = "audit.sqlite3"
 #: With several instances on one Redis, a session's grants are kept there at most this long after a change.
 SHARED_SECONDS = 30 * 86400
@@ -92,6 +98,8 @@ class Grant:
     shape: str = ""
     uses: int = 0
     revoked: float | None = None
+    #: The seq of the audit record that created it: a grant is honoured only if that record is in the chain.
+    audit_seq: int = 0
 
     def active(self, now: float) -> bool:
         return self.revoked is None and (self.expires is None or now < self.expires)
@@ -130,63 +138,46 @@ def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
 
 
-def _record_hash(prev: str, fields: list[Any]) -> str:
-    return hashlib.sha256((prev + json.dumps(fields, ensure_ascii=False, default=str)).encode()).hexdigest()
-
-
-#: The columns of an audit record that its hash covers, in order.
-AUDIT_FIELDS = ("seq", "ts", "event", "session", "actor", "tool", "op", "tables", "args_digest", "outcome",
-                "grant_id", "detail")
-
-
-@dataclass(frozen=True)
-class Broken:
-    """The first record where the audit chain does not hold, and why."""
-
-    seq: int
-    why: str
-
-
-def verify_rows(rows: Iterable[tuple[Any, ...]]) -> tuple[int, Broken | None]:
-    """Check the chain of `(…AUDIT_FIELDS, prev, hash)` rows in order: (records checked, first break or None)."""
-    prev, expected, count = GENESIS, 1, 0
-    for row in rows:
-        fields, stored_prev, stored_hash = list(row[:len(AUDIT_FIELDS)]), row[-2], row[-1]
-        seq = fields[0]
-        if seq != expected:
-            return count, Broken(expected, f"record {expected} is missing (the next one is {seq})")
-        if stored_prev != prev:
-            return count, Broken(seq, "its link to the record before does not match (that one was changed)")
-        if _record_hash(prev, fields) != stored_hash:
-            return count, Broken(seq, "its contents do not match its hash (it was changed)")
-        prev, expected, count = stored_hash, expected + 1, count + 1
-    return count, None
+def canonical(grant: Grant) -> str:
+    """A grant's record as its MAC covers it."""
+    return json.dumps(asdict(grant), sort_keys=True)
 
 
 class GrantStore(stores.SqliteFile):
     """Grants (kept in memory) and the audit chain, in `<data dir>/audit.sqlite3`.
 
     Decisions are made from memory; every change and audit record is written by one writer task,
-    in order, a burst in one transaction, so a tool call never waits for the disk. `flush()`
-    waits until everything so far is written; `close()` flushes.
+    in order, a burst in one transaction, so a tool call never waits for the disk; after each burst
+    the chain's head is checkpointed (head file, log line, Redis). `flush()` waits until everything
+    so far is written; `close()` flushes. One process at a time holds the file (`<file>.lock`).
+    `open()` verifies the whole chain against its head and refuses (AuditError) a log that does not hold.
     """
 
     SCHEMA = (
-        "PRAGMA synchronous=NORMAL",
+        # Every commit on disk before its head is checkpointed: a power cut must not make the head longer.
+        "PRAGMA synchronous=FULL",
         "CREATE TABLE IF NOT EXISTS grants (id TEXT PRIMARY KEY, session TEXT NOT NULL, record TEXT NOT NULL)",
         "CREATE TABLE IF NOT EXISTS audit (seq INTEGER PRIMARY KEY, ts REAL NOT NULL, event TEXT NOT NULL,"
         " session TEXT, actor TEXT, tool TEXT, op TEXT, tables TEXT, args_digest TEXT, outcome TEXT,"
         " grant_id TEXT, detail TEXT, prev TEXT NOT NULL, hash TEXT NOT NULL)",
+        audit_chain.META_TABLE,
     )
     _INSERT = (f"INSERT INTO audit ({', '.join(AUDIT_FIELDS)}, prev, hash) "
                f"VALUES ({', '.join('?' * (len(AUDIT_FIELDS) + 2))})")
 
-    def __init__(self, path: Path, clock: Any = time.time):
+    def __init__(self, path: Path, clock: Any = time.time, key_file: Path | None = None):
         super().__init__(path)
         self.clock = clock
+        self.key_file = key_file or audit_chain.key_path(self.path.parent)
+        self.head_file = self.path.parent / audit_chain.HEAD_FILE
+        self._key = b""
+        self._log_id = ""
+        self._lock: int | None = None
         self.grants: dict[str, list[Grant]] = {}
         self._last: tuple[int, str] = (0, GENESIS)
-        self._queue: asyncio.Queue[tuple[str, tuple[Any, ...]] | asyncio.Future[None] | None] = asyncio.Queue()
+        self._ignored: set[str] = set()
+        self._queue: asyncio.Queue[tuple[str, tuple[Any, ...], tuple[int, str] | None] | asyncio.Future[None]
+                                   | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._observers: list[Callable[[str], None]] = []
         #: Several instances on one Redis (shared.Link): grants are shared there (see `refresh`).
@@ -206,22 +197,153 @@ class GrantStore(stores.SqliteFile):
             callback(session)
 
     async def open(self) -> None:
-        await super().open()
+        self._take_lock()
+        try:
+            await super().open()
+            await self._open_chain()
+        except BaseException:
+            await self.close()
+            raise
+        self._writer = asyncio.create_task(self._write(), name="grant-store-writer")
+
+    def _take_lock(self) -> None:
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise AuditError(f"cannot open {lock} ({exc.strerror}): make the data dir writable") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise AuditError(f"{self.path} is in use by another process (a running server holds {lock}): change "
+                             "grants through that server (agentctl does when its shell endpoint answers, or "
+                             "!grants revoke in the shell), or stop it first") from None
+        self._lock = fd
+
+    async def _open_chain(self) -> None:
+        """Load the key, take over an unkeyed log, verify the chain against its head, load the grants it backs."""
         db = self._conn()
+        meta = dict(await (await db.execute("SELECT key, value FROM audit_meta")).fetchall())
+        async with db.execute("SELECT COUNT(*) FROM audit") as cur:
+            rows = (await cur.fetchone() or (0,))[0]
+        async with db.execute("PRAGMA table_info(grants)") as cur:
+            if "mac" not in [c[1] async for c in cur]:
+                await db.execute("ALTER TABLE grants ADD COLUMN mac TEXT NOT NULL DEFAULT ''")
+        try:
+            # An existing keyed log whose key is gone must not get a new key: it could never be verified again.
+            self._key = audit_chain.load_key(self.key_file, create=not meta)
+        except AuditError as exc:
+            raise AuditError(f"audit log {self.path}: {exc}") from None
+        migrated = None
+        if not meta:
+            migrated = await self._start_chain(db, rows)
+        verified = await asyncio.to_thread(self._verify)
+        self._log_id, self._last = verified.head.log_id, (verified.head.count, verified.head.last)
+        if verified.after_checkpoint:
+            logger.warning("audit log %s: %d record(s) were written after the last checkpointed head (the server "
+                           "stopped between the two); the head is moved on", self.path, verified.after_checkpoint)
         now = self.clock()
-        async with db.execute("SELECT record FROM grants") as cur:
-            async for (record,) in cur:
-                grant = _grant(record)
-                if grant.active(now):
+        async with db.execute("SELECT id, record, mac FROM grants") as cur:
+            async for grant_id, record, mac in cur:
+                grant = self._backed(grant_id, record, mac, verified, migrated)
+                if grant is not None and grant.active(now):
                     self.grants.setdefault(grant.session, []).append(grant)
-        # Ended grants stay in the audit log; the table keeps only those that can still allow.
+        # Ended and unbacked grants stay in the audit log; the table keeps only those that can still allow.
         kept = [g.id for grants in self.grants.values() for g in grants]
         await db.execute(f"DELETE FROM grants WHERE id NOT IN ({','.join('?' * len(kept))})", kept)
-        async with db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1") as cur:
-            last = await cur.fetchone()
-        self._last = (int(last[0]), str(last[1])) if last else (0, GENESIS)
+        for grants in self.grants.values():
+            for grant in grants:
+                await db.execute(*self._grant_row(grant))
         await db.commit()
-        self._writer = asyncio.create_task(self._write(), name="grant-store-writer")
+        self._checkpoint(Head(self._log_id, *self._last))
+        if migrated is not None:
+            self.audit("audit_migrated", actor="agent-mcp", outcome="keyed",
+                       detail=f"records 1-{migrated} were written before the audit key (plain SHA-256 chain, intact "
+                              "when taken over); from here on every record carries a keyed MAC")
+
+    async def _start_chain(self, db: Any, rows: int) -> int | None:
+        """Give a new log (or one written before the key) its id and keyed-chain header; returns how many
+        unkeyed records were taken over (None for a new log)."""
+        unkeyed, last = 0, GENESIS
+        if rows:
+            unkeyed, last = await asyncio.to_thread(self._check_unkeyed)
+        await db.executemany("INSERT INTO audit_meta (key, value) VALUES (?, ?)",
+                             [("format", audit_chain.FORMAT), ("log_id", secrets.token_hex(8)),
+                              ("unkeyed", str(unkeyed))])
+        await db.commit()
+        meta = dict(await (await db.execute("SELECT key, value FROM audit_meta")).fetchall())
+        start = audit_chain.start_mac(self._key, meta["log_id"], unkeyed, last)
+        if unkeyed:
+            # The head of the unkeyed part; the audit_migrated record written at open extends it.
+            audit_chain.write_head(self.head_file, Head(meta["log_id"], unkeyed, last), self._key)
+        else:
+            audit_chain.write_head(self.head_file, Head(meta["log_id"], 0, start), self._key)
+        if unkeyed:
+            logger.warning("audit log %s: taking over %d records written before the audit key; they are checked "
+                           "and bound into the keyed chain", self.path, unkeyed)
+        return unkeyed if rows else None
+
+    def _check_unkeyed(self) -> tuple[int, str]:
+        with contextlib.closing(sqlite3.connect(self.path)) as db:
+            prev, count = GENESIS, 0
+            for row in db.execute(f"SELECT {', '.join(AUDIT_FIELDS)}, prev, hash FROM audit ORDER BY seq"):
+                fields = list(row[:len(AUDIT_FIELDS)])
+                if fields[0] != count + 1 or row[-2] != prev or audit_chain.record_hash(prev, fields) != row[-1]:
+                    raise AuditError(f"audit log {self.path} (written before the audit key) is broken at record "
+                                     f"{count + 1}: run agentctl audit-verify, move the file aside to start a new "
+                                     "log (keep it as evidence)")
+                prev, count = row[-1], count + 1
+        return count, prev
+
+    def _verify(self) -> audit_chain.Verified:
+        with contextlib.closing(sqlite3.connect(self.path)) as db:
+            try:
+                head = audit_chain.read_head(self.head_file, self._key)
+                return audit_chain.verify_log(db, self._key, head, str(self.head_file))
+            except AuditError as exc:
+                raise AuditError(f"audit log {self.path} does not verify: {exc}; run agentctl audit-verify, and move "
+                                 f"{self.path} and {self.head_file} aside (keep them as evidence) to start a new "
+                                 "log") from None
+
+    def _backed(self, grant_id: str, record: str, mac: str, verified: audit_chain.Verified, migrated: int | None
+                ) -> Grant | None:
+        """The stored grant if its row is the server's (valid MAC) and its grant record is in the chain."""
+        try:
+            grant = _grant(record)
+        except (ValueError, KeyError, TypeError):
+            grant = None
+        old = verified.grant_records.get(grant.id) if grant is not None else None
+        if grant is not None and migrated is not None and not mac and old is not None:
+            grant.audit_seq = old  # written before the key: backed by its record in the old chain
+            return grant if verified.backs(grant.id, grant.session, old) else None
+        if (grant is None or grant.id != grant_id or not hmac.compare_digest(
+                audit_chain.grant_mac(self._key, canonical(grant)), mac or "")
+                or not verified.backs(grant.id, grant.session, grant.audit_seq)):
+            self._ignore(grant_id, str(self.path))
+            return None
+        return grant
+
+    def _ignore(self, grant_id: str, where: str) -> None:
+        if grant_id not in self._ignored:
+            self._ignored.add(grant_id)
+            logger.error("grant %s in %s is ignored: it is not backed by its grant record in the verified audit "
+                         "chain (added or edited by hand, or written with another audit key)", grant_id[:32], where)
+
+    def _grant_row(self, grant: Grant) -> tuple[str, tuple[Any, ...]]:
+        record = canonical(grant)
+        return ("INSERT OR REPLACE INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)",
+                (grant.id, grant.session, record, audit_chain.grant_mac(self._key, record)))
+
+    def _checkpoint(self, head: Head) -> None:
+        """Write the head where the log cannot reach it: the head file and the server log (Redis: `_write`)."""
+        try:
+            audit_chain.write_head(self.head_file, head, self._key)
+        except OSError as exc:
+            logger.error("writing the audit head %s failed (%s): audit-verify will report a cut tail until the "
+                         "next write succeeds", self.head_file, exc.strerror or exc)
+        logger.info("audit head %s", head.sealed(self._key))
 
     async def _write(self) -> None:
         db = self._conn()
@@ -229,18 +351,34 @@ class GrantStore(stores.SqliteFile):
             batch = [item]
             while not self._queue.empty() and batch[-1] is not None:
                 batch.append(self._queue.get_nowait())
+            head = None
             try:
                 for work in batch:
                     if isinstance(work, tuple):
-                        await db.execute(*work)
+                        await db.execute(work[0], work[1])
+                        head = work[2] or head
                 await db.commit()
             except Exception:  # the log says so; grants in memory still decide
                 logger.exception("writing %s failed", self.path)
+                head = None
+            if head is not None:
+                sealed = Head(self._log_id, *head)
+                self._checkpoint(sealed)
+                await self._share_head(sealed)
             for work in batch:
                 if isinstance(work, asyncio.Future) and not work.done():
                     work.set_result(None)
             if batch[-1] is None:
                 return
+
+    async def _share_head(self, head: Head) -> None:
+        if self.link is None:
+            return
+        try:
+            async with asyncio.timeout(2):
+                await self.link.client.set(self.link.key("audit-head", head.log_id), head.sealed(self._key))
+        except Exception as exc:  # Redis down: the head file and the log line still hold it
+            logger.warning("checkpointing the audit head in Redis failed: %s", exc)
 
     async def flush(self) -> None:
         """Wait until every change and audit record so far is in the file."""
@@ -260,6 +398,9 @@ class GrantStore(stores.SqliteFile):
                     await self._shared_idle.wait()
             self._sharer.cancel()
         await super().close()
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     # ── shared with other instances (Redis) ──
 
@@ -281,7 +422,9 @@ class GrantStore(stores.SqliteFile):
             for op, value in batch:
                 if op == "set":
                     key = self.link.key("grants", value.session)
-                    pipe.hset(key, value.id, json.dumps(asdict(value)))
+                    record = canonical(value)
+                    pipe.hset(key, value.id, json.dumps({"record": record,
+                                                         "mac": audit_chain.grant_mac(self._key, record)}))
                     pipe.expire(key, SHARED_SECONDS)
                     pipe.hset(self.link.key("grant-owners"), value.id, value.session)
                 elif op == "del":
@@ -305,11 +448,26 @@ class GrantStore(stores.SqliteFile):
         with self.link.calling():
             rows = await self.link.client.hgetall(self.link.key("grants", session))
         now = self.clock()
-        found = [g for g in (_grant(r) for r in rows.values()) if g.active(now)]
+        where = f"Redis ({self.link.key('grants', session)})"
+        found = [g for g in (self._shared_grant(i, r, where) for i, r in rows.items()) if g and g.active(now)]
         if found:
             self.grants[session] = sorted(found, key=lambda g: g.created)
         else:
             self.grants.pop(session, None)
+
+    def _shared_grant(self, grant_id: str, value: str, where: str) -> Grant | None:
+        """A grant read from Redis, if an instance holding the audit key wrote it (its MAC holds)."""
+        try:
+            data = json.loads(value)
+            record, mac = str(data["record"]), str(data["mac"])
+            grant = _grant(record)
+        except (ValueError, KeyError, TypeError):
+            grant, record, mac = None, "", ""
+        if grant is None or grant.id != grant_id or not hmac.compare_digest(
+                audit_chain.grant_mac(self._key, record), mac):
+            self._ignore(grant_id, where)
+            return None
+        return grant
 
     async def find_owner(self, grant_id: str) -> str | None:
         """`owner`, on every instance of a shared store."""
@@ -360,7 +518,7 @@ class GrantStore(stores.SqliteFile):
         ended = [g for g in self.active(session) if which in ("all", g.id)]
         for grant in ended:
             grant.revoked = now
-            self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,)))
+            self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,), None))
             self._share("del", grant)
             self.audit("revoke", session=session, actor=actor, tool=grant.tool, op=grant.op,
                        tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked",
@@ -377,12 +535,13 @@ class GrantStore(stores.SqliteFile):
     def forget(self, session: str) -> None:
         """A deleted session's grants end with it (a later session with the same id starts with none)."""
         if self.grants.pop(session, None) is not None:
-            self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,)))
+            self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,), None))
+            # In the chain, so a row of this session put back by hand is not honoured again.
+            self.audit(audit_chain.GRANTS_DROPPED, session=session, outcome="the session ended")
         self._share("drop", session)
 
     def _save(self, grant: Grant) -> None:
-        self._queue.put_nowait(("INSERT OR REPLACE INTO grants (id, session, record) VALUES (?, ?, ?)",
-                                (grant.id, grant.session, json.dumps(asdict(grant)))))
+        self._queue.put_nowait((*self._grant_row(grant), None))
         self._share("set", grant)
 
     # ── the audit chain ──
@@ -390,13 +549,13 @@ class GrantStore(stores.SqliteFile):
     def audit(self, event: str, *, session: str = "", actor: str = "", tool: str = "", op: str = "",
               tables: Iterable[str] = (), args: Any = None, outcome: str = "", grant_id: str = "",
               detail: str = "") -> int:
-        """Append one record (its hash covers the one before); returns its sequence number."""
+        """Append one record (its MAC covers the one before); returns its sequence number."""
         seq, prev = self._last[0] + 1, self._last[1]
         fields = [seq, self.clock(), event, session, actor, tool, op, json.dumps(sorted(tables)),
                   digest(args) if args is not None else "", outcome, grant_id, detail]
-        record_hash = _record_hash(prev, fields)
-        self._last = (seq, record_hash)
-        self._queue.put_nowait((self._INSERT, (*fields, prev, record_hash)))
+        mac = audit_chain.record_mac(self._key, prev, fields)
+        self._last = (seq, mac)
+        self._queue.put_nowait((self._INSERT, (*fields, prev, mac), (seq, mac)))
         return seq
 
 
@@ -421,51 +580,59 @@ def new_grant(session: str, decision: Decision, tool: str, section: str, keys: I
 # ── offline access (agentctl) ───────────────────────────────────────────────────────────────
 
 
-@contextlib.contextmanager
-def _offline(path: Path) -> Iterator[sqlite3.Connection]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: the server has recorded no gate decision in this data dir")
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        yield db
-
-
 def read_audit(path: Path, since: float | None = None, session: str | None = None) -> Iterator[dict[str, Any]]:
     """The audit records of a data dir's log, oldest first (for `agentctl audit`)."""
-    with _offline(path) as db:
+    with audit_chain.open_readonly(path) as db:
         query = f"SELECT {', '.join(AUDIT_FIELDS)} FROM audit WHERE ts >= ? AND (? IS NULL OR session = ?) ORDER BY seq"
-        for row in db.execute(query, (since or 0, session, session)):
-            record = dict(zip(AUDIT_FIELDS, row, strict=True))
-            record["tables"] = json.loads(record["tables"] or "[]")
-            yield record
+        try:
+            for row in db.execute(query, (since or 0, session, session)):
+                record = dict(zip(AUDIT_FIELDS, row, strict=True))
+                record["tables"] = json.loads(record["tables"] or "[]")
+                yield record
+        except (sqlite3.DatabaseError, ValueError) as exc:
+            raise AuditError(f"{path} is not a readable audit log ({exc}): run agentctl audit-verify") from None
 
 
-def verify_file(path: Path) -> tuple[int, Broken | None]:
-    """Check a data dir's audit chain (for `agentctl audit-verify`)."""
-    with _offline(path) as db:
-        return verify_rows(db.execute(f"SELECT {', '.join(AUDIT_FIELDS)}, prev, hash FROM audit ORDER BY seq"))
+def verify_file(path: Path, key_file: Path | None = None, shared_head: str | None = None) -> audit_chain.Verified:
+    """Check a data dir's audit chain against its key and head (for `agentctl audit-verify`); AuditError (one
+    line) says what does not hold. `shared_head`: the head checkpointed in Redis, when sessions are there."""
+    key = audit_chain.load_key(key_file or audit_chain.key_path(path.parent), create=False)
+    head_file = path.parent / audit_chain.HEAD_FILE
+    head = audit_chain.read_head(head_file, key)
+    with audit_chain.open_readonly(path) as db:
+        found = audit_chain.verify_log(db, key, head, str(head_file))
+    if shared_head is not None:
+        other = Head.unseal(shared_head, key, "in Redis")
+        if other.count > found.head.count or (other.count == found.head.count and other.last != found.head.last):
+            raise AuditError(f"the head checkpointed in Redis says {other.count} records, {path} has "
+                             f"{found.head.count} that do not end where it says: the log was cut or rewritten")
+    return found
 
 
-def read_grants(path: Path, now: float | None = None) -> list[Grant]:
-    """The grants that can still allow (for `agentctl grants`)."""
+def read_grants(path: Path, now: float | None = None, key_file: Path | None = None) -> list[Grant]:
+    """The grants that can still allow and that the server would honour (for `agentctl grants`)."""
     now = time.time() if now is None else now
-    with _offline(path) as db:
-        grants = [_grant(r) for (r,) in db.execute("SELECT record FROM grants")]
+    key = audit_chain.load_key(key_file or audit_chain.key_path(path.parent), create=False)
+    with audit_chain.open_readonly(path) as db:
+        try:
+            rows = db.execute("SELECT record, mac FROM grants").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise AuditError(f"{path} is not a readable audit log ({exc}): run agentctl audit-verify") from None
+    grants = [_grant(r) for r, m in rows if hmac.compare_digest(audit_chain.grant_mac(key, r), m or "")]
     return sorted((g for g in grants if g.active(now)), key=lambda g: g.created)
 
 
-def revoke_offline(path: Path, which: str, actor: str) -> list[Grant]:
-    """Revoke grants in a data dir while the server is stopped (`which`: an id, or `all`), audited."""
-    revoked = [g for g in read_grants(path) if which in ("all", g.id)]
+def revoke_offline(path: Path, which: str, actor: str, key_file: Path | None = None) -> list[Grant]:
+    """Revoke grants in a data dir while the server is stopped (`which`: an id, or `all`), audited like the
+    server does; AuditError when the server holds the file or the log does not verify."""
 
-    async def run() -> None:
-        store = GrantStore(path)
+    async def run() -> list[Grant]:
+        store = GrantStore(path, key_file=key_file)
         await store.open()
         try:
-            for grant in revoked:
-                store.revoke(grant.session, grant.id, actor, detail="offline (agentctl)")
+            return [g for session in list(store.grants) for g in store.revoke(session, which, actor,
+                                                                               detail="offline (agentctl)")]
         finally:
             await store.close()
 
-    asyncio.run(run())
-    return revoked
-
+    return asyncio.run(run())

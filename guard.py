@@ -290,6 +290,13 @@ _LOCATIONS = re.compile(
     re.IGNORECASE,
 )
 HIDDEN = "<hidden>"
+#: The user:password part of a URL (`http://u:p@host`, `redis://:pw@host`, `mysql://u:p@host/db`).
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"<>]*@")
+
+
+def hide_userinfo(text: str) -> str:
+    """`text` with the user and password of every URL in it replaced by `***` (what every log line gets)."""
+    return _USERINFO.sub(r"\1***@", text)
 
 
 def hide_locations(text: str, places: Mapping[str, str | Path] = {}) -> str:

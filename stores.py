@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -91,8 +92,25 @@ class MemoryStore(SessionStore):
     """Sessions live only as long as the process."""
 
 
+#: The files SQLite keeps next to a database (they hold its data too).
+SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def make_private(path: Path) -> None:
+    """Create the database file 0600 if missing (whatever the umask and the directory's mode), and make it and
+    its side files 0600 if they exist: SQLite creates the -wal, -shm and -journal files with the database's
+    mode, so they follow."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    for name in ("", *SIDE_FILES):
+        side = path.with_name(path.name + name)
+        with contextlib.suppress(FileNotFoundError):
+            if side.stat().st_mode & 0o077 and side.stat().st_uid == os.getuid():
+                os.chmod(side, 0o600)
+
+
 class SqliteFile:
-    """One aiosqlite connection to a file in WAL mode, its tables created by `SCHEMA` at open."""
+    """One aiosqlite connection to a file in WAL mode (it and its side files 0600), its tables created by
+    `SCHEMA` at open."""
 
     SCHEMA: tuple[str, ...] = ()
 
@@ -103,7 +121,8 @@ class SqliteFile:
     async def open(self) -> None:
         """Open (creating the file and its directory); SessionError names the file when that fails."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_private(self.path)
             self._db = await aiosqlite.connect(self.path)
             await self._db.execute("PRAGMA journal_mode=WAL")
             for statement in self.SCHEMA:

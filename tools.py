@@ -182,9 +182,12 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     async def get_system_info() -> str:
         turn = state.current_turn()
         client_id, session = (turn.client_id, turn.session) if turn else (None, None)
+        # The host's name and kernel only for a turn an admin started (shell, admin API): not the others' business.
+        host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if gate.may_administer(turn)
+                else "<hidden> (") + f"Python {platform.python_version()})"
         lines = [
             f"Local time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-            f"Host: {platform.node()} ({platform.system()} {platform.release()}, Python {platform.python_version()})",
+            f"Host: {host}",
             f"Uptime: {int(time.time() - rt.started)} s",
             f"Session: {client_id or '-'}" + (f" (#{session.shorthand}, model {session.model})" if session else ""),
             f"Tools: {', '.join(rt.tools.names())}",

@@ -61,6 +61,7 @@ def start(tmp: Path, backend: FakeOpenAI, mcp_port: int) -> AgentServer:
     cfg.plugin_config["plugin_client_mcp"] = {"port": mcp_port}
     cfg.gates = {"db": {}, "tools": {}}
     (tmp / "mcp-tokens.json").write_text(json.dumps({"tokens": {"bench": {"role": "human", "token": TOKEN}}}))
+    (tmp / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
     return AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
 
 

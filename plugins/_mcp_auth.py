@@ -19,7 +19,7 @@ from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from config import field_problems
+from config import SecretFileError, field_problems, read_secret_file
 from plugin_loader import PluginConfigError
 from plugins import _http
 
@@ -89,10 +89,10 @@ def _digest(token: str) -> bytes:
 
 def load_tokens(path: Path) -> list[tuple[bytes, Principal]]:
     """The token table of a token file; PluginConfigError names the file and the field that is wrong."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PluginConfigError(f"{path}: cannot read the MCP token file ({exc.strerror})") from None
+    try:  # it holds bearer tokens in clear: refused when others may read it
+        raw = json.loads(read_secret_file(path, "the MCP token file").decode("utf-8"))
+    except SecretFileError as exc:
+        raise PluginConfigError(str(exc)) from None
     except ValueError as exc:
         raise PluginConfigError(f"{path}: not valid JSON ({exc})") from None
     try:

@@ -1,7 +1,8 @@
 """The shell.py endpoint: submit, the session event stream, gate answers, sessions, health.
 
 Wire contract (DESIGN.md): `POST /submit`, `GET /stream?client_id=X` (SSE with ids, replay after
-`Last-Event-ID`), `POST /gate_response`, `GET /health`, `GET /sessions`, `DELETE /session/{id}`.
+`Last-Event-ID`), `POST /gate_response`, `GET /health`, `GET /sessions`, `DELETE /session/{id}`, and
+`POST /admin` (agentctl's writes while the server runs: plugins/_shell_admin.py).
 Binds 127.0.0.1:8765 by default. Every endpoint needs a bearer token: `AGENT_SHELL_TOKEN` when set,
 else the one generated into `<data dir>/shell-token` (mode 0600) at the first start, which shell.py
 reads by itself.
@@ -22,7 +23,7 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
-from plugins import _http
+from plugins import _http, _shell_admin
 
 CLIENT_ID = re.compile(_http.CLIENT_ID_PATTERN)
 logger = logging.getLogger("agent_mcp.shellpy")
@@ -115,6 +116,7 @@ class ShellpyPlugin(BasePlugin):
             Route("/health", self.health, methods=["GET"]),
             Route("/sessions", self.sessions, methods=["GET"]),
             Route("/session/{sid}", self.delete_session, methods=["DELETE"]),
+            Route("/admin", self.admin, methods=["POST"]),
         ]
 
     async def submit(self, request: Request) -> JSONResponse:
@@ -143,6 +145,16 @@ class ShellpyPlugin(BasePlugin):
         if not answered:
             return _error(404, f"unknown or already answered gate '{body.gate_id}' (it may have timed out)")
         return JSONResponse({"status": "OK"})
+
+    async def admin(self, request: Request) -> JSONResponse:
+        """agentctl's writes to what this server owns (plugins/_shell_admin.py), done and audited here."""
+        body = await _json_body(request, _shell_admin.AdminBody)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            return JSONResponse(await _shell_admin.handle(self.rt, body))
+        except _shell_admin.AdminError as exc:
+            return _error(400, str(exc))
 
     async def health(self, request: Request) -> JSONResponse:
         rt = self.rt

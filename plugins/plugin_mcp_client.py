@@ -21,6 +21,8 @@ from typing import Any
 
 import mcp_types as types
 
+import gate
+import state
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
 from plugins._mcp_connection import (
     Connection,
@@ -156,9 +158,12 @@ class McpClientPlugin(BasePlugin):
                 "  !mcp                        list MCP servers, their status and tools\n"
                 "  !mcp reconnect <server>     restart one server's connection")
 
-    async def cmd_mcp(self, args: str) -> str:
+    async def cmd_mcp(self, turn: state.Turn, args: str) -> str:
         """!mcp [reconnect <server>] — the MCP servers, their status and their tools."""
         words = args.split()
+        admin = gate.may_administer(turn)
+        if words and words[0] == "reconnect" and not admin:
+            return gate.refusal("!mcp reconnect", turn)
         if words and words[0] == "reconnect":
             if len(words) != 2 or words[1] not in self.servers:
                 return f"Use: !mcp reconnect <server>  (servers: {', '.join(self.servers) or 'none'})"
@@ -168,9 +173,11 @@ class McpClientPlugin(BasePlugin):
                     else f"MCP server '{conn.name}' failed: {conn.error}")
         if words:
             return "Use: !mcp  or  !mcp reconnect <server>"
-        return self._status_text()
+        return self._status_text(admin)
 
-    def _status_text(self) -> str:
+    def _status_text(self, admin: bool) -> str:
+        """Every server's status and tools; how each is reached (command lines, URLs) and why one failed only
+        for an admin."""
         if not self.servers:
             return f"No MCP servers configured (add them to {self.config_file})."
         lines = [f"MCP servers ({self.config_file}):"]
@@ -181,9 +188,10 @@ class McpClientPlugin(BasePlugin):
         for conn in self.servers.values():
             flags = ", ".join(filter(None, [f"protocol {conn.protocol}" if conn.protocol else "",
                                             "trusted" if conn.spec.trusted else ""]))
-            lines.append(f"  {conn.name} [{conn.status}] {conn.describe()}" + (f" ({flags})" if flags else ""))
+            how = conn.describe() if admin else conn.describe().partition(":")[0]  # stdio / http, nothing more
+            lines.append(f"  {conn.name} [{conn.status}] {how}" + (f" ({flags})" if flags else ""))
             if conn.error:
-                lines.append(f"    why: {conn.error}")
+                lines.append(f"    why: {conn.error}" if admin else "    why: see !mcp in the shell (operators only)")
             for exposed in by_server.get(conn.name, []):
                 entry = self.runtime.tools.entry(exposed)
                 op = entry.gate.get("operation", "?") if entry else "not registered"

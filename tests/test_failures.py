@@ -58,6 +58,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         cfg.plugin_config.update({name: {"port": port} for name, port in ports.items()})
         cfg.env = {"AGENT_SHELL_TOKEN": SHELL_TOKEN, "API_KEY": SHELL_TOKEN}  # one header reaches both
         (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"me": {"role": "human", "token": MCP_TOKEN}}}))
+        (path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
         server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
         url = "http://127.0.0.1:{}".format
         try:

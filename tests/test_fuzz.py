@@ -113,6 +113,7 @@ class Server:
         (tmp / "mcp-tokens.json").write_text(json.dumps({"tokens": {
             "owner": {"role": "human", "token": MCP_HUMAN},
             "worker": {"role": "agent", "session": "worker", "token": MCP_AGENT}}}))
+        (tmp / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
         self.config = load_config(tmp)
         self.rt: state.Runtime | None = None
         self.targets: list[Target] = []

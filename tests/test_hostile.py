@@ -110,6 +110,7 @@ def _settings(backend: FakeOpenAI, slack: FakeSlack, ports: dict[str, int]) -> t
 
 def _write_tokens(path: Path) -> None:
     (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"owner": {"role": "human", "token": MCP_TOKEN}}}))
+    (path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
 
 
 async def _route_table(path: Path, backend: FakeOpenAI, slack: FakeSlack) -> list[Target]:

@@ -70,6 +70,7 @@ def mcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpServer]:
         cfg.plugins.append(PLUGIN)
         cfg.plugin_config[PLUGIN] = {"port": port}
         (path / "mcp-tokens.json").write_text(json.dumps(TOKENS))
+        (path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
         # Gated: db_query (every table). Open: get_system_info. "system" tools: 2 calls per session in 600 s.
         cfg.gates = {"db": {}, "tools": {"get_system_info": {"read": True, "write": False}}}
         enabled_extra = {"rate_limits": {"system": {"calls": 2, "window_seconds": 600}}}
@@ -353,6 +354,7 @@ async def test_human_sessions_messages_and_gate_policy(mcp_server: McpServer) ->
 ])
 async def test_bad_token_file_names_file_and_field(tmp_path: Path, tokens: dict[str, Any], field: str) -> None:
     (tmp_path / "mcp-tokens.json").write_text(json.dumps(tokens))
+    (tmp_path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
     async with plugin_runtime(tmp_path, {PLUGIN: {"port": free_port()}}, {}) as rt:
         line = report(rt, PLUGIN).line()
     assert report(rt, PLUGIN).status == "failed"

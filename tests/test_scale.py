@@ -33,6 +33,8 @@ class Query(BaseModel):
 async def two(tmp_path, url: str, models, **kw) -> AsyncIterator[tuple[state.Runtime, state.Runtime]]:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
+    # One audit key for both, as the README says for instances sharing grants: each honours the other's grants.
+    kw["env"] = {"AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key"), **kw.get("env", {})}
     async with runtime(tmp_path / "a", models, store=shared.open_store(url, tmp_path / "a"), **kw) as a, \
             runtime(tmp_path / "b", models, store=shared.open_store(url, tmp_path / "b"), **kw) as b:
         yield a, b

@@ -51,8 +51,11 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
                 cfg.plugin_config[plugin] = {"port": free_port()}
             (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
                                                                                       "token": MCP_HUMAN}}}))
-        # One API key for every instance (behind a balancer a client must not care which one answers).
-        env = {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN, "API_KEY": API_KEY}
+            (path / "mcp-tokens.json").chmod(0o600)  # it holds tokens: agent-mcp refuses it readable by others
+        # One API key for every instance (behind a balancer a client must not care which one answers), and
+        # one audit key: each instance honours the others' grants.
+        env = {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN, "API_KEY": API_KEY,
+               "AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key")}
         servers.append(AgentServer(cfg.write(), env))
     return servers
 

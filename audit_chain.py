@@ -1,0 +1,245 @@
+"""The audit log's proof: records chained with a keyed MAC, a head checkpointed outside the log, and the check.
+
+Each record carries `HMAC-SHA256(key, previous MAC + its fields)`; the key lives in
+`<data dir>/audit-key` (0600, created at the first start; `AGENT_AUDIT_KEY_FILE` points elsewhere, e.g. to
+one key shared by the instances of one Redis), never in the log. Without the key nobody can write a record
+that verifies, so an edit, insertion, deletion or reorder, or a chain recomputed with plain SHA-256 or
+another key, breaks the chain. Cutting the tail or emptying the file leaves a valid-looking shorter chain:
+the head (record count + last MAC, itself MACed), written to `<data dir>/audit-head` after every batch, to
+the server log and to Redis when sessions are there, says how long the log was. A log id, bound into the
+first MAC, tells one log from another (a replaced file).
+
+Logs written before the key (a plain SHA-256 chain) are taken over at the first start: their chain is
+checked, and the first keyed record's MAC covers the last unkeyed hash and says how many there were, so
+the old records can no longer be changed unnoticed either (`audit_migrated` records it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import secrets
+import sqlite3
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from config import SecretFileError, ensure_secret_file, read_secret_file, write_private
+
+KEY_FILE = "audit-key"
+HEAD_FILE = "audit-head"
+FORMAT = "hmac-sha256-v1"
+GENESIS = "0" * 64
+#: The columns of an audit record that its MAC covers, in order.
+AUDIT_FIELDS = ("seq", "ts", "event", "session", "actor", "tool", "op", "tables", "args_digest", "outcome",
+                "grant_id", "detail")
+#: The event recorded when a session's grants end with it (deleted, expired, evicted).
+GRANTS_DROPPED = "grants_dropped"
+META_TABLE = "CREATE TABLE IF NOT EXISTS audit_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+
+
+class AuditError(Exception):
+    """The audit log, its key or its head cannot be trusted; the one-line message says what and what to do."""
+
+
+def key_path(data_dir: Path, env: dict[str, str] | None = None) -> Path:
+    """Where the audit key is: `AGENT_AUDIT_KEY_FILE`, else `<data dir>/audit-key`."""
+    own = (env or {}).get("AGENT_AUDIT_KEY_FILE")
+    return Path(own) if own else Path(data_dir) / KEY_FILE
+
+
+def load_key(path: Path, *, create: bool) -> bytes:
+    """The audit key (created, 0600, when `create` and missing); AuditError when missing, unsafe or malformed."""
+    try:
+        if create:
+            raw, _ = ensure_secret_file(path, lambda: (secrets.token_hex(32) + "\n").encode(), "the audit key")
+        else:
+            raw = read_secret_file(path, "the audit key")
+    except SecretFileError as exc:
+        raise AuditError(str(exc)) from None
+    text = raw.decode("ascii", "replace").strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < 32:
+        raise AuditError(f"{path} is not an audit key (64 hex digits): restore it from a backup; without it the "
+                         "log cannot be verified")
+    return key
+
+
+def _mac(key: bytes, text: str) -> str:
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def record_mac(key: bytes, prev: str, fields: list[Any]) -> str:
+    """The MAC of one record: its fields (AUDIT_FIELDS order) after the MAC of the one before."""
+    return _mac(key, prev + json.dumps(fields, ensure_ascii=False, default=str))
+
+
+def record_hash(prev: str, fields: list[Any]) -> str:
+    """The unkeyed SHA-256 link of logs written before the key (checked, never written any more)."""
+    return hashlib.sha256((prev + json.dumps(fields, ensure_ascii=False, default=str)).encode()).hexdigest()
+
+
+def start_mac(key: bytes, log_id: str, unkeyed: int, unkeyed_last: str) -> str:
+    """What the first keyed record links to: the log id and the unkeyed records before it (0 and GENESIS if none)."""
+    return _mac(key, f"start:{log_id}:{unkeyed}:{unkeyed_last}")
+
+
+def grant_mac(key: bytes, record: str) -> str:
+    """The MAC of a stored grant (its JSON record): a row added or edited by hand does not carry a valid one."""
+    return _mac(key, "grant:" + record)
+
+
+@dataclass(frozen=True)
+class Head:
+    """How long a log was when last checkpointed: its id, the record count, the last record's MAC."""
+
+    log_id: str
+    count: int
+    last: str
+
+    def sealed(self, key: bytes) -> str:
+        """The head as one JSON line, MACed (the head file, the log line, the Redis value)."""
+        body = {"log": self.log_id, "count": self.count, "last": self.last}
+        return json.dumps({**body, "mac": _mac(key, "head:" + json.dumps(body, sort_keys=True))}, sort_keys=True)
+
+    @classmethod
+    def unseal(cls, text: str, key: bytes, where: str) -> Head:
+        """A head read back; AuditError when it is not one or its MAC does not match (changed or another key)."""
+        try:
+            data = json.loads(text)
+            head = cls(str(data["log"]), int(data["count"]), str(data["last"]))
+            mac = str(data["mac"])
+        except (ValueError, KeyError, TypeError):
+            raise AuditError(f"audit head {where} is damaged (not a head record): the log cannot be checked for a "
+                             "cut tail; restore the head from a backup or the server log") from None
+        if not hmac.compare_digest(json.loads(head.sealed(key))["mac"], mac):
+            raise AuditError(f"audit head {where} does not match its MAC: it was changed or written with another "
+                             "key")
+        return head
+
+
+def write_head(path: Path, head: Head, key: bytes) -> None:
+    write_private(path, (head.sealed(key) + "\n").encode())
+
+
+def read_head(path: Path, key: bytes) -> Head | None:
+    """The head file, or None when there is none; AuditError when damaged."""
+    try:
+        text = read_secret_file(path, "the audit head").decode("utf-8", "replace")
+    except SecretFileError as exc:
+        if not path.exists():
+            return None
+        raise AuditError(str(exc)) from None
+    return Head.unseal(text, key, str(path))
+
+
+@dataclass
+class Verified:
+    """What a verified log holds: its head as it is now, the grant records in it (grant id → seq), how many
+    records are unkeyed, how many were written after the checkpointed head."""
+
+    head: Head
+    grant_records: dict[str, int]
+    unkeyed: int
+    after_checkpoint: int = 0
+    #: Grants the chain says were revoked, and sessions whose grants ended with them (session → last seq):
+    #: a stored row of one of those is never honoured again, however valid its MAC (a replayed row).
+    revoked: set[str] = field(default_factory=set)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def backs(self, grant_id: str, session: str, audit_seq: int) -> bool:
+        """Whether the chain holds this grant's record and neither its revocation nor its session's end."""
+        return (self.grant_records.get(grant_id) == audit_seq and grant_id not in self.revoked
+                and self.dropped.get(session, 0) < audit_seq)
+
+
+def read_meta(db: sqlite3.Connection) -> dict[str, str]:
+    try:
+        return dict(db.execute("SELECT key, value FROM audit_meta"))
+    except sqlite3.OperationalError:
+        return {}
+
+
+def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str], head: Head | None,
+                where: str) -> Verified:
+    """Check `(…AUDIT_FIELDS, prev, mac)` rows in seq order against the log's meta and its checkpointed `head`;
+    AuditError names the first record that breaks the chain, or how the log differs from its head."""
+    log_id, unkeyed = meta.get("log_id", ""), int(meta.get("unkeyed", "0") or 0)
+    if meta.get("format") != FORMAT or not log_id:
+        raise AuditError("the log has no keyed-chain header (audit_meta): the file was replaced or damaged")
+    if head is None:
+        raise AuditError(f"its head {where} is missing: cannot tell whether the log's tail was cut; "
+                         "restore it from a backup or from the last 'audit head' line of the server log")
+    if head.log_id != log_id:
+        raise AuditError(f"the log is not the one its head describes (log {log_id}, head of log {head.log_id}): "
+                         "the file was replaced")
+    prev, expected = GENESIS, 1
+    at_head = start_mac(key, log_id, unkeyed, GENESIS) if unkeyed == 0 else None
+    grant_records: dict[str, int] = {}
+    revoked: set[str] = set()
+    dropped: dict[str, int] = {}
+    for row in rows:
+        fields, stored_prev, stored = list(row[:len(AUDIT_FIELDS)]), row[-2], str(row[-1])
+        seq = fields[0]
+        if seq != expected:
+            raise AuditError(f"record {expected} is missing (the next one is {seq}): records were deleted, "
+                             "inserted or renumbered")
+        if seq == unkeyed + 1:  # the first keyed record links to the log id and the unkeyed records
+            prev = start_mac(key, log_id, unkeyed, prev)
+        if stored_prev != prev:
+            raise AuditError(f"record {seq}: its link to the record before does not match (a record was deleted, "
+                             "inserted, moved or changed)")
+        if seq <= unkeyed:
+            if record_hash(prev, fields) != stored:
+                raise AuditError(f"record {seq} (written before the key) does not match its hash: it was changed")
+        elif not hmac.compare_digest(record_mac(key, prev, fields), stored):
+            raise AuditError(f"record {seq} does not match its MAC: it was changed, or the chain was recomputed "
+                             "without the key")
+        if fields[2] == "grant" and fields[10]:
+            grant_records[str(fields[10])] = seq
+        elif fields[2] == "revoke" and fields[10]:
+            revoked.add(str(fields[10]))
+        elif fields[2] == GRANTS_DROPPED:
+            dropped[str(fields[3])] = seq
+        if seq == head.count:
+            at_head = stored
+        prev, expected = stored, expected + 1
+    count = expected - 1
+    if count < max(head.count, unkeyed):
+        raise AuditError(f"the log has {count} records but its head says {head.count}: the tail was cut "
+                         f"({head.count - count} records missing) or the file was emptied")
+    if at_head is None or not hmac.compare_digest(at_head, head.last):
+        raise AuditError(f"record {head.count} is not the one its head recorded: the log was replaced or "
+                         "rewritten")
+    last = prev if count > unkeyed else start_mac(key, log_id, unkeyed, prev)
+    return Verified(Head(log_id, count, last), grant_records, unkeyed, count - head.count, revoked, dropped)
+
+
+def verify_log(db: sqlite3.Connection, key: bytes, head: Head | None, where: str) -> Verified:
+    """Verify an open log against its head (`where`: the head's file); AuditError (one line) when anything does
+    not hold."""
+    try:
+        rows = db.execute(f"SELECT {', '.join(AUDIT_FIELDS)}, prev, hash FROM audit ORDER BY seq")
+        return verify_rows(rows, key, read_meta(db), head, where)
+    except sqlite3.DatabaseError as exc:
+        raise AuditError(f"not a readable audit log ({exc}): it is damaged or not an SQLite file; "
+                         "restore it from a backup") from None
+
+
+@contextlib.contextmanager
+def open_readonly(path: Path) -> Iterator[sqlite3.Connection]:
+    """An existing log, read-only (a missing file is an AuditError, never created)."""
+    if not path.exists():
+        raise AuditError(f"{path} does not exist: the server has recorded no gate decision in this data dir")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise AuditError(f"{path} cannot be opened ({exc})") from None
+    with contextlib.closing(db):
+        yield db

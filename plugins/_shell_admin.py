@@ -1,0 +1,127 @@
+"""The shell endpoint's admin route: agentctl's writes to what a running server owns, done by the server.
+
+agentctl never writes a file a running server also writes (the audit log and grants, gate-defaults.json,
+llm-models.json): it sends the change here (`POST /admin`, JSON, the endpoint's token, the guard's Host,
+Origin and content-type checks), the server applies it at once, writes the file itself and audits it
+with actor `agentctl`. One action per request; the answer is JSON, an error is `{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+import agents
+import state
+from config import (
+    GATE_DEFAULTS_FILE,
+    MODELS_FILE,
+    ConfigError,
+    GateDefaults,
+    ModelsFile,
+    atomic_write,
+    config_problems,
+    read_json,
+    save_gate_defaults,
+    validate_data,
+)
+
+ACTOR = "agentctl"
+logger = logging.getLogger("agent_mcp.shellpy")
+
+
+class AdminBody(BaseModel):
+    """`POST /admin`: `revoke` (a grant id or `all`), `grants` (list them) or `save` (a whole owned file)."""
+
+    action: Literal["revoke", "grants", "save"]
+    which: str = Field(default="", max_length=128)
+    file: Literal["", "gate-defaults.json", "llm-models.json"] = ""
+    data: dict[str, Any] = {}
+
+
+class AdminError(Exception):
+    """An admin request that cannot be done; the message says why and what to do (HTTP 400)."""
+
+
+async def handle(rt: state.Runtime, body: AdminBody) -> dict[str, Any]:
+    """Do one admin action; AdminError for one that cannot be done."""
+    store = rt.gate.grants
+    if body.action in ("revoke", "grants") and store is None:
+        raise AdminError("this server keeps no grants")
+    if body.action == "grants":
+        assert store is not None
+        return {"grants": [{**g.__dict__, "keys": list(g.keys)} for s in list(store.grants) for g in store.active(s)]}
+    if body.action == "revoke":
+        assert store is not None
+        return {"revoked": await _revoke(store, body.which)}
+    if body.file == GATE_DEFAULTS_FILE:
+        return _save_gates(rt, body.data)
+    if body.file == MODELS_FILE:
+        return await _save_models(rt, body.data)
+    raise AdminError("save needs file: gate-defaults.json or llm-models.json")
+
+
+async def _revoke(store: Any, which: str) -> list[str]:
+    if not which:
+        raise AdminError("revoke needs which: a grant id or all")
+    sessions = list(store.grants) if which == "all" else [s for s in [await store.find_owner(which)] if s]
+    ended = [g.id for s in sessions for g in store.revoke(s, which, ACTOR, detail="agentctl, through the server")]
+    await store.flush()  # in the audit log before agentctl is told
+    return ended
+
+
+def _save_gates(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
+    target = rt.config.config_dir / GATE_DEFAULTS_FILE
+    try:
+        new = validate_data(GateDefaults, data, target)
+    except ConfigError as exc:
+        raise AdminError(str(exc)) from None
+    old = rt.gate.defaults
+    try:
+        path = save_gate_defaults(rt.config.config_dir, new)
+    except (ConfigError, OSError) as exc:
+        raise AdminError(f"{target}: cannot write ({exc}); nothing was changed") from None
+    rt.gate.defaults = rt.config.gates = new  # in force for every session at once
+    for section in ("db", "tools"):
+        before, after = getattr(old, section), getattr(new, section)
+        for key in sorted(set(before) | set(after)):
+            for op in ("read", "write", "ddl"):  # ddl: database keys only (absent on tools: None both ways)
+                was = getattr(before[key], op, None) if key in before else None
+                now = getattr(after[key], op, None) if key in after else None
+                if was != now:
+                    word = "removed" if now is None else "auto-allow" if now else "gated"
+                    rt.gate.audit("policy", actor=ACTOR, op=op, tables=[key] if section == "db" else (),
+                                  tool="" if section == "db" else key, outcome=f"{GATE_DEFAULTS_FILE}: {word}")
+    logger.info("gate defaults replaced by agentctl (saved in %s)", path)
+    return {"saved": str(path), "note": "in force at once for every session"}
+
+
+async def _save_models(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
+    target = rt.config.config_dir / MODELS_FILE
+    try:
+        models = validate_data(ModelsFile, data, target).models
+    except ConfigError as exc:
+        raise AdminError(str(exc)) from None
+    enabled = {k: m for k, m in models.items() if m.enabled}
+    if problems := config_problems(rt.config.config_dir, enabled, rt.config.enabled):
+        raise AdminError(f"refused: the server would not start with this change: {problems[0]}")
+    try:
+        atomic_write(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                     check=lambda tmp: validate_data(ModelsFile, read_json(tmp), target))
+    except (ConfigError, OSError) as exc:
+        raise AdminError(f"{target}: cannot write ({exc}); nothing was changed") from None
+    changed = [k for k, m in enabled.items() if k in rt.config.models and rt.config.models[k] != m]
+    for key in changed:
+        rt.config.models[key] = enabled[key]
+    await agents.close_models(rt, changed)  # rebuilt with the new settings at their next call
+    later = sorted(set(enabled) ^ set(rt.config.models))
+    rt.gate.audit("config", actor=ACTOR, tool=MODELS_FILE, outcome="saved",
+                  detail=f"changed now: {', '.join(changed) or 'none'}; "
+                         f"at the next start: {', '.join(later) or 'none'}")
+    logger.info("%s replaced by agentctl: %d model(s) changed at once", target, len(changed))
+    note = "in force at once" if not later else f"enabling/disabling/adding {', '.join(later)} takes a restart"
+    return {"saved": str(target), "note": note}
+
