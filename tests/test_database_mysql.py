@@ -327,9 +327,14 @@ def tool_results(backend: Any) -> list[str]:
     return [m["content"] for m in messages[last_user:] if m["role"] == "tool"]
 
 
-def _snapshot(db: RunDatabase) -> dict[str, Any]:
+def _snapshot(db: RunDatabase, corpus: str) -> dict[str, Any]:
     """Everything a statement could change, as the administrator sees it: this database's tables
-    (names and checksums), routines, events, triggers, views; the server's databases and accounts."""
+    (names and checksums), routines, events, triggers, views; the server's databases and accounts
+    that `corpus` names (a statement can only create or drop what it names; other tests running at
+    the same time create databases and accounts of their own)."""
+    def named(rows: Any) -> list[Any]:
+        return [row for row in rows if str(row[0]).lower() in corpus]
+
     tables = [row[0] for row in db.query("SHOW TABLES")]
     schema = "SELECT {} FROM information_schema.{} WHERE {} = %s ORDER BY 1"
     return {
@@ -338,8 +343,8 @@ def _snapshot(db: RunDatabase) -> dict[str, Any]:
         "events": db.query(schema.format("event_name", "events", "event_schema"), db.name),
         "triggers": db.query(schema.format("trigger_name", "triggers", "trigger_schema"), db.name),
         "views": db.query(schema.format("table_name", "views", "table_schema"), db.name),
-        "databases": db.query("SHOW DATABASES"),
-        "accounts": db.query("SELECT user, host FROM mysql.user ORDER BY 1, 2"),
+        "databases": named(db.query("SHOW DATABASES")),
+        "accounts": named(db.query("SELECT user, host FROM mysql.user ORDER BY 1, 2")),
     }
 
 
@@ -352,13 +357,14 @@ async def test_every_write_of_the_sql_table_is_gated_and_changes_nothing(people:
         people.query(f"REPLACE INTO `{table}` VALUES (1, 1, 'x'), (2, 2, 'y')")
     writes = [sql for sql, op, _ in SQL_CORPUS if op in ("write", "ddl") and sql.strip(" ;")]
     gates = {"db": {"*": {"read": True}, "__meta__": {"read": True}}, "tools": {}}
-    before = _snapshot(people)
+    corpus = "\n".join(writes).lower()
+    before = _snapshot(people, corpus)
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=people.env(), gates=gates,
                        rate_limits={}, plugins=(PLUGIN,)) as rt:
         for sql in writes:
             result = await execute(rt, "llama-10.0.0.9", "db_query", {"sql": sql})
             assert result.startswith("TOOL CALL REJECTED") and "cannot give it" in result, (sql, result)
-    assert _snapshot(people) == before
+    assert _snapshot(people, corpus) == before
     assert len(writes) > 150
 
 
