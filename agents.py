@@ -528,6 +528,7 @@ async def context_report(rt: state.Runtime, session: state.Session) -> str:
 REPEAT_NOTE = ("You already have this result of {name} (you called it with these arguments earlier in this turn):\n"
                "{result}\n"
                "Do not call {name} again: answer the user now, using this result.")
+_REPEAT_START = REPEAT_NOTE.split("{", 1)[0]
 #: Repeats of a call in one turn before the loop stops offering tools and asks for the final answer.
 REPEATS_BEFORE_FINAL = 2
 #: The last message of the final call, which carries no tools.
@@ -560,7 +561,8 @@ class _Final:
                 out.append({"role": "assistant", "content": "\n".join(p for p in (said.strip(), *lines) if p)})
                 continue
             if role == "tool":
-                msg = {"role": "user", "content": f"[Tool result for {msg.get('name')}]:\n{content}"}
+                said = "(the same result as above)" if content.startswith(_REPEAT_START) else content
+                msg = {"role": "user", "content": f"[Tool result for {msg.get('name')}]:\n{said}"}
             if role in ("tool", "user") and out and out[-1]["role"] == "user":
                 out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{msg['content']}"}
             else:
@@ -650,6 +652,32 @@ def _new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:12]}"
 
 
+def _native_calls(reply: AIMessageChunk) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(calls, broken calls) of a streamed reply. LangChain repairs truncated argument JSON while it
+    streams (`{"city": "Par` becomes {"city": "Par"}): a call whose arguments as sent do not parse is
+    broken, not run with guessed arguments."""
+    sent = {c.get("id"): c.get("args") for c in reply.tool_call_chunks if c.get("id")}
+    calls, broken = [], []
+    for c in reply.tool_calls:
+        raw = sent.get(c.get("id"))
+        call = {"id": c.get("id") or _new_call_id(), "name": c["name"], "args": c["args"]}
+        if isinstance(raw, str) and raw.strip() and not _is_json(raw):
+            broken.append({**call, "args": {}, "error": f"the arguments of {c['name']} were not valid JSON"})
+        else:
+            calls.append(call)
+    broken += [{"id": c.get("id") or _new_call_id(), "name": c.get("name") or "unknown", "args": {},
+                "error": c.get("error") or "arguments were not valid JSON"} for c in reply.invalid_tool_calls]
+    return calls, broken
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 async def _round(loop: _Loop) -> str | None:
     """One model call and the tool calls it asks for; the answer text when it asked for none."""
     rt, history, client_id = loop.rt, loop.session.history, loop.turn.client_id
@@ -657,9 +685,7 @@ async def _round(loop: _Loop) -> str | None:
     hold = TextCallFilter() if by_name else None
     reply = await loop.request.send(rt, loop.bound, loop.session, hold)
     text = content_text(reply.content)
-    calls = [{"id": c.get("id") or _new_call_id(), "name": c["name"], "args": c["args"]} for c in reply.tool_calls]
-    broken = [{"id": c.get("id") or _new_call_id(), "name": c.get("name") or "unknown", "args": {},
-               "error": c.get("error") or "arguments were not valid JSON"} for c in reply.invalid_tool_calls]
+    calls, broken = _native_calls(reply)
     if hold is not None:
         found = find_text_calls(text, by_name) if not calls and not broken else TextCalls()
         rt.hub.tok(client_id, hold.finish(found.spans + found.bad_spans if found.calls or found.problems else []))

@@ -18,8 +18,8 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (the README's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("config", "guard", "failures", "prompt", "registry", "state", "stores", "shared", "grants", "budget", "gate",
-        "plugin_loader", "api_client", "agents", "tools", "database", "routes", "commands", "build")
+CORE = ("config", "guard", "failures", "text_calls", "prompt", "registry", "state", "stores", "shared", "grants",
+        "budget", "gate", "plugin_loader", "api_client", "agents", "tools", "database", "routes", "commands", "build")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:

@@ -231,14 +231,18 @@ def _offers_tools(body: Any) -> bool:
     return isinstance(system, str) and "<tool_code>" in system
 
 
-def _last_result_in(body: Any) -> str | None:
-    """The last tool result anywhere in an OpenAI request: a `tool` message or a `[Tool result for …]` text."""
-    for message in reversed((body or {}).get("messages") or [] if isinstance(body, dict) else []):
+def _first_result_in(body: Any) -> str | None:
+    """The first tool result after the turn's question in an OpenAI request: a `tool` message or a
+    `[Tool result for …]` text (the result a model got first, not what was said about repeats later)."""
+    messages = body.get("messages") or [] if isinstance(body, dict) else []
+    start = max((i for i, m in enumerate(messages) if m.get("role") == "user"
+                 and not str(m.get("content")).startswith("[Tool result for ")), default=0)
+    for message in messages[start:]:
         content = message.get("content")
         if message.get("role") == "tool":
             return str(content or "")
         if isinstance(content, str) and "[Tool result for " in content:
-            return content.split("[Tool result for ", 1)[1].partition("]:\n")[2]
+            return content.split("[Tool result for ", 1)[1].partition("]:\n")[2].split("\n\n")[0]
     return None
 
 
@@ -246,7 +250,7 @@ def repeat_reply(request: RecordedRequest) -> Reply | None:
     """RepeatReply resolved for `request`; None when the conversation holds no call to repeat."""
     body = request.json if isinstance(request.json, dict) else {}
     if not _offers_tools(body):
-        result = _last_result_in(body)
+        result = _first_result_in(body)
         return None if result is None else text(*words(f"The tool returned: {result[:300]}"))
     for message in reversed(body.get("messages") or []):
         if message.get("role") == "user" and "[Tool result for " not in str(message.get("content")):
