@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai
 import pytest
 from pydantic import BaseModel
 
 import agents
 from config import MAX_TOOL_ITERATIONS
-from tests.conftest import openai_model
+from shell_client import ShellClient
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import RecordedRequest, broken_call, error, fenced_call, repeat, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn
 
@@ -211,3 +213,43 @@ def test_the_final_conversation_replaces_calls_with_plain_lines() -> None:
     assert [m["role"] for m in out] == ["user", "assistant", "user"]
     assert out[1]["content"] == '(I called w with {"c": 1}.)'
     assert out[2]["content"].startswith("[Tool result for w]:\nsunny\n\nNo more tools can be called now.")
+
+
+# ── Every client gets the final answer streamed ───────────────────────────────────────────────
+
+
+async def test_the_final_answer_streams_to_the_shell_and_the_proxy(tmp_path, fake_openai) -> None:
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"fake": openai_model(fake_openai)}
+    port = free_port()
+    cfg.plugins.append("plugin_proxy_llama")
+    cfg.plugin_config["plugin_proxy_llama"] = {"port": port}
+    server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+    try:
+        habit = (tool_call("get_system_info", {}), repeat(), repeat(), repeat())
+        fake_openai.script(*habit)
+        async with ShellClient(server.url, "loop-shell", token=server.token) as shell:
+            await shell.connect()
+            await shell.submit("What time is it on the server?")
+            events = []
+            async for ev in shell.events():
+                events.append(ev)
+                if ev.name in ("done", "error"):
+                    break
+        answer = "".join(e.data.get("text", "") for e in events if e.name == "tok")
+        assert answer.startswith("The tool returned: Local time: ") and events[-1].name == "done"
+        assert any(e.name == "status" and e.data["text"].startswith("[final answer]") for e in events)
+        assert "tools" not in fake_openai.requests[-1].json
+
+        fake_openai.reset()
+        fake_openai.script(*habit)
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="agent-mcp:latest", messages=[{"role": "user", "content": "What time is it?"}], stream=True)
+            pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        said = "".join(pieces)  # the proxy shows status lines as quotes before the answer
+        assert "> [final answer] the model repeated its call" in said
+        assert said.rstrip().rpartition("\n\n")[2].startswith("The tool returned: Local time: "), said
+        assert len(fake_openai.requests) == 4 and "tools" not in fake_openai.requests[-1].json
+    finally:
+        server.stop()
