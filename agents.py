@@ -528,51 +528,50 @@ async def context_report(rt: state.Runtime, session: state.Session) -> str:
 REPEAT_NOTE = ("You already have this result of {name} (you called it with these arguments earlier in this turn):\n"
                "{result}\n"
                "Do not call {name} again: answer the user now, using this result.")
-_REPEAT_START = REPEAT_NOTE.split("{", 1)[0]
 #: Repeats of a call in one turn before the loop stops offering tools and asks for the final answer.
 REPEATS_BEFORE_FINAL = 2
-#: The last message of the final call, which carries no tools.
-FINAL_REQUEST = ("No more tools can be called now. Using the tool results above, write your final answer to my "
-                 "question in plain words, without JSON and without a tool call.\nMy question was: {question}")
+#: Closes the final call, which carries no tools: the turn's question with what its tools returned.
+FINAL_REQUEST = ("{question}\n\nWhat the tools returned:\n{results}\n\nNo more tools can be called now. Using "
+                 "what the tools returned, answer my question above in plain words, without JSON and without a "
+                 "tool call.")
 
 
 @dataclass(frozen=True)
 class _Final:
-    """The request for a final answer: what to ask, and how to show the turn's tool calls to a model without tools."""
+    """The request for a final answer: the turn's question, what its tools returned, and the tools whose
+    text-call syntax is taken out of earlier turns."""
 
-    question: str
+    results: list[tuple[str, str]]
     tools: dict[str, StructuredTool]
 
     def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """`history` as plain conversation: each tool call becomes a line of its assistant message, each
-        result a user message, and the request for the final answer closes it (merged into the last
-        user message, so roles still alternate)."""
+        """`history` as plain conversation for a model without tools: the turn's tool traffic becomes one
+        user message (the question, the results, the request to answer); earlier turns keep their words
+        and results, without tool calls (a small model copies whatever call syntax it sees)."""
+        start = next((i for i in range(len(history) - 1, -1, -1)
+                      if history[i].get("role") == "user" and not history[i].get("tool_results")), len(history))
         out: list[dict[str, Any]] = []
-        for i, msg in enumerate(history):
+        for i, msg in enumerate(history[:start]):
             role, content = msg.get("role"), str(msg.get("content") or "")
-            if role == "assistant":
-                said, calls = content, msg.get("tool_calls") or []
-                followed_by_results = i + 1 < len(history) and history[i + 1].get("tool_results")
-                if not calls and followed_by_results:  # a text call: its syntax is replaced by a plain line
-                    found = find_text_calls(content, self.tools)
-                    said, calls = _without_spans(content, found.spans + found.bad_spans), found.calls
-                lines = [f"(I called {c['name']} with {json.dumps(c.get('args', {}), ensure_ascii=False)}.)"
-                         for c in calls]
-                out.append({"role": "assistant", "content": "\n".join(p for p in (said.strip(), *lines) if p)})
-                continue
-            if role == "tool":
-                said = "(the same result as above)" if content.startswith(_REPEAT_START) else content
-                msg = {"role": "user", "content": f"[Tool result for {msg.get('name')}]:\n{said}"}
-            if role in ("tool", "user") and out and out[-1]["role"] == "user":
-                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{msg['content']}"}
-            else:
-                out.append({"role": msg.get("role"), "content": msg.get("content") or ""})
-        closing = FINAL_REQUEST.format(question=_short(self.question, 600))
-        if out and out[-1]["role"] == "user":
-            out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{closing}"}
-        else:
-            out.append({"role": "user", "content": closing})
+            if role == "assistant" and i + 1 < len(history) and history[i + 1].get("tool_results"):
+                found = find_text_calls(content, self.tools)
+                content = _without_spans(content, found.spans + found.bad_spans).strip()
+            elif role == "tool":
+                role, content = "user", f"[Tool result for {msg.get('name')}]:\n{content}"
+            if content.strip():
+                _append(out, role, content)
+        shown = "\n\n".join(f"[{name}]:\n{result}" for name, result in self.results) or "(nothing)"
+        question = str(history[start].get("content") or "") if start < len(history) else ""
+        _append(out, "user", FINAL_REQUEST.format(question=question, results=shown))
         return out
+
+
+def _append(out: list[dict[str, Any]], role: Any, content: str) -> None:
+    """Add a message, merged into the last one when it has the same role (roles must alternate)."""
+    if out and out[-1]["role"] == role:
+        out[-1] = {"role": role, "content": f"{out[-1]['content']}\n\n{content}"}
+    else:
+        out.append({"role": role, "content": content})
 
 
 def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:
@@ -743,7 +742,7 @@ async def _final_answer(loop: _Loop) -> str:
     request = await Request.build(rt, loop.key, [])
     request.notes = loop.request.notes
     hold = TextCallFilter()
-    final = _Final(_last_user_text(loop.session.history), loop.by_name)
+    final = _Final(loop.results, loop.by_name)
     reply = await request.send(rt, chat_model(rt, loop.key), loop.session, hold, final)
     text = content_text(reply.content)
     found = find_text_calls(text, loop.by_name) if loop.by_name else TextCalls()

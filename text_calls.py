@@ -372,9 +372,16 @@ Never call a tool again with the same arguments. Answer without a block when no 
 
 
 def tool_manifest(tools: list[StructuredTool]) -> str:
-    """The system-prompt part that describes tools to a model in `text` tool mode (seed 004)."""
+    """The system-prompt part that describes tools to a model in `text` tool mode (seed 004).
+
+    Arguments are shown the way a call writes them (`{"city": "<string>"}`), not as a JSON schema:
+    small models copy a schema into their calls."""
     entries = []
     for tool in tools:
         params = convert_to_openai_tool(tool)["function"].get("parameters", {})
-        entries.append(f"- {tool.name}: {tool.description}\n  arguments: {json.dumps(params, ensure_ascii=False)}")
+        props, required = params.get("properties", {}), set(params.get("required", []))
+        shape = ", ".join(f'"{k}": <{v.get("type", "value")}>' for k, v in props.items())
+        notes = "".join(f"\n    {k}{'' if k in required else ' (optional)'}: {v['description']}"
+                        for k, v in props.items() if v.get("description"))
+        entries.append(f"- {tool.name}: {tool.description}\n  arguments: {{{shape}}}{notes}")
     return TEXT_TOOLS_PROMPT.format(shape=call_shape(True), manifest="\n".join(entries))

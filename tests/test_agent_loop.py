@@ -77,8 +77,10 @@ async def test_a_model_that_repeats_its_call_gets_one_final_request_without_tool
     assert all("tool_calls" not in m and m["role"] != "tool" for m in final["messages"])
     assert "<tool_code>" not in final["messages"][0]["content"] and "## Tools" not in final["messages"][0]["content"]
     assert final["messages"][-1]["role"] == "user" and "weather in Paris?" in final["messages"][-1]["content"]
-    # The tool result, as plain conversation.
-    assert any("[Tool result for get_weather]:\nsunny, 21 C" in m["content"] for m in final["messages"])
+    # The question with the tool's result, once (not the repeat notes), as the last user message.
+    assert final["messages"][-1]["content"].startswith("weather in Paris?\n\nWhat the tools returned:\n"
+                                                       "[get_weather]:\nsunny, 21 C")
+    assert [m["role"] for m in final["messages"]] == ["system", "user"]
     assert out.startswith("The tool returned: sunny, 21 C"), out
     assert any(s.startswith("[final answer] the model repeated its call of get_weather") for s in _statuses(events))
     assert not [e for e in events if e.name == "error"]
@@ -177,7 +179,8 @@ async def test_unusable_calls_after_the_correction_end_with_a_final_answer(nrt, 
     assert out == "I cannot look that up." and nrt.recorder.calls == []
     sent = fake_openai.requests
     assert len(sent) == 3 and "tools" not in sent[-1].json
-    assert sum("[Tool call error]" in str(m.get("content")) for m in sent[-1].json["messages"]) == 1
+    assert sum("[Tool call error]" in str(m.get("content")) for m in sent[1].json["messages"]) == 1
+    assert "What the tools returned:\n(nothing)" in sent[-1].json["messages"][-1]["content"]
     assert any("again after being told how to call" in s for s in _statuses(events))
     _check_history(nrt.sessions.get("c1").history)
 
@@ -204,15 +207,21 @@ async def test_prose_mentioning_json_is_not_run_nor_corrected(nrt, fake_openai, 
     assert not any(s.startswith(("[tools]", "[final answer]")) for s in _statuses(events))
 
 
-def test_the_final_conversation_replaces_calls_with_plain_lines() -> None:
-    final = agents._Final("weather?", {})
-    history = [{"role": "user", "content": "weather?"},
+def test_the_final_conversation_is_plain_and_ends_with_the_question_and_results() -> None:
+    final = agents._Final([("w", "sunny")], {})
+    history = [{"role": "user", "content": "earlier?"},
                {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "name": "w", "args": {"c": 1}}]},
-               {"role": "tool", "tool_call_id": "a", "name": "w", "content": "sunny"}]
+               {"role": "tool", "tool_call_id": "a", "name": "w", "content": "rain"},
+               {"role": "assistant", "content": "It rained."},
+               {"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "b", "name": "w", "args": {"c": 1}}]},
+               {"role": "tool", "tool_call_id": "b", "name": "w", "content": "sunny"}]
     out = final.conversation(history)
-    assert [m["role"] for m in out] == ["user", "assistant", "user"]
-    assert out[1]["content"] == '(I called w with {"c": 1}.)'
-    assert out[2]["content"].startswith("[Tool result for w]:\nsunny\n\nNo more tools can be called now.")
+    assert out == [
+        {"role": "user", "content": "earlier?\n\n[Tool result for w]:\nrain"},
+        {"role": "assistant", "content": "It rained."},
+        {"role": "user", "content": agents.FINAL_REQUEST.format(question="weather?", results="[w]:\nsunny")},
+    ]
 
 
 # ── Every client gets the final answer streamed ───────────────────────────────────────────────

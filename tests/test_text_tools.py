@@ -268,5 +268,5 @@ async def test_text_tool_mode_describes_tools_in_the_prompt_and_runs_tool_code(t
         assert "tools" not in first  # nothing bound through the API
         system = first["messages"][0]["content"]
         assert "<tool_code>" in system and '- get_weather: Test tool get_weather.' in system
-        assert '"city": {"type": "string"}' in system
+        assert 'arguments: {"city": <string>}' in system
         assert fake_openai.requests[-1].json["messages"][-1]["content"].startswith("[Tool result for get_weather]")

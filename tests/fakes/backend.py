@@ -243,6 +243,8 @@ def _first_result_in(body: Any) -> str | None:
             return str(content or "")
         if isinstance(content, str) and "[Tool result for " in content:
             return content.split("[Tool result for ", 1)[1].partition("]:\n")[2].split("\n\n")[0]
+        if isinstance(content, str) and "What the tools returned:\n[" in content:  # agent-mcp's final request
+            return content.split("What the tools returned:\n[", 1)[1].partition("]:\n")[2].split("\n\n")[0]
     return None
 
 
