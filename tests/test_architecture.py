@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-#: The core modules, lowest layer first (the README's "Modules, lowest first" table): each may import
+#: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
 CORE = ("config", "guard", "failures", "text_calls", "prompt", "registry", "state", "stores", "shared", "grants",
         "budget", "gate", "plugin_loader", "api_client", "agents", "tools", "database", "routes", "commands", "build")

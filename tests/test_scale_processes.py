@@ -263,8 +263,8 @@ NGINX_SITE = ROOT / "deploy" / "nginx-agent-mcp.conf"
 
 
 def _nginx(tmp_path: Path, pair: list[AgentServer]) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    """Debian's nginx with the README's site file, its upstreams pointed at the two instances, and the API
-    and the proxy behind copies of its shell block, as the README says: (nginx, its port for each of
+    """Debian's nginx with the documented site file, its upstreams pointed at the two instances, and the API
+    and the proxy behind copies of its shell block, as docs/architecture.md says: (nginx, its port for each of
     "shell", "mcp", "api", "proxy")."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     assert Path(binary).exists(), "nginx is not installed (.ci/run installs Debian's nginx)"
@@ -521,9 +521,9 @@ def test_a_rolling_restart_behind_nginx_answers_every_message(tmp_path, pair, fa
     assert answers == ["slow answer"] * 24
 
 
-def test_nginx_site_file_is_what_the_readme_shows() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert NGINX_SITE.read_text().strip() in readme
+def test_nginx_site_file_is_what_the_architecture_doc_shows() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert NGINX_SITE.read_text().strip() in doc
 
 
 # ── One instance on SQLite ──────────────────────────────────────────────────────────────────
