@@ -333,8 +333,9 @@ async def run(args: argparse.Namespace) -> int:
     with Recorder(args.base_url) as recorder, tempfile.TemporaryDirectory() as tmp:
         cfg = ConfigDir(Path(tmp))
         configure(cfg, recorder.url + "/v1", model_id, args.call_timeout)
-        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start(wait=False)
         try:
+            server.wait_ready(timeout=300)  # a loaded machine starts slowly
             for task in chosen:
                 result = await run_task(server, recorder, task, args.call_timeout * 6)
                 results.append(result)
