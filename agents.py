@@ -714,13 +714,16 @@ async def _round(loop: _Loop) -> str | None:
 async def _text_round(loop: _Loop, text: str, found: TextCalls) -> None:
     """Run the calls a model wrote as text; results go back as one user message (every chat template
     accepts that; Gemma's has no tool role). Unusable calls get one corrective message per turn."""
-    results = []
+    results, usable = [], False
     for call in found.calls:
-        result, _ = await loop.call(call["name"], call["args"])
+        result, ok = await loop.call(call["name"], call["args"])
+        usable |= ok
         results.append(f"[Tool result for {call['name']}]:\n{result}")
-    if found.problems and (found.calls or loop.strike("the model's tool call could not be run")):
+    if not usable and not loop.strike("the model's tool call could not be run"):
+        return  # the loop gives up on this reply: it is left out, and the final answer follows
+    if found.problems:
         results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text"))
-    if results:  # else the loop gave up on this reply: it is left out, and the final answer follows
+    if results:
         loop.session.history.append({"role": "assistant", "content": text})
         loop.session.history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
 

@@ -183,8 +183,24 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
         elif name not in tools:
             problems.append(f"unknown tool '{name}'")
         else:
-            found.append((name, args, False))
+            found.append((name, _unwrap_schema(args, tools[name]), False))
     return found, problems
+
+
+_SCHEMA_KEYS = frozenset({"properties", "type", "required"})
+
+
+def _unwrap_schema(args: dict[str, Any], tool: StructuredTool) -> dict[str, Any]:
+    """Small models copy the JSON schema they were shown into a call: `{"properties": {"city": "Paris"},
+    "type": "object"}`. Such arguments are unwrapped to `{"city": "Paris"}` (to `{}` when "properties"
+    holds schemas), unless the tool really has parameters named like schema keys."""
+    if not args or not set(args) <= _SCHEMA_KEYS or not isinstance(args.get("properties", {}), dict):
+        return args
+    params = convert_to_openai_tool(tool)["function"].get("parameters", {}).get("properties", {})
+    if set(args) & set(params):
+        return args
+    inner = args.get("properties", {})
+    return {k: v for k, v in inner.items() if not (isinstance(v, dict) and "type" in v)}
 
 
 def _block_calls(match: re.Match[str], tools: dict[str, StructuredTool]) -> _Found | None:

@@ -185,6 +185,16 @@ async def test_unusable_calls_after_the_correction_end_with_a_final_answer(nrt, 
     _check_history(nrt.sessions.get("c1").history)
 
 
+async def test_a_text_call_with_invalid_arguments_twice_ends_with_a_final_answer(nrt, fake_openai) -> None:
+    wrong = fenced_call("get_weather", {"town": "Oslo"})
+    fake_openai.script(wrong, wrong, text("I could not look it up."))
+    out, events = await turn(nrt, "weather in Oslo?")
+    assert out == "I could not look it up." and nrt.recorder.calls == [] and len(fake_openai.requests) == 3
+    assert "invalid arguments for get_weather" in fake_openai.requests[1].json["messages"][-1]["content"]
+    assert "tools" not in fake_openai.requests[2].json
+    assert any("again after being told how to call" in s for s in _statuses(events))
+
+
 async def test_a_native_call_with_broken_arguments_is_corrected_once(nrt, fake_openai) -> None:
     fake_openai.script(broken_call("get_weather"), tool_call("get_weather", {"city": "Paris"}), text("Sunny."))
     out, _ = await turn(nrt, "weather in Paris?")

@@ -86,6 +86,11 @@ WELL_FORMED = [
     ('<tool_call>{"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}</tool_call>', [PARIS]),
     # an unclosed tag at the end of the reply (the model stopped at its stop token)
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', [PARIS]),
+    # the JSON schema a small model copied into its call is unwrapped
+    ('```json\n{"name": "get_weather", "arguments": {"properties": {"city": "Paris"}, "type": "object"}}\n```',
+     [PARIS]),
+    ('{"name": "get_weather", "arguments": {"properties": {"city": {"type": "string"}}, "type": "object"}}',
+     [("get_weather", {})]),
     # duplicates are dropped
     (
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
