@@ -206,7 +206,6 @@ def tasks(window: int) -> list[Task]:
                                          "server's time and the names of the configured models.", _both),
         Task("gated-tool", "qwen-native", "Look up order 4711 with the lookup_order tool: how was it shipped?",
              _order),
-        Task("long-history", "qwen-native", time_q, _uses(_time_facts), before=long_history),
         Task("arithmetic", "qwen-native", "What is 17 times 23? Answer with the number.", None, expect="391"),
         Task("router-time", "qwen-router", time_q, _uses(_time_facts)),
         Task("router-models", "qwen-router", "Which language models are configured here? Use llm_list.",
@@ -215,6 +214,8 @@ def tasks(window: int) -> list[Task]:
         Task("text-mode-models", "qwen-text", "Call llm_list and tell me which models are configured.",
              _uses(_model_facts, 2)),
         Task("greeting", "qwen-router", "Hello! How are you today?", None),
+        # Last: its long prompt takes the longest.
+        Task("long-history", "qwen-native", time_q, _uses(_time_facts), before=long_history),
     ]
 
 
