@@ -92,6 +92,9 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             api_key=api_key,
             streaming=True,
             timeout=cfg.llm_call_timeout,
+            # LangChain's own clock between streamed chunks (120 s by default) would cut a slow local
+            # model's prompt processing short of llm_call_timeout; _stream_once keeps the same clock.
+            stream_chunk_timeout=cfg.llm_call_timeout,
             max_retries=0,  # _stream_once retries, and never after a timeout (see there)
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
             http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
