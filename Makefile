@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale bench-local metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale bench-local metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ $(LITELLM): bench/litellm-requirements.txt | $(PY)
 
 bench-proxy: $(STAMP) $(LITELLM)
 	$(PY) bench/proxy_overhead.py --litellm $(LITELLM)
+
+bench-db: $(STAMP)
+	$(PY) bench/db_enforcement.py
 
 bench-budget: $(STAMP)
 	$(PY) bench/budget_cost.py

@@ -250,19 +250,25 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
         cause = found.error.__cause__ or found.error
         return f"{where}: cannot connect ({cause}); is the server running and the host right?"
     if found.status == 401:
-        return f"{where}: the backend refused the API key (HTTP 401); check {cfg.env_key if cfg else 'the key'}"
+        setting = cfg.env_key if cfg and cfg.env_key else "its key"
+        return f"{where}: the backend refused the API key (HTTP 401); check {setting}"
     if found.kind == "status":
-        return f"{where}: the backend answered HTTP {found.status}: {_short(found.message)}"
+        return f"{where}: the backend answered HTTP {found.status}: {_words(found.message)}"
     if isinstance(exc, openai.APIError):
-        return f"{where}: the backend reported an error: {_short(exc.message)}"
+        return f"{where}: the backend reported an error: {_words(exc.message)}"
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
-        return f"{where}: malformed response from the backend ({type(exc).__name__}: {_short(str(exc))})"
-    return f"{where}: {type(exc).__name__}: {_short(str(exc))}"
+        return f"{where}: malformed response from the backend ({type(exc).__name__}: {_words(str(exc))})"
+    return f"{where}: {type(exc).__name__}: {_words(str(exc))}"
 
 
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _words(text: str) -> str:
+    """A backend's words as a user may read them: first line, no credentials, short (failures.summary)."""
+    return failures.summary(text)
 
 
 # ── History ─────────────────────────────────────────────────────────────────────────────────
@@ -327,6 +333,7 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
         return ToolOutcome(f"ERROR: {problem}. Fix them and call again.", "invalid", problem=problem)
     args = parsed.model_dump()
     with state.running(turn):
+        turn.db_access = None  # what the gate decides for this call, and nothing an earlier call left
         for check in rt.tool_checks:
             refused = await check(rt, turn, entry, args)
             if refused is not None:

@@ -12,9 +12,17 @@ mistake in one layer is caught by the next:
 - `LOAD DATA LOCAL` is off; every statement has a server-side time limit (MariaDB
   `max_statement_time`, MySQL `max_execution_time`) and a client-side one slightly longer,
   after which the connection is dropped and the server thread killed.
-- A connection whose session state a statement may have changed (`SET`, `USE`, an open
-  transaction, anything the classifier cannot analyse) is closed, never handed to the next call.
-Connections are checked before use, so a server restart costs no failed call.
+- A connection left inside a transaction is closed (the server rolls it back), never handed on.
+- Every call starts from a clean session and leaves one: `COM_RESET_CONNECTION` before and after
+  it (clears user variables,
+  temporary tables, prepared statements, session variables, locks and transactions; MariaDB
+  keeps the active role and the current database through it, so both are set again), then
+  `sql_mode` pinned to the grammar the classifier parses (see PINNED_SQL_MODE), the statement
+  time limit, `SET ROLE` and `USE` of the agent database.
+- Enforced mode (see db_roles.py): the account is a RUNNER holding nothing but USAGE and
+  roles; each call runs with the one role holding exactly what its gate decision covers. When
+  the account cannot be limited (`enforcement_problem`), calls run on the classifier alone.
+A dead pooled connection is reconnected before use, so a server restart costs no failed call.
 """
 
 from __future__ import annotations
@@ -24,18 +32,20 @@ import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiomysql
 import pymysql
+from dotenv import dotenv_values
 from pydantic import BaseModel, Field, ValidationError
 from pymysql.constants import CLIENT
-from sqlglot.dialects.mysql import MySQL
-from sqlglot.errors import SqlglotError
-from sqlglot.tokens import TokenType
 
-import gate
+import db_roles
+import sql as sql_rules  # `sql` is the name of the SQL text in this module
+import state
 from config import ConfigError
+from sql import split_statements
 
 logger = logging.getLogger("agent_mcp.database")
 
@@ -48,7 +58,20 @@ CLIENT_GRACE = 2.0
 KILL_TIMEOUT = 5.0
 POOL_RECYCLE_SECONDS = 3600
 
-_ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS", "db": "MYSQL_DB"}
+_ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS", "db": "MYSQL_DB",
+        "grantor_user": "MYSQL_GRANTOR_USER", "grantor_password": "MYSQL_GRANTOR_PASS",
+        "role_prefix": "MYSQL_ROLE_PREFIX"}
+#: The accounts `agentctl db-setup` made (0600, in the data dir): they replace MYSQL_USER/MYSQL_PASS.
+ACCOUNTS_FILE = "db-accounts.env"
+ACCOUNT_VARS = ("MYSQL_USER", "MYSQL_PASS", "MYSQL_GRANTOR_USER", "MYSQL_GRANTOR_PASS")
+#: The sql_mode of every call: the server's default grammar, which the classifier parses. Pinned rather than
+#: taken from the server, whose mode may hold NO_BACKSLASH_ESCAPES or ANSI_QUOTES (strings and names split
+#: elsewhere than the classifier splits them), ORACLE/MSSQL/ANSI, PIPES_AS_CONCAT or IGNORE_SPACE.
+PINNED_SQL_MODE = "STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_AUTO_CREATE_USER,NO_ENGINE_SUBSTITUTION"
+_MYSQL_SQL_MODE = "STRICT_TRANS_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"  # MySQL 8 has no NO_AUTO_…
+#: The protocol command byte of COM_RESET_CONNECTION (PyMySQL names no constant for it).
+COM_RESET_CONNECTION = 0x1F
+ENFORCED, CLASSIFIER_ONLY = "enforced", "classifier only"
 
 
 class DatabaseSettings(BaseModel):
@@ -65,6 +88,11 @@ class DatabaseSettings(BaseModel):
     max_rows: int = Field(200, ge=1)
     pool_size: int = Field(5, ge=1)
     client_grace: float = Field(CLIENT_GRACE, ge=0)
+    #: The account that makes roles and grants them to the runner (`agentctl db-setup`); never runs model SQL.
+    grantor_user: str | None = None
+    grantor_password: str = Field("", repr=False)
+    role_prefix: str = Field(db_roles.DEFAULT_PREFIX, pattern=r"^[A-Za-z0-9_]{1,40}$")
+    max_roles: int = Field(db_roles.DEFAULT_MAX_ROLES, ge=2)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DatabaseSettings:
@@ -75,6 +103,14 @@ class DatabaseSettings(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(f"{_ENV.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in exc.errors())
             raise ConfigError(f"MySQL settings in the environment / .env: {problems}") from None
+
+    def connect_args(self, *, grantor: bool = False) -> dict[str, Any]:
+        """aiomysql keyword arguments of the runner (or the grantor); no database: the runner reaches it
+        only through a role, and `USE` follows `SET ROLE` on every call."""
+        user, password = (self.grantor_user, self.grantor_password) if grantor else (self.user, self.password)
+        return {"host": self.host, "port": self.port, "user": user, "password": password, "db": None,
+                "charset": "utf8mb4", "autocommit": True, "local_infile": False,
+                "connect_timeout": min(10.0, self.timeout + self.client_grace)}
 
     def where(self) -> str:
         """`user@host:port/db`, for messages (never the password)."""
@@ -89,8 +125,9 @@ _HINTS = {
     1049: "that database does not exist: check MYSQL_DB",
     1054: "check the column names (DESCRIBE <table> lists them)",
     1064: "fix the SQL (one statement at a time; statements are separated by ';')",
-    1142: "this MySQL user has no right to do that; a read may still work, otherwise an administrator must GRANT it",
-    1143: "this MySQL user has no right to that column; an administrator must GRANT it",
+    1142: "this call has no right to do that: ask the user to approve it, or an administrator must GRANT it",
+    1143: "this call has no right to do that: ask the user to approve it, or an administrator must GRANT it",
+    1227: "this call has no right to do that: ask the user to approve it, or an administrator must GRANT it",
     1146: "check the table name (SHOW TABLES lists them)",
     1148: "LOAD DATA LOCAL is disabled",
     1792: "it was taken for a read and ran in a read-only transaction, but it writes; send it as a write",
@@ -129,31 +166,6 @@ def describe_error(exc: BaseException) -> str:
 
 
 # ── Statements and results ──────────────────────────────────────────────────────────────────
-
-
-def split_statements(sql: str) -> list[str]:
-    """The statements of `sql` as sqlglot's MySQL tokenizer separates them, each with its original text.
-
-    Semicolons inside strings and comments do not split. Empty statements and statements of
-    nothing but comments are dropped, except executable comments (`/*!40101 SET … */`), which the
-    server runs. Text the tokenizer rejects is returned whole: the server then runs at most one
-    statement of it.
-    """
-    try:
-        tokens = MySQL().tokenize(sql)
-    except (SqlglotError, RecursionError, ValueError):
-        return [sql.strip()] if sql.strip() else []
-    statements, start, has_tokens = [], 0, False
-    for token in [*tokens, None]:  # None: the end of the text
-        if token is not None and token.token_type != TokenType.SEMICOLON:
-            has_tokens = True
-            continue
-        end = token.start if token is not None else len(sql)
-        text = sql[start:end].strip()
-        if has_tokens or gate.EXECUTABLE_COMMENT.search(text):
-            statements.append(text)
-        start, has_tokens = end + 1, False
-    return statements
 
 
 @dataclass
@@ -250,7 +262,8 @@ def format_outcome(outcome: Outcome) -> str:
 
 
 class Database:
-    """An aiomysql pool with safe per-connection settings; `run(sql)` executes one statement at a time."""
+    """An aiomysql pool with safe per-call settings; `run(sql, access)` executes one statement at a time,
+    with only the privileges `access` covers when the account can be limited (see `enforce`)."""
 
     def __init__(self, settings: DatabaseSettings):
         self.settings = settings
@@ -259,16 +272,33 @@ class Database:
         # (a reconnect in place starts a new session, which needs them again).
         self._prepared: weakref.WeakKeyDictionary[aiomysql.Connection, float] = weakref.WeakKeyDictionary()
         self._kills: set[asyncio.Task[None]] = set()
+        #: The roles of enforced mode; None: calls run on the classifier alone (`problem` says why).
+        self.roles: db_roles.Roles | None = None
+        self.problem: str | None = "not checked yet"
+        self._recheck = False
+        #: Whether the server tells table names apart by case (`lower_case_table_names` = 0), read when
+        #: connecting; None until a connection was made. The gate keys tables by this rule.
+        self.case_sensitive: bool | None = None
 
     @property
     def client_timeout(self) -> float:
         return self.settings.timeout + self.settings.client_grace
 
+    @property
+    def mode(self) -> str:
+        """`enforced`, or `classifier only` (then `problem` says why)."""
+        return ENFORCED if self.roles is not None else CLASSIFIER_ONLY
+
+    def describe_mode(self) -> str:
+        """One line: how calls are limited, and for classifier-only mode why and what fixes it."""
+        if self.roles is not None:
+            return (f"enforced by the database: each db_query call runs as {self.settings.user} with a role holding "
+                    f"exactly what its gate decision covers ({len(self.roles)} role(s) in use)")
+        return (f"classifier only: {self.problem} — db_query calls are limited by the gate's SQL classifier alone; "
+                "`agentctl db-setup` makes accounts the database can limit")
+
     def _connect_args(self) -> dict[str, Any]:
-        s = self.settings
-        return {"host": s.host, "port": s.port, "user": s.user, "password": s.password, "db": s.db,
-                "charset": "utf8mb4", "autocommit": True, "local_infile": False,
-                "connect_timeout": min(10.0, self.client_timeout)}
+        return self.settings.connect_args()
 
     async def open(self) -> None:
         """Create the pool (connections are made on demand, so this works while the server is down)."""
@@ -284,14 +314,75 @@ class Database:
             self._pool.close()
             await self._pool.wait_closed()
             self._pool = None
+        if self.roles is not None:
+            await self.roles.close()
 
     async def check(self) -> str | None:
         """None when a connection can be made and used, else why not (for start-up logs)."""
         outcome = await self.run("SELECT 1")
         return str(outcome.error) if outcome.error else None
 
+    async def enforce(self) -> str | None:
+        """Switch to enforced mode if the accounts allow it; None when enforced, else why not (also in `problem`).
+
+        Needs MYSQL_DB, a grantor (MYSQL_GRANTOR_USER) that can make roles, and a runner that holds
+        nothing but USAGE and roles (db_roles.runner_problem). Stale roles of an earlier run are dropped.
+        """
+        self.problem = await self._enforcement_problem()
+        # The server did not answer: check again at the next call instead of staying unlimited.
+        self._recheck = self.problem is not None and self.problem.startswith("cannot check")
+        return self.problem
+
+    async def _enforcement_problem(self) -> str | None:
+        s = self.settings
+        if not s.db:
+            return "MYSQL_DB is not set (roles grant on one agent database)"
+        try:
+            async with aiomysql.connect(**self._connect_args()) as conn:
+                problem = await db_roles.runner_problem(conn, prefix=s.role_prefix, db=s.db)
+                async with conn.cursor() as cur:
+                    await cur.execute("SELECT CURRENT_USER(), @@lower_case_table_names")
+                    (runner, lower), = await cur.fetchall()
+                    await cur.execute("SELECT ROLE_NAME FROM information_schema.APPLICABLE_ROLES")
+                    held = [str(r[0]) for r in await cur.fetchall()]
+        except (pymysql.err.MySQLError, OSError) as exc:
+            return f"cannot check the account {s.where()}: {describe_error(exc)}"
+        if problem:
+            return f"{s.user} cannot be limited: {problem}"
+        if not s.grantor_user:
+            return "no grantor account is configured (MYSQL_GRANTOR_USER)"
+        roles = db_roles.Roles(s.connect_args(grantor=True), runner=str(runner), db=s.db, prefix=s.role_prefix,
+                               max_roles=s.max_roles)
+        problem = await roles.probe()
+        if problem is None:
+            try:
+                dropped = await roles.drop_stale([*held, *await roles.found()])
+            except (pymysql.err.MySQLError, OSError) as exc:
+                problem = f"the grantor cannot drop stale roles: {describe_error(exc)}"
+            else:
+                if dropped:
+                    logger.info("dropped %d role(s) of an earlier run", dropped)
+        if problem is not None:
+            await roles.close()
+            return problem
+        self.roles, self.case_sensitive = roles, int(lower) == 0
+        return None
+
+    async def _privileges(self, access: state.DbAccess | None) -> db_roles.Privileges:
+        """The grants a call with this gate decision runs with (nothing without one: fail closed)."""
+        assert self.roles is not None and self.settings.db
+        if access is None:
+            return frozenset()
+        tables = await self.roles.tables()
+        pairs: list[tuple[str, str]] = list(access.pairs)
+        if access.allows is not None:
+            pairs += db_roles.standing_pairs(access.allows, tables, operations=sql_rules.OPERATIONS,
+                                             case_sensitive=self.case_sensitive is not False)
+        return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables,
+                                       case_sensitive=self.case_sensitive is not False)
+
     async def _prepare(self, conn: aiomysql.Connection) -> None:
-        """Make sure this server session has multi-statements off and the statement time limit."""
+        """Make sure this server session has multi-statements off."""
         if self._prepared.get(conn) == conn.connected_time:
             return
         if conn.client_flag & CLIENT.MULTI_STATEMENTS:
@@ -300,24 +391,61 @@ class Database:
             await conn.ensure_closed()
             await conn.ping(reconnect=True)
         async with conn.cursor() as cur:
-            if "mariadb" in conn.get_server_info().lower():
-                await cur.execute("SET SESSION max_statement_time = %s", (self.settings.timeout,))
-            else:  # MySQL ≥ 5.7.8: milliseconds, SELECT only (the client-side limit covers the rest)
-                await cur.execute("SET SESSION max_execution_time = %s", (int(self.settings.timeout * 1000),))
+            await cur.execute("SELECT @@lower_case_table_names")
+            row = await cur.fetchone()
+            self.case_sensitive = row is not None and str(row[0]) == "0"
         self._prepared[conn] = conn.connected_time
 
-    async def _acquire(self, pool: aiomysql.Pool) -> aiomysql.Connection:
+    async def _clean(self, conn: aiomysql.Connection, role: str | None) -> None:
+        """Start the call from a clean session: reset, pinned sql_mode and time limit, the call's role, `USE`."""
+        await self._reset(conn)
+        await self._settings(conn, role)
+        if self.settings.db:
+            try:
+                await conn.select_db(self.settings.db)
+            except pymysql.err.OperationalError as exc:
+                if self.roles is None or exc.args[0] not in (1044, 1049):
+                    raise
+                # The role holds nothing in the agent database, so no `USE`; a reset keeps the previous
+                # call's database, so this call gets a new session, which has none selected.
+                conn.close()
+                await conn.ping(reconnect=True)
+                await self._prepare(conn)
+                await self._settings(conn, role)
+
+    @staticmethod
+    async def _reset(conn: aiomysql.Connection) -> None:
+        """COM_RESET_CONNECTION: aiomysql offers no call for it, so the command byte is sent and its OK read here."""
+        async with asyncio.timeout(KILL_TIMEOUT):
+            await conn._execute_command(COM_RESET_CONNECTION, b"")
+            await conn._read_ok_packet()
+
+    async def _settings(self, conn: aiomysql.Connection, role: str | None) -> None:
+        async with conn.cursor() as cur:
+            if "mariadb" in conn.get_server_info().lower():
+                await cur.execute("SET SESSION sql_mode = %s, max_statement_time = %s",
+                                  (PINNED_SQL_MODE, self.settings.timeout))
+            else:  # MySQL ≥ 5.7.8: milliseconds, SELECT only (the client-side limit covers the rest)
+                await cur.execute("SET SESSION sql_mode = %s, max_execution_time = %s",
+                                  (_MYSQL_SQL_MODE, int(self.settings.timeout * 1000)))
+            if self.roles is not None:
+                await cur.execute(f"SET ROLE {db_roles.quote(role)}" if role else "SET ROLE NONE")
+
+    async def _acquire(self, pool: aiomysql.Pool, role: str | None) -> aiomysql.Connection:
         conn = None
         try:
             async with asyncio.timeout(self.client_timeout):
                 conn = await pool.acquire()
                 await conn.ping(reconnect=True)  # a connection the server dropped (KILL, restart) reconnects here
                 await self._prepare(conn)
+                await self._clean(conn, role)
             return conn
         except BaseException as exc:
             if conn is not None:
                 conn.close()
                 pool.release(conn)
+            if isinstance(exc, pymysql.err.MySQLError) and exc.args and exc.args[0] == 1959 and self.roles:
+                raise  # the role is gone (dropped elsewhere): the caller makes it again
             if isinstance(exc, (pymysql.err.MySQLError, OSError)):
                 raise ConnectError(
                     f"cannot connect to MySQL as {self.settings.where()}: {describe_error(exc)}"
@@ -327,8 +455,38 @@ class Database:
                                    f"{self.client_timeout:g} s — is the server overloaded or unreachable?") from exc
             raise
 
-    async def run(self, sql: str) -> Outcome:
-        """Execute `sql` statement by statement and stop at the first failure; never raises DatabaseError."""
+    async def _connection(self, pool: aiomysql.Pool, access: state.DbAccess | None,
+                          ) -> tuple[aiomysql.Connection, str | None, bool]:
+        """A clean connection with the call's role active: (connection, role, whether it may change tables)."""
+        if self.roles is None:
+            return await self._acquire(pool, None), None, False
+        try:
+            privileges = await self._privileges(access)
+            for attempt in (1, 2):
+                role = await self.roles.acquire(privileges)
+                try:
+                    conn = await self._acquire(pool, role)
+                except pymysql.err.MySQLError:  # 1959: the role was dropped on the server; make it again
+                    self.roles.release(role)
+                    self.roles.forget(role or "")
+                    if attempt == 2:
+                        raise ConnectError("the role of this call could not be activated; "
+                                           "run `agentctl db-setup` to repair the accounts") from None
+                    continue
+                shapes = any(p in ("CREATE", "DROP", "ALTER", db_roles.ALL) for g in privileges for p in g.privileges)
+                return conn, role, shapes
+        except db_roles.RoleError as exc:
+            raise ConnectError(str(exc)) from exc
+        except (pymysql.err.MySQLError, OSError) as exc:
+            raise ConnectError(f"the grantor account could not prepare this call: {describe_error(exc)}") from exc
+        raise AssertionError("unreachable")
+
+    async def run(self, sql: str, access: state.DbAccess | None = None) -> Outcome:
+        """Execute `sql` statement by statement and stop at the first failure; never raises DatabaseError.
+
+        In enforced mode the call has exactly the privileges `access` (its gate decision) covers:
+        none at all without one.
+        """
         outcome = Outcome(split_statements(sql))
         if not outcome.statements:
             outcome.error = StatementError("no SQL statement given")
@@ -336,29 +494,61 @@ class Database:
         await self.open()
         pool = self._pool
         assert pool is not None
+        if self._recheck:
+            await self.enforce()
         try:
-            conn = await self._acquire(pool)
+            conn, role, shapes = await self._connection(pool, access)
         except ConnectError as exc:
             outcome.error = exc
             return outcome
-        reusable, session_changed = False, False
+        # The next call resets the session (COM_RESET_CONNECTION), so whatever a statement set, opened or
+        # created does not reach it; a connection is closed only when it left a transaction open.
+        reusable = False
         try:
-            for statement in outcome.statements:
-                op, tables = gate.classify_sql(statement)
-                session_changed = session_changed or gate.ANY_TABLE in tables  # SET, USE, BEGIN, unknown …
-                outcome.results.append(await self._run_one(conn, statement, read=op == gate.READ))
+            for i, statement in enumerate(outcome.statements):
+                op, _tables = sql_rules.classify_sql(statement)
+                outcome.results.append(await self._run_one(conn, statement, read=op == sql_rules.READ))
+                if self.roles is not None and i < len(outcome.statements) - 1:
+                    await self._same_role(conn, role)
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")
             else:
-                reusable = not session_changed
+                reusable = True
         except StatementError as exc:
             outcome.error = exc
+            reusable = not conn.closed and not conn.get_transaction_status()
         finally:
+            if reusable:
+                # Reset now too, not only before the next call: table locks, HANDLERs and the role must not
+                # outlive the call on an idle pooled connection (another client would wait on those locks).
+                try:
+                    await self._reset(conn)
+                except (pymysql.err.MySQLError, OSError):
+                    reusable = False
             if not reusable:
-                conn.close()  # the server rolls back whatever was left open
+                conn.close()  # the server rolls back whatever was left open and releases its locks
             pool.release(conn)
+            if self.roles is not None:
+                self.roles.release(role)
+                if shapes:
+                    self.roles.tables_changed()
         return outcome
+
+    @staticmethod
+    async def _same_role(conn: aiomysql.Connection, role: str | None) -> None:
+        """Stop the call when a statement switched roles: the runner holds every role agent-mcp made, so
+        `SET ROLE <another>` would reach what other calls were approved for."""
+        try:
+            async with conn.cursor() as cur:
+                await cur.execute("SELECT CURRENT_ROLE()")
+                row = await cur.fetchone()
+        except pymysql.err.MySQLError as exc:
+            raise StatementError(describe_error(exc)) from exc
+        if row is None or row[0] != role:
+            conn.close()
+            raise StatementError("a statement changed the active role (SET ROLE), so the rest of this call was not "
+                                 "run — a call has the role of what was approved for it, no other")
 
     async def _run_one(self, conn: aiomysql.Connection, sql: str, *, read: bool) -> StatementResult:
         thread_id = conn.thread_id()
@@ -408,6 +598,15 @@ class Database:
             logger.warning("could not kill MySQL thread %s: %s", thread_id, exc)
 
 
-async def query_text(db: Database, sql: str) -> str:
-    """Run `sql` and return the text for the user or the model (results, or an ERROR line first)."""
-    return format_outcome(await db.run(sql))
+async def query_text(db: Database, sql: str, access: state.DbAccess | None = None) -> str:
+    """Run `sql` with what `access` covers and return the text for the user or the model (results, or an
+    ERROR line first)."""
+    return format_outcome(await db.run(sql, access))
+
+
+def read_accounts(path: Path) -> dict[str, str]:
+    """The MYSQL_* account variables `agentctl db-setup` wrote to `path` ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    values = dotenv_values(path)
+    return {k: v for k, v in values.items() if k in (*ACCOUNT_VARS, "MYSQL_DB") and v is not None}

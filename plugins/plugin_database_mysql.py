@@ -1,12 +1,18 @@
 """MySQL / MariaDB: the `db_query` tool and the `!db` command, both through `database.py`.
 
-`db_query` is gated per table and read/write: the gate (type `db`) parses the SQL and asks a
+`db_query` is gated per table and read/write/ddl: the gate (type `db`) parses the SQL and asks a
 person unless `gate-defaults.json` or the session opens that access. `!db <sql>` runs SQL
 directly, without the model or a gate, and so only for the interactive shell or an API client
 holding the admin token. The connection comes from MYSQL_HOST, MYSQL_PORT, MYSQL_USER,
-MYSQL_PASS and MYSQL_DB; `plugin_config` sets `timeout` (seconds per statement) and `max_rows`
-(rows of a result shown). A server that is down at start does not stop the plugin: every call
-connects again and says clearly what is wrong until the server answers.
+MYSQL_PASS and MYSQL_DB (the accounts `agentctl db-setup` wrote to the data dir replace
+MYSQL_USER/MYSQL_PASS and add the grantor, MYSQL_GRANTOR_USER/MYSQL_GRANTOR_PASS); `plugin_config`
+sets `timeout` (seconds per statement) and `max_rows` (rows of a result shown). A server that is
+down at start does not stop the plugin: every call connects again and says clearly what is wrong
+until the server answers.
+
+With accounts the database can limit, each `db_query` call runs with exactly what its gate
+decision covers (database.py, db_roles.py); otherwise start-up says why in one line and calls run
+on the classifier alone. `!db` runs with every privilege of the agent database (never global ones).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pydantic import BaseModel, Field
 import gate
 import state
 from config import ConfigError
-from database import Database, DatabaseSettings, query_text
+from database import ACCOUNT_VARS, ACCOUNTS_FILE, Database, DatabaseSettings, query_text, read_accounts
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.mysql")
@@ -30,7 +36,12 @@ Examples:
   !db SHOW TABLES
   !db DESCRIBE people
   !db SELECT * FROM people LIMIT 10
-Statements are separated by ';' and run one at a time; reads run in a read-only transaction."""
+Statements are separated by ';' and run one at a time; reads run in a read-only transaction.
+db_query mode: {mode}"""
+
+
+#: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
+ADMIN_ACCESS = state.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
 
 
 class MySQLSettings(PluginSettings):
@@ -64,19 +75,27 @@ class MySQLPlugin(BasePlugin):
     async def init(self, config: dict[str, Any]) -> bool:
         assert self.runtime is not None
         limits = parse_settings(self.PLUGIN_NAME, MySQLSettings, config)
+        env = dict(self.runtime.config.env)
+        accounts = read_accounts(self.runtime.config.data_dir() / ACCOUNTS_FILE)
+        if accounts:  # made by `agentctl db-setup`: its runner and grantor replace MYSQL_USER/MYSQL_PASS
+            env = {**{k: v for k, v in env.items() if k not in ACCOUNT_VARS}, **accounts}
         try:
-            connection = DatabaseSettings.from_env(self.runtime.config.env)
+            connection = DatabaseSettings.from_env(env)
         except ConfigError as exc:
             raise PluginConfigError(str(exc)) from None
         settings = connection.model_copy(update={"timeout": limits.timeout, "max_rows": limits.max_rows})
         self.db = Database(settings)
         await self.db.open()
+        enforced = await self.db.enforce() is None
         problem = await self.db.check()
         if problem:
             logger.warning("MySQL is not usable yet (%s); db_query stays registered and connects on every call",
                            problem)
+            return True
+        if enforced:
+            logger.info("MySQL: connected as %s; %s", settings.where(), self.db.describe_mode())
         else:
-            logger.info("MySQL: connected as %s", settings.where())
+            logger.warning("MySQL (%s): %s", settings.where(), self.db.describe_mode())
         return True
 
     async def shutdown(self) -> None:
@@ -90,7 +109,8 @@ class MySQLPlugin(BasePlugin):
 
     async def db_query(self, sql: str) -> str:
         """Run SQL; a result table with its row count, `OK — rows affected: N`, or an ERROR line."""
-        return await query_text(self._database(), sql)
+        turn = state.current_turn()
+        return await query_text(self._database(), sql, turn.db_access if turn else None)
 
     def get_tools(self) -> dict[str, Any]:
         tool = StructuredTool.from_function(
@@ -102,7 +122,11 @@ class MySQLPlugin(BasePlugin):
         return {"lc": [tool]}
 
     def get_gate_tools(self) -> dict[str, Any]:
-        return {"db_query": {"type": "db"}}
+        # case_sensitive: the gate keys tables by the server's `lower_case_table_names` (None until connected)
+        return {"db_query": {"type": "db", "case_sensitive": self._case_sensitive}}
+
+    def _case_sensitive(self) -> bool | None:
+        return self.db.case_sensitive if self.db is not None else None
 
     def get_commands(self) -> dict[str, Any]:
         return {"db": self.cmd_db}
@@ -118,5 +142,5 @@ class MySQLPlugin(BasePlugin):
             return gate.refusal("!db", turn)
         db = self._database()
         if not args.strip():
-            return DB_USAGE.format(where=db.settings.where())
-        return await query_text(db, args) + "\n"
+            return DB_USAGE.format(where=db.settings.where(), mode=db.describe_mode())
+        return await query_text(db, args, ADMIN_ACCESS) + "\n"
