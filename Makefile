@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale bench-local metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ bench-grants: $(STAMP)
 # Needs the machine's Redis at 127.0.0.1:6379 (keys under a prefix of its own, removed after).
 bench-scale: $(STAMP)
 	$(PY) bench/scale.py
+
+# A real local model behind any OpenAI-compatible URL (default: the shared local model on 127.0.0.1:8081);
+# skips with a message when nothing answers there. Slow (minutes): not part of `make test`.
+# ARGS='--base-url http://127.0.0.1:8080/v1 --label 1.5B'
+bench-local: $(STAMP)
+	$(PY) bench/local_model.py $(ARGS)
 
 metrics: $(STAMP)
 	$(VENV)/bin/radon cc --total-average -n C -s *.py plugins/*.py

@@ -8,7 +8,6 @@ model, up to `MAX_TOOL_ITERATIONS` rounds. Every failure becomes an `error` even
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import functools
 import json
@@ -44,6 +43,15 @@ import gate
 import state
 from config import MAX_TOOL_ITERATIONS, ModelConfig, field_problems, resolve_api_key
 from state import trim_history
+from text_calls import (  # noqa: F401  (try_force_tool_calls: tools.py reads text calls through agents)
+    TextCallFilter,
+    TextCalls,
+    call_signature,
+    correction,
+    find_text_calls,
+    tool_manifest,
+    try_force_tool_calls,
+)
 
 logger = logging.getLogger("agent_mcp.agents")
 
@@ -84,6 +92,9 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             api_key=api_key,
             streaming=True,
             timeout=cfg.llm_call_timeout,
+            # LangChain's own clock between streamed chunks (120 s by default) would cut a slow local
+            # model's prompt processing short of llm_call_timeout; _stream_once keeps the same clock.
+            stream_chunk_timeout=cfg.llm_call_timeout,
             max_retries=0,  # _stream_once retries, and never after a timeout (see there)
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
             http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
@@ -355,243 +366,6 @@ async def _run_tool(rt: state.Runtime, turn: state.Turn, tool: StructuredTool, a
     return ToolOutcome(text, "error" if failed else "ok")
 
 
-# ── Text tool calls ─────────────────────────────────────────────────────────────────────────
-#
-# Local models often write their tool calls as text instead of using the tool-calling API. Only
-# explicit call syntax is recognised (tags, fenced blocks, a reply that is nothing but JSON), only
-# names of tools bound for this turn run, and prose is never taken for SQL.
-
-_OPENERS = ("<tool_call>", "<tool_code>", "<function=", "<|python_tag|>", "```json", "```tool")
-_OPENER_STARTS = frozenset(o[:i] for o in _OPENERS for i in range(1, len(o)))
-_LONGEST_OPENER = max(map(len, _OPENERS))
-_BLOCKS = re.compile(
-    r"<tool_call>(?P<tool_call>.*?)(?:</tool_call>|\Z)"
-    r"|<tool_code>(?P<tool_code>.*?)(?:</tool_code>|\Z)"
-    r"|(?P<function><function=[^>\s]+>.*?(?:</function>|\Z))"
-    r"|```(?P<lang>[\w-]*)[ \t]*\n(?P<fenced>.*?)```",
-    re.DOTALL,
-)
-_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_ARG_KEYS = ("arguments", "parameters", "input", "args")
-_PY_CALL_LANGS = ("tool_code", "tool_call", "tool")
-PYTHON_TAG = "<|python_tag|>"
-
-
-def _json_values(body: str) -> list[Any] | None:
-    """Every JSON value in `body` (one after another, whitespace between), or None if anything else is there.
-
-    Retried with `{{`/`}}` collapsed, an artefact of some chat templates.
-    """
-    for candidate in (body, body.replace("{{", "{").replace("}}", "}")):
-        decoder, values, pos, text = json.JSONDecoder(), [], 0, candidate.strip()
-        try:
-            while pos < len(text):
-                value, pos = decoder.raw_decode(text, pos)
-                values.append(value)
-                while pos < len(text) and text[pos] in " \t\r\n,;":
-                    pos += 1
-        except ValueError:
-            continue
-        if values:
-            return values
-    return None
-
-
-def _call_from_json(obj: Any) -> tuple[str, dict[str, Any]] | None:
-    """(name, args) of one JSON call in any of the usual shapes, or None if it is not one."""
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict):  # {"type": "function", "function": {"name", "arguments"}}
-        obj = obj["function"]
-    name = obj.get("name", obj.get("tool_name"))
-    args: Any = next((obj[k] for k in _ARG_KEYS if k in obj), {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
-    if not isinstance(name, str) or not isinstance(args, dict):
-        return None
-    return name, args
-
-
-def _python_calls(body: str) -> list[tuple[str, dict[str, Any]]] | None:
-    """Gemma-style `name(key=value)` calls (literal keyword arguments only), or None if not exactly that."""
-    try:
-        tree = ast.parse(body.strip())
-    except SyntaxError:
-        return None
-    calls = []
-    for stmt in tree.body:
-        if not isinstance(stmt, ast.Expr):
-            return None
-        items = stmt.value.elts if isinstance(stmt.value, ast.List | ast.Tuple) else [stmt.value]
-        for item in items:
-            if isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.func.id == "print" \
-                    and len(item.args) == 1:
-                item = item.args[0]
-            if not isinstance(item, ast.Call) or item.args or any(k.arg is None for k in item.keywords):
-                return None
-            func = item.func
-            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-            if name is None:
-                return None
-            try:
-                calls.append((name, {str(k.arg): ast.literal_eval(k.value) for k in item.keywords}))
-            except (ValueError, SyntaxError):
-                return None
-    return calls or None
-
-
-def _function_calls(body: str) -> list[tuple[str, dict[str, Any], bool]]:
-    """`<function=name>` calls: XML `<parameter=…>` values (strings, typed later) or a JSON body."""
-    calls = []
-    for name, inner in _FUNCTION.findall(body):
-        params = _PARAMETER.findall(inner)
-        if params:
-            calls.append((name, dict(params), True))
-        elif not inner.strip():
-            calls.append((name, {}, False))
-        else:
-            values = _json_values(inner)
-            if values and len(values) == 1 and isinstance(values[0], dict):
-                calls.append((name, values[0], False))
-    return calls
-
-
-def _typed_xml_args(tool: StructuredTool, args: dict[str, str]) -> dict[str, Any]:
-    """XML parameter values are text: decode JSON for the parameters whose schema is not a string."""
-    props = tool.args_schema.model_json_schema().get("properties", {}) if tool.args_schema else {}
-    typed: dict[str, Any] = {}
-    for key, value in args.items():
-        kinds = {props.get(key, {}).get("type")} | {a.get("type") for a in props.get(key, {}).get("anyOf", [])}
-        if "string" in kinds or not kinds - {None}:
-            typed[key] = value
-            continue
-        try:
-            typed[key] = json.loads(value)
-        except ValueError:
-            typed[key] = value
-    return typed
-
-
-def _block_calls(match: re.Match[str]) -> list[tuple[str, dict[str, Any], bool]]:
-    body = next(
-        g for g in (match["tool_call"], match["tool_code"], match["function"], match["fenced"]) if g is not None
-    )
-    if "<function=" in body:
-        return _function_calls(body)
-    values = _json_values(body.strip().removeprefix(PYTHON_TAG))
-    if values is not None:
-        flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
-        found = [_call_from_json(v) for v in flat]
-        return [(c[0], c[1], False) for c in found if c is not None] if all(found) else []
-    if match["tool_code"] is not None or (match["lang"] or "").lower() in _PY_CALL_LANGS:
-        return [(n, a, False) for n, a in _python_calls(body) or []]
-    return []
-
-
-def try_force_tool_calls(
-    text: str, tools: dict[str, StructuredTool]
-) -> tuple[list[dict[str, Any]], list[tuple[int, int]]]:
-    """Tool calls written as text, validated against `tools`: (calls, spans of the text they came from).
-
-    Recognised: `<tool_call>{json}</tool_call>` (Qwen, Hermes), `<tool_code>{"tool_name",
-    "arguments"}</tool_code>` (seed 004) or Gemma's `name(key=value)`, `<function=name>` with
-    `<parameter=…>` XML or a JSON body, fenced ```json / ```tool_code blocks, and a reply that is
-    only JSON (Llama's `{"name", "parameters"}`, optionally after `<|python_tag|>`). Calls of
-    unknown tools, with non-object arguments or positional arguments are dropped, and so are
-    duplicates.
-    """
-    found: list[tuple[str, dict[str, Any], bool]] = []
-    spans: list[tuple[int, int]] = []
-    for match in _BLOCKS.finditer(text):
-        calls = _block_calls(match)
-        if any(name in tools for name, _, _ in calls):
-            found += calls
-            spans.append(match.span())
-    if not found:
-        body = text.strip().removeprefix(PYTHON_TAG).strip()
-        values = _json_values(body) if body.startswith(("{", "[")) else None
-        if values is not None:
-            flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
-            calls = [_call_from_json(v) for v in flat]
-            if all(calls) and any(c[0] in tools for c in calls if c):
-                found = [(c[0], c[1], False) for c in calls if c]
-                spans = [(0, len(text))]
-    result, seen = [], set()
-    for name, args, xml in found:
-        tool = tools.get(name)
-        if tool is None:
-            continue
-        if xml:
-            args = _typed_xml_args(tool, args)
-        signature = call_signature(name, args)
-        if signature in seen:
-            continue
-        seen.add(signature)
-        result.append({"id": f"text-{uuid.uuid4().hex[:8]}", "name": name, "args": args})
-    return result, spans
-
-
-def call_signature(name: str, args: dict[str, Any]) -> str:
-    """Identity of a call: the same tool with the same arguments gives the same signature."""
-    return name + json.dumps(args, sort_keys=True, ensure_ascii=False, default=str)
-
-
-class TextCallFilter:
-    """Holds streamed text back from the first sign of a text tool call until the reply is complete.
-
-    Text before a call streams as usual; call syntax is never shown; if the held text turns out
-    not to be a call, it is sent whole at the end.
-    """
-
-    def __init__(self) -> None:
-        self.chunks: list[str] = []
-        self.pending = ""  # received, not shown yet (a possible opener, or leading whitespace)
-        self.sent = 0  # characters shown so far
-        self.holding = False
-
-    def feed(self, chunk: str) -> str:
-        """Add streamed text; return what can be shown now."""
-        self.chunks.append(chunk)
-        if self.holding:
-            return ""
-        body = self.pending + chunk
-        if self.sent == 0:
-            lead = body.lstrip()
-            if not lead or lead[0] in "{[":  # whitespace so far, or a reply that may be all JSON
-                self.pending, self.holding = body, bool(lead)
-                return ""
-        hits = [i for i in (body.find(o) for o in _OPENERS) if i >= 0]
-        if hits:
-            self.holding = True
-            cut = min(hits)
-        else:  # keep back a tail that may be the start of an opener split across chunks
-            tail = body[-_LONGEST_OPENER:]
-            keep = 0 if "<" not in tail and "`" not in tail else next(
-                (k for k in range(min(len(body), _LONGEST_OPENER), 0, -1) if body[-k:] in _OPENER_STARTS), 0)
-            cut = len(body) - keep
-        self.sent += cut
-        self.pending = body[cut:]
-        return body[:cut]
-
-    def finish(self, spans: list[tuple[int, int]]) -> str:
-        """The rest of the reply to show, without the spans that were tool calls."""
-        text = "".join(self.chunks)
-        out, pos = [], self.sent
-        for start, end in sorted(spans):
-            if end <= pos:
-                continue
-            out.append(text[pos:max(pos, start)])
-            pos = max(pos, end)
-        out.append(text[pos:])
-        self.sent, self.pending = len(text), ""
-        rest = "".join(out)
-        return rest.strip() if spans else rest
-
-
 # ── Router step (seed 004) ──────────────────────────────────────────────────────────────────
 
 ROUTER_PROMPT = (
@@ -616,24 +390,6 @@ async def router_wants_tools(llm: Any, cfg: ModelConfig, question: str, tools: l
     answer = re.match(r"\W*(yes|no)\b", content_text(reply.content).strip().lower())
     return not (answer and answer.group(1) == "no")
 
-
-TEXT_TOOLS_PROMPT = """\
-## Tools
-You can call these tools. To call one, reply with exactly one block and nothing after it:
-<tool_code>{{"tool_name": "<name>", "arguments": {{<arguments as JSON>}}}}</tool_code>
-The result comes back in the next message; then answer the user, or call another tool.
-Answer without a block when no tool is needed.
-
-{manifest}"""
-
-
-def tool_manifest(tools: list[StructuredTool]) -> str:
-    """The system-prompt part that describes tools to a model in `text` tool mode (seed 004)."""
-    entries = []
-    for tool in tools:
-        params = convert_to_openai_tool(tool)["function"].get("parameters", {})
-        entries.append(f"- {tool.name}: {tool.description}\n  arguments: {json.dumps(params, ensure_ascii=False)}")
-    return TEXT_TOOLS_PROMPT.format(manifest="\n".join(entries))
 
 
 # ── The loop ────────────────────────────────────────────────────────────────────────────────
@@ -737,10 +493,11 @@ class Request:
         except budget.DoesNotFit as exc:
             raise LLMError(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, rt: state.Runtime, llm: Any, session: state.Session, hold: TextCallFilter | None
-                   ) -> AIMessageChunk:
+    async def send(self, rt: state.Runtime, llm: Any, session: state.Session, hold: TextCallFilter | None,
+                   final: _Final | None = None) -> AIMessageChunk:
         """One model call with the fitted history; when the backend still says the context was exceeded,
-        once more with a tighter budget."""
+        once more with a tighter budget. With `final`, the history goes as plain conversation (no tool
+        calls, no tool messages) followed by the request for the final answer."""
         tighter = 1.0
         while True:
             fitted = self.fit(session.history, tighter)
@@ -748,7 +505,8 @@ class Request:
             if note and note not in self.notes:  # each new shortening once per turn
                 self.notes.add(note)
                 rt.hub.status(session.client_id, note)
-            context = [SystemMessage(self.system), *to_lc_messages(fitted.history)]
+            history = fitted.history if final is None else final.conversation(fitted.history)
+            context = [SystemMessage(self.system), *to_lc_messages(history)]
             try:
                 return await _stream_once(rt, llm, self.cfg, context, session.client_id, hold)
             except Exception as exc:
@@ -776,31 +534,116 @@ async def context_report(rt: state.Runtime, session: state.Session) -> str:
             f"{budget.counter_for(cfg)[1]})" + (f".\n{note}" if note else "."))
 
 
+#: A repeated call's result: plain words a small model follows (it tends to call again after a result).
+REPEAT_NOTE = ("You already have this result of {name} (you called it with these arguments earlier in this turn):\n"
+               "{result}\n"
+               "Do not call {name} again: answer the user now, using this result.")
+#: Repeats of a call in one turn before the loop stops offering tools and asks for the final answer.
+REPEATS_BEFORE_FINAL = 2
+#: Closes the final call, which carries no tools: the turn's question with what its tools returned.
+FINAL_REQUEST = ("{question}\n\nWhat the tools returned:\n{results}\n\nNo more tools can be called now. Using "
+                 "what the tools returned, answer my question above in plain words, without JSON and without a "
+                 "tool call.")
+
+
+@dataclass(frozen=True)
+class _Final:
+    """The request for a final answer: the turn's question, what its tools returned, and the tools whose
+    text-call syntax is taken out of earlier turns."""
+
+    results: list[tuple[str, str]]
+    tools: dict[str, StructuredTool]
+
+    def conversation(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`history` as plain conversation for a model without tools: the turn's tool traffic becomes one
+        user message (the question, the results, the request to answer); earlier turns keep their words
+        and results, without tool calls (a small model copies whatever call syntax it sees)."""
+        start = next((i for i in range(len(history) - 1, -1, -1)
+                      if history[i].get("role") == "user" and not history[i].get("tool_results")), len(history))
+        out: list[dict[str, Any]] = []
+        for i, msg in enumerate(history[:start]):
+            role, content = msg.get("role"), str(msg.get("content") or "")
+            if role == "assistant" and i + 1 < len(history) and history[i + 1].get("tool_results"):
+                found = find_text_calls(content, self.tools)
+                content = _without_spans(content, found.spans + found.bad_spans).strip()
+            elif role == "tool":
+                role, content = "user", f"[Tool result for {msg.get('name')}]:\n{content}"
+            if content.strip():
+                _append(out, role, content)
+        shown = "\n\n".join(f"[{name}]:\n{result}" for name, result in self.results) or "(nothing)"
+        question = str(history[start].get("content") or "") if start < len(history) else ""
+        _append(out, "user", FINAL_REQUEST.format(question=question, results=shown))
+        return out
+
+
+def _append(out: list[dict[str, Any]], role: Any, content: str) -> None:
+    """Add a message, merged into the last one when it has the same role (roles must alternate)."""
+    if out and out[-1]["role"] == role:
+        out[-1] = {"role": role, "content": f"{out[-1]['content']}\n\n{content}"}
+    else:
+        out.append({"role": role, "content": content})
+
+
+def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    out, pos = [], 0
+    for start, end in sorted(spans):
+        out.append(text[pos:max(pos, start)])
+        pos = max(pos, end)
+    return "".join(out) + text[pos:]
+
+
 @dataclass
 class _Loop:
-    """What every round of one LLM turn shares: the model with its tools, and the calls made so far."""
+    """What every round of one LLM turn shares: the model with its tools, the calls made so far, and
+    why the turn must end with a final answer without tools (`finish`), once that is so."""
 
     rt: state.Runtime
     turn: state.Turn
     session: state.Session
     key: str
     bound: Any
-    by_name: dict[str, StructuredTool]
+    tools: list[StructuredTool]
     request: Request
     #: Signature of each tool call made in this turn → its result (an identical call is not run again).
     done: dict[str, str] = field(default_factory=dict)
+    #: (tool, result) of each call that ran, for the answer of last resort.
+    results: list[tuple[str, str]] = field(default_factory=list)
+    repeats: int = 0
+    corrected: bool = False  # the one corrective message of the turn was sent
+    finish: str = ""
 
-    async def call(self, name: str, args: dict[str, Any]) -> str:
-        """execute_tool, except that a call identical to an earlier one of this turn is not run again."""
+    @property
+    def by_name(self) -> dict[str, StructuredTool]:
+        return {t.name: t for t in self.tools}
+
+    async def call(self, name: str, args: dict[str, Any]) -> tuple[str, bool]:
+        """(result, whether the call was usable): execute_tool, except that a call identical to an
+        earlier one of this turn is not run again; its result comes back with the order to answer."""
         signature = call_signature(name, args)
         if signature in self.done:
+            self.repeats += 1
             self.rt.hub.status(
                 self.turn.client_id, f"[{name} ↺] identical call already made in this turn; not run again"
             )
-            return (f"NOTE: you already called {name} with exactly these arguments in this turn; its result is "
-                    "above. Use that result instead of calling again.")
-        self.done[signature] = text = (await execute_tool(self.rt, self.turn, name, args)).text
-        return text
+            if self.repeats >= REPEATS_BEFORE_FINAL:
+                self.finish = f"the model repeated its call of {name}"
+            return REPEAT_NOTE.format(name=name, result=_preview(self.done[signature], 2000)), True
+        outcome = await execute_tool(self.rt, self.turn, name, args)
+        if outcome.status == "invalid":
+            return outcome.text, False
+        self.done[signature] = outcome.text
+        self.results.append((name, outcome.text))
+        return outcome.text, True
+
+    def strike(self, what: str) -> bool:
+        """A round whose calls could none be used: True the first time (the model was told how to call);
+        the second time the loop gives up on them and asks for the final answer."""
+        if self.corrected:
+            self.finish = f"{what} again after being told how to call"
+            return False
+        self.corrected = True
+        self.rt.hub.status(self.turn.client_id, f"[tools] {what}; told the model once how to call")
+        return True
 
 
 async def _prepare(rt: state.Runtime, turn: state.Turn, session: state.Session, key: str) -> _Loop:
@@ -811,43 +654,120 @@ async def _prepare(rt: state.Runtime, turn: state.Turn, session: state.Session, 
     if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
         tools = []
     bound = llm.bind_tools(tools) if tools and cfg.tool_mode == "native" else llm
-    return _Loop(rt, turn, session, key, bound, {t.name: t for t in tools}, await Request.build(rt, key, tools))
+    return _Loop(rt, turn, session, key, bound, tools, await Request.build(rt, key, tools))
 
 
 def _new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:12]}"
 
 
+def _native_calls(reply: AIMessageChunk) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(calls, broken calls) of a streamed reply. LangChain repairs truncated argument JSON while it
+    streams (`{"city": "Par` becomes {"city": "Par"}): a call whose arguments as sent do not parse is
+    broken, not run with guessed arguments."""
+    sent = {c.get("id"): c.get("args") for c in reply.tool_call_chunks if c.get("id")}
+    calls, broken = [], []
+    for c in reply.tool_calls:
+        raw = sent.get(c.get("id"))
+        call = {"id": c.get("id") or _new_call_id(), "name": c["name"], "args": c["args"]}
+        if isinstance(raw, str) and raw.strip() and not _is_json(raw):
+            broken.append({**call, "args": {}, "error": f"the arguments of {c['name']} were not valid JSON"})
+        else:
+            calls.append(call)
+    broken += [{"id": c.get("id") or _new_call_id(), "name": c.get("name") or "unknown", "args": {},
+                "error": c.get("error") or "arguments were not valid JSON"} for c in reply.invalid_tool_calls]
+    return calls, broken
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 async def _round(loop: _Loop) -> str | None:
     """One model call and the tool calls it asks for; the answer text when it asked for none."""
     rt, history, client_id = loop.rt, loop.session.history, loop.turn.client_id
-    hold = TextCallFilter() if loop.by_name else None
+    by_name = loop.by_name
+    hold = TextCallFilter() if by_name else None
     reply = await loop.request.send(rt, loop.bound, loop.session, hold)
     text = content_text(reply.content)
-    calls = [{"id": c.get("id") or _new_call_id(), "name": c["name"], "args": c["args"]} for c in reply.tool_calls]
-    broken = [{"id": c.get("id") or _new_call_id(), "name": c.get("name") or "unknown", "args": {},
-               "error": c.get("error") or "arguments were not valid JSON"} for c in reply.invalid_tool_calls]
+    calls, broken = _native_calls(reply)
     if hold is not None:
-        forced, spans = try_force_tool_calls(text, loop.by_name) if not calls and not broken else ([], [])
-        rt.hub.tok(client_id, hold.finish(spans if forced else []))
-        if forced:
-            # Fed back as a user message: every chat template accepts that (Gemma's has no tool role).
-            history.append({"role": "assistant", "content": text})
-            results = [f"[Tool result for {c['name']}]:\n{await loop.call(c['name'], c['args'])}" for c in forced]
-            history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
-            return None
+        found = find_text_calls(text, by_name) if not calls and not broken else TextCalls()
+        rt.hub.tok(client_id, hold.finish(found.spans + found.bad_spans if found.calls or found.problems else []))
+        if found.calls or found.problems:
+            return await _text_round(loop, text, found)
     if not calls and not broken:
+        if not text.strip() and loop.results:
+            loop.finish = "the model's answer after the tool results was empty"
+            return None
         history.append({"role": "assistant", "content": text})
         return text
     history.append({"role": "assistant", "content": text,
                     "tool_calls": [{k: c[k] for k in ("id", "name", "args")} for c in calls + broken]})
+    usable = False
     for call in calls:
-        result = await loop.call(call["name"], call["args"])
+        result, ok = await loop.call(call["name"], call["args"])
+        usable |= ok
         history.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": result})
     for call in broken:
         history.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"],
                         "content": f"ERROR: {call['error']}; send the call again with a JSON object of arguments."})
+    if not usable:
+        loop.strike("the model's tool calls could not be run")
     return None
+
+
+async def _text_round(loop: _Loop, text: str, found: TextCalls) -> None:
+    """Run the calls a model wrote as text; results go back as one user message (every chat template
+    accepts that; Gemma's has no tool role). Unusable calls get one corrective message per turn."""
+    results, usable = [], False
+    for call in found.calls:
+        result, ok = await loop.call(call["name"], call["args"])
+        usable |= ok
+        results.append(f"[Tool result for {call['name']}]:\n{result}")
+    if not usable and not loop.strike("the model's tool call could not be run"):
+        return  # the loop gives up on this reply: it is left out, and the final answer follows
+    if found.problems:
+        results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text"))
+    if results:
+        loop.session.history.append({"role": "assistant", "content": text})
+        loop.session.history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
+
+
+def _last_resort(loop: _Loop) -> str:
+    """The answer when the model, asked without tools, still wrote none: what the tools returned."""
+    if not loop.results:
+        return "The model gave no answer. Please ask again, perhaps more simply or with another model (!model)."
+    shown = "\n".join(f"- {name}: {_preview(result, 1500)}" for name, result in loop.results[-3:])
+    return f"The model gave no answer; here is what the tools returned:\n{shown}"
+
+
+async def _final_answer(loop: _Loop) -> str:
+    """One more model call, without tools and without the text-call instructions, for the final answer
+    from what the tools returned; it becomes the turn's assistant message."""
+    rt, client_id = loop.rt, loop.turn.client_id
+    rt.hub.status(client_id, f"[final answer] {loop.finish}: asked it once more, without tools, "
+                             "for the answer from the tool results")
+    request = await Request.build(rt, loop.key, [])
+    request.notes = loop.request.notes
+    hold = TextCallFilter()
+    final = _Final(loop.results, loop.by_name)
+    reply = await request.send(rt, chat_model(rt, loop.key), loop.session, hold, final)
+    text = content_text(reply.content)
+    found = find_text_calls(text, loop.by_name) if loop.by_name else TextCalls()
+    spans = found.spans + found.bad_spans if found.calls or found.problems else []
+    rt.hub.tok(client_id, hold.finish(spans))
+    answer = _without_spans(text, spans).strip()
+    if not answer:
+        rt.hub.status(client_id, "[final answer] the model wrote no answer; showing what the tools returned")
+        answer = _last_resort(loop)
+        rt.hub.tok(client_id, answer)
+    loop.session.history.append({"role": "assistant", "content": answer})
+    return answer
 
 
 async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
@@ -855,7 +775,10 @@ async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
 
     Messages of the turn (assistant tool calls, tool results, the answer) are appended to the
     session's history as they happen; the caller rolls them back if the turn fails. With the
-    model's `router` option on, a short yes/no call first decides whether tools are bound.
+    model's `router` option on, a short yes/no call first decides whether tools are bound. A model
+    that repeats a call, cannot write a usable call after being told how, or still calls tools after
+    `MAX_TOOL_ITERATIONS` rounds is asked once more without tools: every turn ends with an answer
+    unless the model fails outright.
     """
     assert turn.session is not None
     loop = await _prepare(rt, turn, turn.session, key)
@@ -863,9 +786,11 @@ async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
         answer = await _round(loop)
         if answer is not None:
             return answer
-    raise LLMError(
-        f"model '{key}' kept calling tools for {MAX_TOOL_ITERATIONS} rounds; stopped. Ask again more narrowly."
-    )
+        if loop.finish:
+            break
+    else:
+        loop.finish = f"the model was still calling tools after {MAX_TOOL_ITERATIONS} rounds"
+    return await _final_answer(loop)
 
 
 async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:

@@ -167,10 +167,12 @@ async def test_tool_calls_and_results_are_kept_and_trimmed_together(rt, fake_ope
 async def test_bad_tool_arguments_and_unknown_tools_are_results(rt, fake_openai):
     fake_openai.script(tool_call("read_system_prompt", {"section": 5}), tool_call("nonexistent", {}), text("ok"))
     out, _ = await turn(rt, "go")
-    tool_results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
+    tool_results = [m["content"] for m in rt.sessions.get("c1").history if m["role"] == "tool"]
     assert tool_results[0].startswith("ERROR: invalid arguments for read_system_prompt: section")
     assert tool_results[1].startswith("ERROR: unknown tool 'nonexistent'")
-    assert out == "ok"
+    assert fake_openai.requests[1].json["messages"][-1]["content"] == tool_results[0]
+    # A second round without a usable call: the loop gives up on calls and asks for the answer without tools.
+    assert out == "ok" and "tools" not in fake_openai.requests[-1].json
 
 
 async def test_new_submit_cancels_the_running_turn_cleanly(rt, fake_openai):

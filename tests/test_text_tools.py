@@ -86,6 +86,11 @@ WELL_FORMED = [
     ('<tool_call>{"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}</tool_call>', [PARIS]),
     # an unclosed tag at the end of the reply (the model stopped at its stop token)
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', [PARIS]),
+    # the JSON schema a small model copied into its call is unwrapped
+    ('```json\n{"name": "get_weather", "arguments": {"properties": {"city": "Paris"}, "type": "object"}}\n```',
+     [PARIS]),
+    ('{"name": "get_weather", "arguments": {"properties": {"city": {"type": "string"}}, "type": "object"}}',
+     [("get_weather", {})]),
     # duplicates are dropped
     (
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -209,7 +214,8 @@ async def test_a_repeated_identical_text_call_is_not_run_again(trt, fake_openai)
     out, events = await turn(trt, "weather?")
     assert out == "Sunny." and len(trt.recorder.calls) == 1, [(e.name, e.data) for e in events]
     assert any("↺" in e.data.get("text", "") for e in events if e.name == "status")
-    assert "already called get_weather" in fake_openai.requests[-1].json["messages"][-1]["content"]
+    note = fake_openai.requests[-1].json["messages"][-1]["content"]
+    assert "You already have this result of get_weather" in note and "answer the user now" in note
 
 
 async def test_a_repeated_identical_native_call_is_not_run_again(trt, fake_openai) -> None:
@@ -219,13 +225,15 @@ async def test_a_repeated_identical_native_call_is_not_run_again(trt, fake_opena
     assert out == "done" and [a["city"] for _, a in trt.recorder.calls] == ["Oslo", "Rome"]
 
 
-async def test_prose_and_unknown_text_calls_are_just_answers(trt, fake_openai) -> None:
+async def test_prose_is_an_answer_and_unknown_text_calls_never_run(trt, fake_openai) -> None:
     fake_openai.script(text("SELECT * FROM users is what you would run."))
     out, _ = await turn(trt, "how do I list users?")
     assert out == "SELECT * FROM users is what you would run." and len(fake_openai.requests) == 1
-    fake_openai.script(text('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'))
+    # An unknown tool is never run: the model is told once which tools exist, then answers.
+    fake_openai.script(text('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'), text("Nothing to clean."))
     out, _ = await turn(trt, "clean up")
-    assert out == '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>' and trt.recorder.calls == []
+    assert out == "Nothing to clean." and trt.recorder.calls == []
+    assert "unknown tool 'rm_rf'" in fake_openai.requests[-1].json["messages"][-1]["content"]
 
 
 async def test_router_no_unbinds_tools_yes_and_failure_bind_them(trt, fake_openai) -> None:
@@ -265,5 +273,5 @@ async def test_text_tool_mode_describes_tools_in_the_prompt_and_runs_tool_code(t
         assert "tools" not in first  # nothing bound through the API
         system = first["messages"][0]["content"]
         assert "<tool_code>" in system and '- get_weather: Test tool get_weather.' in system
-        assert '"city": {"type": "string"}' in system
+        assert 'arguments: {"city": <string>}' in system
         assert fake_openai.requests[-1].json["messages"][-1]["content"].startswith("[Tool result for get_weather]")

@@ -39,6 +39,8 @@ class ToolCall:
     name: str
     args: dict[str, Any]
     id: str | None = None
+    #: The arguments exactly as sent, instead of `args` as JSON (OpenAI only): broken JSON, for instance.
+    raw_args: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,13 @@ class MalformedReply:
     """A stream that sends one valid text chunk, then a line of invalid JSON, then ends."""
 
 
-Reply = TextReply | ToolCallsReply | ErrorReply | HangReply | MalformedReply
+@dataclass(frozen=True)
+class RepeatReply:
+    """A small local model's habit: while tools are offered, make the conversation's last tool call again
+    (native, or the same text); once a request offers none, answer from the last tool result."""
+
+
+Reply = TextReply | ToolCallsReply | ErrorReply | HangReply | MalformedReply | RepeatReply
 """Any scripted reply; build one with the constructors below."""
 
 
@@ -137,6 +145,23 @@ def malformed() -> MalformedReply:
     return MalformedReply()
 
 
+def repeat() -> RepeatReply:
+    """See RepeatReply: the same call again after its result, an answer only when no tools are offered."""
+    return RepeatReply()
+
+
+def fenced_call(name: str, args: dict[str, Any], lang: str = "json", before: str = "", after: str = "") -> TextReply:
+    """A call written as text in a fenced block (```json by default), the way small models write them,
+    with optional prose around it; streamed in pieces that split the fence."""
+    call = json.dumps({"name": name, "arguments": args})
+    return text(*(p for p in (before, "``", f"`{lang}\n{call[:10]}", f"{call[10:]}\n```", after) if p))
+
+
+def broken_call(name: str, raw_args: str = '{"city": "Par') -> ToolCallsReply:
+    """A native function call whose arguments are not valid JSON (OpenAI only)."""
+    return ToolCallsReply((ToolCall(name, {}, raw_args=raw_args),))
+
+
 def words(sentence: str) -> list[str]:
     """Split `sentence` into word chunks that keep their trailing whitespace ("a b" -> ["a ", "b"])."""
     return re.findall(r"\S+\s*|\s+", sentence) or [""]
@@ -178,7 +203,10 @@ Messages starting with one of these words are scripts; anything else is echoed b
   CALL <tool> <json arguments>   call that tool (then say what it returned)  CALL get_system_info {}
   SLOW <text>                    stream <text> one word every 0.3 s            SLOW one two three four
   FAIL <status> <message>        answer with that HTTP error                   FAIL 503 overloaded
-  HANG <seconds>                 send nothing for that long (try a timeout)    HANG 200"""
+  HANG <seconds>                 send nothing for that long (try a timeout)    HANG 200
+  REPEAT <tool> <json arguments> call it, then again after every result while tools are offered
+  FENCE <tool> <json arguments>  write the call as text in a ```json block     FENCE get_system_info {}
+  BROKEN <tool>                  call it with arguments that are not JSON      BROKEN get_system_info"""
 
 
 def _tool_result(body: Any) -> str | None:
@@ -193,16 +221,67 @@ def _tool_result(body: Any) -> str | None:
     return json.dumps(found[0]) if found else None
 
 
+def _offers_tools(body: Any) -> bool:
+    """Whether a request offers tools: through the API, or described in its system prompt for text calls."""
+    if not isinstance(body, dict):
+        return False
+    if body.get("tools"):
+        return True
+    system = next((m.get("content") for m in body.get("messages") or [] if m.get("role") == "system"), "")
+    return isinstance(system, str) and "<tool_code>" in system
+
+
+def _first_result_in(body: Any) -> str | None:
+    """The first tool result after the turn's question in an OpenAI request: a `tool` message or a
+    `[Tool result for …]` text (the result a model got first, not what was said about repeats later)."""
+    messages = body.get("messages") or [] if isinstance(body, dict) else []
+    start = max((i for i, m in enumerate(messages) if m.get("role") == "user"
+                 and not str(m.get("content")).startswith("[Tool result for ")), default=0)
+    for message in messages[start:]:
+        content = message.get("content")
+        if message.get("role") == "tool":
+            return str(content or "")
+        if isinstance(content, str) and "[Tool result for " in content:
+            return content.split("[Tool result for ", 1)[1].partition("]:\n")[2].split("\n\n")[0]
+        if isinstance(content, str) and "What the tools returned:\n[" in content:  # agent-mcp's final request
+            return content.split("What the tools returned:\n[", 1)[1].partition("]:\n")[2].split("\n\n")[0]
+    return None
+
+
+def repeat_reply(request: RecordedRequest) -> Reply | None:
+    """RepeatReply resolved for `request`; None when the conversation holds no call to repeat."""
+    body = request.json if isinstance(request.json, dict) else {}
+    if not _offers_tools(body):
+        result = _first_result_in(body)
+        return None if result is None else text(*words(f"The tool returned: {result[:300]}"))
+    for message in reversed(body.get("messages") or []):
+        if message.get("role") == "user" and "[Tool result for " not in str(message.get("content")):
+            return None  # the turn's question: no call of this turn before it
+        if message.get("role") != "assistant":
+            continue
+        if message.get("tool_calls"):
+            return ToolCallsReply(tuple(ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
+                                        for c in message["tool_calls"]))
+        if message.get("content"):
+            return text(message["content"])
+    return None
+
+
 def demo_reply(request: RecordedRequest) -> Reply:
     """Replies a person can script from a chat window (DEMO_HELP), for trying gates, tools and streaming."""
+    verb, _, rest = request.last_user_text.strip().partition(" ")
+    if verb == "REPEAT" and (again := repeat_reply(request)) is not None:
+        return again
     result = _tool_result(request.json)
     if result is not None:
         return text(*words(f"The tool returned: {result[:300]}"))
-    verb, _, rest = request.last_user_text.strip().partition(" ")
     try:
-        if verb == "CALL":
+        if verb in ("CALL", "REPEAT", "FENCE"):
             name, _, raw = rest.strip().partition(" ")
-            return tool_call(name, json.loads(raw or "{}"))
+            args = json.loads(raw or "{}")
+            return fenced_call(name, args) if verb == "FENCE" else tool_call(name, args)
+        if verb == "BROKEN":
+            return broken_call(rest.strip())
         if verb == "SLOW":
             return text(*words(rest or "slowly, one word at a time"), delay=0.3)
         if verb == "FAIL":
@@ -304,6 +383,8 @@ class FakeBackend(ThreadedServer):
         recorded = await self._record(request)
         with self._lock:
             reply = self._script.popleft() if self._script else None
+        if isinstance(reply, RepeatReply):
+            reply = repeat_reply(recorded)
         if reply is None:
             reply = self.default_reply(recorded)
         if isinstance(reply, HangReply):

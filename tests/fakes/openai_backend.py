@@ -48,6 +48,10 @@ def _call_id(call: ToolCall, index: int) -> str:
     return call.id or f"call_fake{index}"
 
 
+def _arguments(call: ToolCall) -> str:
+    return call.raw_args if call.raw_args is not None else json.dumps(call.args)
+
+
 def _usage(request: RecordedRequest, completion_tokens: int) -> dict[str, int]:
     prompt_tokens = len(json.dumps((request.json or {}).get("messages", [])).split())
     return {
@@ -160,7 +164,7 @@ class FakeOpenAI(FakeBackend):
                     {
                         "id": _call_id(call, i),
                         "type": "function",
-                        "function": {"name": call.name, "arguments": json.dumps(call.args)},
+                        "function": {"name": call.name, "arguments": _arguments(call)},
                     }
                     for i, call in enumerate(reply.calls)
                 ],
@@ -202,7 +206,7 @@ class FakeOpenAI(FakeBackend):
                 # id, type and name only in the first delta of each call; index on every delta.
                 opening = {"index": i, "id": _call_id(call, i), "type": "function"}
                 yield chunk({"tool_calls": [{**opening, "function": {"name": call.name, "arguments": ""}}]})
-                for fragment in _split(json.dumps(call.args)):
+                for fragment in _split(_arguments(call)):
                     yield chunk({"tool_calls": [{"index": i, "function": {"arguments": fragment}}]})
             finish, completion_tokens = "tool_calls", 5 * len(reply.calls)
         yield chunk({}, finish)
