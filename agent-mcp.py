@@ -36,7 +36,7 @@ import build
 import routes
 import shared
 import state
-from config import SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
+from config import CODE_DIR, SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
 from guard import Guard
 from plugin_loader import BasePlugin
 
@@ -334,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "Config files (read from --config-dir, falling back to the shipped copies):\n"
+            "Config files (read from --config-dir, falling back to the shipped copies in defaults/):\n"
             "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  gate-defaults.json\n"
             "  agents.json  mcp-servers.json  .system_prompt/\n"
             "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
@@ -345,10 +345,11 @@ def _parser() -> argparse.ArgumentParser:
             "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
             "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
             "  AGENT_DRAIN_SECONDS (how long a stopping server lets running turns finish).\n"
-            "  the API keys named in llm-models.json. The README documents every setting."
+            "  the API keys named in llm-models.json. docs/configuration.md documents every setting."
         ),
     )
-    p.add_argument("--config-dir", default=None, help="directory with the config files (default: next to this file)")
+    p.add_argument("--config-dir", default=None,
+                   help="directory with the config files (default: the checkout, whose copies are git-ignored)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -366,8 +367,9 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        # A config dir of its own holds everything this instance writes (prompt edits, models, gates).
-        created = own_copies(Path(args.config_dir)) if args.config_dir else []
+        # The config dir holds its own copy of everything this instance writes (prompt edits, models, gates);
+        # the shipped defaults/ are never written, so the checkout stays clean (its copies are git-ignored).
+        created = own_copies(Path(args.config_dir) if args.config_dir else CODE_DIR)
     except OSError as exc:
         print(f"agent-mcp: cannot start: cannot copy the default config files into {args.config_dir} "
               f"({exc.strerror}): make that directory writable", file=sys.stderr)

@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +60,7 @@ from config import (
     RateLimit,
     atomic_write,
     read_json,
+    shipped_path,
     validate_data,
 )
 from plugin_loader import check_plugin, is_enabled
@@ -351,7 +351,7 @@ class AgentCtl:
         one saved aside.
 
         A file that is not JSON, or not valid for the server, is renamed to `<file>.broken-<time>`
-        and replaced by the shipped copy (in the checkout itself: the committed version, from git).
+        and replaced by the shipped copy (`defaults/`).
         Valid files are left alone. Without arguments every config file agentctl manages is checked.
         """
         names = args or list(FILE_MODELS)
@@ -378,14 +378,12 @@ class AgentCtl:
                 return {"file": name, "action": "ok", "detail": "valid, left alone"}
             except ConfigError as exc:
                 problem = str(exc).splitlines()[0]
-        elif self.config_dir == CODE_DIR:
-            problem = "missing"
         else:
             return {"file": name, "action": "ok", "detail": "not here: the shipped copy is used"}
-        default = _shipped_default(name, self.config_dir)
+        default = _shipped_default(name)
         if default is None:
-            return {"file": name, "action": "failed", "detail": f"{problem}; no default to restore it from (the "
-                    "checkout's copy is the default: restore it with git checkout or reinstall)"}
+            return {"file": name, "action": "failed", "detail": f"{problem}; no valid default to restore it from "
+                    f"({shipped_path(name)}: restore it with git checkout or reinstall)"}
         saved = None
         if own:
             saved = target.with_name(f"{name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -904,23 +902,13 @@ class AgentCtl:
         self.term.done(f"removed the {section} entry '{key}'")
 
 
-def _shipped_default(name: str, config_dir: Path) -> str | None:
-    """The shipped copy of a config file when it is valid: the checkout's, or (for the checkout
-    itself) the committed version from git; None when there is none."""
-    if config_dir != CODE_DIR:
-        source = CODE_DIR / name
-        text = source.read_text(encoding="utf-8") if source.exists() else None
-    else:
-        try:
-            text = subprocess.run(["git", "show", f"HEAD:{name}"], cwd=CODE_DIR, capture_output=True, text=True,
-                                  check=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-    if text is None:
-        return None
+def _shipped_default(name: str) -> str | None:
+    """The shipped copy of a config file (`defaults/`) when it is valid; None when there is none."""
+    source = shipped_path(name)
     try:
-        validate_data(FILE_MODELS[name], json.loads(text), CODE_DIR / name)
-    except (ValueError, ConfigError):
+        text = source.read_text(encoding="utf-8")
+        validate_data(FILE_MODELS[name], json.loads(text), source)
+    except (OSError, ValueError, ConfigError):
         return None
     return text
 

@@ -74,7 +74,7 @@ def write(cdir: Path, name: str, data: Any) -> None:
 def cdir(tmp_path: Path) -> Path:
     """A config dir with its own copies of the shipped files, so every write can be compared."""
     for name in (config.MODELS_FILE, config.ENABLED_FILE, config.GATE_DEFAULTS_FILE):
-        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+        (tmp_path / name).write_bytes((config.DEFAULTS_DIR / name).read_bytes())
     return tmp_path
 
 
@@ -283,7 +283,7 @@ def test_gate_commands(cdir):
     gates = read(cdir, config.GATE_DEFAULTS_FILE)
     assert gates["db"] == {"*": {"read": True, "write": False}, "__meta__": {"read": True, "write": False},
                            "users": {"read": False, "write": True}}
-    shipped = json.loads((ROOT / config.GATE_DEFAULTS_FILE).read_text())
+    shipped = json.loads((config.DEFAULTS_DIR / config.GATE_DEFAULTS_FILE).read_text())
     assert gates["tools"] == {**shipped["tools"], "*": {"read": False, "write": False},
                               "ddgs_search": {"read": True, "write": False}}
     assert as_json(cdir, "gate-list") == {"db": gates["db"], "tools": gates["tools"]}
@@ -299,7 +299,7 @@ def test_gate_commands(cdir):
 def test_gate_set_without_own_gate_defaults_starts_from_the_shipped_file(tmp_path):
     ok(tmp_path, "gate-set", "db_query", "read", "true")
     gates = read(tmp_path, config.GATE_DEFAULTS_FILE)
-    shipped = read(ROOT, config.GATE_DEFAULTS_FILE)
+    shipped = read(config.DEFAULTS_DIR, config.GATE_DEFAULTS_FILE)
     assert gates == {**shipped, "tools": {**shipped["tools"], "db_query": {"read": True, "write": False}}}
 
 
@@ -407,12 +407,12 @@ def test_unknown_fields_and_other_entries_are_kept(cdir):
 
 
 def test_writes_go_to_the_config_dir_and_never_to_the_shipped_files(tmp_path):
-    shipped = {name: (ROOT / name).read_bytes() for name in (config.MODELS_FILE, config.ENABLED_FILE)}
+    shipped = {name: (config.DEFAULTS_DIR / name).read_bytes() for name in (config.MODELS_FILE, config.ENABLED_FILE)}
     ok(tmp_path, "model-context", "local", "70")
     ok(tmp_path, "disable", "plugin_client_api")
-    assert {name: (ROOT / name).read_bytes() for name in shipped} == shipped
+    assert {name: (config.DEFAULTS_DIR / name).read_bytes() for name in shipped} == shipped
     assert read(tmp_path, config.MODELS_FILE)["models"]["local"]["max_context"] == 70
-    assert read(tmp_path, config.MODELS_FILE)["models"].keys() == read(ROOT, config.MODELS_FILE)["models"].keys()
+    assert read(tmp_path, config.MODELS_FILE)["models"].keys() == read(config.DEFAULTS_DIR, config.MODELS_FILE)["models"].keys()
     assert read(tmp_path, config.ENABLED_FILE)["plugin_config"]["plugin_client_api"]["enabled"] is False
     assert not (tmp_path / config.MANIFEST_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [config.MODELS_FILE, config.ENABLED_FILE]
@@ -585,6 +585,6 @@ def test_repair_saves_a_broken_file_aside_and_restores_the_default(cdir):
     assert "✓ gate-defaults.json: " in repaired.stdout  # the others are left alone
     (aside,) = cdir.glob("llm-models.json.broken-*")
     assert aside.read_text() == '{"models": {"local": '
-    assert read(cdir, config.MODELS_FILE) == json.loads((ROOT / config.MODELS_FILE).read_text())
+    assert read(cdir, config.MODELS_FILE) == json.loads((config.DEFAULTS_DIR / config.MODELS_FILE).read_text())
     assert ctl(cdir, "models").returncode == 0
     assert json.loads(ctl(cdir, "--json", "repair", config.MODELS_FILE).stdout)["repair"][0]["action"] == "ok"
