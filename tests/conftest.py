@@ -136,19 +136,23 @@ class ConfigDir:
 class AgentServer:
     """agent-mcp.py as a subprocess on free ports; `url` is its shell.py endpoint."""
 
-    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None):
+    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None, checkout: Path | None = None):
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.port}"
         self.env = env or {}
+        #: Run that checkout's agent-mcp.py as `make run` does, without --config-dir (cfg.path is the checkout).
+        self.checkout = checkout
         self.proc: subprocess.Popen[str] | None = None
         self.output = ""
 
     def start(self, wait: bool = True) -> AgentServer:
         env = {k: v for k, v in os.environ.items() if not k.endswith("_PROXY") and not k.endswith("_proxy")}
         env.update({"PYTHONUNBUFFERED": "1", **self.env})
+        where = self.checkout or ROOT
+        args = [] if self.checkout else ["--config-dir", str(self.cfg.path)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "agent-mcp.py"), "--config-dir", str(self.cfg.path)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, str(where / "agent-mcp.py"), *args],
+            cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         # Read the output as it comes: a server that logs more than a pipe holds must never block.
         self._lines: list[str] = []

@@ -412,7 +412,8 @@ def test_writes_go_to_the_config_dir_and_never_to_the_shipped_files(tmp_path):
     ok(tmp_path, "disable", "plugin_client_api")
     assert {name: (config.DEFAULTS_DIR / name).read_bytes() for name in shipped} == shipped
     assert read(tmp_path, config.MODELS_FILE)["models"]["local"]["max_context"] == 70
-    assert read(tmp_path, config.MODELS_FILE)["models"].keys() == read(config.DEFAULTS_DIR, config.MODELS_FILE)["models"].keys()
+    shipped_models = read(config.DEFAULTS_DIR, config.MODELS_FILE)["models"]
+    assert read(tmp_path, config.MODELS_FILE)["models"].keys() == shipped_models.keys()
     assert read(tmp_path, config.ENABLED_FILE)["plugin_config"]["plugin_client_api"]["enabled"] is False
     assert not (tmp_path / config.MANIFEST_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [config.MODELS_FILE, config.ENABLED_FILE]
