@@ -339,7 +339,9 @@ async def _llm_turn(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     first, _, rest = text.partition(" ")
     key = first[1:]
     if key not in rt.config.models:
-        rt.hub.tok(turn.client_id, f"ERROR: Unknown model '@{key}'\nAvailable models: {', '.join(rt.config.models)}")
+        # Paragraphs, not lines: chat apps and shell.py render an answer as Markdown, which joins single lines.
+        rt.hub.tok(turn.client_id, f"ERROR: Unknown model '@{key}'.\n\nAvailable models: {', '.join(rt.config.models)}"
+                                   f"\n\nFor example: @{next(iter(rt.config.models))} {rest.strip() or 'hello'}")
         return
     await agents.dispatch_llm(rt, dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip())
 

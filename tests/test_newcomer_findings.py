@@ -1,0 +1,63 @@
+"""What a newcomer hit (issue 28), each reproduced and checked: error texts, the fake backend's scripts,
+the API's stop, and the shell's windows."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+import shell
+from tests.conftest import openai_model
+from tests.fakes.backend import demo_reply
+from tests.fakes.openai_backend import FakeOpenAI
+from tests.runtime import runtime, turn
+
+
+@pytest.fixture
+def demo_backend():
+    """The fake backend as a person runs it (`python -m tests.fakes.openai_backend`): scripted by messages."""
+    with FakeOpenAI(default_reply=demo_reply) as backend:
+        yield backend
+
+
+def _rendered(text: str, plain: bool = False) -> str:
+    """What shell.py puts on a terminal for an answer (Markdown unless `plain`)."""
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(shell._render_answer(text, plain))
+    return out.getvalue()
+
+
+async def test_hang_shorter_than_the_timeout_answers_and_a_longer_one_shows_the_timeout(tmp_path, demo_backend):
+    models = {"fake": openai_model(demo_backend, llm_call_timeout=1)}
+    async with runtime(tmp_path, models) as rt:
+        out, events = await turn(rt, "HANG 0.2")
+        assert "sent nothing for 0.2 s" in out and events[-1].name == "done"
+        assert not [e for e in events if e.name == "error"]
+        _, events = await turn(rt, "HANG 3")
+        errors = [e.data for e in events if e.name == "error"]
+        assert len(errors) == 1 and errors[0]["kind"] == "timeout" and "llm_call_timeout" in errors[0]["message"]
+        out, _ = await turn(rt, "still there?")  # the fake did not crash
+        assert out == "echo: still there?"
+
+
+async def test_a_401_names_what_to_fix_never_none(tmp_path, demo_backend):
+    models = {"fake": openai_model(demo_backend), "keyed": openai_model(demo_backend, env_key="FAKE_KEY_NEWCOMER")}
+    async with runtime(tmp_path, models, env={"FAKE_KEY_NEWCOMER": "k"}) as rt:
+        _, events = await turn(rt, "FAIL 401 no key")
+        message = next(e.data["message"] for e in events if e.name == "error")
+        assert "None" not in message and "HTTP 401" in message
+        assert "sends none" in message and "env_key of 'fake' in llm-models.json" in message
+        _, events = await turn(rt, "@keyed FAIL 401 bad key")
+        message = next(e.data["message"] for e in events if e.name == "error")
+        assert "refused the API key (HTTP 401); check FAKE_KEY_NEWCOMER in .env" in message
+
+
+async def test_an_unknown_at_model_is_laid_out_on_lines_of_its_own(tmp_path, demo_backend):
+    async with runtime(tmp_path, {"fake": openai_model(demo_backend), "other": openai_model(demo_backend)}) as rt:
+        out, _ = await turn(rt, "@nosuch hello")
+    lines = [line.strip() for line in _rendered(out).splitlines() if line.strip()]
+    assert lines == ["ERROR: Unknown model '@nosuch'.", "Available models: fake, other",
+                     "For example: @fake hello"]
+    assert demo_backend.requests == []
