@@ -172,7 +172,7 @@ async def _unavailable(request: Request, exc: Exception) -> Response:
 def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASGIApp:
     """One Starlette app holding only this plugin's routes, behind the guard (Host, Origin, token, JSON).
 
-    `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins.
+    `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins, token_hint.
     """
     app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _unavailable,
                                                                         state.Stopping: _unavailable})
@@ -180,7 +180,8 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
     app.state.plugin = plugin
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
                  token=cfg.get("token"), allowed_hosts=cfg.get("allowed_hosts", ()),
-                 allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
+                 allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable,
+                 token_hint=str(cfg.get("token_hint", "")))
 
 
 def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, socket.socket, str]]:

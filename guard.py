@@ -114,8 +114,10 @@ class Guard:
 
     def __init__(self, app: ASGIApp, *, plugin: str, bind: str, port: int, token: str | None = None,
                  allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
-                 unavailable: Callable[[], str | None] | None = None):
+                 unavailable: Callable[[], str | None] | None = None, token_hint: str = ""):
         self.app = app
+        #: Where a client that got 401 finds the token (said in the refusal), if the plugin says.
+        self.token_hint = token_hint
         #: Why the server cannot serve now (its shared store is unreachable): then 503 with that message.
         self.unavailable = unavailable
         self.plugin = plugin
@@ -181,7 +183,8 @@ class Guard:
         if self.expected is not None:
             given = headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self.expected):
-                return _refuse(401, "unauthorized: send Authorization: Bearer <token>"), origin
+                hint = f"; {self.token_hint}" if self.token_hint else ""
+                return _refuse(401, f"unauthorized: send Authorization: Bearer <token>{hint}"), origin
         if scope["type"] == "http" and (method in BODY_METHODS or _has_body(headers)):
             media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
             if media_type != "application/json":

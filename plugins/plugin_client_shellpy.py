@@ -105,7 +105,17 @@ class ShellpyPlugin(BasePlugin):
 
     def get_config(self) -> dict[str, Any]:
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "shell.py endpoint", "token": self._token,
-                "allowed_hosts": self.cfg.allowed_hosts, "allowed_origins": self.cfg.allowed_origins}
+                "allowed_hosts": self.cfg.allowed_hosts, "allowed_origins": self.cfg.allowed_origins,
+                "token_hint": self._token_hint()}
+
+    def _token_hint(self) -> str:
+        """Where a 401's reader finds the token, without a path (the reader is nobody the server vouched for)."""
+        if self.rt.config.env.get(self.cfg.token_env):
+            return f"the token is the server's {self.cfg.token_env} setting"
+        name = guard.SHELL_TOKEN_FILE
+        return (f"the token is in the file {name} of the server's data directory (data/{name} in its config dir "
+                "unless AGENT_DATA_DIR says otherwise), readable only by the user who runs the server: "
+                f"curl -H \"Authorization: Bearer $(cat data/{name})\" …")
 
     def get_routes(self) -> list[Route]:
         return [

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import io
 
+import httpx
 import pytest
 from rich.console import Console
 
 import shell
-from tests.conftest import openai_model
+from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import demo_reply
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import runtime, turn
@@ -61,3 +62,23 @@ async def test_an_unknown_at_model_is_laid_out_on_lines_of_its_own(tmp_path, dem
     assert lines == ["ERROR: Unknown model '@nosuch'.", "Available models: fake, other",
                      "For example: @fake hello"]
     assert demo_backend.requests == []
+
+
+def test_the_shell_endpoints_401_says_where_the_token_is(tmp_path, fake_openai, start_server):
+    generated = ConfigDir(tmp_path / "generated")
+    generated.path.mkdir()
+    generated.models = {"fake": openai_model(fake_openai)}
+    server = start_server(generated)
+    refused = httpx.get(f"{server.url}/health", timeout=5)
+    error = refused.json()["error"]
+    assert refused.status_code == 401 and "Bearer $(cat data/shell-token)" in error and "AGENT_DATA_DIR" in error
+    assert str(tmp_path) not in error  # no path for a reader nobody vouched for
+    assert httpx.get(f"{server.url}/health", headers=server.auth, timeout=5).status_code == 200
+
+    configured = ConfigDir(tmp_path / "configured")
+    configured.path.mkdir()
+    configured.models = {"fake": openai_model(fake_openai)}
+    configured.env = {"AGENT_SHELL_TOKEN": "a-token-from-the-environment"}
+    server = start_server(configured)
+    error = httpx.get(f"{server.url}/health", headers={"Authorization": "Bearer wrong"}, timeout=5).json()["error"]
+    assert "the token is the server's AGENT_SHELL_TOKEN setting" in error and "a-token-from" not in error
