@@ -48,10 +48,15 @@ async def cancel_active_task(rt: state.Runtime, client_id: str) -> None:
     await _cancel_here(rt, client_id)
 
 
-async def _cancel_here(rt: state.Runtime, client_id: str) -> None:
+#: Why a stopped request was cancelled (POST /stop): it says `[stopped]` and then ends with its own `done`,
+#: where a request replaced by a newer one says `[cancelled]` and leaves the `done` to the newer one.
+STOPPED = "stopped"
+
+
+async def _cancel_here(rt: state.Runtime, client_id: str, why: str | None = None) -> None:
     tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done() and t is not asyncio.current_task()]
     for task in tasks:
-        task.cancel()
+        task.cancel(why)
     if tasks:
         await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
@@ -91,8 +96,9 @@ async def submit(
 
 
 async def stop(rt: state.Runtime, client_id: str) -> bool:
-    """Cancel the client's requests without starting another; each cancelled one also ends with a
-    `done` (clients that wait for `done`, as the original API client does, stop waiting). Returns
+    """Cancel the client's requests without starting another; each cancelled one says `[stopped]` (a status
+    with `"stopped": true`) and then ends with its `done` (clients that wait for `done`, as the original API
+    client does, stop waiting; a `?turn_id=` stream ends there). Returns
     whether anything was running (with several instances: here, or on another by the session's mark)."""
     elsewhere = False
     if rt.signals is not None:
@@ -104,7 +110,7 @@ async def stop(rt: state.Runtime, client_id: str) -> bool:
 
 async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done()]
-    await _cancel_here(rt, client_id)
+    await _cancel_here(rt, client_id, STOPPED)
     for task in tasks:
         kind, _, turn_id = task.get_name().rpartition(":")
         with state.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
@@ -258,6 +264,9 @@ async def process_request(
                 raise
             if rt.closing:  # the server stops: as if it had been killed, but said at once
                 interrupted(rt, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
+                raise
+            if exc.args == (STOPPED,):  # stopped, not replaced: `stop` sends this turn's `done` right after
+                rt.hub.publish(client_id, "status", {"text": "[stopped]", "stopped": True})
                 raise
             # No `done`: the request that replaced this one sends its own, and a client must not
             # mistake this turn's end for the end of the newer one.

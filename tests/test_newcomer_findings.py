@@ -3,15 +3,20 @@ the API's stop, and the shell's windows."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
+import threading
 
 import httpx
 import pytest
+from httpx_sse import aconnect_sse
 from rich.console import Console
 
 import shell
-from tests.conftest import ConfigDir, openai_model
-from tests.fakes.backend import demo_reply
+from api_client import AgentCancelled, AgentClient
+from tests.conftest import ConfigDir, free_port, openai_model
+from tests.fakes.backend import demo_reply, text
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import runtime, turn
 
@@ -82,3 +87,52 @@ def test_the_shell_endpoints_401_says_where_the_token_is(tmp_path, fake_openai, 
     server = start_server(configured)
     error = httpx.get(f"{server.url}/health", headers={"Authorization": "Bearer wrong"}, timeout=5).json()["error"]
     assert "the token is the server's AGENT_SHELL_TOKEN setting" in error and "a-token-from" not in error
+
+
+@pytest.fixture
+def api_server(tmp_path, fake_openai, start_server):
+    """A server with the JSON/SSE API on a free port (no key: loopback)."""
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"fake": openai_model(fake_openai)}
+    cfg.plugins.append("plugin_client_api")
+    cfg.plugin_config["plugin_client_api"] = {"port": free_port()}
+    start_server(cfg, {"SESSION_STORE": "memory"})
+    return f"http://127.0.0.1:{cfg.plugin_config['plugin_client_api']['port']}"
+
+
+async def test_stop_ends_a_turn_id_stream_with_done_and_closes_it(api_server, fake_openai):
+    release = threading.Event()
+    fake_openai.script(text("never ", "finished", hold=release))
+    names, stopped = [], None
+    try:
+        async with httpx.AsyncClient(base_url=api_server, timeout=10) as http:
+            sub = (await http.post("/api/v1/submit", json={"text": "a long story", "client_id": "stopper"})).json()
+            params = {"turn_id": sub["turn_id"]}
+            async with asyncio.timeout(20), aconnect_sse(http, "GET", "/api/v1/stream/api-stopper", params=params) as s:
+                async for ev in s.aiter_sse():  # ends only when the server closes the stream
+                    names.append((ev.event, json.loads(ev.data).get("text")))
+                    if ev.event == "tok":  # the model is under way: stop it
+                        stopped = (await http.post("/api/v1/stop", json={"client_id": "stopper"})).json()
+    finally:
+        release.set()
+    assert stopped == {"status": "OK", "cancelled": True, "client_id": "api-stopper"}
+    assert names == [("user", "a long story"), ("tok", "never "), ("status", "[stopped]"), ("done", None)]
+
+
+async def test_agent_client_stop_stops_its_running_turn(api_server, fake_openai):
+    release = threading.Event()
+    fake_openai.script(text("never ", "finished", hold=release))
+    client = AgentClient(api_server, "stop-me")
+    assert await client.stop() is False  # nothing runs yet
+    pieces = client.stream("a long story")
+    try:
+        assert await asyncio.wait_for(anext(pieces), 20) == "never "
+        assert await client.stop() is True
+        with pytest.raises(AgentCancelled, match="stopped") as raised:
+            await asyncio.wait_for(anext(pieces), 20)
+        assert raised.value.partial == "never "
+    finally:
+        release.set()
+        await pieces.aclose()
+    fake_openai.script(text("fine ", "again"))
+    assert await client.send("and now?") == "fine again"  # the session goes on
