@@ -148,7 +148,14 @@ async def delete_session(rt: state.Runtime, client_id: str, remember: bool = Tru
     """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows,
     grants; with `remember`, a client that comes back is told (see SessionManager.delete)."""
     await cancel_active_task(rt, client_id)
-    return await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
+    session = await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
+    # Every window still following the id is told now, not only with its next message: the event opens the
+    # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).
+    with state.running(None):
+        rt.hub.publish(client_id, "status", {"text": f"[session] this session ({session.shorthand}) was deleted; "
+                                                     "the next message here starts a new, empty one",
+                                             "session_deleted": True})
+    return session
 
 
 async def run_turn(

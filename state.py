@@ -589,7 +589,7 @@ class Event:
 class _Channel:
     """A bounded, replayable event sequence of one session with broadcast wake-ups."""
 
-    __slots__ = ("_wake", "events", "last_id", "seen", "subscribers", "touched")
+    __slots__ = ("_wake", "events", "last_id", "seen", "start", "subscribers", "touched")
 
     def __init__(self) -> None:
         self.subscribers = 0
@@ -597,6 +597,7 @@ class _Channel:
         # Ids start at the current time in microseconds so that they keep increasing across
         # restarts: a client that reconnects with an old Last-Event-ID gets everything new.
         self.last_id = time.time_ns() // 1000
+        self.start = self.last_id  # below its first event
         self.seen = self.last_id  # highest id handed to any subscriber
         self.events: deque[Event] = deque(maxlen=EVENT_BUFFER)
         self._wake = asyncio.Event()
@@ -703,11 +704,12 @@ class EventHub:
             while True:
                 event = ch.after(cursor)
                 if event is None and self._channels.get(client_id) is not ch:
-                    # Session deleted: what it had sent was delivered; go on with the id's new channel.
+                    # Session deleted: what it had sent was delivered; go on with the id's new channel, all of
+                    # it (another subscriber that moved first may have seen its first events already).
                     ch.subscribers -= 1
                     ch = self._channel(client_id)
                     ch.subscribers += 1
-                    cursor = ch.seen
+                    cursor = ch.start
                     continue
                 if event is None:
                     if self.closed:

@@ -43,6 +43,10 @@ class _SubmitBody(BaseModel):
     default_model: str | None = None
 
 
+class _StopBody(BaseModel):
+    client_id: str = Field(pattern=_http.CLIENT_ID_PATTERN)
+
+
 class _GateBody(BaseModel):
     gate_id: str = Field(min_length=1, max_length=128)
     decision: str
@@ -121,6 +125,7 @@ class ShellpyPlugin(BasePlugin):
         return [
             Route("/submit", self.submit, methods=["POST"]),
             Route("/stream", self.stream, methods=["GET"]),
+            Route("/stop", self.stop, methods=["POST"]),
             Route("/gate_response", self.gate_response, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/sessions", self.sessions, methods=["GET"]),
@@ -135,6 +140,13 @@ class ShellpyPlugin(BasePlugin):
         await routes.submit(self.rt, body.client_id, body.text,
                             {"default_model": body.default_model, "interactive": True})
         return JSONResponse({"status": "OK"})
+
+    async def stop(self, request: Request) -> JSONResponse:
+        """Ctrl-C in shell.py: cancel the session's running turn, which says `[stopped]` and ends with `done`."""
+        body = await _json_body(request, _StopBody)
+        if isinstance(body, JSONResponse):
+            return body
+        return JSONResponse({"status": "OK", "cancelled": await routes.stop(self.rt, body.client_id)})
 
     async def stream(self, request: Request) -> Any:
         client_id = request.query_params.get("client_id", "")

@@ -15,10 +15,12 @@ from rich.console import Console
 
 import shell
 from api_client import AgentCancelled, AgentClient
+from shell import ShellClient
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import demo_reply, text
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import runtime, turn
+from tests.turns import answer, collect_turn
 
 
 @pytest.fixture
@@ -136,3 +138,63 @@ async def test_agent_client_stop_stops_its_running_turn(api_server, fake_openai)
         await pieces.aclose()
     fake_openai.script(text("fine ", "again"))
     assert await client.send("and now?") == "fine again"  # the session goes on
+
+
+async def test_every_window_on_a_deleted_session_is_told_at_once(config_dir, fake_openai, start_server):
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    server = start_server(config_dir)
+    async with ShellClient(server.url, "doomed", token=server.token) as first, \
+            ShellClient(server.url, "doomed", token=server.token) as second, \
+            ShellClient(server.url, "admin", token=server.token) as admin:
+        await collect_turn(first, "hello")
+        await second.connect(max_wait=10)
+        deleted = answer(await collect_turn(admin, "!session doomed delete"))
+        assert deleted.startswith("Deleted session ID [101]: doomed")
+        async with asyncio.timeout(10):
+            notices = [ev async for ev in _until(second.events(), lambda ev: ev.data.get("session_deleted"))]
+    assert notices[-1].name == "status" and "this session (101) was deleted" in notices[-1].text
+
+
+async def _until(events, last):
+    async for ev in events:
+        yield ev
+        if last(ev):
+            return
+
+
+async def test_ctrl_c_cancels_the_turn_and_nothing_of_it_prints_later(config_dir, fake_openai, start_server):
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    server = start_server(config_dir)
+    hold = threading.Event()
+    fake_openai.script(text("first ", "never shown", hold=hold), text("second answer"))
+    out = io.StringIO()
+    try:
+        async with ShellClient(server.url, "cc", token=server.token) as client:
+            ui = shell.ShellUI(Console(file=out, width=100, color_system=None), client)
+            await client.connect(max_wait=10)
+            first_token = asyncio.Event()
+
+            async def draw() -> None:
+                async for ev in client.events():
+                    await ui.handle_event(ev)
+                    if ev.name == "tok":
+                        first_token.set()
+
+            drawing = asyncio.create_task(draw())
+            ui.begin_turn(text="tell me")
+            await client.submit("tell me")
+            await asyncio.wait_for(first_token.wait(), 20)
+            await ui.handle_key("c-c")
+            assert not ui.busy
+            hold.set()  # the backend may send the rest now: the turn that wanted it is gone
+            ui.begin_turn(text="next")
+            await client.submit("next")
+            await asyncio.wait_for(ui.wait_idle(), 20)
+            drawing.cancel()
+            rows = await client.sessions("cc")
+    finally:
+        hold.set()
+    shown = out.getvalue()
+    assert "first" in shown and "never shown" not in shown
+    assert shown.index("stopped: the turn was cancelled (Ctrl-C)") < shown.index("second answer")
+    assert rows[0]["running"] is False and [r.last_user_text for r in fake_openai.requests] == ["tell me", "next"]
