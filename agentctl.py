@@ -142,17 +142,22 @@ class AgentCtl:
         self._files = None  # read the files afresh: someone may have edited them since the last command
         try:
             if handler is None:
-                close = difflib.get_close_matches(name, self.commands(), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
+                close = _suggest(name, list(self.commands()))
+                hint = f" (did you mean {' or '.join(close)}?)" if close else ""
                 raise InputError(f"unknown command '{name}'{hint}; 'help' lists the commands")
             handler(args)
         except CtlError as exc:
-            self.term.error(str(exc))
-            return exc.exit_code
+            return self._failed(str(exc), exc.exit_code)
         except (KeyboardInterrupt, EOFError):
-            self.term.error("cancelled; nothing was changed")
-            return 1
+            return self._failed("cancelled; nothing was changed", 1)
         return 0
+
+    def _failed(self, message: str, code: int) -> int:
+        """Say why a command failed; with --json also as its one JSON document on stdout."""
+        self.term.error(message)
+        if self.term.json_output:
+            self.term.json({"error": message, "exit_code": code})
+        return code
 
     def prompt(self) -> int:
         """The interactive prompt: one command per line until quit, exit or end of input."""
@@ -191,8 +196,8 @@ class AgentCtl:
         return args
 
     def _unknown(self, kind: str, name: str, known: list[str]) -> InputError:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
+        close = _suggest(name, known)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
         return InputError(f"unknown {kind} '{name}'; {hint}known: {', '.join(known) or '(none)'}")
 
     def _plugin(self, name: str) -> str:
@@ -376,8 +381,9 @@ class AgentCtl:
             try:
                 validate_data(FILE_MODELS[name], read_json(target), target)
                 return {"file": name, "action": "ok", "detail": "valid, left alone"}
-            except ConfigError as exc:
-                problem = str(exc).splitlines()[0]
+            except ConfigError as exc:  # every bad field, not only the first
+                lines = str(exc).splitlines()
+                problem = "; ".join([lines[0], *(line.strip() for line in lines[1:])])
         else:
             return {"file": name, "action": "ok", "detail": "not here: the shipped copy is used"}
         default = _shipped_default(name)
@@ -911,6 +917,12 @@ def _shipped_default(name: str) -> str | None:
     except (OSError, ValueError, ConfigError):
         return None
     return text
+
+
+def _suggest(name: str, known: list[str]) -> list[str]:
+    """What the operator probably meant: the names `name` begins (all of them, up to 3), else the closest one."""
+    starting = [k for k in known if k.startswith(name.lower())] if name else []
+    return starting[:3] if starting else difflib.get_close_matches(name, known, n=1)
 
 
 def _since(text: str) -> float:

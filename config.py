@@ -422,7 +422,8 @@ def save_model_fields(config_dir: Path, changes: dict[str, dict[str, Any]]) -> P
     for key, fields in changes.items():
         if not isinstance(models.get(key), dict):
             raise ConfigError(f"{source}: model '{key}' not found")
-        models[key].update(fields)
+        # `!llm_timeout local 120` stores 120, not 120.0: the file keeps the operator's number.
+        models[key].update({k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in fields.items()})
     target = Path(config_dir) / MODELS_FILE
     atomic_write(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n",
                  check=lambda tmp: validate_data(ModelsFile, read_json(tmp), target))
