@@ -583,3 +583,30 @@ def test_repair_saves_a_broken_file_aside_and_restores_the_default(cdir):
     assert read(cdir, config.MODELS_FILE) == json.loads((config.DEFAULTS_DIR / config.MODELS_FILE).read_text())
     assert ctl(cdir, "models").returncode == 0
     assert json.loads(ctl(cdir, "--json", "repair", config.MODELS_FILE).stdout)["repair"][0]["action"] == "ok"
+
+
+def _documents(text: str) -> list[Any]:
+    decoder, docs, rest = json.JSONDecoder(), [], text.strip()
+    while rest:
+        doc, end = decoder.raw_decode(rest)
+        docs.append(doc)
+        rest = rest[end:].strip()
+    return docs
+
+
+def test_piped_json_prints_one_document_per_command_failed_ones_too(cdir):
+    result = ctl(cdir, "--json", stdin="model-i\nmodels\nmodel-timeout nosuch 5\n")
+    docs = _documents(result.stdout)
+    assert len(docs) == 3 and result.returncode == 1
+    assert docs[0] == {"error": "unknown command 'model-i' (did you mean model-info?); 'help' lists the commands",
+                       "exit_code": 1}
+    assert "local" in json.dumps(docs[1]) and docs[2]["exit_code"] == 1 and "nosuch" in docs[2]["error"]
+
+
+def test_repair_names_every_bad_field(cdir):
+    data = read(cdir, config.MODELS_FILE)
+    data["models"]["local"]["llm_call_timeout"] = "soon"
+    data["models"]["gpt52"]["max_context"] = "many"
+    write(cdir, config.MODELS_FILE, data)
+    out = ok(cdir, "repair", config.MODELS_FILE)
+    assert "models.local.llm_call_timeout" in out and "models.gpt52.max_context" in out
