@@ -179,9 +179,8 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
     app.state.runtime = rt
     app.state.plugin = plugin
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
-                 token=cfg.get("token"), allowed_hosts=cfg.get("allowed_hosts", ()),
-                 allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable,
-                 token_hint=str(cfg.get("token_hint", "")))
+                 token=cfg.get("token"), token_hint=cfg.get("token_hint"), allowed_hosts=cfg.get("allowed_hosts", ()),
+                 allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
 
 
 def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, socket.socket, str]]:
@@ -207,6 +206,9 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
             sock = _bind(name, host, port)
             config = uvicorn.Config(
                 build_app(rt, plugin, cfg), log_config=None, access_log=False, lifespan="off",
+                # The client address is the TCP peer: uvicorn would take X-Forwarded-For from any local
+                # caller. Forwarded identity counts only from a configured forwarder (plugin_proxy_llama).
+                proxy_headers=False, forwarded_allow_ips="",
                 # Open requests (event streams of draining turns among them) may finish; then they are ended.
                 timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,
             )
@@ -343,9 +345,10 @@ def _parser() -> argparse.ArgumentParser:
             "Environment: SESSION_STORE (sqlite | sqlite:///path | memory |\n"
             "  redis://host:port/db[?prefix=name:] for several instances), AGENT_DATA_DIR,\n"
             "  bearer tokens AGENT_SHELL_TOKEN (shell.py endpoint; unset: generated into\n"
-            "  <data dir>/shell-token), API_KEY and API_ADMIN_KEY (API),\n"
-            "  AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT (seconds a gate waits);\n"
-            "  AGENT_DRAIN_SECONDS (how long a stopping server lets running turns finish).\n"
+            "  <data dir>/shell-token), API_KEY (unset: generated into <data dir>/api-key) and\n"
+            "  API_ADMIN_KEY (API), AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT\n"
+            "  (seconds a gate waits); AGENT_DRAIN_SECONDS (how long a stopping server lets running\n"
+            "  turns finish); AGENT_EVENT_BUFFER (events kept per session for slow readers).\n"
             "  the API keys named in llm-models.json. docs/configuration.md documents every setting."
         ),
     )

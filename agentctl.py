@@ -832,13 +832,15 @@ class AgentCtl:
             self.term.json({"db": {k: v.model_dump() for k, v in gates.db.items()},
                             "tools": {k: v.model_dump() for k, v in gates.tools.items()}})
             return
-        table = Table("scope", "name", "read", "write")
+        table = Table("scope", "name", "read", "write", "ddl")
         for scope, entries in (("db", gates.db), ("tools", gates.tools)):
             for key, perm in entries.items():
-                table.add_row(scope, escape(key), *("auto-allow" if v else "gated" for v in (perm.read, perm.write)),
-                              style="yellow" if perm.read or perm.write else None)
+                values = (perm.read, perm.write, perm.ddl) if scope == "db" else (perm.read, perm.write)
+                table.add_row(scope, escape(key), *("auto-allow" if v else "gated" for v in values),
+                              *(("—",) if scope == "tools" else ()), style="yellow" if any(values) else None)
         self.term.table(table)
         self.term.say("db keys: a table, * (every other table), __meta__ (SHOW, DESCRIBE, …); tools: a tool or *. "
+                      "ddl (CREATE, DROP, ALTER, RENAME, TRUNCATE) is never covered by write. "
                       "Anything absent is gated.", style="dim")
 
     def _gate_target(self, args: list[str], handler: Callable[..., Any], extra: int) -> tuple[str, str, list[str]]:
@@ -869,9 +871,11 @@ class AgentCtl:
             self.term.warn(message)
 
     def cmd_gate_set(self, args: list[str]) -> None:
-        """gate-set [db] <table|tool|*|__meta__> <read|write> <true|false> [--force]: true = auto-allow, false = ask.
+        """gate-set [db] <table|tool|*|__meta__> <read|write|ddl> <true|false> [--force]: true = auto-allow.
 
-        `gate-set db users write false` gates writes to the table users; `gate-set db * read true`
+        `gate-set db users write false` gates writes to the table users; `gate-set db logs ddl true`
+        lets CREATE/DROP/ALTER/RENAME/TRUNCATE of logs run unasked (write never covers them; db only);
+        `gate-set db * read true`
         lets reads of every other table run unasked; `gate-set ddgs_search read true` lets that tool
         run unasked; `gate-set * write false` gates writes of every tool without its own entry.
         A tool name that no plugin or core module declares is refused (a typo would change nothing)
@@ -882,11 +886,14 @@ class AgentCtl:
                                                             self.cmd_gate_set, 2)
         if section == "tools":
             self._check_tools([key], force)
-        if operation not in ("read", "write"):
-            raise InputError(f"invalid operation '{operation}': read or write")
+        operations = ("read", "write", "ddl") if section == "db" else ("read", "write")
+        if operation not in operations:
+            hint = " (ddl is for database tables: gate-set db <table> ddl …)" if operation == "ddl" else ""
+            raise InputError(f"invalid operation '{operation}': {', '.join(operations)}{hint}")
         value = _bool(text)
         raw = self.files.raw(GATE_DEFAULTS_FILE)
-        raw.setdefault(section, {}).setdefault(key, {"read": False, "write": False})[operation] = value
+        blank = dict.fromkeys(operations, False)
+        raw.setdefault(section, {}).setdefault(key, blank)[operation] = value
         self.files.save(GATE_DEFAULTS_FILE, raw)
         what = f"{section} {key}" if section == "db" else f"tool {key}"
         self.term.done(f"{what}: {operation} {'auto-allowed' if value else 'gated'}")

@@ -35,7 +35,8 @@ FILE_MODELS: dict[str, type[BaseModel]] = {
     MODELS_FILE: ModelsFile, MANIFEST_FILE: Manifest, ENABLED_FILE: EnabledConfig, GATE_DEFAULTS_FILE: GateDefaults,
 }
 #: gate-defaults.json when neither the config dir nor the checkout has one: every gate on.
-ALL_GATED = {"db": {"*": {"read": False, "write": False}, "__meta__": {"read": False, "write": False}},
+ALL_GATED = {"db": {"*": {"read": False, "write": False, "ddl": False},
+                    "__meta__": {"read": False, "write": False, "ddl": False}},
              "tools": {"*": {"read": False, "write": False}}}
 
 

@@ -245,17 +245,22 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
         variable = cfg.env_key if cfg else "the model's API key variable"
         return f"{where}: the backend refused the API key (HTTP 401); check {variable} in .env (or the environment)"
     if found.kind == "status":
-        return f"{where}: the backend answered HTTP {found.status}: {_short(found.message)}"
+        return f"{where}: the backend answered HTTP {found.status}: {_words(found.message)}"
     if isinstance(exc, openai.APIError):
-        return f"{where}: the backend reported an error: {_short(exc.message)}"
+        return f"{where}: the backend reported an error: {_words(exc.message)}"
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
-        return f"{where}: malformed response from the backend ({type(exc).__name__}: {_short(str(exc))})"
-    return f"{where}: {type(exc).__name__}: {_short(str(exc))}"
+        return f"{where}: malformed response from the backend ({type(exc).__name__}: {_words(str(exc))})"
+    return f"{where}: {type(exc).__name__}: {_words(str(exc))}"
 
 
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _words(text: str) -> str:
+    """A backend's words as a user may read them: first line, no credentials, short (failures.summary)."""
+    return failures.summary(text)
 
 
 # ── History ─────────────────────────────────────────────────────────────────────────────────

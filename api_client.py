@@ -2,7 +2,7 @@
 
 ::
 
-    client = AgentClient("http://127.0.0.1:8767", api_key="…", auto_approve_gates={"db_query": True})
+    client = AgentClient("http://127.0.0.1:8767", auto_approve_gates={"db_query": True})
     answer = await client.send("How many users signed up today?")   # the whole answer of the turn
     async for text in client.stream("Write a haiku"):                 # the answer as it is produced
         print(text, end="", flush=True)
@@ -12,8 +12,12 @@
 
 Each message is one turn of the session `client_id`: the client submits it, then follows that
 turn's own events (`GET /api/v1/stream/{id}?turn_id=…`, resuming with `Last-Event-ID` after a
-dropped connection) until the turn's end, answering gates at once by its policy. It needs only
-this file, `httpx` and `httpx-sse`, so it can be copied into any project.
+dropped connection) until the turn's end, answering gates at once by its policy.
+
+The API always needs its key: `api_key`, else `API_KEY`, else the file the server generated,
+`$AGENT_DATA_DIR/api-key` (default `data/api-key` of this checkout; mode 0600, read the way
+shell.py reads its token, by `guard.read_token_file`). It needs this file, `guard.py`, `httpx`
+and `httpx-sse`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,9 +47,12 @@ from tenacity import (
     wait_exponential,
 )
 
+import guard
+from config import CODE_DIR
+
 #: How a client answers the gates of its turns: None rejects every gate at once, True approves every
-#: one, a mapping decides by tool name first and then by operation type ("read" / "write"); a gate
-#: found in neither is rejected.
+#: one, a mapping decides by tool name first and then by operation type ("read" / "write"; database
+#: gates also "ddl", which a "write" entry does not cover); a gate found in neither is rejected.
 GatePolicy = bool | Mapping[str, bool] | None
 
 REQUEST_TIMEOUT = 10.0
@@ -167,6 +176,25 @@ def gate_decision(policy: GatePolicy, gate: Mapping[str, Any]) -> bool:
     return False
 
 
+def default_key_file(env: Mapping[str, str]) -> Path:
+    """Where a server started from this checkout keeps its generated API key: `$AGENT_DATA_DIR/api-key`."""
+    return Path(env.get("AGENT_DATA_DIR") or CODE_DIR / "data") / guard.API_KEY_FILE
+
+
+def find_api_key(api_key: str | None, env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(the key to send, why none could be found): `api_key`, else API_KEY, else the generated key file;
+    `api_key=""` sends no key at all (a call to another server must never carry this one's key)."""
+    if api_key == "":
+        return None, None
+    api_key = api_key or env.get("API_KEY") or None
+    if api_key is not None:
+        return api_key, None
+    try:
+        return guard.read_token_file(default_key_file(env), "API_KEY"), None
+    except guard.TokenFileError as exc:
+        return None, str(exc)
+
+
 def error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -201,7 +229,8 @@ class AgentClient:
 
     `client_id` defaults to a fresh `api-<8 hex>`; the server puts ids without the `api-` prefix
     into its API namespace and the client then uses the id the server returned. `api_key` is the
-    endpoint's bearer token (`API_KEY`), `admin_key` its admin token (`API_ADMIN_KEY`, needed for
+    endpoint's bearer token (None: `API_KEY`, else the server's `<data dir>/api-key`; "": none),
+    `admin_key` its admin token (`API_ADMIN_KEY`, needed for
     gate-changing commands). `default_timeout` (seconds) bounds each turn; `verify` is httpx's TLS
     setting for https URLs (pass one `ssl.SSLContext` to skip loading the CA bundle per call). Every
     call opens its own HTTP connection, so a client may be shared and needs no closing.
@@ -223,6 +252,7 @@ class AgentClient:
         self.client_id = client_id or f"api-{uuid.uuid4().hex[:8]}"
         self.auto_approve_gates = auto_approve_gates
         self.default_timeout = default_timeout
+        api_key, self._key_problem = find_api_key(api_key, os.environ)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if admin_key:
             self._headers["X-Admin-Key"] = admin_key
@@ -414,8 +444,9 @@ class AgentClient:
 
     def _raise_for(self, response: httpx.Response) -> None:
         if response.status_code in (401, 403):
+            why = f" ({self._key_problem})" if self._key_problem else ""
             raise AgentAuthError(f"{self.base_url} refused the credentials (HTTP {response.status_code}): "
-                                 f"{error_message(response)}; pass the endpoint's API key as api_key")
+                                 f"{error_message(response)}; pass the endpoint's API key as api_key{why}")
         if response.status_code >= 400:
             raise AgentRequestError(response.status_code, error_message(response))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 
 import agents
 import commands
@@ -13,13 +14,25 @@ import routes
 import shared
 import state
 import stores
-from config import CORE_GATES, AppConfig, SessionsConfig
+from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
 from tools import make_core_tools
 
 logger = logging.getLogger("agent_mcp.build")
+
+
+def event_buffer(env: Mapping[str, str]) -> int:
+    """AGENT_EVENT_BUFFER: how many events each session keeps for readers that fall behind or reconnect
+    (default state.EVENT_BUFFER); a reader further behind gets an error instead of an answer with a gap."""
+    raw = env.get("AGENT_EVENT_BUFFER", "").strip()
+    if not raw:
+        return state.EVENT_BUFFER
+    if not raw.isdigit() or not 10 <= int(raw) <= 1_000_000:
+        raise ConfigError(f"environment variable AGENT_EVENT_BUFFER={raw[:40]!r}: must be a whole number of events "
+                          f"from 10 to 1000000 (default {state.EVENT_BUFFER})")
+    return int(raw)
 
 
 async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> state.Runtime:
@@ -29,11 +42,12 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
                                     session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
     link = sessions.store.link if isinstance(sessions.store, shared.RedisStore) else None
+    buffer = event_buffer(config.env)
     rt = state.Runtime(
         config=config,
         sessions=sessions,
         client_namespaces=namespaces,
-        hub=shared.RedisEventHub(link) if link else state.EventHub(),
+        hub=shared.RedisEventHub(link, buffer) if link else state.EventHub(buffer=buffer),
         link=link,
         tools=ToolRegistry(),
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),

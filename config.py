@@ -168,11 +168,21 @@ class ModelsFile(_Model):
     models: dict[str, ModelConfig]
 
 
-class GatePermission(_Model):
-    """Whether reads / writes run without asking (True = auto-allow, gate off)."""
+class ToolPermission(_Model):
+    """Whether a tool's reads / writes run without asking (True = auto-allow, gate off)."""
 
     read: bool = False
     write: bool = False
+
+
+class GatePermission(ToolPermission):
+    """Whether reads / writes / DDL of a database key run without asking (True = auto-allow, gate off).
+
+    `ddl` (CREATE, DROP, ALTER, RENAME, TRUNCATE) never follows from `write`; files written before
+    it existed load with it off.
+    """
+
+    ddl: bool = False
 
 
 class GateDefaults(_Model):
@@ -184,7 +194,7 @@ class GateDefaults(_Model):
 
     version: str = "1.0.0"
     db: dict[str, GatePermission] = {}
-    tools: dict[str, GatePermission] = {}
+    tools: dict[str, ToolPermission] = {}
 
 
 class AgentTarget(_Model):

@@ -30,12 +30,9 @@ import aiomysql
 import pymysql
 from pydantic import BaseModel, Field, ValidationError
 from pymysql.constants import CLIENT
-from sqlglot.dialects.mysql import MySQL
-from sqlglot.errors import SqlglotError
-from sqlglot.tokens import TokenType
 
-import gate
 from config import ConfigError
+from sql import ANY_TABLE, READ, classify_sql, split_statements
 
 logger = logging.getLogger("agent_mcp.database")
 
@@ -129,31 +126,6 @@ def describe_error(exc: BaseException) -> str:
 
 
 # ── Statements and results ──────────────────────────────────────────────────────────────────
-
-
-def split_statements(sql: str) -> list[str]:
-    """The statements of `sql` as sqlglot's MySQL tokenizer separates them, each with its original text.
-
-    Semicolons inside strings and comments do not split. Empty statements and statements of
-    nothing but comments are dropped, except executable comments (`/*!40101 SET … */`), which the
-    server runs. Text the tokenizer rejects is returned whole: the server then runs at most one
-    statement of it.
-    """
-    try:
-        tokens = MySQL().tokenize(sql)
-    except (SqlglotError, RecursionError, ValueError):
-        return [sql.strip()] if sql.strip() else []
-    statements, start, has_tokens = [], 0, False
-    for token in [*tokens, None]:  # None: the end of the text
-        if token is not None and token.token_type != TokenType.SEMICOLON:
-            has_tokens = True
-            continue
-        end = token.start if token is not None else len(sql)
-        text = sql[start:end].strip()
-        if has_tokens or gate.EXECUTABLE_COMMENT.search(text):
-            statements.append(text)
-        start, has_tokens = end + 1, False
-    return statements
 
 
 @dataclass
@@ -259,6 +231,9 @@ class Database:
         # (a reconnect in place starts a new session, which needs them again).
         self._prepared: weakref.WeakKeyDictionary[aiomysql.Connection, float] = weakref.WeakKeyDictionary()
         self._kills: set[asyncio.Task[None]] = set()
+        #: Whether the server tells table names apart by case (`lower_case_table_names` = 0), read when
+        #: connecting; None until a connection was made. The gate keys tables by this rule.
+        self.case_sensitive: bool | None = None
 
     @property
     def client_timeout(self) -> float:
@@ -304,6 +279,9 @@ class Database:
                 await cur.execute("SET SESSION max_statement_time = %s", (self.settings.timeout,))
             else:  # MySQL ≥ 5.7.8: milliseconds, SELECT only (the client-side limit covers the rest)
                 await cur.execute("SET SESSION max_execution_time = %s", (int(self.settings.timeout * 1000),))
+            await cur.execute("SELECT @@lower_case_table_names")
+            row = await cur.fetchone()
+            self.case_sensitive = row is not None and str(row[0]) == "0"
         self._prepared[conn] = conn.connected_time
 
     async def _acquire(self, pool: aiomysql.Pool) -> aiomysql.Connection:
@@ -344,9 +322,9 @@ class Database:
         reusable, session_changed = False, False
         try:
             for statement in outcome.statements:
-                op, tables = gate.classify_sql(statement)
-                session_changed = session_changed or gate.ANY_TABLE in tables  # SET, USE, BEGIN, unknown …
-                outcome.results.append(await self._run_one(conn, statement, read=op == gate.READ))
+                op, tables = classify_sql(statement)
+                session_changed = session_changed or ANY_TABLE in tables  # SET, USE, BEGIN, unknown …
+                outcome.results.append(await self._run_one(conn, statement, read=op == READ))
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")

@@ -5,6 +5,8 @@ wrap around the transport's error: the backend did not answer in time, could not
 answered an HTTP error status with a message. `describe(service, exc)` writes the sentence, with the
 service's own words and advice for each status (which setting holds its key, what to change on a
 404, ...). Every plugin that calls a backend, and the model loop, read failures through here.
+A backend's own words are never passed on whole: `summary(text)` keeps the first line, without
+credentials (`sk-…` keys, `Bearer …`, `key=…`/`api_key=…`/`token=…`, URL passwords), and short.
 """
 
 from __future__ import annotations
@@ -19,6 +21,32 @@ _TIMEOUTS = frozenset({"TimeoutError", "TimeoutException", "APITimeoutError", "M
 #: … and "could not reach it": refused or reset connections, DNS and TLS failures.
 _UNREACHABLE = frozenset({"ConnectionError", "ConnectError", "APIConnectionError", "TransportError",
                           "ModelConnectionError", "HttpLib2Error", "OSError"})
+
+
+#: Credentials as backends echo them in error bodies (a key in a URL, a header, a JSON field).
+_SECRETS = re.compile(
+    r"(?i)\b(?:sk|pk|rk)-[A-Za-z0-9_\-]{6,}"                       # OpenAI-style keys (sk-…, sk-proj-…)
+    r"|\bAIza[0-9A-Za-z_\-]{20,}"                                  # Google API keys
+    r"|\bxox[abprs]-[A-Za-z0-9\-]+"                                 # Slack tokens
+    r"|\b(?:bearer|basic|token)\s+[A-Za-z0-9._~+/=\-]{6,}"          # Authorization: Bearer …
+    r"|(?<=://)[^/\s:@]*:[^/\s@]*(?=@)"                              # user:password@ in a URL
+)
+_SECRET_FIELDS = re.compile(
+    r"(?i)\b((?:x-)?(?:api[_-]?key|access[_-]?token|refresh[_-]?token|id[_-]?token|token|secret|client[_-]?secret"
+    r"|password|passwd|pwd|key|auth|authorization|signature|sig|credentials?))(\s*[\"']?\s*[=:]\s*[\"']?)"
+    r"[^\s\"'&,;}]+")
+#: The longest backend message passed on, in characters.
+SUMMARY_LIMIT = 300
+REDACTED = "<redacted>"
+
+
+def summary(text: str, limit: int = SUMMARY_LIMIT) -> str:
+    """A backend's message as clients may see it: its first non-empty line, credentials replaced by
+    `<redacted>`, whitespace collapsed, at most `limit` characters."""
+    first = next((line for line in str(text).splitlines() if line.strip()), "")
+    clean = _SECRETS.sub(REDACTED, first)  # first: `Authorization: Bearer <token>` loses the token whole
+    clean = " ".join(_SECRET_FIELDS.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", clean).split())
+    return clean if len(clean) <= limit else clean[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -67,7 +95,7 @@ def _message(exc: BaseException) -> str:
         phrase = getattr(response, "reason_phrase", None)  # httpx: its own text repeats the URL
         text = phrase if isinstance(phrase, str) else str(getattr(exc, "reason", None) or exc)
     # openai: "Error code: 429 - {…}" repeats the status before the body.
-    return " ".join(re.sub(r"^Error code: \d+(?: - )?", "", text).split()).rstrip(".")
+    return summary(re.sub(r"^Error code: \d+(?: - )?", "", text)).rstrip(".")
 
 
 def failure(exc: BaseException) -> Failure:

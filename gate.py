@@ -1,10 +1,12 @@
-"""Human approval gates, the per-session rate limiter, client classes and SQL classification.
+"""Human approval gates, the per-session rate limiter and client classes.
 
 Every tool call passes `check_rate_limit` and then `check_human_gate` (both installed in
 `Runtime.tool_checks`, in that order) before its executor runs. A tool's gate comes from its
 declaration (`get_gate_tools()` of its plugin, or the core tools' own): `{"type": <gate type>,
 "operation": "read" | "write" | callable(args) -> "read" | "write"}`. The `db` type classifies
-`args["sql"]` with sqlglot and gates per table; every other type gates per tool name. Whether a
+`args["sql"]` (`sql.classify_sql`: read, write or ddl, per table) and gates per table, with the
+server's rule for the case of names (gate `case_sensitive`, see `case_rule`); every other type
+gates per tool name. Whether a
 call runs without asking is looked up in this session's overrides (set by `!autoAIdb`,
 `!autogate`, `!autoAISysPrompt` and "allow for this session"), then in `gate-defaults.json`;
 a specific entry beats `*`, and anything not found is gated.
@@ -17,7 +19,6 @@ import contextlib
 import functools
 import json
 import logging
-import re
 import time
 import uuid
 from collections import deque
@@ -26,15 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import sqlglot
-from sqlglot import exp
-from sqlglot.dialects.mysql import MySQL
-from sqlglot.errors import SqlglotError
-
 import grants
 import guard
+import sql
 import state
-from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit
+from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, ToolPermission
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
     from registry import RegisteredTool
@@ -42,20 +39,11 @@ if TYPE_CHECKING:  # annotations only: the registry imports langchain, which age
 logger = logging.getLogger("agent_mcp.gate")
 
 
-def _not_command_fallback(record: logging.LogRecord) -> bool:
-    # sqlglot warns, quoting the whole SQL, when it parses a statement as an opaque Command; the
-    # classifier treats every Command as a write anyway, and SQL text does not belong in the log.
-    return "Falling back to parsing as a 'Command'" not in record.getMessage()
-
-
-logging.getLogger("sqlglot").addFilter(_not_command_fallback)
-
-READ, WRITE = "read", "write"
+READ, WRITE, DDL = sql.READ, sql.WRITE, sql.DDL
+#: Operations of a tool's gate; database gates also have `ddl` (DB_OPERATIONS: CREATE, DROP, ALTER, …).
 OPERATIONS = (READ, WRITE)
-#: Gate key of statements that touch no table (SHOW, DESCRIBE, SELECT 1).
-META = "__meta__"
-#: Gate key of statements that could not be analysed: they may touch any table.
-ANY_TABLE = "*"
+DB_OPERATIONS = sql.OPERATIONS
+META, ANY_TABLE = sql.META, sql.ANY_TABLE
 #: Gate (and rate-limit) type of a tool that declared none.
 DEFAULT_TYPE = "system"
 DEFAULT_GATE_TIMEOUT = 120.0
@@ -147,7 +135,8 @@ def new_turn(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None =
     payload = payload or {}
     return state.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(rt, client_id, payload),
                       admin=payload.get("admin") is True, interactive=payload.get("interactive") is True,
-                      model=payload.get("model") or None)
+                      model=payload.get("model") or None,
+                      identity=identity if isinstance(identity := payload.get("identity"), str) and identity else None)
 
 
 def may_administer(turn: state.Turn | None) -> bool:
@@ -175,225 +164,6 @@ def refusal(command: str, turn: state.Turn | None) -> str:
             f"holding the admin token; this request comes from {CLIENT_LABELS[kind]}.")
 
 
-# ── SQL classification ──────────────────────────────────────────────────────────────────────
-
-_READ_ROOTS = (exp.Select, exp.Union, exp.Except, exp.Intersect, exp.Subquery)
-_KNOWN_WRITE_ROOTS = (exp.Insert, exp.Update, exp.Delete, exp.Merge, exp.Create, exp.Drop, exp.Alter,
-                      exp.TruncateTable)
-# Nodes that make a statement more than a plain read wherever they appear in its tree.
-_NOT_READ_NODES = (exp.DML, exp.DDL, exp.Drop, exp.Alter, exp.TruncateTable, exp.Command, exp.Set, exp.Into,
-                   exp.Lock, exp.LoadData, exp.Grant, exp.Revoke, exp.Kill, exp.Use, exp.Transaction,
-                   exp.Commit, exp.Rollback, exp.Analyze, exp.Pragma, exp.Cache, exp.Uncache, exp.Refresh,
-                   exp.Comment)
-# Builtins with side effects (files, locks, time, sequences, replication): a statement calling one is a write.
-_SIDE_EFFECT_FUNCTIONS = frozenset({
-    "load_file", "sleep", "benchmark", "get_lock", "release_lock", "release_all_locks", "is_free_lock",
-    "is_used_lock", "master_pos_wait", "source_pos_wait", "wait_for_executed_gtid_set",
-    "sys_exec", "sys_eval", "setval", "nextval", "lastval", "last_insert_id", "uuid_short",
-})
-# Side-effect-free MySQL/MariaDB builtins sqlglot does not model (it parses them as anonymous calls).
-# Any other function it does not model is a user-defined or stored function: it may write anything.
-_SAFE_UNMODELLED_FUNCTIONS = frozenset({
-    "adddate", "addtime", "aes_decrypt", "aes_encrypt", "bin", "charset", "coercibility", "conv", "crc32",
-    "export_set", "field", "find_in_set", "found_rows", "from_days", "inet_aton", "inet_ntoa", "inet6_aton",
-    "inet6_ntoa", "json_array", "json_arrayagg", "json_contains", "json_contains_path", "json_depth",
-    "json_insert", "json_length", "json_merge_patch", "json_merge_preserve", "json_quote", "json_replace",
-    "json_search", "json_unquote", "json_valid", "makedate", "microsecond", "mid", "now", "oct",
-    "octet_length", "ord", "period_add", "period_diff", "quote", "row_count", "sec_to_time", "strcmp",
-    "subdate", "subtime", "sysdate", "system_user", "time_format", "time_to_sec", "timediff", "to_seconds",
-    "uncompress", "unix_timestamp", "user", "weekday", "yearweek", "connection_id", "database", "schema",
-})
-# MySQL statement modifiers, per statement verb: sqlglot takes some of them for a table name
-# (`UPDATE LOW_PRIORITY users` would be keyed `low_priority`), so they are dropped before parsing.
-_MODIFIERS = {
-    "UPDATE": frozenset({"LOW_PRIORITY", "IGNORE"}),
-    "INSERT": frozenset({"LOW_PRIORITY", "DELAYED", "HIGH_PRIORITY", "IGNORE"}),
-    "REPLACE": frozenset({"LOW_PRIORITY", "DELAYED"}),
-    "DELETE": frozenset({"LOW_PRIORITY", "QUICK", "IGNORE"}),
-}
-_ALL_MODIFIERS = frozenset().union(*_MODIFIERS.values())
-#: Schemas of the server itself (accounts, grants, status): gated by their own keys, never by `*`.
-SYSTEM_SCHEMAS = frozenset({"mysql", "information_schema", "performance_schema", "sys"})
-# Objects of CREATE/DROP/ALTER that are tables (keyed by name); any other object (database, routine,
-# event, trigger, view, user, …) may touch anything.
-_TABLE_OBJECTS = frozenset({"TABLE", "INDEX"})
-# MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
-EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
-_TABLE_KEYWORDS = frozenset({"FROM", "JOIN", "INTO", "UPDATE", "TABLE", "TABLES", "LOCK TABLES", "HANDLER", "TO"})
-_NOT_TABLES = frozenset({"dual", "outfile", "dumpfile"})
-_NAME_TOKENS = ("VAR", "IDENTIFIER")
-
-
-class _WordTokenizer(MySQL.Tokenizer):
-    """MySQL tokens, with CALL/REPLACE/RENAME/… not swallowing the rest of the statement as one string."""
-
-    COMMANDS: frozenset[Any] = frozenset()
-
-
-def table_key(name: str, schema: str | None = None) -> str:
-    """The gate key of a table: `name`, or `schema.name` when the statement names its schema (lower case)."""
-    return f"{schema}.{name}".lower() if schema else name.lower()
-
-
-def is_system_key(key: str) -> bool:
-    """Whether a gate key names a table of a system schema (`mysql.user`, `information_schema.tables`)."""
-    return key.partition(".")[0] in SYSTEM_SCHEMAS and "." in key
-
-
-def _tables(tree: exp.Expression) -> set[str]:
-    """Gate keys of the real tables in a statement (schema kept when named), without CTE names and DUAL."""
-    ctes = {cte.alias_or_name.lower() for cte in tree.find_all(exp.CTE)}
-    names = set()
-    for table in tree.find_all(exp.Table):
-        if not isinstance(table.this, exp.Identifier):  # @variables of SELECT … INTO, table functions
-            continue
-        name = table.name.lower()
-        if name in _NOT_TABLES or (name in ctes and not table.db):
-            continue
-        names.add(table_key(name, table.db))
-    return names
-
-
-def _guess_tables(sql: str) -> set[str]:
-    """Table-like names after FROM/INTO/TABLE/… for statements sqlglot cannot analyse (display only)."""
-    text = re.sub(r"/\*M?!\d*|\*/", " ", sql, flags=re.IGNORECASE)
-    try:
-        tokens = _WordTokenizer().tokenize(text)
-    except SqlglotError:
-        return set()
-    names = set()
-    kinds = [t.token_type.name for t in tokens]
-    for i in range(1, len(tokens)):
-        if tokens[i - 1].text.upper() not in _TABLE_KEYWORDS or kinds[i] not in _NAME_TOKENS:
-            continue
-        name, schema = tokens[i].text, None
-        if i + 2 < len(tokens) and kinds[i + 1] == "DOT" and kinds[i + 2] in _NAME_TOKENS:
-            name, schema = tokens[i + 2].text, tokens[i].text
-        if name.lower() not in _NOT_TABLES and name.upper() not in _ALL_MODIFIERS:
-            names.add(table_key(name, schema))
-    return names
-
-
-def _without_modifiers(sql: str) -> str:
-    """`sql` without the MySQL modifiers that follow UPDATE/INSERT/REPLACE/DELETE (see `_MODIFIERS`)."""
-    try:
-        tokens = _WordTokenizer().tokenize(sql)
-    except SqlglotError:
-        return sql
-    cut: list[tuple[int, int]] = []
-    allowed: frozenset[str] = frozenset()
-    for token in tokens:
-        word = token.text.upper()
-        if token.token_type.name not in ("IDENTIFIER", "STRING") and word in allowed:  # `ignore` is a name
-            cut.append((token.start, token.end + 1))
-            continue
-        allowed = _MODIFIERS.get(word, frozenset())
-    for start, end in reversed(cut):
-        sql = sql[:start] + " " + sql[end:]
-    return sql
-
-
-def _risky_call(tree: exp.Expression) -> bool:
-    """Whether the statement calls a builtin with side effects, or a function that is no known builtin."""
-    for func in tree.find_all(exp.Func):
-        if isinstance(func, exp.Anonymous):
-            name = str(func.name).lower()
-            if name in _SIDE_EFFECT_FUNCTIONS or name not in _SAFE_UNMODELLED_FUNCTIONS:
-                return True
-            if isinstance(func.parent, exp.Dot):  # db.f(…): a stored function, whatever its name
-                return True
-        elif str(func.sql_name()).lower() in _SIDE_EFFECT_FUNCTIONS:
-            return True
-    return False
-
-
-def _classify_statement(tree: exp.Expression) -> tuple[str, set[str]] | None:
-    """(operation, tables) of one parsed statement, or None when it cannot be trusted."""
-    if isinstance(tree, exp.Show):
-        return READ, {META}
-    if isinstance(tree, exp.Describe):
-        inner = tree.this
-        if isinstance(inner, exp.Table) and not list(tree.find_all(*_NOT_READ_NODES)):
-            return READ, {META}
-        # EXPLAIN <statement>: EXPLAIN ANALYZE runs it, so judge the statement itself.
-        return _classify_statement(inner) if isinstance(inner, exp.Expression) else None
-    if any(t.name.upper() in _ALL_MODIFIERS and not t.this.quoted for t in tree.find_all(exp.Table)
-           if isinstance(t.this, exp.Identifier)):
-        return None  # a modifier the parser took for a table: do not trust the names it found
-    if _risky_call(tree):
-        return WRITE, _tables(tree) | {ANY_TABLE}
-    if isinstance(tree, _READ_ROOTS):
-        tables = _tables(tree)
-        if not any(isinstance(n, _NOT_READ_NODES) for n in tree.walk()):
-            return READ, tables or {META}
-        return (WRITE, tables) if tables and not tree.find(exp.Command) else None
-    if isinstance(tree, (exp.Create, exp.Drop, exp.Alter)) and str(tree.args.get("kind") or "").upper() \
-            not in _TABLE_OBJECTS:
-        return WRITE, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
-    if isinstance(tree, _KNOWN_WRITE_ROOTS) and not tree.find(exp.Command):
-        tables = _tables(tree)
-        return (WRITE, tables) if tables else None
-    return None
-
-
-def classify_sql(sql: Any) -> tuple[str, frozenset[str]]:
-    """("read" | "write", tables) of a SQL string: MySQL dialect, statement by statement, fail closed.
-
-    A plain read (SELECT/UNION without INTO, locks or side-effect functions) is a read of its
-    tables (`__meta__` when it touches none; SHOW and DESCRIBE are `__meta__` reads). Anything
-    else is a write; a statement that does not parse, or whose effect cannot be known (CALL,
-    SET, GRANT, executable comments, …) is a write on `*`, meaning any table.
-    """
-    if not isinstance(sql, str) or not sql.strip():
-        return WRITE, frozenset({ANY_TABLE})
-    try:
-        return _classify(sql)
-    except Exception:  # a parser bug must not open a gate (nor crash the turn)
-        logger.warning("SQL classification failed; treating it as a write on any table", exc_info=True)
-        return WRITE, frozenset({ANY_TABLE})
-
-
-def sql_shape(sql: Any) -> str:
-    """The statement with every literal value replaced by `?` (MySQL dialect), or "" when it is not exactly
-    one statement that parses: then no shape grant can match it."""
-    if not isinstance(sql, str) or EXECUTABLE_COMMENT.search(sql):
-        return ""
-    try:
-        statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
-        if len(statements) != 1:
-            return ""
-        shaped = statements[0].transform(lambda n: exp.Placeholder() if isinstance(n, exp.Literal) else n)
-        return shaped.sql(dialect="mysql")
-    except Exception:  # a parser failure means no shape, never a match
-        return ""
-
-
-def _classify(sql: str) -> tuple[str, frozenset[str]]:
-    if EXECUTABLE_COMMENT.search(sql):
-        return WRITE, frozenset(_guess_tables(sql) | {ANY_TABLE})
-    try:
-        statements = [s for s in sqlglot.parse(_without_modifiers(sql), read="mysql") if s is not None]
-    except (SqlglotError, RecursionError, ValueError):  # does not parse: fail closed
-        statements = []
-        unknown = True
-    else:
-        unknown = not statements
-    operation, tables = READ, set()
-    for statement in statements:
-        verdict = _classify_statement(statement)
-        if verdict is None:
-            unknown = True
-            if not isinstance(statement, exp.Use):  # USE names a database, not a table
-                tables |= _tables(statement)
-            continue
-        if verdict[0] == WRITE:
-            operation = WRITE
-        tables |= verdict[1]
-    if unknown:
-        return WRITE, frozenset(tables | _guess_tables(sql) | {ANY_TABLE})
-    return operation, frozenset(tables)
-
-
 # ── Gate state ──────────────────────────────────────────────────────────────────────────────
 
 
@@ -407,6 +177,19 @@ def resolve_operation(spec: dict[str, Any], args: dict[str, Any]) -> str:
             logger.warning("gate operation of %s failed; treating the call as a write", spec, exc_info=True)
             return WRITE
     return declared if declared in OPERATIONS else WRITE
+
+
+def case_rule(entry: RegisteredTool | None) -> bool | None:
+    """How the database behind a `db` tool compares table names: its gate's `case_sensitive` (a bool, or a
+    callable the plugin answers from the server's `lower_case_table_names`), None when not known."""
+    value = (entry.gate if entry else {}).get("case_sensitive")
+    if callable(value):
+        try:
+            value = value()
+        except Exception:
+            logger.warning("case_sensitive of %s failed; table names are matched both ways", entry, exc_info=True)
+            return None
+    return value if isinstance(value, bool) else None
 
 
 def gate_type(entry: RegisteredTool | None) -> str:
@@ -459,24 +242,43 @@ class GateKeeper:
     def _defaults(self, section: str) -> dict[str, Any]:
         return self.defaults.db if section == "db" else self.defaults.tools
 
-    def explicit(self, session: state.Session | None, section: str, key: str, op: str) -> bool | None:
-        """The permission set for exactly `key` (session first, then defaults), or None."""
-        own = _overrides(session, section).get(key, {})
-        if op in own:
-            return bool(own[op])
-        default = self._defaults(section).get(key)
-        return getattr(default, op) if default is not None else None
+    def explicit(self, session: state.Session | None, section: str, key: str, op: str, *,
+                 case_sensitive: bool = True) -> bool | None:
+        """The permission set for `key` (session first, then defaults), or None. Database keys on a server
+        that ignores the case of names (`case_sensitive=False`) match entries in any case, and then one
+        entry that says no wins over others that say yes."""
+        caseless = section == "db" and not case_sensitive
 
-    def allowed(self, session: state.Session | None, section: str, key: str, op: str) -> bool:
-        """True when `op` on `key` ("db": a table, `__meta__` or `*`; "tools": a tool) runs unasked."""
+        def matching(entries: dict[str, Any]) -> list[Any]:
+            if not caseless:
+                return [entries[key]] if key in entries else []
+            return [v for k, v in entries.items() if k.lower() == key.lower()]
+
+        own = [bool(v[op]) for v in matching(_overrides(session, section)) if op in v]
+        if own:
+            return all(own)
+        found = [bool(getattr(v, op, False)) for v in matching(self._defaults(section))]
+        return all(found) if found else None
+
+    def allowed(self, session: state.Session | None, section: str, key: str, op: str, *,
+                case_sensitive: bool | None = True) -> bool:
+        """True when `op` on `key` ("db": a table, `__meta__` or `*`; "tools": a tool) runs unasked.
+
+        `case_sensitive` is how the database server compares table names (see `case_rule`): entries
+        match a key exactly when it does, in any case when it does not; None (not known): only what
+        both rules allow.
+        """
+        if case_sensitive is None:
+            return (self.allowed(session, section, key, op, case_sensitive=True)
+                    and self.allowed(session, section, key, op, case_sensitive=False))
         wildcard = self.explicit(session, section, ANY_TABLE, op) is True
         if section == "db" and key == ANY_TABLE:
             # Unknown tables: only if every table could be written, the explicitly gated ones too.
             named = set(_overrides(session, "db")) | set(self.defaults.db)
             return wildcard and all(self.explicit(session, "db", t, op) is not False
                                     for t in named - {ANY_TABLE, META})
-        own = self.explicit(session, section, key, op)
-        if section == "db" and is_system_key(key):
+        own = self.explicit(session, section, key, op, case_sensitive=case_sensitive)
+        if section == "db" and sql.is_system_key(key):
             return own is True  # the server's own schemas (accounts, grants): never through `*`
         return own if own is not None else wildcard
 
@@ -485,11 +287,12 @@ class GateKeeper:
         found = set(self._defaults(section)) | set(_overrides(session, section))
         return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
 
-    def set_default(self, section: str, key: str, ops: Iterable[str], allowed: bool) -> GatePermission:
+    def set_default(self, section: str, key: str, ops: Iterable[str], allowed: bool) -> ToolPermission:
         """Change `gate-defaults.json`'s entry for `key` in memory (every session); returns the new entry.
         The caller saves `self.defaults` (config.save_gate_defaults) and says whether that worked."""
         entries = self.defaults.db if section == "db" else self.defaults.tools
-        entries[key] = (entries.get(key) or GatePermission()).model_copy(update=dict.fromkeys(ops, allowed))
+        blank = GatePermission() if section == "db" else ToolPermission()
+        entries[key] = (entries.get(key) or blank).model_copy(update=dict.fromkeys(ops, allowed))
         return entries[key]
 
     @staticmethod
@@ -514,12 +317,13 @@ class GateKeeper:
         cannot ask one, it is refused). Every decision, and every use of a grant, goes to the audit log.
         """
         client_id, tool_name, session = turn.client_id, entry.tool.name, turn.session
+        case = case_rule(entry)
         if gate_type(entry) == "db":
-            op, found = classify_sql(args.get("sql"))
+            op, found = sql.classify_sql(args.get("sql"), case_sensitive=case is not False)
             section, keys, tables = "db", sorted(found), sorted(found)
         else:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
-        if all(self.allowed(session, section, k, op) for k in keys):
+        if all(self.allowed(session, section, k, op, case_sensitive=case) for k in keys):
             return None
 
         @functools.cache
@@ -648,7 +452,7 @@ def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
     """What a shape grant matches: a `db` statement with its values replaced by `?`; for other tools,
     the values of the arguments the tool declares as defining its effect (gate `defining`), else all."""
     if gate_type(entry) == "db":
-        return sql_shape(args.get("sql"))
+        return sql.sql_shape(args.get("sql"))
     defining = entry.gate.get("defining")
     chosen = {k: args.get(k) for k in defining} if isinstance(defining, list | tuple) else args
     return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)
@@ -683,7 +487,7 @@ def _state_word(allowed: bool) -> str:
 
 def _perm_line(rt: state.Runtime, session: state.Session, section: str, key: str) -> str:
     parts = []
-    for op in OPERATIONS:
+    for op in DB_OPERATIONS if section == "db" else OPERATIONS:
         own = op in session.settings.get("gates", {}).get(section, {}).get(key, {})
         parts.append(f"{op}={'auto-allow' if rt.gate.allowed(session, section, key, op) else 'gated'}"
                      + (" (this session)" if own else ""))
@@ -693,17 +497,22 @@ def _perm_line(rt: state.Runtime, session: state.Session, section: str, key: str
 _DB_LABELS = {ANY_TABLE: "* (every table without its own entry)",
               META: "__meta__ (statements on no table: SHOW, DESCRIBE, SELECT 1)"}
 _AUTOAIDB_USAGE = (
-    "Usage:\n  !autoAIdb status\n  !autoAIdb <table> <read|write> <true|false>\n"
-    "  !autoAIdb <read|write> <true|false>     (every table: * and __meta__)\n"
-    "  !autoAIdb <table> <true|false>          (read and write)\n"
-    "Examples: !autoAIdb users read true   !autoAIdb write false   !autoAIdb __meta__ true"
+    "Usage:\n  !autoAIdb status\n  !autoAIdb <table> <read|write|ddl> <true|false>\n"
+    "  !autoAIdb <read|write|ddl> <true|false> (every table: * and __meta__)\n"
+    "  !autoAIdb <table> <true|false>          (read and write; ddl only when named)\n"
+    "ddl = CREATE, DROP, ALTER, RENAME, TRUNCATE: never covered by write. Table names keep their case\n"
+    "(on a server with lower_case_table_names=0, Users and users are different tables).\n"
+    "Examples: !autoAIdb users read true   !autoAIdb write false   !autoAIdb logs ddl true"
 )
 
 
 async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
-    """!autoAIdb [status | <table> [read|write] <bool> | <read|write> <bool>] — database gates"""
+    """!autoAIdb [status | <table> [read|write|ddl] <bool> | <read|write|ddl> <bool>] — database gates"""
     session = turn.session
-    parts = args.lower().split()
+    words = args.split()
+    # Operation words and booleans in any case; a table name as typed (the server may tell case apart).
+    parts = [w if i == 0 and len(words) > 1 and w.lower() not in DB_OPERATIONS else w.lower()
+             for i, w in enumerate(words)]
     if not parts or parts == ["status"]:
         rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(rt, session, 'db', k)}" for k in rt.gate.keys("db", session)]
         return ("Database gates of this session (gate-defaults.json, then this session's changes):\n"
@@ -713,9 +522,9 @@ async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     value = parse_bool(parts[-1])
     if value is None or len(parts) > 3:
         return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
-    if len(parts) == 2 and parts[0] in OPERATIONS:
+    if len(parts) == 2 and parts[0] in DB_OPERATIONS:
         keys, ops = [ANY_TABLE, META], [parts[0]]
-    elif len(parts) == 3 and parts[1] in OPERATIONS:
+    elif len(parts) == 3 and parts[1] in DB_OPERATIONS:
         keys, ops = [parts[0]], [parts[1]]
     elif len(parts) == 2:
         keys, ops = [parts[0]], list(OPERATIONS)
@@ -820,18 +629,22 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
 
 
 async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
-    """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for this session"""
-    session = turn.session
+    """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for you (★ enable)"""
     parts = args.lower().split()
+    whom = _whom(turn)
     if not parts:
         kinds = {gate_type(e) for e in rt.tools.entries()}
-        return ("Rate limits (plugins-enabled.json rate_limits, per session and tool type):\n"
-                + await rt.rate_limiter.describe(session.client_id, kinds))
-    if len(parts) == 2 and parts[0] == "enable":
-        if await rt.rate_limiter.reenable(session.client_id, parts[1]):
-            return f"{parts[1]} tools are enabled again for this session."
-        return f"{parts[1]} tools are not disabled for this session."
-    return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type>"
+        return (f"Rate limits (plugins-enabled.json rate_limits, per tool type, counted for {whom}):\n"
+                + await rt.rate_limiter.describe(turn.rate_key, kinds))
+    if len(parts) in (2, 3) and parts[0] == "enable":
+        if not may_administer(turn):  # else auto_disable would stop nobody: the caller lifts it itself
+            return refusal("!ratelimit enable", turn)
+        key = args.split()[2] if len(parts) == 3 else turn.rate_key  # another caller's, as its refusal names it
+        whom = f"'{key}'" if len(parts) == 3 else whom
+        if await rt.rate_limiter.reenable(key, parts[1]):
+            return f"{parts[1]} tools are enabled again for {whom}."
+        return f"{parts[1]} tools are not disabled for {whom}."
+    return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type> [<caller>]"
 
 
 #: The gate commands: name → handler (rt, turn, args).
@@ -879,12 +692,21 @@ COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] 
 SWEEP_EVERY = 256
 
 
-class RateLimiter:
-    """Sliding windows per (session, tool type) from `plugins-enabled.json` `rate_limits`.
+def _whom(turn: state.Turn) -> str:
+    """Who a rate limit counts for, as the model and the user are told."""
+    return "this caller (all its sessions)" if turn.identity else "this session"
 
-    A call over the limit is refused (and not counted). With `auto_disable` the whole tool type
-    is then disabled for that session until `!ratelimit enable <type>`. Empty windows are
-    dropped every `SWEEP_EVERY` checks, so memory stays bounded by the recently active sessions.
+
+class RateLimiter:
+    """Sliding windows per (identity, tool type) from `plugins-enabled.json` `rate_limits`.
+
+    The key is a turn's `rate_key`: the proven identity within its client class (one shell token,
+    API key, proxy user, MCP token, Slack user), so a caller that makes new session ids still
+    shares one window; a session id only when the client plugin proved nothing. A call over the
+    limit is refused (and not counted). With `auto_disable` the whole tool type is then disabled
+    for that key until `!ratelimit enable <type>`. Deleting a session leaves an identity's windows
+    alone. Empty windows are dropped every `SWEEP_EVERY` checks, so memory stays bounded by the
+    recently active callers.
     """
 
     def __init__(self, limits: dict[str, RateLimit], clock: Callable[[], float] = time.monotonic):
@@ -958,20 +780,21 @@ class RateLimiter:
                     args: dict[str, Any]) -> Refusal | None:
         """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
         client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)
-        why = await self.count(client_id, tool_type)
+        why = await self.count(turn.rate_key, tool_type)
         if why is None:
             return None
-        again = f"the user can re-enable them with !ratelimit enable {tool_type}"
+        again = f"the operator can re-enable them with !ratelimit enable {tool_type}"
         if why == "disabled":
-            rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for this session")
-            return Refusal("rate_limited", f"TOOL DISABLED: {tool_type} tools were disabled for this session after "
+            rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for {_whom(turn)}")
+            return Refusal("rate_limited", f"TOOL DISABLED: {tool_type} tools were disabled for {_whom(turn)} after "
                                            f"the rate limit was exceeded; {again}. Do not call them again.")
+        logger.info("rate limit: %s (%s) refused for %s (%s)", tool_name, tool_type, turn.rate_key, why)
         limit = self.limits[tool_type]
-        rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for this session"
+        rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for {_whom(turn)}"
         rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} ({tool_type}): {rule}")
         message = f"RATE LIMIT EXCEEDED: {tool_name} ({tool_type}) — {rule}."
         if limit.auto_disable:
-            return Refusal("rate_limited", f"{message} All {tool_type} tools are now disabled for this session; "
+            return Refusal("rate_limited", f"{message} All {tool_type} tools are now disabled for {_whom(turn)}; "
                                            f"{again}.")
         return Refusal("rate_limited", f"{message} Wait before calling it again.")
 

@@ -37,7 +37,7 @@ GRANT_SCOPES = (TIMED, SESSION, PATTERN)
 DECISIONS = (ALLOW, *GRANT_SCOPES, REJECT)
 DEFAULT_MINUTES = 15
 MAX_MINUTES = 24 * 60
-#: The gate key of a statement that could not be analysed (gate.ANY_TABLE): never covered by a grant.
+#: The gate key of a statement that could not be analysed (sql.ANY_TABLE): never covered by a grant.
 ANY = "*"
 GENESIS = "0" * 64
 AUDIT_FILE = "audit.sqlite3"

@@ -11,8 +11,8 @@ listener's app once (agent-mcp.py `build_app`) and checks, in this order:
 4. a request with a body, and every POST/PUT/PATCH, must be `Content-Type: application/json`
    → else 415 (a browser sends text/plain, form and multipart bodies cross-site unasked).
 
-This module also owns the shell endpoint's generated token file (`ensure_token_file`,
-`read_token_file`) and `hide_locations`, which takes where things are (paths, hosts, DSNs) out of
+This module also owns the generated token files of the shell endpoint and the API
+(`ensure_token_file`, `read_token_file`) and `hide_locations`, which takes where things are (paths, hosts, DSNs) out of
 text for readers nobody vouched for. It imports nothing of ours.
 """
 
@@ -39,6 +39,8 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 #: Methods whose requests must be JSON even without a body (the ones a form or fetch can send data with).
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 SHELL_TOKEN_FILE = "shell-token"
+#: The API endpoint's key, generated like the shell token when `API_KEY` is not set.
+API_KEY_FILE = "api-key"
 _HOST_ENTRY = re.compile(r"^(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:(\d{1,5}|\*))?$")
 _ORIGIN_ENTRY = re.compile(r"^[a-z][a-z0-9+.-]*://(\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(:(\d{1,5}|\*))?$")
 _PREFLIGHT_MAX_AGE = "600"
@@ -114,9 +116,9 @@ class Guard:
 
     def __init__(self, app: ASGIApp, *, plugin: str, bind: str, port: int, token: str | None = None,
                  allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
-                 unavailable: Callable[[], str | None] | None = None, token_hint: str = ""):
+                 unavailable: Callable[[], str | None] | None = None, token_hint: str | None = None):
         self.app = app
-        #: Where a client that got 401 finds the token (said in the refusal), if the plugin says.
+        #: Where a caller finds the token (said in every 401), e.g. the API's generated key file.
         self.token_hint = token_hint
         #: Why the server cannot serve now (its shared store is unreachable): then 503 with that message.
         self.unavailable = unavailable
@@ -229,19 +231,20 @@ def _preflight(origin: str, headers: Headers) -> Response:
     })
 
 
-# ── The shell endpoint's token file ────────────────────────────────────────────────────────────
+# ── Generated token files (the shell endpoint's token, the API key) ─────────────────────────────
 
 
-def read_token_file(path: Path) -> str:
-    """The token in `path`; TokenFileError when it is missing, unreadable, empty or not private to us."""
+def read_token_file(path: Path, env: str = "AGENT_SHELL_TOKEN") -> str:
+    """The token in `path`; TokenFileError when it is missing, unreadable, empty or not private to us.
+    `env` is the variable that would set the token instead (named in the messages)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise TokenFileError(f"{path} does not exist: start agent-mcp once (it writes the token there), "
-                             "or set AGENT_SHELL_TOKEN") from None
+                             f"or set {env}") from None
     except OSError as exc:
         raise TokenFileError(f"cannot read {path} ({exc.strerror}): run as the user who runs the server, "
-                             "or set AGENT_SHELL_TOKEN") from None
+                             f"or set {env}") from None
     with os.fdopen(fd, encoding="utf-8") as fh:
         info = os.fstat(fh.fileno())
         if info.st_uid != os.getuid():
@@ -256,19 +259,19 @@ def read_token_file(path: Path) -> str:
     return token
 
 
-def ensure_token_file(path: Path) -> str:
+def ensure_token_file(path: Path, env: str = "AGENT_SHELL_TOKEN") -> str:
     """The token in `path`, written first (random, mode 0600, created exclusively) when the file is missing."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError as exc:
         if isinstance(exc, FileExistsError) and path.parent.is_dir():
-            return read_token_file(path)  # written by an earlier start
+            return read_token_file(path, env)  # written by an earlier start
         raise TokenFileError(f"cannot create {path} ({exc.strerror}): make {path.parent} a directory this user "
-                             "can write, set AGENT_DATA_DIR to one, or set AGENT_SHELL_TOKEN") from None
+                             f"can write, set AGENT_DATA_DIR to one, or set {env}") from None
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(secrets.token_urlsafe(32) + "\n")
-    return read_token_file(path)
+    return read_token_file(path, env)
 
 
 # ── What a reader nobody vouched for may see ───────────────────────────────────────────────────

@@ -158,6 +158,11 @@ async def delete_session(rt: state.Runtime, client_id: str, remember: bool = Tru
     return session
 
 
+FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than it was produced and fell more "
+               "than {buffer} events behind, so part of it was lost; the request was cancelled, send it again (and "
+               "read the stream as it comes)")
+
+
 async def run_turn(
     rt: state.Runtime,
     client_id: str,
@@ -173,11 +178,19 @@ async def run_turn(
     cancelled. A request cancelled by a newer one ends with a `status` event whose data has
     `"cancelled": true`.
     """
-    events = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+    events = rt.hub.subscribe(client_id, rt.hub.last_id(client_id), report_gaps=True)
     turn = await submit(rt, client_id, text, payload, cancel_running=cancel_running)
     finished = False
     try:
         async for ev in events:
+            if ev.name == state.LOST:
+                # The reader fell behind the event buffer: what it would answer has a hole. An error (and
+                # no end) instead, and the turn is cancelled below: no client takes a gapped answer as whole.
+                logger.warning("a reader of %s fell more than %d events behind; its request ends with an error",
+                               client_id, rt.hub.buffer)
+                yield state.Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
+                                  turn.id)
+                return
             if ev.turn != turn.id:
                 continue
             finished = ends_turn(ev)
@@ -280,7 +293,10 @@ async def process_request(
             rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
             raise
         except Exception as exc:
-            logger.exception("request of %s failed", client_id)
+            if isinstance(exc, state.SessionError):  # a dependency outage, not a bug: one line, no traceback
+                logger.warning("request of %s failed: %s", client_id, exc)
+            else:
+                logger.exception("request of %s failed", client_id)
             detail = f": {type(exc).__name__}: {exc}" if turn.may_administer else " (details are in the server log)"
             if isinstance(exc, state.SessionError):  # the store is unreachable: say so, whoever asks
                 detail = f": {exc}"

@@ -381,11 +381,13 @@ class RedisEventHub(state.EventHub):
     instance publishes.
     """
 
-    def __init__(self, link: Link):
-        super().__init__()
+    def __init__(self, link: Link, buffer: int = state.EVENT_BUFFER):
+        super().__init__(buffer=buffer)
         self.link = link
         self.r = link.client
         self._last: OrderedDict[str, int] = OrderedDict()
+        #: The id of the last event written to each session's stream by this instance (readers tell gaps by it).
+        self._written: OrderedDict[str, int] = OrderedDict()
         self._expiry_set: dict[str, float] = {}
         self._queue: asyncio.Queue[tuple[str, state.Event | None]] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
@@ -463,8 +465,16 @@ class RedisEventHub(state.EventHub):
         return entries
 
     def _add(self, pipe: Any, client_id: str, events: list[state.Event]) -> None:
-        body = json.dumps([[e.id, e.name, e.data, e.turn] for e in events], ensure_ascii=False)
-        pipe.xadd(self._key(client_id), {"events": body}, id=stream_id(events[-1].id), maxlen=state.EVENT_BUFFER,
+        prev = self._written.pop(client_id, 0)
+        rows = []
+        for e in events:
+            rows.append([e.id, e.name, e.data, e.turn, prev])
+            prev = e.id
+        self._written[client_id] = prev
+        if len(self._written) > state.MAX_IDLE_CHANNELS * 10:
+            self._written.popitem(last=False)
+        body = json.dumps(rows, ensure_ascii=False)
+        pipe.xadd(self._key(client_id), {"events": body}, id=stream_id(events[-1].id), maxlen=self.buffer,
                   approximate=True)
 
     async def _write(self, batch: list[tuple[str, state.Event | None]]) -> None:
@@ -511,7 +521,8 @@ class RedisEventHub(state.EventHub):
             if not isinstance(result, ResponseError):
                 return
 
-    async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[state.Event]:
+    async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
+                        ) -> AsyncIterator[state.Event]:
         key, seen_key = self._key(client_id), self.link.key("seen", client_id)
         with self.link.calling():
             if last_event_id is not None:
@@ -527,8 +538,12 @@ class RedisEventHub(state.EventHub):
             entries = reply[0][1] if reply else []
             last = ""
             for _, fields in entries:
-                for ident, name, data, turn in json.loads(fields["events"]):
+                for ident, name, data, turn, *prev in json.loads(fields["events"]):
                     if ident > cursor:  # a reader resuming inside an entry skips what it had
+                        # `prev`: the id the writer published before this one; above our cursor, the
+                        # stream was trimmed past events this reader never got.
+                        if report_gaps and prev and prev[0] > cursor:
+                            yield state.Event(ident - 1, state.LOST, {})
                         cursor, last = ident, name
                         yield state.Event(ident, name, data or {}, turn)
             # What subscribers have seen: after a turn's end, else at most twice a second.

@@ -92,6 +92,10 @@ _TABLE_LABELS = {
 }
 
 
+#: How a gate's operation is shown: ddl is named for what it allows (write never covers it).
+_OPERATION_LABELS = {"ddl": "ddl (CREATE/DROP/ALTER/RENAME/TRUNCATE: changes the schema; write does not cover it)"}
+
+
 def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | None = None) -> Panel:
     """The panel asking the user about one gate; arguments cut to ``preview_length`` characters."""
     tool_args = gate.get("tool_args") or {}
@@ -106,7 +110,8 @@ def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | 
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column()
     grid.add_row("Tool", Text(str(gate.get("tool_name", "?")), style="bold cyan"))
-    grid.add_row("Operation", Text(operation, style="bold red" if operation == "write" else "green"))
+    grid.add_row("Operation", Text(_OPERATION_LABELS.get(operation, operation),
+                                   style="green" if operation == "read" else "bold red"))
     grid.add_row("Tables", Text(shown_tables or "—"))
     grid.add_row("Arguments", Text((args[:preview_length] + "…") if truncated else (args or "(none)")))
     if truncated:

@@ -37,6 +37,9 @@ DEFAULT_MAX_HISTORY = 1000
 DEFAULT_MAX_MESSAGE_CHARS = 200_000
 TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 EVENT_BUFFER = 2000
+#: The name of the marker `EventHub.subscribe(..., report_gaps=True)` yields where a subscriber lost
+#: events (it fell more than EVENT_BUFFER events behind); `data["missed"]` says how many, if known.
+LOST = "lost"
 #: Channels without subscribers kept for replay; beyond this the least recently used go.
 MAX_IDLE_CHANNELS = 1000
 #: Seconds between two looks for turns whose instance died (shared stores; see SessionManager.recover).
@@ -82,6 +85,15 @@ class Turn:
     session: Session | None = None
     #: The request deletes its own session (`!session <own id> delete`): done once it has answered.
     ends_session: bool = False
+    #: Who the client plugin proved the caller to be (its token, key or user: `shell`, `api:key`,
+    #: `proxy:alice`, `mcp:worker`, `slack:U123`); None: nothing proven beyond the session.
+    identity: str | None = None
+
+    @property
+    def rate_key(self) -> str:
+        """What rate limits count by: the proven identity within its client class, so new session ids
+        under one token share its windows; the session id only when nothing is proven."""
+        return f"{self.kind}|{self.identity}" if self.identity else self.client_id
 
     @property
     def may_administer(self) -> bool:
@@ -591,7 +603,7 @@ class _Channel:
 
     __slots__ = ("_wake", "events", "last_id", "seen", "start", "subscribers", "touched")
 
-    def __init__(self) -> None:
+    def __init__(self, buffer: int = EVENT_BUFFER) -> None:
         self.subscribers = 0
         self.touched = time.monotonic()
         # Ids start at the current time in microseconds so that they keep increasing across
@@ -599,7 +611,7 @@ class _Channel:
         self.last_id = time.time_ns() // 1000
         self.start = self.last_id  # below its first event
         self.seen = self.last_id  # highest id handed to any subscriber
-        self.events: deque[Event] = deque(maxlen=EVENT_BUFFER)
+        self.events: deque[Event] = deque(maxlen=buffer)
         self._wake = asyncio.Event()
 
     def publish(self, name: str, data: dict[str, Any]) -> Event:
@@ -633,8 +645,10 @@ class EventHub:
     logged and never disturbs the publisher.
     """
 
-    def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS) -> None:
+    def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS, buffer: int = EVENT_BUFFER) -> None:
         self._channels: dict[str, _Channel] = {}
+        #: Events kept per session for readers that fall behind or reconnect (AGENT_EVENT_BUFFER).
+        self.buffer = buffer
         self.max_idle_channels = max_idle_channels
         self._observers: list[HubObserver] = []
         self.closed = False
@@ -659,7 +673,7 @@ class EventHub:
     def _channel(self, client_id: str) -> _Channel:
         ch = self._channels.get(client_id)
         if ch is None:
-            ch = self._channels[client_id] = _Channel()
+            ch = self._channels[client_id] = _Channel(self.buffer)
             if len(self._channels) > self.max_idle_channels:
                 self._evict_idle()
         return ch
@@ -695,8 +709,14 @@ class EventHub:
         if self._observers:
             self._notify(client_id, None)
 
-    async def subscribe(self, client_id: str, last_event_id: int | None = None) -> AsyncIterator[Event]:
-        """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live."""
+    async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
+                        ) -> AsyncIterator[Event]:
+        """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live.
+
+        A subscriber that falls more than `buffer` events behind misses the oldest; with
+        `report_gaps` a `LOST` marker event (turn None) comes where they are missing, so a reader that
+        must not present a gapped answer as whole (run_turn) can tell.
+        """
         ch = self._channel(client_id)
         cursor = ch.seen if last_event_id is None else last_event_id
         ch.subscribers += 1
@@ -716,6 +736,8 @@ class EventHub:
                         return
                     await ch._wake.wait()
                     continue
+                if report_gaps and event.id > cursor + 1:  # ids of one channel are consecutive
+                    yield Event(event.id - 1, LOST, {"missed": event.id - cursor - 1})
                 cursor = event.id
                 if cursor > ch.seen:
                     ch.seen = cursor

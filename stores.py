@@ -158,20 +158,34 @@ class SqliteStore(SqliteFile, SessionStore):
 
     async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
         db = self._conn()
-        await db.execute(
-            "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
-            (session.client_id, session.shorthand, json.dumps(session.to_record()), session.updated),
-        )
-        await db.execute(
-            "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
-        )
-        await db.commit()
+        async with self._writing():
+            await db.execute(
+                "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
+                (session.client_id, session.shorthand, json.dumps(session.to_record()), session.updated),
+            )
+            await db.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
+            )
+            await db.commit()
         return True
 
     async def delete(self, client_id: str) -> None:
         db = self._conn()
-        await db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
-        await db.commit()
+        async with self._writing():
+            await db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
+            await db.commit()
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> AsyncIterator[None]:
+        """A write that fails (disk full, file gone read-only) is rolled back and becomes one SessionError
+        that names the file and the fix; what was committed before stays."""
+        try:
+            yield
+        except (OSError, sqlite3.Error) as exc:
+            with contextlib.suppress(sqlite3.Error, ValueError):
+                await self._conn().rollback()
+            raise SessionError(f"cannot write {self.path} ({exc}): free disk space there or make it writable; "
+                               "this change was not saved") from None
 
 
 def open_store(url: str | None, data_dir: Path) -> SessionStore:

@@ -141,7 +141,8 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
     remote = swarm_client_id(caller, target.url, target_client_id)
     session = rt.sessions.get(caller)
     relay = session is None or session.settings.get(AGENT_CALL_STREAM, True) is not False
-    client = AgentClient(target.url, remote, api_key=token, default_timeout=target.timeout)
+    # `or ""`: without a token of its own the call carries none (never this server's API_KEY or key file).
+    client = AgentClient(target.url, remote, api_key=token or "", default_timeout=target.timeout)
     parts: list[str] = []
     error = ended = None
     try:

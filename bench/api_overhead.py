@@ -62,12 +62,15 @@ async def run(args: argparse.Namespace) -> None:
         # Every tool runs unasked on A except get_system_info, the gated tool of the gate path.
         open_gates = {"db": {}, "tools": {"*": {"read": True, "write": True},
                                           "get_system_info": {"read": False, "write": False}}}
-        servers = [start(Path(tmp), "b", fake_b, port_b),
-                   start(Path(tmp), "a", fake_a, port_a, agents={"b": {"url": url_b}}, gates=open_gates)]
+        servers = [start(Path(tmp), "b", fake_b, port_b)]
+        # A reaches B with the key B generated (every API has a key).
+        servers.append(start(Path(tmp), "a", fake_a, port_a, agents={"b": {"url": url_b, "token_env": "AGENT_B_KEY"}},
+                             gates=open_gates, env={"AGENT_B_KEY": servers[0].api_key}))
         try:
-            client = AgentClient(url_a, "api-bench")
-            gated = AgentClient(url_a, "api-bench-gate", auto_approve_gates=True)
-            http = httpx.AsyncClient(base_url=url_a, timeout=30)
+            key = servers[1].api_key  # the key server A generated into its data dir
+            client = AgentClient(url_a, "api-bench", api_key=key)
+            gated = AgentClient(url_a, "api-bench-gate", api_key=key, auto_approve_gates=True)
+            http = httpx.AsyncClient(base_url=url_a, timeout=30, headers={"Authorization": f"Bearer {key}"})
 
             async def wait_turn(i: int) -> None:
                 r = await http.post("/api/v1/submit", json={"client_id": "api-bench-wait", "text": f"q{i}",

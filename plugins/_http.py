@@ -5,17 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 import routes
 import state
 from config import field_problems
+
+logger = logging.getLogger("agent_mcp.http")
 
 # ── Event streams ───────────────────────────────────────────────────────────────────────────
 
@@ -38,13 +42,18 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
     """
 
     async def events() -> AsyncIterator[ServerSentEvent]:
-        async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
-            async for ev in subscription:
-                if turn is not None and ev.turn != turn:
-                    continue
-                yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
-                if turn is not None and routes.ends_turn(ev):
-                    return
+        try:
+            async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
+                async for ev in subscription:
+                    if turn is not None and ev.turn != turn:
+                        continue
+                    yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
+                    if turn is not None and routes.ends_turn(ev):
+                        return
+        except state.SessionError as exc:  # the shared store went away: an error event and one log line
+            logger.warning("event stream of %s ended early: %s", client_id, exc)
+            yield ServerSentEvent(data=json.dumps({"message": f"the event stream was cut short: {exc}"},
+                                                  ensure_ascii=False), event="error")
 
     if rt.stopping is None:
         rt.stopping = anyio.Event()
@@ -69,6 +78,9 @@ MAX_BODY = 8 * MAX_TEXT
 #: Deeper values would later break json.dumps, repr and copies of the history with a RecursionError.
 MAX_JSON_DEPTH = 64
 
+#: What a lone surrogate can look like in a JSON body: an escape of one, or its (invalid) UTF-8 bytes,
+#: which json.loads lets through. A body without either cannot hold one (a cheap test before the walk).
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
@@ -103,11 +115,17 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     if declared.isdigit() and int(declared) > max_bytes:
         raise BadRequest(413, f"request body is {declared} bytes; the limit is {max_bytes}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BadRequest(413, f"request body is over {max_bytes} bytes; the limit is {max_bytes}")
+            chunks.append(chunk)
+    except ClientDisconnect:  # one line, never a traceback: nobody is left to answer
+        client = request.client.host if request.client else "?"
+        logger.info("%s %s from %s: the client went away before its body was complete (%d of %s bytes)",
+                    request.method, request.url.path, client, size, declared or "?")
+        raise BadRequest(400, "the request body ended before it was complete; send the whole body") from None
     body = b"".join(chunks)
     try:
         raw = json.loads(body)
@@ -118,6 +136,12 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     # Fewer brackets than the limit cannot nest deeper than it: most bodies skip the walk.
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nested_deeper(raw, MAX_JSON_DEPTH):
         raise BadRequest(400, _TOO_DEEP)
+    if _MAYBE_SURROGATE.search(body):
+        try:  # a surrogate pair is one character and encodes; a lone surrogate does not
+            json.dumps(raw, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(400, "request body has invalid Unicode: a lone surrogate (\\ud800-\\udfff) in a "
+                                  "string; send text as valid UTF-8") from None
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -3,7 +3,9 @@ protocol's stream or whole answer (plugin_proxy_llama serves them)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +33,7 @@ NO_RETRY = {"x-should-retry": "false"}
 ERROR_CODES = {502: "backend_error", 503: "cancelled", 504: "backend_timeout"}
 
 T = TypeVar("T", bound=BaseModel)
+logger = logging.getLogger("agent_mcp.proxy")
 
 
 class ProxyError(Exception):
@@ -308,19 +311,26 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[stat
         while True:
             if out.error is not None:
                 yield "", ""
-                async for _ in events:
-                    pass
+                with contextlib.suppress(state.SessionError):
+                    async for _ in events:
+                        pass
                 return
             if content or thinking or out.finished:
                 yield content, thinking
             if out.finished:
                 return
-            ev = await anext(events, None)
+            try:
+                ev = await anext(events, None)
+            except state.SessionError as exc:  # the shared store went away mid-answer: say so, one log line
+                logger.warning("an answer stream ended early: %s", exc)
+                out.error, out.error_status = f"the answer was cut short: {exc}", 503
+                continue
             if ev is None:
                 return
             content, thinking = out.feed(ev)
     finally:
-        await events.aclose()  # cancels the turn if the client went away before its end
+        with contextlib.suppress(state.SessionError):
+            await events.aclose()  # cancels the turn if the client went away before its end
 
 
 async def first_output(events: AsyncIterator[state.Event]) -> state.Event:

@@ -8,16 +8,21 @@ Endpoints (those of the reference `AgentClient`, so programs written for it keep
 Client ids live in the `api-` namespace: an id without that prefix gets it (`myapp` → `api-myapp`),
 so an API caller can never reach an interactive shell session (whose gates it could otherwise
 approve); ids starting with `api-swarm-` are swarm calls from other agents (gates auto-rejected,
-no onward `agent_call`). With `API_KEY` set, every request needs `Authorization: Bearer <key>`
-(checked by the server for the whole port). A caller that also sends `X-Admin-Key: <API_ADMIN_KEY>`
-is an administrator: its messages may run gate commands, and it sees every session, not only the
-`api-` ones.
+no onward `agent_call`). Every request needs `Authorization: Bearer <key>` (checked by the guard
+for the whole port): `API_KEY` when set, else the key generated into `<data dir>/api-key` (mode
+0600) at the first start, exactly like the shell token, which `AgentClient` reads by itself. A
+caller that also sends `X-Admin-Key: <API_ADMIN_KEY>` is an administrator: its messages may run
+gate commands, and it sees every session, not only the `api-` ones. A gate event names the
+permission it asks for in `tool_args.operation_type`: read, write, or for database tables ddl
+(CREATE, DROP, ALTER, RENAME, TRUNCATE), which no write covers; a grant (`scope`
+minutes/session/pattern) allows that permission only.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import re
 import uuid
 from collections import OrderedDict
@@ -37,6 +42,7 @@ from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_s
 from plugins import _http
 
 PREFIX = "api-"
+logger = logging.getLogger("agent_mcp.api")
 CLIENT_ID = re.compile(_http.CLIENT_ID_PATTERN)
 DEFAULT_WAIT = 60.0
 #: Turns submitted without `wait` whose stream may still be asked for by `turn_id`.
@@ -50,7 +56,7 @@ class ApiConfig(PluginSettings, guard.ListenerSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8767, ge=1, le=65535)
-    #: Env var holding the bearer token every request must present (unset: no token needed).
+    #: Env var holding the bearer token every request must present (unset: `<data dir>/api-key`).
     token_env: str = "API_KEY"
     #: Env var holding the admin token (header `X-Admin-Key`); unset: nobody is an admin here.
     admin_token_env: str = "API_ADMIN_KEY"
@@ -134,9 +140,21 @@ class ApiPlugin(BasePlugin):
         self.cfg = ApiConfig()
         self._turns: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._routes: list[Route] = []
+        self._key: str | None = None
 
     def init(self, config: dict[str, Any]) -> bool:
         self.cfg = parse_settings(self.PLUGIN_NAME, ApiConfig, config)
+        self._key = self._env(self.cfg.token_env)
+        if self._key is None:  # no anonymous API: a key of its own, kept the way the shell token is
+            path = self.rt.config.data_dir() / guard.API_KEY_FILE
+            new = not path.exists()
+            try:
+                self._key = guard.ensure_token_file(path, self.cfg.token_env)
+            except guard.TokenFileError as exc:
+                raise PluginConfigError(f"API key: {exc}") from None
+            if new:
+                logger.info("wrote a new API key to %s (readable by this user only); api_client.AgentClient reads "
+                            "it from there", path)
         admin = self._admin_token()
         if admin is not None and admin == self._token():
             raise PluginConfigError(f"{self.cfg.admin_token_env} must differ from {self.cfg.token_env}: with one key "
@@ -145,25 +163,28 @@ class ApiPlugin(BasePlugin):
 
     def shutdown(self) -> None:
         self._turns.clear()
+        self._key = None
 
     def _env(self, name: str) -> str | None:
         return (self.runtime.config.env.get(name) if self.runtime else None) or None
 
     def _token(self) -> str | None:
-        return self._env(self.cfg.token_env)
+        return self._key
 
     def _admin_token(self) -> str | None:
         return self._env(self.cfg.admin_token_env)
 
     def get_config(self) -> dict[str, Any]:
         # admin_token is not used to serve; agent_call reads it to never send it anywhere.
+        hint = f"the key is {self.cfg.token_env}, or else the file <data dir>/{guard.API_KEY_FILE} of the server"
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "JSON/SSE API", "token": self._token(),
+                "token_hint": f"{hint} (AGENT_DATA_DIR, default ./data), which AgentClient reads by itself",
                 "admin_token": self._admin_token(), "allowed_hosts": self.cfg.allowed_hosts,
                 "allowed_origins": self.cfg.allowed_origins}
 
     def get_help(self) -> str:
         return (f"JSON/SSE API on http://{self.cfg.host}:{self.cfg.port}/api/v1 "
-                f"({'bearer token required' if self._token() else 'no token'}; api_client.AgentClient speaks it)")
+                "(bearer key required; api_client.AgentClient speaks it)")
 
     def get_routes(self) -> list[Route]:
         self._routes = [
@@ -214,7 +235,9 @@ class ApiPlugin(BasePlugin):
         clamped = body.timeout > self.cfg.max_wait_seconds  # the original accepted any timeout: clamp, and say so
         timeout = min(body.timeout, self.cfg.max_wait_seconds)
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
-        payload = {"default_model": body.default_model, "admin": self._is_admin(request)}
+        admin = self._is_admin(request)
+        # Rate limits follow the key, not the client id a caller picks.
+        payload = {"default_model": body.default_model, "admin": admin, "identity": "api:admin" if admin else "api:key"}
         if body.wait:
             answer = await _http.unless_disconnected(
                 request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))

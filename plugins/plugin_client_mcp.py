@@ -625,10 +625,12 @@ class McpServerPlugin(BasePlugin):
 
         @mcp.tool()
         async def set_gate_default(section: Literal["tools", "db"], key: str,
-                                   operation: Literal["read", "write", "both"], allowed: bool) -> dict[str, Any]:
+                                   operation: Literal["read", "write", "ddl", "both"],
+                                   allowed: bool) -> dict[str, Any]:
             """Change a gate default for every session (saved in gate-defaults.json): `key` is a tool name
             (section tools) or a table (section db), `*` for everything without its own entry; allowed=true
-            means the call runs without asking."""
+            means the call runs without asking. `both` is read and write; `ddl` (CREATE, DROP, ALTER,
+            RENAME, TRUNCATE; section db only) is never covered by write and must be named."""
             return await plugin._set_default(request_principal(), section, key, operation, allowed)
 
     async def _send(
@@ -650,7 +652,7 @@ class McpServerPlugin(BasePlugin):
             raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
         if model and model not in self.rt.config.models:
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None}
+        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None, "identity": f"mcp:{who.name}"}
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
         return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds)}
 
@@ -674,6 +676,8 @@ class McpServerPlugin(BasePlugin):
         key = key.strip()
         if not key or len(key) > 128:
             raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
+        if operation == gate.DDL and section != "db":
+            raise ToolError("ddl is a permission of database tables only (section db)")
         ops = ["read", "write"] if operation == "both" else [operation]
         change = {"section": section, "key": key, "ops": ops, "allowed": allowed, "by": f"mcp token '{who.name}'"}
         entry, note = self._apply_default(change)
@@ -684,7 +688,7 @@ class McpServerPlugin(BasePlugin):
             except state.SessionError:
                 note += "; NOT in force on the other instances (the session store is unreachable): set it again"
         await self.notify(f"{SCHEME}policy")
-        return {"section": section, "key": key, **entry.model_dump(include={"read", "write"}), "note": note}
+        return {"section": section, "key": key, **entry.model_dump(), "note": note}
 
     def _apply_default(self, change: dict[str, Any]) -> tuple[Any, str]:
         """Change one gate default here, save gate-defaults.json and audit it: (the new entry, what was saved)."""

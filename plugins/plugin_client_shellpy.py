@@ -138,7 +138,7 @@ class ShellpyPlugin(BasePlugin):
             return body
         # Every request here carried the endpoint's token (the guard checked it): a person at shell.py.
         await routes.submit(self.rt, body.client_id, body.text,
-                            {"default_model": body.default_model, "interactive": True})
+                            {"default_model": body.default_model, "interactive": True, "identity": "shell"})
         return JSONResponse({"status": "OK"})
 
     async def stop(self, request: Request) -> JSONResponse:

@@ -564,7 +564,7 @@ class SlackPlugin(BasePlugin):
         reply = _Reply(self.web, self.settings, msg.channel, msg.thread_ts)
         poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
         payload = {"default_model": self.settings.default_model, "channel_id": msg.channel,
-                   "thread_ts": msg.thread_ts, "user_id": msg.user}
+                   "thread_ts": msg.thread_ts, "user_id": msg.user, "identity": f"slack:{msg.user}"}
         try:
             async for ev in routes.run_turn(self.rt, msg.client_id, msg.text, payload, cancel_running=False):
                 reply.feed(ev)

@@ -1,6 +1,6 @@
 """MySQL / MariaDB: the `db_query` tool and the `!db` command, both through `database.py`.
 
-`db_query` is gated per table and read/write: the gate (type `db`) parses the SQL and asks a
+`db_query` is gated per table and read/write/ddl: the gate (type `db`) parses the SQL and asks a
 person unless `gate-defaults.json` or the session opens that access. `!db <sql>` runs SQL
 directly, without the model or a gate, and so only for the interactive shell or an API client
 holding the admin token. The connection comes from MYSQL_HOST, MYSQL_PORT, MYSQL_USER,
@@ -102,7 +102,11 @@ class MySQLPlugin(BasePlugin):
         return {"lc": [tool]}
 
     def get_gate_tools(self) -> dict[str, Any]:
-        return {"db_query": {"type": "db"}}
+        # case_sensitive: the gate keys tables by the server's `lower_case_table_names` (None until connected)
+        return {"db_query": {"type": "db", "case_sensitive": self._case_sensitive}}
+
+    def _case_sensitive(self) -> bool | None:
+        return self.db.case_sensitive if self.db is not None else None
 
     def get_commands(self) -> dict[str, Any]:
         return {"db": self.cmd_db}

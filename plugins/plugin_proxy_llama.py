@@ -5,10 +5,13 @@ NDJSON streams, JSON otherwise. OpenAI API on `/v1/*`, `/models` and `/chat/comp
 `chat.completion.chunk` streams, JSON otherwise. The path decides the format; the User-Agent only
 decides the error format of paths that belong to neither. Each chat request is one turn of the
 session of its conversation (`plugins._conversations`: the resent transcript says which; one per
-chat or user when open-webui forwards its headers; `sessions_by: "address"` keeps the reference
-behaviour, one session `llama-<client ip>`); its prompt is the last user message, because the
-server keeps the history itself. Tokens are written the moment the model produces them. Binds
-127.0.0.1:11435 by default; with `AGENT_PROXY_TOKEN` set, every request needs `Authorization: Bearer <token>`.
+chat or user when a trusted forwarder such as open-webui names them; `sessions_by: "address"` keeps
+the reference behaviour, one session `llama-<client ip>`); its prompt is the last user message,
+because the server keeps the history itself. Tokens are written the moment the model produces
+them. Binds 127.0.0.1:11435 by default; with `AGENT_PROXY_TOKEN` set, every request needs
+`Authorization: Bearer <token>`; with `user_keys`, every request needs one of those keys, and the
+key says who the caller is (`plugins._proxy_identity`: forwarded headers count only from a
+forwarder's key and a trusted address).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +37,7 @@ import state
 from plugin_loader import BasePlugin, parse_settings
 from plugins import _http
 from plugins._conversations import ConversationIndex, Turn, fingerprint, seed
+from plugins._proxy_identity import Caller, Identities, IdentityError, IdentitySettings, config_extra
 from plugins._proxy_wire import (
     Ollama,
     OllamaChat,
@@ -61,14 +64,11 @@ OLLAMA_API_VERSION = "0.12.3"
 DEFAULT_PORT = 11435  # 11434 is Ollama's own port, where the shipped `local` model lives
 MAX_PROMPT = 200_000
 TASK_PREFIX = "### Task:"  # how every open-webui background-task prompt template starts
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-#: open-webui's forwarded headers (ENABLE_FORWARD_USER_INFO_HEADERS): one session per chat, else per user.
-_SESSION_HEADERS = (("x-openwebui-chat-id", "chat"), ("x-openwebui-user-id", "user"))
 _UNSUPPORTED_OLLAMA = {"embed": "POST", "embeddings": "POST", "pull": "POST", "push": "POST",
                        "create": "POST", "copy": "POST", "delete": "DELETE"}
 
 
-class ProxyConfig(guard.ListenerSettings):
+class ProxyConfig(guard.ListenerSettings, IdentitySettings):
     """`plugin_config.plugin_proxy_llama` in plugins-enabled.json."""
 
     model_config = ConfigDict(extra="forbid")
@@ -81,7 +81,7 @@ class ProxyConfig(guard.ListenerSettings):
     model_name: str = Field(default="agent-mcp", pattern=r"^[A-Za-z0-9._/-]+(:[A-Za-z0-9._-]+)?$")
     #: How tool status lines reach chat apps: a Markdown quote in the answer, reasoning text, or not at all.
     status_lines: Literal["quote", "thinking", "off"] = "quote"
-    #: One session per open-webui chat (or user) when its forwarded headers are present.
+    #: One session per open-webui chat (or user) when a trusted forwarder names them.
     session_per_chat: bool = True
     #: Without those headers: a session per conversation (told by the transcript the client resends),
     #: or one per client address (the reference behaviour: one memory across all chats of a host).
@@ -119,6 +119,11 @@ class LlamaProxyPlugin(BasePlugin):
     def conversations(self) -> ConversationIndex:
         return ConversationIndex(self.rt.sessions, PREFIX, self.rt.values)
 
+    @functools.cached_property
+    def identities(self) -> Identities:
+        env = self.runtime.config.env if self.runtime else {}
+        return Identities(self.cfg, env.get(self.cfg.token_env) or None)
+
     def shutdown(self) -> None:
         """Nothing to release: every request's turn ends with its connection."""
 
@@ -126,7 +131,7 @@ class LlamaProxyPlugin(BasePlugin):
         env = self.runtime.config.env if self.runtime else {}
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "Ollama/OpenAI proxy",
                 "token": env.get(self.cfg.token_env) or None, "allowed_hosts": self.cfg.allowed_hosts,
-                "allowed_origins": self.cfg.allowed_origins}
+                "allowed_origins": self.cfg.allowed_origins, **config_extra(self.identities)}
 
     def get_help(self) -> str:
         return (f"Ollama/OpenAI proxy on http://{self.cfg.host}:{self.cfg.port} "
@@ -136,7 +141,8 @@ class LlamaProxyPlugin(BasePlugin):
 
     def get_routes(self) -> list[Route]:
         o, a = self._ollama_endpoint, self._openai_endpoint
-        table: list[Route] = [Route(p, self.root, methods=["GET"]) for p in ("/", "/v1", "/v1/")]
+        table: list[Route] = [Route(p, self._endpoint(self.root, OpenAI.error_response), methods=["GET"])
+                              for p in ("/", "/v1", "/v1/")]
         for prefix in ("/api", "/v1/api"):  # /v1/api/*: Enchanted with a server URL ending in /v1
             table += [
                 Route(f"{prefix}/version", o(self.version), methods=["GET"]),
@@ -165,11 +171,13 @@ class LlamaProxyPlugin(BasePlugin):
     def _openai_endpoint(self, handler: Any) -> Any:
         return self._endpoint(handler, OpenAI.error_response)
 
-    @staticmethod
-    def _endpoint(handler: Any, render: Any) -> Any:
+    def _endpoint(self, handler: Any, render: Any) -> Any:
         async def endpoint(request: Request) -> Response:
             try:
+                request.state.caller = self.identities.caller(request)
                 return await handler(request)
+            except IdentityError as exc:
+                return render(401, str(exc), "invalid_api_key")
             except ProxyError as exc:
                 return render(exc.status, exc.message, exc.code)
 
@@ -181,6 +189,10 @@ class LlamaProxyPlugin(BasePlugin):
         ollama = path.startswith(("/api/", "/v1/api/")) or (
             not path.startswith("/v1/") and "ollama" in request.headers.get("user-agent", "").lower())
         render = Ollama.error_response if ollama else OpenAI.error_response
+        try:
+            self.identities.caller(request)
+        except IdentityError as exc:
+            return render(401, str(exc), "invalid_api_key")
         allowed = sorted({m for r in self._routes if r.path_regex.match(path) for m in r.methods or ()})
         if allowed:
             response = render(405, f"{request.method} is not supported on {path}; use {' or '.join(allowed)}")
@@ -283,24 +295,24 @@ class LlamaProxyPlugin(BasePlugin):
         fmt = OpenAI(name, bool(body.stream_options and body.stream_options.include_usage))
         return await self._answer(request, fmt, transcript(body.messages), key, body.stream is True)
 
+    @staticmethod
+    def _caller(request: Request) -> Caller:
+        return request.state.caller  # type: ignore[no-any-return]
+
     def _address(self, request: Request) -> str:
-        return f"{PREFIX}{request.client.host if request.client else 'unknown'}"
+        """`llama-<client ip>` anonymous (the reference's id); with a key, the key's user comes first."""
+        caller = self._caller(request)
+        return f"{PREFIX}{caller.address}" if caller.user is None else f"{PREFIX}{caller.slug}-{caller.address}"
 
     def _by_header(self, request: Request) -> str | None:
-        """`llama-<client ip>-chat-<id>` (or `-user-<id>`) when open-webui forwards its chat or user."""
-        if self.cfg.session_per_chat:
-            for header, kind in _SESSION_HEADERS:
-                value = request.headers.get(header, "").strip()
-                if value:
-                    safe = value if _SAFE_ID.match(value) else hashlib.sha256(value.encode()).hexdigest()[:16]
-                    return f"{self._address(request)}-{kind}-{safe}"
+        """`llama-<forwarder>-chat-<id>` (or `-user-<id>`) when a trusted forwarder names its chat or user."""
+        caller = self._caller(request)
+        if self.cfg.session_per_chat and caller.user is not None:
+            if caller.chat:
+                return f"{PREFIX}{caller.slug}-chat-{caller.chat}"
+            if caller.forwarded_user:
+                return f"{PREFIX}{caller.slug}"
         return None
-
-    def _scope(self, request: Request) -> str:
-        """What narrows a conversation match: the client address, its API key (digested), a forwarded user."""
-        auth = request.headers.get("authorization", "")
-        return "\x00".join((self._address(request), hashlib.sha256(auth.encode()).hexdigest() if auth else "",
-                             request.headers.get("x-openwebui-user-id", "")))
 
     async def _session_of(self, request: Request, transcript: list[Turn]) -> tuple[str, str | None]:
         """(client id, scope) of the session this request continues or starts; the scope is None when
@@ -308,7 +320,7 @@ class LlamaProxyPlugin(BasePlugin):
         by_header = self._by_header(request)
         if by_header is not None or self.cfg.sessions_by == "address":
             return by_header or self._address(request), None
-        scope, prior = self._scope(request), transcript[:-1]
+        scope, prior = self._caller(request).scope, transcript[:-1]
         client_id = await self.conversations.claim(fingerprint(scope, prior)) if prior else None
         if client_id is None:
             client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
@@ -350,7 +362,10 @@ class LlamaProxyPlugin(BasePlugin):
         if len(text) > MAX_PROMPT:
             raise ProxyError(413, f"the message is {len(text)} characters; the limit is {MAX_PROMPT}")
         out = Output(self.cfg.status_lines, text)
-        payload = {"model": key} if key else None
+        # Rate limits follow who is asking, proven, not the session (a new chat is a new session).
+        payload: dict[str, Any] = {"identity": f"proxy:{self._caller(request).identity}"}
+        if key:
+            payload["model"] = key
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
             client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
             events = self._then_forget(routes.run_turn(self.rt, client_id, text, payload), client_id)

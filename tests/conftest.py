@@ -173,6 +173,17 @@ class AgentServer:
                 or guard.read_token_file(self.data_dir / guard.SHELL_TOKEN_FILE))
 
     @property
+    def api_key(self) -> str:
+        """The API endpoint's key: API_KEY when the test set one, else the key file the server generated."""
+        return ({**self.cfg.env, **self.env}.get("API_KEY")
+                or guard.read_token_file(self.data_dir / guard.API_KEY_FILE, "API_KEY"))
+
+    @property
+    def api_auth(self) -> dict[str, str]:
+        """Headers that authenticate a request to the API endpoint."""
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    @property
     def auth(self) -> dict[str, str]:
         """Headers that authenticate a request to the shell endpoint."""
         return {"Authorization": f"Bearer {self.token}"}

@@ -23,7 +23,8 @@ SERVICE_ENV = ("TAVILY_API_KEY", "TAVILY_BASE_URL", "XAI_API_KEY", "XAI_BASE_URL
                "MYSQL_HOST", "MYSQL_PORT", "MYSQL_USER", "MYSQL_PASS", "MYSQL_DB")
 PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 # Every tool auto-allowed, so tests of the tools themselves never stop at a gate.
-NO_GATES = {"db": {"*": {"read": True, "write": True}, "__meta__": {"read": True, "write": True}},
+NO_GATES = {"db": {"*": {"read": True, "write": True, "ddl": True},
+                   "__meta__": {"read": True, "write": True, "ddl": True}},
             "tools": {"*": {"read": True, "write": True}}}
 UNUSED_MODEL = {"model_id": "unused", "type": "OPENAI", "host": "http://127.0.0.1:9/v1", "env_key": None}
 

@@ -28,7 +28,7 @@ from tests.conftest import ROOT, ConfigDir
 
 #: gate-defaults.json with every gate on / off.
 ALL_GATED: dict[str, Any] = {"db": {}, "tools": {}}
-ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True}},
+ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True, "ddl": True}},
                             "tools": {"*": {"read": True, "write": True}}}
 
 

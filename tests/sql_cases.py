@@ -3,12 +3,13 @@
 Hand-written cases by category, then families built from small tables (each family's rule is
 stated with it and computed here, never by asking the classifier). Keys: a table's name, or
 `schema.name` when the statement names the schema; `*` for anything that may touch any table;
-`__meta__` for statements on no table.
+`__meta__` for statements on no table. Operations: read, write, and ddl for CREATE/DROP/ALTER/
+TRUNCATE/RENAME and for every statement that cannot be analysed (nothing weaker may cover it).
 """
 
 from __future__ import annotations
 
-R, W, META, ANY = "read", "write", "__meta__", "*"
+R, W, D, META, ANY = "read", "write", "ddl", "__meta__", "*"
 
 SQL_CORPUS = [
     # plain reads
@@ -21,34 +22,36 @@ SQL_CORPUS = [
     ("/* harmless */ DELETE FROM users WHERE id = 1", W, {"users"}),
     ("# mysql comment\nUPDATE users SET name = 'x'", W, {"users"}),
     # executable comments run in MySQL: never a read
-    ("SELECT 1 /*!50000 ; DROP TABLE users */", W, {"users", ANY}),
-    ("/*!50000 DELETE FROM users */ SELECT 1", W, {"users", ANY}),
-    ("SELECT 1 /*M! DROP TABLE accounts */", W, {"accounts", ANY}),
+    ("SELECT 1 /*!50000 ; DROP TABLE users */", D, {"users", ANY}),
+    ("/*!50000 DELETE FROM users */ SELECT 1", D, {"users", ANY}),
+    ("SELECT 1 /*M! DROP TABLE accounts */", D, {"accounts", ANY}),
     # several statements
-    ("SELECT 1; DROP TABLE users", W, {META, "users"}),
+    ("SELECT 1; DROP TABLE users", D, {META, "users"}),
     ("SELECT * FROM a; SELECT * FROM b;", R, {"a", "b"}),
-    ("SELECT * FROM a; CALL purge()", W, {"a", ANY}),
-    # CTEs: CTE names are not tables; a CTE that writes is a write
+    ("SELECT * FROM a; CALL purge()", D, {"a", ANY}),
+    # CTEs: CTE names are not tables where a SELECT defines them; MariaDB has no WITH before
+    # DELETE/INSERT (nor DML inside a CTE), so there the name counts as a table (over-keying is safe)
     ("WITH recent AS (SELECT id FROM orders) SELECT * FROM recent", R, {"orders"}),
-    ("WITH d AS (SELECT id FROM a) DELETE FROM b WHERE id IN (SELECT id FROM d)", W, {"a", "b"}),
-    ("WITH d AS (DELETE FROM users RETURNING *) SELECT * FROM d", W, {"users"}),
-    ("WITH x AS (SELECT * FROM a) INSERT INTO t SELECT * FROM x", W, {"a", "t"}),
+    ("WITH d AS (SELECT id FROM a) DELETE FROM b WHERE id IN (SELECT id FROM d)", W, {"a", "b", "d"}),
+    ("WITH d AS (DELETE FROM users RETURNING *) SELECT * FROM d", W, {"users", "d"}),
+    ("WITH x AS (SELECT * FROM a) INSERT INTO t SELECT * FROM x", W, {"a", "t", "x"}),
+    ("INSERT INTO t WITH x AS (SELECT * FROM a) SELECT * FROM x", W, {"a", "t"}),
     # files, procedures, session state, privileges, renames, handlers, DO, REPLACE
-    ("SELECT * INTO OUTFILE '/tmp/users.csv' FROM users", W, {"users", ANY}),
-    ("SELECT name FROM users INTO DUMPFILE '/tmp/x'", W, {"users", ANY}),
-    ("LOAD DATA INFILE '/tmp/x.csv' INTO TABLE users", W, {"users", ANY}),
-    ("LOAD DATA LOCAL INFILE '/tmp/x.csv' INTO TABLE `my db`.users", W, {"my db.users", ANY}),
-    ("CALL reset_everything()", W, {ANY}),
-    ("SET @a = (SELECT password FROM users)", W, {"users", ANY}),
-    ("SET GLOBAL general_log = 1", W, {ANY}),
-    ("GRANT ALL PRIVILEGES ON *.* TO 'eve'@'%'", W, {ANY}),
-    ("RENAME TABLE users TO old_users", W, {"users", "old_users", ANY}),
-    ("HANDLER users OPEN", W, {"users", ANY}),
-    ("DO SLEEP(5)", W, {ANY}),
-    ("REPLACE INTO users VALUES (1, 'x')", W, {"users", ANY}),
-    ("LOCK TABLES users WRITE", W, {"users", ANY}),
-    ("USE mysql", W, {ANY}),
-    ("BEGIN", W, {ANY}),
+    ("SELECT * INTO OUTFILE '/tmp/users.csv' FROM users", D, {"users", ANY}),
+    ("SELECT name FROM users INTO DUMPFILE '/tmp/x'", D, {"users", ANY}),
+    ("LOAD DATA INFILE '/tmp/x.csv' INTO TABLE users", D, {"users", ANY}),
+    ("LOAD DATA LOCAL INFILE '/tmp/x.csv' INTO TABLE `my db`.users", D, {"my db.users", ANY}),
+    ("CALL reset_everything()", D, {ANY}),
+    ("SET @a = (SELECT password FROM users)", D, {"users", ANY}),
+    ("SET GLOBAL general_log = 1", D, {ANY}),
+    ("GRANT ALL PRIVILEGES ON *.* TO 'eve'@'%'", D, {ANY}),
+    ("RENAME TABLE users TO old_users", D, {"users", "old_users", ANY}),
+    ("HANDLER users OPEN", D, {"users", ANY}),
+    ("DO SLEEP(5)", D, {ANY}),
+    ("REPLACE INTO users VALUES (1, 'x')", D, {"users", ANY}),
+    ("LOCK TABLES users WRITE", D, {"users", ANY}),
+    ("USE mysql", D, {ANY}),
+    ("BEGIN", D, {ANY}),
     # reads that are not plain: locks, INTO variables, side-effect functions
     ("SELECT * FROM users FOR UPDATE", W, {"users"}),
     ("SELECT * FROM users LOCK IN SHARE MODE", W, {"users"}),
@@ -68,10 +71,10 @@ SQL_CORPUS = [
     ("UPDATE users SET a = 1", W, {"users"}),
     ("DELETE a, b FROM a JOIN b ON a.id = b.id", W, {"a", "b"}),
     ("INSERT INTO a VALUES (1) ON DUPLICATE KEY UPDATE x = 1", W, {"a"}),
-    ("TRUNCATE TABLE users", W, {"users"}),
-    ("DROP TABLE IF EXISTS `a`, b", W, {"a", "b"}),
-    ("ALTER TABLE users ADD c INT", W, {"users"}),
-    ("CREATE TABLE t2 AS SELECT * FROM users", W, {"t2", "users"}),
+    ("TRUNCATE TABLE users", D, {"users"}),
+    ("DROP TABLE IF EXISTS `a`, b", D, {"a", "b"}),
+    ("ALTER TABLE users ADD c INT", D, {"users"}),
+    ("CREATE TABLE t2 AS SELECT * FROM users", D, {"t2", "users"}),
     # metadata reads
     ("SHOW TABLES", R, {META}),
     ("SHOW COLUMNS FROM users", R, {META}),
@@ -81,10 +84,10 @@ SQL_CORPUS = [
     ("EXPLAIN SELECT * FROM users", R, {"users"}),
     ("EXPLAIN ANALYZE DELETE FROM users", W, {"users"}),
     # garbage and emptiness fail closed
-    ("SELEC * FORM users", W, {ANY}),
-    ("FLUSH PRIVILEGES", W, {ANY}),
-    ("", W, {ANY}),
-    ("   ;  ", W, {ANY}),
+    ("SELEC * FORM users", D, {ANY}),
+    ("FLUSH PRIVILEGES", D, {ANY}),
+    ("", D, {ANY}),
+    ("   ;  ", D, {ANY}),
 ]
 
 SQL_CORPUS += [
@@ -95,9 +98,9 @@ SQL_CORPUS += [
     ("INSERT IGNORE INTO users SELECT * FROM staging", W, {"users", "staging"}),
     ("DELETE IGNORE FROM logs", W, {"logs"}),
     ("DELETE LOW_PRIORITY a, b FROM a JOIN b ON a.id = b.id", W, {"a", "b"}),
-    ("REPLACE LOW_PRIORITY INTO users VALUES (1)", W, {"users", ANY}),
-    ("REPLACE DELAYED INTO users VALUES (1)", W, {"users", ANY}),
-    ("LOAD DATA LOW_PRIORITY INFILE '/tmp/x' INTO TABLE users", W, {"users", ANY}),
+    ("REPLACE LOW_PRIORITY INTO users VALUES (1)", D, {"users", ANY}),
+    ("REPLACE DELAYED INTO users VALUES (1)", D, {"users", ANY}),
+    ("LOAD DATA LOW_PRIORITY INFILE '/tmp/x' INTO TABLE users", D, {"users", ANY}),
     ("SELECT SQL_CALC_FOUND_ROWS * FROM users LIMIT 1", R, {"users"}),
     ("SELECT STRAIGHT_JOIN * FROM a JOIN b ON a.id = b.id", R, {"a", "b"}),
     ("SELECT DISTINCTROW a FROM users", R, {"users"}),
@@ -105,7 +108,7 @@ SQL_CORPUS += [
     # a real table named like a modifier: quoted, it is a name; unquoted where it could be one, fail closed
     ("UPDATE `ignore` SET a = 1", W, {"ignore"}),
     ("DELETE FROM `quick` WHERE a = 1", W, {"quick"}),
-    ("UPDATE quick SET a = 1", W, {"quick", ANY}),
+    ("UPDATE quick SET a = 1", D, {"quick", ANY}),
     ("SELECT 'IGNORE', 'LOW_PRIORITY'", R, {META}),
     ("UPDATE users SET note = 'LOW_PRIORITY'", W, {"users"}),
     # schema-qualified names keep their schema; the system schemas are keyed as such
@@ -122,30 +125,30 @@ SQL_CORPUS += [
     ("SELECT * FROM shop.users", R, {"shop.users"}),
     ("SELECT * FROM shop.users JOIN users ON shop.users.id = users.id", R, {"shop.users", "users"}),
     ("UPDATE shop.users SET a = 1", W, {"shop.users"}),
-    ("DROP TABLE shop.users", W, {"shop.users"}),
-    ("TRUNCATE TABLE archive.logs", W, {"archive.logs"}),
+    ("DROP TABLE shop.users", D, {"shop.users"}),
+    ("TRUNCATE TABLE archive.logs", D, {"archive.logs"}),
     ("SELECT * FROM `Shop`.`Users`", R, {"shop.users"}),
     ("INSERT INTO logs SELECT * FROM mysql.user", W, {"logs", "mysql.user"}),
     ("WITH u AS (SELECT * FROM mysql.user) SELECT * FROM u", R, {"mysql.user"}),
     # objects that are not tables: any table may be touched
-    ("DROP DATABASE shop", W, {ANY}),
-    ("DROP DATABASE IF EXISTS shop", W, {ANY}),
-    ("CREATE DATABASE scratch", W, {ANY}),
-    ("DROP SCHEMA shop", W, {ANY}),
-    ("CREATE SCHEMA IF NOT EXISTS s2", W, {ANY}),
-    ("ALTER DATABASE shop CHARACTER SET utf8mb4", W, {ANY}),
-    ("DROP PROCEDURE purge_all", W, {ANY}),
-    ("DROP PROCEDURE IF EXISTS shop.purge_all", W, {ANY}),
-    ("DROP FUNCTION f", W, {ANY}),
-    ("CREATE FUNCTION f() RETURNS INT RETURN 1", W, {ANY}),
-    ("DROP EVENT nightly", W, {ANY}),
-    ("DROP TRIGGER users_bi", W, {ANY}),
-    ("CREATE VIEW v AS SELECT * FROM users", W, {ANY}),
-    ("DROP VIEW v", W, {ANY}),
-    ("CREATE USER 'eve'@'%' IDENTIFIED BY 'x'", W, {ANY}),
-    ("DROP USER 'eve'@'%'", W, {ANY}),
-    ("CREATE INDEX ix ON users (email)", W, {"users"}),
-    ("CREATE TEMPORARY TABLE t (a INT)", W, {"t"}),
+    ("DROP DATABASE shop", D, {ANY}),
+    ("DROP DATABASE IF EXISTS shop", D, {ANY}),
+    ("CREATE DATABASE scratch", D, {ANY}),
+    ("DROP SCHEMA shop", D, {ANY}),
+    ("CREATE SCHEMA IF NOT EXISTS s2", D, {ANY}),
+    ("ALTER DATABASE shop CHARACTER SET utf8mb4", D, {ANY}),
+    ("DROP PROCEDURE purge_all", D, {ANY}),
+    ("DROP PROCEDURE IF EXISTS shop.purge_all", D, {ANY}),
+    ("DROP FUNCTION f", D, {ANY}),
+    ("CREATE FUNCTION f() RETURNS INT RETURN 1", D, {ANY}),
+    ("DROP EVENT nightly", D, {ANY}),
+    ("DROP TRIGGER users_bi", D, {ANY}),
+    ("CREATE VIEW v AS SELECT * FROM users", D, {ANY}),
+    ("DROP VIEW v", D, {ANY}),
+    ("CREATE USER 'eve'@'%' IDENTIFIED BY 'x'", D, {ANY}),
+    ("DROP USER 'eve'@'%'", D, {ANY}),
+    ("CREATE INDEX ix ON users (email)", D, {"users"}),
+    ("CREATE TEMPORARY TABLE t (a INT)", D, {"t"}),
     # functions: builtins are reads; stored, user-defined or side-effect ones may write anything
     ("SELECT f(1)", W, {ANY}),
     ("SELECT shop.f(1)", W, {ANY}),
@@ -191,7 +194,7 @@ SQL_CORPUS += [(f"SELECT {f}(id) FROM {t}", W, {key, ANY})
 SQL_CORPUS += [(f"SELECT {f} FROM {t}", R, {key})
                for f in ("UPPER(name)", "CRC32(name)", "STRCMP(a, b)", "TIMEDIFF(a, b)", "INET_NTOA(ip)")
                for t, key in _TARGETS]
-# Rule: CREATE/DROP of objects that are not tables key `*` alone, whatever their name.
-SQL_CORPUS += [(f"DROP {kind} {name}", W, {ANY})
+# Rule: CREATE/DROP of objects that are not tables are ddl on `*` alone, whatever their name.
+SQL_CORPUS += [(f"DROP {kind} {name}", D, {ANY})
                for kind in ("DATABASE", "SCHEMA", "PROCEDURE", "FUNCTION", "EVENT", "TRIGGER", "VIEW")
                for name in ("users", "shop.users")]

@@ -279,8 +279,9 @@ def test_gate_commands(cdir):
     ok(cdir, "gate-set", "ddgs_search", "read", "true")
     ok(cdir, "gate-set", "*", "write", "false")
     gates = read(cdir, config.GATE_DEFAULTS_FILE)
-    assert gates["db"] == {"*": {"read": True, "write": False}, "__meta__": {"read": True, "write": False},
-                           "users": {"read": False, "write": True}}
+    assert gates["db"] == {"*": {"read": True, "write": False, "ddl": False},
+                           "__meta__": {"read": True, "write": False, "ddl": False},
+                           "users": {"read": False, "write": True, "ddl": False}}
     shipped = json.loads((config.DEFAULTS_DIR / config.GATE_DEFAULTS_FILE).read_text())
     assert gates["tools"] == {**shipped["tools"], "*": {"read": False, "write": False},
                               "ddgs_search": {"read": True, "write": False}}
@@ -479,7 +480,7 @@ def test_prompt_reads_commands_through_prompt_toolkit(cdir, capsys):
         ctl_ = agentctl.AgentCtl(cdir, agentctl.Terminal(session=session), in_prompt=True)
         assert ctl_.prompt() == 0  # on a terminal the operator has seen each error already
     assert read(cdir, config.MODELS_FILE)["models"]["local"]["max_context"] == 64
-    assert read(cdir, config.GATE_DEFAULTS_FILE)["db"]["t"] == {"read": True, "write": False}
+    assert read(cdir, config.GATE_DEFAULTS_FILE)["db"]["t"] == {"read": True, "write": False, "ddl": False}
     assert "invalid max_context '1'" in capsys.readouterr().err
 
 

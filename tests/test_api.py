@@ -498,7 +498,7 @@ async def test_a_timeout_above_the_limit_is_clamped_and_said(api) -> None:
     assert body["note"].startswith("timeout 3600 s is above this server's limit; waited at most 600 s")
 
 
-async def test_agent_client_says_a_turn_was_interrupted_by_a_restart(tmp_path) -> None:
+async def test_agent_client_says_a_turn_was_interrupted_by_a_restart(tmp_path, monkeypatch) -> None:
     """kill -9 in the middle of a turn, restart: the client keeps what it had and says the turn was interrupted."""
     with FakeOpenAI() as gpt:
         cfg = ConfigDir(tmp_path)
@@ -509,6 +509,8 @@ async def test_agent_client_says_a_turn_was_interrupted_by_a_restart(tmp_path) -
         server = AgentServer(cfg.write()).start()
         release = threading.Event()
         gpt.script(text("half ", "of it", hold=release))
+        # No key passed: the client reads the key file the server generated (AGENT_DATA_DIR names it).
+        monkeypatch.setenv("AGENT_DATA_DIR", str(server.data_dir))
         client = AgentClient(f"http://127.0.0.1:{port}", default_timeout=60)
         pieces: list[str] = []
         try:

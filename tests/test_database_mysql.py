@@ -21,7 +21,6 @@ from typing import Any
 import pymysql
 import pytest
 
-import gate
 from config import ConfigError
 from database import (
     Database,
@@ -33,6 +32,7 @@ from database import (
     split_statements,
 )
 from shell_client import ShellClient
+from sql import classify_sql
 from tests import needs
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
@@ -196,10 +196,10 @@ async def test_select_shows_a_table_with_its_row_count_and_writes_rows_affected(
 async def test_a_stored_function_is_a_write_and_a_view_hiding_one_runs_read_only(people: RunDatabase) -> None:
     # bump() writes, and nothing in the statement says so: a function that is no known builtin
     # is a write on any table for the gate...
-    assert gate.classify_sql("SELECT bump()") == ("write", frozenset({"*"}))
+    assert classify_sql("SELECT bump()") == ("write", frozenset({"*"}))
     # ...but a view can hide one: the gate sees a read of `bumped`, and the read-only transaction
     # it runs in refuses the write.
-    assert gate.classify_sql("SELECT b FROM bumped") == ("read", frozenset({"bumped"}))
+    assert classify_sql("SELECT b FROM bumped") == ("read", frozenset({"bumped"}))
     (out,) = await run_text(people.settings(), "SELECT b FROM bumped")
     assert out.startswith("ERROR: MySQL error 1792: Cannot execute statement in a READ ONLY transaction")
     assert people.query("SELECT COUNT(*) FROM audit") == ((0,),)
@@ -211,7 +211,7 @@ async def test_text_the_parser_reads_as_one_statement_never_runs_as_two(people: 
     # connection does not accept multi-statements, so the server refuses instead of dropping.
     sql = "SET SESSION sql_mode = 'NO_BACKSLASH_ESCAPES'; SELECT 'a\\'; DROP TABLE people; -- '"
     assert split_statements(sql)[1] == "SELECT 'a\\'; DROP TABLE people; -- '"
-    assert "people" not in gate.classify_sql(sql)[1]
+    assert "people" not in classify_sql(sql)[1]
     (out,) = await run_text(people.settings(), sql)
     assert out.startswith("ERROR: statement 2 of 2 failed: MySQL error 1064") and "DROP TABLE people" in out
     assert people.query("SELECT COUNT(*) FROM people") == ((3,),)
@@ -219,7 +219,7 @@ async def test_text_the_parser_reads_as_one_statement_never_runs_as_two(people: 
 
 @pytest.mark.parametrize("sql", ["SELECT 1 /*!; DROP TABLE people */", "SELECT 1 /*M!50000 ; DROP TABLE people */"])
 async def test_executable_comments_cannot_stack_a_second_statement(people: RunDatabase, sql: str) -> None:
-    assert gate.classify_sql(sql)[1] >= {"*"}  # the gate asks about a write on any table
+    assert classify_sql(sql)[1] >= {"*"}  # the gate asks about a write on any table
     (out,) = await run_text(people.settings(), sql)
     assert out.startswith("ERROR: MySQL error 1064") and "DROP TABLE people" in out
     assert people.query("SELECT COUNT(*) FROM people") == ((3,),)
@@ -350,7 +350,7 @@ async def test_every_write_of_the_sql_table_is_gated_and_changes_nothing(people:
     for table in ("users", "orders", "logs", "staging", "t", "a", "b", "docs", "items"):
         people.query(f"CREATE TABLE IF NOT EXISTS `{table}` (id INT PRIMARY KEY, a INT, note VARCHAR(20))")
         people.query(f"REPLACE INTO `{table}` VALUES (1, 1, 'x'), (2, 2, 'y')")
-    writes = [sql for sql, op, _ in SQL_CORPUS if op == "write" and sql.strip(" ;")]
+    writes = [sql for sql, op, _ in SQL_CORPUS if op in ("write", "ddl") and sql.strip(" ;")]
     gates = {"db": {"*": {"read": True}, "__meta__": {"read": True}}, "tools": {}}
     before = _snapshot(people)
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, env=people.env(), gates=gates,
@@ -381,11 +381,11 @@ async def test_db_query_through_the_gate(people: RunDatabase, fake_openai: Any, 
         assert tool_results(fake_openai) == ["OK — rows affected: 1 (last insert id: 4)"]
         assert people.query("SELECT name FROM people WHERE id = 4") == (("dee",),)
 
-        # A write riding behind an allowed read: the gate asks about the write, the user says no.
+        # DDL riding behind an allowed read: the gate asks about the DROP (ddl), the user says no.
         fake_openai.script(tool_call("db_query", {"sql": "SELECT * FROM people; DROP TABLE people"}), text("no"))
         _, events = await turn(rt, "list them", answer="reject")
         (asked,) = [e.data for e in events if e.name == "gate"]
-        assert asked["tool_args"]["operation_type"] == "write"
+        assert asked["tool_args"]["operation_type"] == "ddl"
         assert tool_results(fake_openai)[0].startswith("TOOL CALL REJECTED: the user rejected your db_query")
         assert people.query("SELECT COUNT(*) FROM people") == ((4,),)
 

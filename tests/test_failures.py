@@ -56,7 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         ports = {name: free_port() for name in ("plugin_client_api", "plugin_proxy_llama", "plugin_client_mcp")}
         cfg.plugins += list(ports)
         cfg.plugin_config.update({name: {"port": port} for name, port in ports.items()})
-        cfg.env = {"AGENT_SHELL_TOKEN": SHELL_TOKEN}
+        cfg.env = {"AGENT_SHELL_TOKEN": SHELL_TOKEN, "API_KEY": SHELL_TOKEN}  # one header reaches both
         (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"me": {"role": "human", "token": MCP_TOKEN}}}))
         server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
         url = "http://127.0.0.1:{}".format

@@ -10,9 +10,12 @@ buffers the whole body, so an SSE route would hang it.
 Hypothesis draws the requests: real routes (from each plugin's own `get_routes`) and mutations
 of them, any method, query strings, headers (Host, tokens, content types, Last-Event-ID, Accept
 and their garbage versions), and bodies: each route's real JSON with fields swapped for random
-JSON, random JSON of any shape, nesting up to 100,000 levels, huge strings, invalid UTF-8. Most
-requests carry a valid Host and the right token, so they reach the handlers. Derandomized and
-without an example database, so every run sends the same requests.
+JSON, random JSON of any shape, nesting up to 100,000 levels, huge strings, invalid UTF-8 and lone surrogates
+(escaped in JSON strings, raw in bytes), bodies cut short by a client that goes away (fewer bytes
+than Content-Length), huge and non-UTF-8 headers, and forwarded identity headers (open-webui's,
+X-Forwarded-For) with and without the proxy's forwarder key. Most requests carry a valid Host and
+the right token, so they reach the handlers. Derandomized and without an example database, so
+every run sends the same requests.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from starlette.routing import Mount, Route
 import build
 import state
 from config import load_config
+from plugins._proxy_identity import key_digest
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.fakes.slack import APP_TOKEN, BOT_TOKEN, FakeSlack
@@ -54,6 +58,8 @@ SHELL_TOKEN, API_KEY, ADMIN_KEY, PROXY_TOKEN, SLACK_TOKEN = (
     "slack-token-fuzz-01",
 )
 MCP_HUMAN, MCP_AGENT = "mcp-human-token-fuzz-0001", "mcp-agent-token-fuzz-0001"
+#: The proxy's per-user keys: a user's and a forwarder's (trusted from the driver's 127.0.0.1).
+PROXY_USER, PROXY_FORWARDER = "proxy-user-key-fuzz-01", "proxy-forwarder-key-fuzz-01"
 PLUGINS = ("plugin_client_shellpy", "plugin_client_api", "plugin_proxy_llama", "plugin_client_slack",
            "plugin_client_mcp")
 STREAMING = ("text/event-stream", "application/x-ndjson")
@@ -97,6 +103,9 @@ class Server:
         cfg.port = ports["plugin_client_shellpy"]
         cfg.plugin_config = {name: {"port": port} for name, port in ports.items()}
         cfg.plugin_config["plugin_client_slack"].update(api_base_url=slack.base_url, ping_interval=1)
+        cfg.plugin_config["plugin_proxy_llama"].update(
+            user_keys={key_digest(PROXY_USER): "fuzzer", key_digest(PROXY_FORWARDER): "owui"}, forwarders=["owui"],
+            trusted_proxies=["127.0.0.1"])
         cfg.env = {"AGENT_SHELL_TOKEN": SHELL_TOKEN, "API_KEY": API_KEY, "API_ADMIN_KEY": ADMIN_KEY,
                    "AGENT_PROXY_TOKEN": PROXY_TOKEN, "AGENT_SLACK_TOKEN": SLACK_TOKEN,
                    "SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN, "API_GATE_TIMEOUT": "1"}
@@ -154,8 +163,9 @@ class Answer:
 
 
 async def send(app: Any, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
-               body: bytes, port: int) -> Answer:
-    """One request through the ASGI app; a streamed (SSE/NDJSON) answer is dropped after its headers."""
+               body: bytes, port: int, cut: bool = False) -> Answer:
+    """One request through the ASGI app; a streamed (SSE/NDJSON) answer is dropped after its headers.
+    With `cut`, the client sends half its body and goes away (uvicorn's ClientDisconnect case)."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": quote(path).encode(), "root_path": "",
              "query_string": query, "headers": headers, "server": ("127.0.0.1", port),
@@ -168,8 +178,9 @@ async def send(app: Any, method: str, path: str, query: bytes, headers: list[tup
         nonlocal body_sent
         if not body_sent:
             body_sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
+            return {"type": "http.request", "body": body[: len(body) // 2] if cut else body, "more_body": cut}
+        if not cut:
+            await gone.wait()
         return {"type": "http.disconnect"}
 
     async def send_(message: dict[str, Any]) -> None:
@@ -290,9 +301,14 @@ def _deep(depth: int, kind: str) -> bytes:
 @st.composite
 def bodies(draw: Any, path: str) -> bytes:
     kind = draw(st.sampled_from(["real", "real", "real", "random", "deep", "deep-inside", "huge", "bytes",
-                                 "empty", "text"]))
+                                 "empty", "text", "surrogate"]))
     if kind == "real":
         return json.dumps(_mutated(draw, _real_body(draw, path))).encode()
+    if kind == "surrogate":  # a lone surrogate (escaped, as JSON allows) in one field of a real body
+        real = _real_body(draw, path)
+        key = draw(st.sampled_from(sorted(real) or ["model"]))
+        bad = draw(st.sampled_from([r"\ud800", r"x\udfff", r"\udbff\u0041", r"\ud83d"]))
+        return json.dumps({**real, key: "@@"}).encode().replace(b'"@@"', f'"{bad}"'.encode())
     if kind == "random":
         return json.dumps(draw(random_json)).encode()
     depth = draw(st.sampled_from([63, 64, 65, 200, 999, 5000, 100_000]))
@@ -352,7 +368,7 @@ def queries(draw: Any) -> bytes:
     pairs = draw(st.lists(st.tuples(st.sampled_from(["client_id", "turn_id", "last_event_id", "model", "x"]) |
                                     st.text(max_size=5), ids | st.text(max_size=10)), max_size=3))
     raw = "&".join(f"{quote(k)}={quote(v)}" for k, v in pairs).encode()
-    return draw(st.sampled_from([raw, raw, b"%ff%fe=%00", b"a=" + b"b" * 10_000, b"&&==&"]))
+    return draw(st.sampled_from([raw, raw, b"%ff%fe=%00", b"a=" + b"b" * 10_000, b"&&==&", b"model=%ED%A0%80"]))
 
 
 def headers_for(draw: Any, target: Target, body: bytes) -> list[tuple[bytes, bytes]]:
@@ -384,11 +400,22 @@ def headers_for(draw: Any, target: Target, body: bytes) -> list[tuple[bytes, byt
     if draw(st.integers(0, 4)) == 0:
         h[draw(st.sampled_from(["mcp-session-id", "mcp-protocol-version", "x-openwebui-chat-id", "user-agent"]))] = \
             draw(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=20))
+    if target.name == "plugin_proxy_llama" and draw(st.integers(0, 2)) == 0:  # who the caller says it is
+        if draw(st.booleans()):
+            h["authorization"] = f"Bearer {draw(st.sampled_from([PROXY_USER, PROXY_FORWARDER]))}"
+        for name in draw(st.lists(st.sampled_from(["x-openwebui-user-id", "x-openwebui-chat-id", "x-forwarded-for",
+                                                   "x-openwebui-user-name"]), max_size=3, unique=True)):
+            h[name] = draw(st.sampled_from(["u1", "chat-1", "10.0.0.1", "10.0.0.1, 127.0.0.1", "not an ip", "",
+                                            "a" * 500, "../../x", "é"]))
+    if draw(st.integers(0, 29)) == 0:  # a huge header, or bytes that are no text
+        h[draw(st.sampled_from(["x-openwebui-chat-id", "user-agent", "x-filler"]))] = draw(st.sampled_from(
+            ["h" * 65_536, "\xff\xfe\xed\xa0\x80"]))
     if draw(st.integers(0, 19)) == 0:
         h["content-length"] = draw(st.sampled_from(["999999999999", "-1", "abc"]))
     else:
         h["content-length"] = str(len(body))
-    return [(k.encode(), v.encode("latin-1", "replace")) for k, v in h.items()]
+    return [(k.encode(), v.encode("latin-1", "replace")) for k, v in h.items()] + [
+        (f"x-pad-{n}".encode(), b"p" * 100) for n in range(draw(st.sampled_from([0] * 29 + [400])))]
 
 
 @dataclass
@@ -399,9 +426,10 @@ class Request:
     query: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
+    cut: bool = False
 
     def __repr__(self) -> str:
-        return (f"{self.method} {self.path}?{self.query[:80]!r} on {self.target.name} "
+        return (f"{'CUT ' if self.cut else ''}{self.method} {self.path}?{self.query[:80]!r} on {self.target.name} "
                 f"headers={[(k, v[:60]) for k, v in self.headers]} body={self.body[:200]!r}…({len(self.body)} bytes)")
 
 
@@ -412,7 +440,8 @@ def requests(server: Server) -> st.SearchStrategy[Request]:
         path, methods = draw(paths(target))
         method = draw(st.sampled_from(methods * 12 + ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]))
         body = draw(bodies(path)) if method not in ("GET", "HEAD") or draw(st.integers(0, 9)) == 0 else b""
-        return Request(target, method, path, draw(queries()), headers_for(draw, target, body), body)
+        cut = bool(body) and draw(st.integers(0, 9)) == 0
+        return Request(target, method, path, draw(queries()), headers_for(draw, target, body), body, cut)
 
     return build()
 
@@ -473,7 +502,7 @@ def test_no_request_gets_a_5xx_or_a_traceback(tmp_path, fake_openai, slack) -> N
                 @given(req=requests(server))
                 def one(req: Request) -> None:
                     answer = runner.run(send(req.target.app, req.method, req.path, req.query, req.headers, req.body,
-                                             req.target.port))
+                                             req.target.port, req.cut))
                     found.sent += 1
                     if _failed(answer, req):
                         found.answers.append(f"{answer.status} {answer.problem} {answer.body[:300]!r} for {req!r}")

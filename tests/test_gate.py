@@ -1,9 +1,8 @@
-"""gate.py: SQL classification, the gate matrix, gate state layering, decisions, the rate limiter."""
+"""gate.py: the gate matrix, gate state layering, decisions, the rate limiter."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import pytest
@@ -26,30 +25,6 @@ from tests.runtime import (
     turn,
     with_events,
 )
-from tests.sql_cases import SQL_CORPUS
-
-# ── SQL classification ──────────────────────────────────────────────────────────────────────
-
-@pytest.mark.parametrize(("sql", "operation", "tables"), SQL_CORPUS, ids=[c[0][:50] for c in SQL_CORPUS])
-def test_sql_classification(sql: str, operation: str, tables: set[str]) -> None:
-    assert gate.classify_sql(sql) == (operation, frozenset(tables))
-
-
-def test_sql_parsed_as_an_opaque_command_is_not_quoted_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG):
-        assert gate.classify_sql("LOCK TABLES secret_salaries WRITE")[0] == "write"
-    assert "secret_salaries" not in caplog.text
-
-
-def test_sql_too_deep_to_parse_fails_closed() -> None:
-    assert gate.classify_sql("SELECT " + "(" * 3000 + "1" + ")" * 3000 + " FROM users") == (
-        "write", frozenset({"*", "users"}))
-
-
-@pytest.mark.parametrize("value", [None, 42, ["SELECT 1"]])
-def test_sql_that_is_not_text_is_a_write_on_any_table(value: Any) -> None:
-    assert gate.classify_sql(value) == ("write", frozenset({"*"}))
-
 
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 

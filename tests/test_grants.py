@@ -241,7 +241,7 @@ def test_shell_py_under_a_terminal_grants_with_one_key(config_dir, fake_openai, 
         assert window.shows("›", timeout=60), window.text[-800:]  # shell.py starts slowly on a busy machine
         window.type("rename ada\r")
         assert window.shows("[t] allow for 15 min") and window.shows("[p] allow this shape"), window.text[-1500:]
-        assert "UPDATE users SET name = ? WHERE id = ?" in window.text  # what p would allow
+        assert "UPDATE users SET name = ?s WHERE id = ?n" in window.text  # what p would allow
         window.type("t")
         assert window.shows("allowed for 15 min") and window.shows("renamed") and _prompt_back(window)
         window.type("!grants\r")

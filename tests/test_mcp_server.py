@@ -188,7 +188,7 @@ async def test_a_human_grants_a_statement_shape_over_mcp(mcp_server: McpServer) 
         shell = asyncio.create_task(shell_turn(mcp_server.server, "shell-shape", "user 1?"))
         pending = await _first_pending(human)
         assert pending[0]["request"]["grants"] == ["allow_for", "allow_session", "allow_pattern"]
-        assert pending[0]["request"]["shape"] == "SELECT name FROM users WHERE id = ?"
+        assert pending[0]["request"]["shape"] == "SELECT name FROM users WHERE id = ?n"
         call_json(await human.call_tool("answer_approval", {"gate_id": pending[0]["gate_id"],
                                                              "decision": "allow_pattern"}))
         await asyncio.wait_for(shell, WAIT)
@@ -324,6 +324,13 @@ async def test_human_sessions_messages_and_gate_policy(mcp_server: McpServer) ->
         assert policy["tools"]["llm_list"] == {"read": True, "write": False}
         saved = json.loads((mcp_server.config / "gate-defaults.json").read_text())
         assert saved["tools"]["llm_list"] == {"read": True, "write": False}
+        # ddl is a database permission of its own, named to be set, never part of "both"
+        changed = call_json(await human.call_tool("set_gate_default", {
+            "section": "db", "key": "logs", "operation": "ddl", "allowed": True}))
+        assert (changed["read"], changed["write"], changed["ddl"]) == (False, False, True)
+        refused = await human.call_tool("set_gate_default", {
+            "section": "tools", "key": "llm_list", "operation": "ddl", "allowed": True})
+        assert refused.is_error and "ddl is a permission of database tables only" in refused.content[0].text
 
         deleted = call_json(await human.call_tool("delete_session", {"session": "mcp-notes"}))
         assert deleted == {"status": "deleted", "session": "mcp-notes"}

@@ -28,6 +28,7 @@ from langchain_ollama._utils import validate_model
 from langchain_openai import ChatOpenAI
 
 from plugin_loader import PluginConfigError
+from plugins._proxy_identity import key_digest
 from plugins.plugin_proxy_llama import LlamaProxyPlugin
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
@@ -38,6 +39,12 @@ pytestmark = pytest.mark.slow
 AGENT = "agent-mcp:latest"
 HI = [{"role": "user", "content": "hi"}]
 RELEASE_AFTER = 20  # seconds: a safety valve so a buffering proxy fails the test instead of hanging it
+#: The key this module's open-webui holds: a forwarder's, trusted from 127.0.0.1 (tests/test_identity.py
+#: checks that nobody else's forwarded headers count); requests without a key are anonymous.
+OWUI_KEY = "owui-forwarder-key-for-the-proxy-tests"
+FORWARDER = {"user_keys": {key_digest(OWUI_KEY): "open-webui"}, "forwarders": ["open-webui"],
+             "trusted_proxies": ["127.0.0.1"], "keys_required": False}
+OWUI = {"Authorization": f"Bearer {OWUI_KEY}"}
 
 
 @dataclass
@@ -58,7 +65,7 @@ def _start(tmp: Any, gpt: FakeOpenAI, other: FakeOpenAI, proxy_config: dict[str,
     cfg.models = {"gpt": openai_model(gpt), "other": openai_model(other)}
     port = free_port()
     cfg.plugins.append("plugin_proxy_llama")
-    cfg.plugin_config["plugin_proxy_llama"] = {"port": port, **(proxy_config or {})}
+    cfg.plugin_config["plugin_proxy_llama"] = {"port": port, **FORWARDER, **(proxy_config or {})}
     cfg.env = env or {}
     server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
     return Proxy(f"http://127.0.0.1:{port}", server, gpt, other)
@@ -85,7 +92,7 @@ def _fresh_backends(request) -> None:
 @pytest.fixture
 def chat() -> dict[str, str]:
     """Headers of a new open-webui chat: a session of its own."""
-    return {"X-OpenWebUI-Chat-Id": uuid.uuid4().hex}
+    return {**OWUI, "X-OpenWebUI-Chat-Id": uuid.uuid4().hex}
 
 
 def _openai(url: str, headers: dict[str, str] | None = None, api_key: str = "unused") -> openai.OpenAI:
@@ -472,7 +479,7 @@ def test_backend_error_before_output_is_an_error_status(proxy, oll, oai):
 def test_a_client_that_leaves_cancels_its_turn(proxy, chat):
     held = Held("partial ", "rest")
     proxy.gpt.script(held.reply)
-    client_id = f"llama-127.0.0.1-chat-{chat['X-OpenWebUI-Chat-Id']}"
+    client_id = f"llama-open-webui-chat-{chat['X-OpenWebUI-Chat-Id']}"
     with httpx.stream("POST", proxy.url + "/api/chat", json={"model": AGENT, "messages": HI}, headers=chat) as resp:
         lines = resp.iter_lines()  # keep it: dropping the iterator closes the connection
         assert json.loads(next(lines))["message"]["content"] == "partial "
@@ -498,11 +505,11 @@ async def test_twenty_concurrent_streams_from_one_ip_each_get_their_own_answer(p
     async def via_openai(chat_id: str) -> str:
         stream = await oc.chat.completions.create(
             model=AGENT, messages=[{"role": "user", "content": f"question of {chat_id}"}], stream=True,
-            extra_headers={"X-OpenWebUI-Chat-Id": chat_id})
+            extra_headers={**OWUI, "X-OpenWebUI-Chat-Id": chat_id})
         return "".join([c.choices[0].delta.content or "" async for c in stream])
 
     async def via_ollama(chat_id: str) -> str:
-        client = ollama.AsyncClient(host=proxy.url, timeout=30, headers={"X-OpenWebUI-Chat-Id": chat_id})
+        client = ollama.AsyncClient(host=proxy.url, timeout=30, headers={**OWUI, "X-OpenWebUI-Chat-Id": chat_id})
         try:
             stream = await client.chat(model=AGENT, messages=[{"role": "user", "content": f"question of {chat_id}"}],
                                        stream=True)
@@ -517,7 +524,7 @@ async def test_twenty_concurrent_streams_from_one_ip_each_get_their_own_answer(p
     assert answers == [f"echo: question of {c}" for c in chats]
     sessions = await asyncio.to_thread(proxy.sessions)
     for c in chats:
-        assert sessions[f"llama-127.0.0.1-chat-{c}"]["history_length"] == 2
+        assert sessions[f"llama-open-webui-chat-{c}"]["history_length"] == 2
 
 
 async def _until_text(stream: Any) -> Any:
@@ -567,7 +574,7 @@ def test_open_webui_task_prompts_stay_out_of_the_chat_history(proxy, chat, oai):
         sent = proxy.gpt.requests[-1].json["messages"]
         assert [m["role"] for m in sent] == ["system", "user"]  # no chat history, no earlier task
     sessions = proxy.sessions()
-    assert sessions[f"llama-127.0.0.1-chat-{chat['X-OpenWebUI-Chat-Id']}"]["history_length"] == 2
+    assert sessions[f"llama-open-webui-chat-{chat['X-OpenWebUI-Chat-Id']}"]["history_length"] == 2
     assert not [s for s in sessions if "-task-" in s]
 
 
@@ -658,10 +665,10 @@ def test_identical_conversations_of_two_users_are_two_sessions(proxy):
         who.say("the same words")
     made = _new_sessions(proxy, before)
     assert len(made) == 2 and [v["history_length"] for v in made.values()] == [4, 4]
-    # open-webui's user header narrows the same way (and decides directly when session_per_chat is on).
-    with _openai(proxy.url, {"X-OpenWebUI-User-Id": "u/1 2"}) as client:
+    # open-webui's user header (from its forwarder key) decides directly when session_per_chat is on.
+    with _openai(proxy.url, {**OWUI, "X-OpenWebUI-User-Id": "u/1 2"}) as client:
         client.chat.completions.create(model=AGENT, messages=HI)
-    assert any(re.fullmatch(r"llama-127\.0\.0\.1-user-[0-9a-f]{16}", s) for s in proxy.sessions())
+    assert any(re.fullmatch(r"llama-open-webui-user-[0-9a-f]{16}", s) for s in proxy.sessions())
 
 
 async def test_sixteen_new_conversations_run_concurrently(proxy):
@@ -695,10 +702,12 @@ def test_sessions_by_address_keeps_one_session_per_host(tmp_path):
             Conversation(p).say("one")
             Conversation(p).say("two")
             with _openai(p.url) as client:
-                # uvicorn takes the client address from X-Forwarded-For when the proxy in front is local.
+                # X-Forwarded-For counts only from the forwarder's key (tests/test_identity.py: never without).
                 client.chat.completions.create(model=AGENT, messages=HI, extra_headers={"X-Forwarded-For": "10.9.8.7"})
+                client.chat.completions.create(model=AGENT, messages=HI, extra_headers={**OWUI,
+                                                                                        "X-Forwarded-For": "10.9.8.7"})
             sessions = p.sessions()
-            assert sessions["llama-127.0.0.1"]["history_length"] == 4 and "llama-10.9.8.7" in sessions
+            assert sessions["llama-127.0.0.1"]["history_length"] == 6 and "llama-open-webui-10.9.8.7" in sessions
             assert [m["content"] for m in gpt.requests[1].json["messages"][1:]] == ["one", "echo: one", "two"]
         finally:
             p.server.stop()
@@ -731,7 +740,7 @@ def test_a_registry_model_answers_that_turn_only(proxy, chat, oai, oll):
     assert oai.chat.completions.create(model="other", messages=HI).choices[0].message.content == "from other"
     assert proxy.other.requests[-1].last_user_text == "hi"
     assert oll.chat(model="other:latest", messages=HI, stream=False).message.content == "echo: hi"
-    client_id = f"llama-127.0.0.1-chat-{chat['X-OpenWebUI-Chat-Id']}"
+    client_id = f"llama-open-webui-chat-{chat['X-OpenWebUI-Chat-Id']}"
     assert proxy.sessions()[client_id]["model"] == "gpt" and len(proxy.gpt.requests) == 1
 
 

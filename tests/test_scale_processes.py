@@ -27,6 +27,7 @@ from tests.turns import answer, collect_turn, run_turn
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "scale-test-token-0123456789abcdef"
+API_KEY = "scale-test-api-key-0123456789"
 MCP_HUMAN = "scale-test-mcp-human-token-0001"
 #: The listeners besides the shell endpoint, by the name the nginx tests give them.
 DOORS = {"api": "plugin_client_api", "proxy": "plugin_proxy_llama", "mcp": "plugin_client_mcp"}
@@ -50,7 +51,9 @@ def instances(tmp_path: Path, fake_openai, store: str, count: int = 2, gates=Non
                 cfg.plugin_config[plugin] = {"port": free_port()}
             (path / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
                                                                                       "token": MCP_HUMAN}}}))
-        servers.append(AgentServer(cfg.write(), {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN}))
+        # One API key for every instance (behind a balancer a client must not care which one answers).
+        env = {"SESSION_STORE": store, "AGENT_SHELL_TOKEN": TOKEN, "API_KEY": API_KEY}
+        servers.append(AgentServer(cfg.write(), env))
     return servers
 
 
@@ -407,7 +410,7 @@ def test_the_api_and_the_proxy_through_nginx_round_robin(tmp_path, pair, fake_op
     proc, ports = _nginx(tmp_path, pair)
     try:
         async def api_turns() -> list[str]:
-            client = AgentClient(f"http://127.0.0.1:{ports['api']}", "balanced-app")  # submit, then its stream
+            client = AgentClient(f"http://127.0.0.1:{ports['api']}", "balanced-app", api_key=API_KEY)  # then its stream
             return [await client.send(f"api message {n}") for n in range(4)]
 
         assert asyncio.run(api_turns()) == [f"echo: api message {n}" for n in range(4)]

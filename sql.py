@@ -1,0 +1,545 @@
+"""SQL classification for the `db` gate: which operation a statement performs, on which tables (pure).
+
+`classify_sql` names what a statement touches, for the human who approves it and for grants:
+its operation (`read` < `write` < `ddl`, the strongest of a batch) and the gate keys of its
+tables. It parses with sqlglot's MySQL dialect under MySQL's default `sql_mode` (backslash
+escapes on, `"` quotes a string): every connection that runs what it classified must pin that
+mode (`ASSUMED_SQL_MODE_OFF` must not be set), or the two would split statements differently.
+
+Rules (see docs/security.md):
+- Names resolve per scope (sqlglot's scope analysis, checked against SQL's visibility rules): a
+  CTE hides a table only inside the query that defines it (its body, and the CTEs after it in
+  the same WITH; every CTE of a WITH RECURSIVE); elsewhere the name is the real table. Write
+  targets are always real tables. Where in doubt, a name counts as a real table.
+- No word list removes a table name: only the bare keyword `DUAL` of `FROM DUAL` is no table.
+- `SHOW` is `__meta__` only for the forms in `SHOW_META` with nothing but names and one string
+  after `LIKE`; a `WHERE` is classified like a SELECT of its expression (its subqueries' tables
+  and functions count); `SHOW PROCESSLIST` and the other forms in `SHOW_KEYED` are keyed by the
+  system table they reveal; any other form touches any table.
+- DDL (CREATE, DROP, ALTER, RENAME, TRUNCATE) is its own operation; a statement that does not
+  parse, or whose effect cannot be known, is `ddl` on `*` (any table): nothing weaker covers it.
+- Keys keep the case the server distinguishes: `case_sensitive=True` (`lower_case_table_names=0`)
+  keeps names as written, otherwise they are lower-cased. `information_schema` is case-insensitive
+  on every server and always lower-cased.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.dialects.mysql import MySQL
+from sqlglot.errors import SqlglotError
+from sqlglot.optimizer.scope import traverse_scope
+from sqlglot.tokens import Token, TokenType
+
+logger = logging.getLogger("agent_mcp.sql")
+
+
+def _not_command_fallback(record: logging.LogRecord) -> bool:
+    # sqlglot warns, quoting the whole SQL, when it parses a statement as an opaque Command; the
+    # classifier treats every Command as unknown anyway, and SQL text does not belong in the log.
+    return "Falling back to parsing as a 'Command'" not in record.getMessage()
+
+
+logging.getLogger("sqlglot").addFilter(_not_command_fallback)
+
+READ, WRITE, DDL = "read", "write", "ddl"
+#: The operations, weakest first: a batch is its strongest statement's.
+OPERATIONS = (READ, WRITE, DDL)
+#: Gate key of statements that touch no table (SHOW TABLES, DESCRIBE, SELECT 1).
+META = "__meta__"
+#: Gate key of statements that could not be analysed: they may touch any table.
+ANY_TABLE = "*"
+#: `sql_mode` flags the classifier assumes are OFF on every connection that runs what it classified.
+ASSUMED_SQL_MODE_OFF = ("NO_BACKSLASH_ESCAPES", "ANSI_QUOTES")
+#: Schemas of the server itself (accounts, grants, status): gated by their own keys, never by `*`.
+SYSTEM_SCHEMAS = frozenset({"mysql", "information_schema", "performance_schema", "sys"})
+# Schemas whose names (and table names) the server compares without case on every setting.
+_CASELESS_SCHEMAS = frozenset({"information_schema"})
+#: MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
+EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
+
+_READ_ROOTS = (exp.Select, exp.Union, exp.Except, exp.Intersect, exp.Subquery)
+_WRITE_ROOTS = (exp.Insert, exp.Update, exp.Delete, exp.Merge)
+_DDL_ROOTS = (exp.Create, exp.Drop, exp.Alter, exp.TruncateTable)
+# Nodes that make a statement more than a plain read wherever they appear in its tree.
+_NOT_READ_NODES = (exp.DML, exp.DDL, exp.Drop, exp.Alter, exp.TruncateTable, exp.Command, exp.Set, exp.Into,
+                   exp.Lock, exp.LoadData, exp.Grant, exp.Revoke, exp.Kill, exp.Use, exp.Transaction,
+                   exp.Commit, exp.Rollback, exp.Analyze, exp.Pragma, exp.Cache, exp.Uncache, exp.Refresh,
+                   exp.Comment)
+# Builtins with side effects (files, locks, time, sequences, replication): a statement calling one is a write.
+_SIDE_EFFECT_FUNCTIONS = frozenset({
+    "load_file", "sleep", "benchmark", "get_lock", "release_lock", "release_all_locks", "is_free_lock",
+    "is_used_lock", "master_pos_wait", "source_pos_wait", "wait_for_executed_gtid_set",
+    "sys_exec", "sys_eval", "setval", "nextval", "lastval", "last_insert_id", "uuid_short",
+})
+# Side-effect-free MySQL/MariaDB builtins sqlglot does not model (it parses them as anonymous calls).
+# Any other function it does not model is a user-defined or stored function: it may write anything.
+_SAFE_UNMODELLED_FUNCTIONS = frozenset({
+    "adddate", "addtime", "aes_decrypt", "aes_encrypt", "bin", "charset", "coercibility", "conv", "crc32",
+    "export_set", "field", "find_in_set", "found_rows", "from_days", "inet_aton", "inet_ntoa", "inet6_aton",
+    "inet6_ntoa", "json_array", "json_arrayagg", "json_contains", "json_contains_path", "json_depth",
+    "json_insert", "json_length", "json_merge_patch", "json_merge_preserve", "json_quote", "json_replace",
+    "json_search", "json_unquote", "json_valid", "makedate", "microsecond", "mid", "now", "oct",
+    "octet_length", "ord", "period_add", "period_diff", "quote", "row_count", "sec_to_time", "strcmp",
+    "subdate", "subtime", "sysdate", "system_user", "time_format", "time_to_sec", "timediff", "to_seconds",
+    "uncompress", "unix_timestamp", "user", "weekday", "yearweek", "connection_id", "database", "schema",
+})
+# MySQL statement modifiers, per statement verb: sqlglot takes some of them for a table name
+# (`UPDATE LOW_PRIORITY users` would be keyed `low_priority`), so they are dropped before parsing.
+_MODIFIERS = {
+    "UPDATE": frozenset({"LOW_PRIORITY", "IGNORE"}),
+    "INSERT": frozenset({"LOW_PRIORITY", "DELAYED", "HIGH_PRIORITY", "IGNORE"}),
+    "REPLACE": frozenset({"LOW_PRIORITY", "DELAYED"}),
+    "DELETE": frozenset({"LOW_PRIORITY", "QUICK", "IGNORE"}),
+}
+_ALL_MODIFIERS = frozenset().union(*_MODIFIERS.values())
+# Objects of CREATE/DROP/ALTER that are tables (keyed by name); any other object (database, routine,
+# event, trigger, view, user, …) may touch anything.
+_TABLE_OBJECTS = frozenset({"TABLE", "INDEX", "SEQUENCE"})
+_TABLE_KEYWORDS = frozenset({"FROM", "JOIN", "INTO", "UPDATE", "TABLE", "TABLES", "LOCK TABLES", "HANDLER", "TO"})
+_NAME_TOKENS = ("VAR", "IDENTIFIER")
+
+# ── SHOW ──
+#: SHOW forms that reveal the schema or the server's settings, never rows: `__meta__` reads (when
+#: nothing but names, FROM/IN and one string after LIKE follow; a WHERE is classified on its own).
+SHOW_META = frozenset({
+    "TABLES", "TABLE STATUS", "OPEN TABLES", "DATABASES", "SCHEMAS", "COLUMNS", "FIELDS", "INDEX", "INDEXES",
+    "KEYS", "CREATE TABLE", "CREATE VIEW", "CREATE DATABASE", "CREATE SCHEMA", "CREATE SEQUENCE", "VARIABLES",
+    "STATUS", "WARNINGS", "ERRORS", "COUNT", "ENGINES", "CHARACTER SET", "CHARSET", "COLLATION", "PLUGINS",
+    "PRIVILEGES", "TRIGGERS", "EVENTS", "PROCEDURE STATUS", "FUNCTION STATUS", "PACKAGE STATUS",
+    "PACKAGE BODY STATUS", "AUTHORS", "CONTRIBUTORS", "PROFILES", "PROFILE", "GRANTS",
+})
+#: SHOW forms that reveal what a system table holds: keyed like that table (never `__meta__`).
+SHOW_KEYED = {
+    "PROCESSLIST": "information_schema.processlist",  # other sessions' statements in flight
+    "EXPLAIN": "information_schema.processlist",  # SHOW EXPLAIN / ANALYZE FOR <thread>: another session's query
+    "ANALYZE": "information_schema.processlist",
+    "CREATE PROCEDURE": "mysql.proc", "CREATE FUNCTION": "mysql.proc", "CREATE PACKAGE": "mysql.proc",
+    "PROCEDURE CODE": "mysql.proc", "FUNCTION CODE": "mysql.proc",
+    "CREATE TRIGGER": "information_schema.triggers", "CREATE EVENT": "mysql.event",
+    "CREATE USER": "mysql.user",  # and SHOW GRANTS FOR <another account> (see _classify_show)
+}
+# Words between SHOW and the form that do not change what it reveals.
+_SHOW_NOISE = frozenset({"FULL", "GLOBAL", "SESSION", "EXTENDED", "STORAGE", "ALL"})
+# `SHOW GRANTS FOR <these>` shows the caller's own grants: no account's table.
+_OWN_ACCOUNT = frozenset({"CURRENT_USER", "CURRENT_ROLE"})
+
+
+class _WordTokenizer(MySQL.Tokenizer):
+    """MySQL tokens, with CALL/REPLACE/RENAME/… not swallowing the rest of the statement as one string."""
+
+    COMMANDS: frozenset[Any] = frozenset()
+
+
+def _tokens(text: str) -> list[Token] | None:
+    try:
+        return _WordTokenizer().tokenize(text)
+    except (SqlglotError, RecursionError, ValueError):
+        return None
+
+
+def table_key(name: str, schema: str | None = None, *, case_sensitive: bool = False) -> str:
+    """The gate key of a table: `name`, or `schema.name` when the statement names its schema; lower case
+    unless the server tells names apart by case (`information_schema` never does). A name that could be
+    read as another key (one with a dot or a backquote, `*`, `__meta__`) is backquoted: the table
+    `` `shop.users` `` is not `shop.users`, and a table named `__meta__` is not metadata."""
+    caseless = not case_sensitive or (schema or "").lower() in _CASELESS_SCHEMAS
+    key = f"{_key_part(schema)}.{_key_part(name)}" if schema else _key_part(name)
+    return key.lower() if caseless else key
+
+
+def _key_part(part: str) -> str:
+    if "." in part or "`" in part or part in (META, ANY_TABLE):
+        return "`" + part.replace("`", "``") + "`"
+    return part
+
+
+def is_system_key(key: str) -> bool:
+    """Whether a gate key names a table of a system schema (`mysql.user`, `information_schema.tables`)."""
+    return "." in key and key.partition(".")[0].lower() in SYSTEM_SCHEMAS
+
+
+def strongest(ops: Any) -> str:
+    """The strongest of some operations (read < write < ddl); anything unknown is ddl."""
+    rank = 0
+    for op in ops:
+        rank = max(rank, OPERATIONS.index(op) if op in OPERATIONS else len(OPERATIONS) - 1)
+    return OPERATIONS[rank]
+
+
+# ── Statements ──────────────────────────────────────────────────────────────────────────────
+
+
+def split_statements(sql: str) -> list[str]:
+    """The statements of `sql` as sqlglot's MySQL tokenizer separates them, each with its original text.
+
+    Semicolons inside strings and comments do not split. Empty statements and statements of
+    nothing but comments are dropped, except executable comments (`/*!40101 SET … */`), which the
+    server runs. Text the tokenizer rejects is returned whole: the server then runs at most one
+    statement of it.
+    """
+    try:
+        tokens = MySQL().tokenize(sql)
+    except (SqlglotError, RecursionError, ValueError):
+        return [sql.strip()] if sql.strip() else []
+    statements, start, has_tokens = [], 0, False
+    for token in [*tokens, None]:  # None: the end of the text
+        if token is not None and token.token_type != TokenType.SEMICOLON:
+            has_tokens = True
+            continue
+        end = token.start if token is not None else len(sql)
+        text = sql[start:end].strip()
+        if has_tokens or EXECUTABLE_COMMENT.search(text):
+            statements.append(text)
+        start, has_tokens = end + 1, False
+    return statements
+
+
+# ── Names ───────────────────────────────────────────────────────────────────────────────────
+
+
+def _is_dual(table: exp.Table) -> bool:
+    """The keyword of `FROM DUAL` (no table); a backquoted, qualified or aliased `dual` is a real table."""
+    ident = table.this
+    return (isinstance(ident, exp.Identifier) and not ident.quoted and not table.db and not table.alias
+            and table.name.upper() == "DUAL")
+
+
+def _same(a: str, b: str, case_sensitive: bool) -> bool:
+    return a == b if case_sensitive else a.lower() == b.lower()
+
+
+def _visible_cte(table: exp.Table, case_sensitive: bool) -> bool:
+    """Whether SQL's rules make `table` a reference to a CTE: a WITH of an enclosing query defines its
+    name, and the reference is in that query's body, or in a later CTE of the same WITH (any CTE of a
+    WITH RECURSIVE). Only table references of FROM/JOIN qualify; qualified names never do."""
+    if table.db or not isinstance(table.parent, (exp.From, exp.Join)):
+        return False
+    path: list[exp.Expression] = [table]  # table, its parent, …: path[-1] is the node below `node`
+    node = table.parent
+    while node is not None:
+        with_ = node.args.get("with_") or node.args.get("with")
+        if isinstance(node, exp.Query) and isinstance(with_, exp.With):
+            ctes = list(with_.expressions)
+            names = [c.alias_or_name for c in ctes]
+            if path[-1] is with_:  # inside one of this WITH's CTEs: only those before it (or itself) are visible
+                inner = next(i for i, c in enumerate(ctes) if c is path[-2])
+                visible = names[:inner + 1] if with_.args.get("recursive") else names[:inner]
+            else:
+                visible = names
+            if any(_same(name, table.name, case_sensitive) for name in visible):
+                return True
+        path.append(node)
+        node = node.parent
+    return False
+
+
+def _scope_ctes(tree: exp.Expression) -> set[int]:
+    """Ids of the Table nodes sqlglot's scope analysis resolves to a CTE (never on failure)."""
+    roots = [tree] if isinstance(tree, exp.Query) else [
+        q for q in tree.find_all(exp.Query) if q.parent is not None and q.find_ancestor(exp.Query) is None]
+    found: set[int] = set()
+    for root in roots:
+        try:
+            scopes = traverse_scope(root)
+        except Exception:  # an analysis that fails hides nothing: every name counts as a table
+            continue
+        for scope in scopes:
+            for table in scope.tables:
+                source = scope.sources.get(table.alias_or_name)
+                if not table.db and table.name in scope.cte_sources and source is scope.cte_sources[table.name]:
+                    found.add(id(table))
+    return found
+
+
+def _tables(tree: exp.Expression, case_sensitive: bool, nodes: list[exp.Expression] | None = None) -> set[str]:
+    """Gate keys of the real tables in a statement: every table reference except the bare DUAL keyword and
+    names that both scope analysis and SQL's visibility rules resolve to a CTE (`nodes`: `tree.walk()`)."""
+    nodes = list(tree.walk()) if nodes is None else nodes
+    has_with = any(isinstance(n, exp.With) for n in nodes)
+    hidden = _scope_ctes(tree) if has_with else set()  # no WITH: no name can be a CTE's
+    names = set()
+    for table in nodes:
+        if not isinstance(table, exp.Table) or not isinstance(table.this, exp.Identifier):
+            continue  # not a table, or @variables of SELECT … INTO, table functions
+        if _is_dual(table) or (id(table) in hidden and _visible_cte(table, case_sensitive)):
+            continue
+        names.add(table_key(table.name, table.db or None, case_sensitive=case_sensitive))
+    return names
+
+
+def _guess_tables(sql: str, case_sensitive: bool) -> set[str]:
+    """Table-like names after FROM/INTO/TABLE/… for statements sqlglot cannot analyse (display only)."""
+    tokens = _tokens(re.sub(r"/\*M?!\d*|\*/", " ", sql, flags=re.IGNORECASE))
+    if tokens is None:
+        return set()
+    names = set()
+    kinds = [t.token_type.name for t in tokens]
+    for i in range(1, len(tokens)):
+        if tokens[i - 1].text.upper() not in _TABLE_KEYWORDS or kinds[i] not in _NAME_TOKENS:
+            continue
+        bare = kinds[i] == "VAR"
+        following = kinds[i + 1] if i + 1 < len(tokens) else ""
+        if bare and following == "STRING" and tokens[i].text.upper() in ("OUTFILE", "DUMPFILE"):
+            continue  # INTO OUTFILE '<file>': a file, not a table
+        name, schema = tokens[i].text, None
+        if following == "DOT" and i + 2 < len(tokens) and kinds[i + 2] in _NAME_TOKENS:
+            name, schema = tokens[i + 2].text, tokens[i].text
+        elif bare and tokens[i].text.upper() == "DUAL":
+            continue
+        names.add(table_key(name, schema, case_sensitive=case_sensitive))
+    return names
+
+
+def _without_modifiers(sql: str) -> str:
+    """`sql` without the MySQL modifiers that follow UPDATE/INSERT/REPLACE/DELETE (see `_MODIFIERS`)."""
+    tokens = _tokens(sql)
+    if tokens is None:
+        return sql
+    cut: list[tuple[int, int]] = []
+    allowed: frozenset[str] = frozenset()
+    for token in tokens:
+        word = token.text.upper()
+        if token.token_type.name not in ("IDENTIFIER", "STRING") and word in allowed:  # `ignore` is a name
+            cut.append((token.start, token.end + 1))
+            continue
+        allowed = _MODIFIERS.get(word, frozenset())
+    for start, end in reversed(cut):
+        sql = sql[:start] + " " + sql[end:]
+    return sql
+
+
+def _risky_call(nodes: list[exp.Expression]) -> bool:
+    """Whether a statement (its nodes) calls a builtin with side effects, or a function that is no known builtin."""
+    for func in nodes:
+        if not isinstance(func, exp.Func):
+            continue
+        if isinstance(func, exp.Anonymous):
+            name = str(func.name).lower()
+            if name in _SIDE_EFFECT_FUNCTIONS or name not in _SAFE_UNMODELLED_FUNCTIONS:
+                return True
+            if isinstance(func.parent, exp.Dot):  # db.f(…): a stored function, whatever its name
+                return True
+        elif str(func.sql_name()).lower() in _SIDE_EFFECT_FUNCTIONS:
+            return True
+    return False
+
+
+# ── One statement ───────────────────────────────────────────────────────────────────────────
+
+Verdict = tuple[str, set[str]]
+
+
+def _classify_show(text: str, tree: exp.Expression | None, case_sensitive: bool) -> Verdict | None:
+    """A SHOW statement: `__meta__` for a plain SHOW_META form, its system table for SHOW_KEYED, a WHERE
+    classified as a SELECT of its expression; None (unknown) for anything else."""
+    tokens = _tokens(text)
+    if not tokens or tokens[0].text.upper() != "SHOW":
+        return None
+    words = [t.text.upper() if t.token_type.name != "IDENTIFIER" else "" for t in tokens[1:]]
+    kinds = [t.token_type.name for t in tokens[1:]]
+    while words and words[0] in _SHOW_NOISE:
+        words, kinds = words[1:], kinds[1:]
+    form = next((f for f in sorted([*SHOW_META, *SHOW_KEYED], key=len, reverse=True)
+                 if words[:len(f.split())] == f.split()), None)
+    if form is None:
+        return None
+    rest, rest_kinds = words[len(form.split()):], kinds[len(form.split()):]
+    if form == "GRANTS" and rest:
+        if rest[0] != "FOR":
+            return None
+        who = [w for w in rest[1:] if w not in ("(", ")")]
+        return (READ, {META}) if who and set(who) <= _OWN_ACCOUNT else (READ, {"mysql.user"})
+    if form in SHOW_KEYED:
+        return READ, {SHOW_KEYED[form]}
+    if "WHERE" in rest:
+        where = tree.args.get("where") if isinstance(tree, exp.Show) else None
+        if not isinstance(where, exp.Where) or "LIKE" in rest:
+            return None
+        verdict = _classify_statement(exp.Select(expressions=[where.this.copy()]), "", case_sensitive)
+        return None if verdict is None else (verdict[0], verdict[1] | {META})
+    if _plain_show_tail(rest, rest_kinds):
+        return READ, {META}
+    return None
+
+
+def _plain_show_tail(words: list[str], kinds: list[str]) -> bool:
+    """Whether what follows a SHOW form is only names (FROM/IN a table or schema), `LIMIT n`, and one
+    string after LIKE: nothing that reads or computes anything."""
+    i = 0
+    while i < len(words):
+        if words[i] == "LIKE":
+            if i + 1 >= len(words) or kinds[i + 1] != "STRING":
+                return False
+            i += 2
+        elif kinds[i] in _NAME_TOKENS or kinds[i] in ("DOT", "COMMA", "NUMBER") or words[i] in (
+                "FROM", "IN", "LIMIT", "OFFSET"):
+            i += 1
+        else:
+            return False
+    return True
+
+
+def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -> Verdict | None:
+    """(operation, tables) of one parsed statement, or None when it cannot be trusted."""
+    if isinstance(tree, exp.Show) or (isinstance(tree, exp.Command) and str(tree.this).upper() == "SHOW"):
+        return _classify_show(text, tree, case_sensitive)
+    if isinstance(tree, exp.Describe):
+        inner = tree.this
+        if isinstance(inner, exp.Table) and not list(tree.find_all(*_NOT_READ_NODES)):
+            return READ, {META}  # DESCRIBE t: the columns of a table, its schema only
+        # EXPLAIN <statement>: EXPLAIN ANALYZE runs it, and EXPLAIN may run subqueries: judge the statement.
+        return _classify_statement(inner, "", case_sensitive) if isinstance(inner, exp.Expression) else None
+    nodes = list(tree.walk())  # one walk, read by every check below
+    if any(isinstance(t, exp.Table) and isinstance(t.this, exp.Identifier) and not t.this.quoted
+           and t.name.upper() in _ALL_MODIFIERS for t in nodes):
+        return None  # a modifier the parser took for a table: do not trust the names it found
+    if any(isinstance(n, exp.Command) for n in nodes):
+        return None
+    tables = _tables(tree, case_sensitive, nodes)
+    if isinstance(tree, exp.Drop) and str(tree.args.get("kind") or "").upper() == "INDEX":
+        on = tree.args.get("cluster")  # DROP INDEX i ON t: `i` names an index, `t` the table
+        if not (isinstance(on, exp.OnProperty) and isinstance(on.this, exp.Table)):
+            return None
+        tables = _tables(on, case_sensitive)
+    if isinstance(tree, _DDL_ROOTS):
+        kind = "TABLE" if isinstance(tree, exp.TruncateTable) else str(tree.args.get("kind") or "").upper()
+        if kind not in _TABLE_OBJECTS:
+            return DDL, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
+        return (DDL, tables | ({ANY_TABLE} if _risky_call(nodes) else set())) if tables else None
+    if _risky_call(nodes):
+        return WRITE, tables | {ANY_TABLE}
+    if isinstance(tree, _READ_ROOTS) and not any(isinstance(n, _NOT_READ_NODES) for n in nodes):
+        return READ, tables or {META}
+    if isinstance(tree, (*_READ_ROOTS, *_WRITE_ROOTS)):
+        if any(isinstance(n, _DDL_ROOTS) for n in nodes):
+            return None
+        return (WRITE, tables) if tables else None
+    return None
+
+
+def classify_sql(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozenset[str]]:
+    """(operation, gate keys) of a SQL string: MySQL dialect, statement by statement, fail closed.
+
+    A plain read (SELECT/UNION without INTO, locks or side-effect functions) is a read of its
+    tables (`__meta__` when it touches none). INSERT/UPDATE/DELETE are writes; CREATE/DROP/ALTER/
+    TRUNCATE/RENAME are `ddl`. A statement that does not parse, or whose effect cannot be known
+    (CALL, SET, GRANT, executable comments, …) is `ddl` on `*`, meaning any table. The operation of
+    a batch is its strongest statement's; its keys are all of theirs.
+    """
+    if not isinstance(sql, str) or not sql.strip():
+        return DDL, frozenset({ANY_TABLE})
+    try:
+        return _classify(sql, case_sensitive)
+    except Exception:  # a parser bug must not open a gate (nor crash the turn)
+        logger.warning("SQL classification failed; treating it as DDL on any table", exc_info=True)
+        return DDL, frozenset({ANY_TABLE})
+
+
+def _classify(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
+    if EXECUTABLE_COMMENT.search(sql):
+        return DDL, frozenset(_guess_tables(sql, case_sensitive) | {ANY_TABLE})
+    statements = split_statements(sql) if ";" in sql else [sql.strip()]  # no ';': one statement, no second pass
+    ops, tables, unknown = [], set(), not statements
+    for text in statements:
+        tree = _parse(text)
+        if tree is not None:
+            verdict = _classify_statement(tree, text, case_sensitive)
+        else:  # SHOW forms sqlglot does not know are judged from their words
+            verdict = _classify_show(text, None, case_sensitive)
+        if verdict is None:
+            unknown = True
+            tables |= _guess_tables(text, case_sensitive)
+            if tree is not None and not isinstance(tree, exp.Use):  # USE names a database, not a table
+                tables |= _tables(tree, case_sensitive)
+            continue
+        ops.append(verdict[0])
+        tables |= verdict[1]
+    if unknown:
+        return DDL, frozenset(tables | {ANY_TABLE})
+    return strongest(ops), frozenset(tables)
+
+
+def _parse(text: str) -> exp.Expression | None:
+    """The tree of one statement's text (its modifiers dropped), or None when it is not one that parses."""
+    try:
+        trees = [t for t in sqlglot.parse(_without_modifiers(text), read="mysql") if t is not None]
+    except (SqlglotError, RecursionError, ValueError):  # does not parse: fail closed
+        return None
+    return trees[0] if len(trees) == 1 else None
+
+
+# ── Shapes ──────────────────────────────────────────────────────────────────────────────────
+
+#: What a literal of each token type becomes in a shape: its type, never its value.
+_PLACEHOLDERS = {"STRING": "?s", "NUMBER": "?n", "HEX_STRING": "?x", "BIT_STRING": "?bit",
+                 "NATIONAL_STRING": "?ns", "BYTE_STRING": "?x"}
+# Literals whose value changes how much a statement touches or how it matches: kept as written
+# (numbers after these words; any pattern after REGEXP/RLIKE; a LIKE pattern with a wildcard).
+_NUMBER_KEPT_AFTER = frozenset({"LIMIT", "OFFSET", "BY", "ORDER BY", "GROUP BY", "INTERVAL"})
+_PATTERN_WORDS = frozenset({"REGEXP", "RLIKE"})
+_LIKE_WILDCARDS = re.compile(r"[%_\\]")
+
+
+def sql_shape(sql: Any) -> str:
+    """The statement with each literal value replaced by a placeholder of its type, or "" when it is not
+    exactly one statement that parses: then no shape grant can match it.
+
+    `'x'` becomes `?s`, `0` `?n`, `0x41` `?x`, `b'1'` `?bit`; NULL, TRUE, variables, columns and
+    function calls stay as written, and so do the numbers of LIMIT/OFFSET, ORDER/GROUP BY positions,
+    INTERVALs, REGEXP patterns and LIKE patterns with a wildcard: `name = 'x'` never shapes like
+    `name = 0`, and `LIMIT 1` never like `LIMIT 1000`. Built from the tokens (keywords upper-cased,
+    comments dropped, quoted names kept quoted), so nothing the parser drops can hide in it.
+    """
+    if not isinstance(sql, str) or EXECUTABLE_COMMENT.search(sql) or len(split_statements(sql)) != 1:
+        return ""
+    try:
+        statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
+        tokens = MySQL().tokenize(sql)
+    except Exception:  # a parser failure means no shape, never a match
+        return ""
+    if len(statements) != 1 or isinstance(statements[0], exp.Command):
+        return ""
+    words: list[str] = []
+    previous = ""
+    for i, token in enumerate(tokens):
+        kind = token.token_type.name
+        if kind == "SEMICOLON":
+            continue
+        if kind in _PLACEHOLDERS:
+            number = kind == "NUMBER"
+            kept = ((number and (previous in _NUMBER_KEPT_AFTER or (previous == "," and _after_limit(tokens, i))))
+                    or previous in _PATTERN_WORDS
+                    or (previous == "LIKE" and bool(_LIKE_WILDCARDS.search(token.text))))
+            words.append(_literal(token) if kept else _PLACEHOLDERS[kind])
+        elif kind == "IDENTIFIER":
+            words.append("`" + token.text.replace("`", "``") + "`")
+        elif kind == "VAR":
+            words.append(token.text)
+        else:
+            words.append(token.text.upper())
+        previous = words[-1] if kind not in _PLACEHOLDERS else "?"
+    return " ".join(words)
+
+
+def _after_limit(tokens: list[Token], i: int) -> bool:
+    """Whether token i follows `LIMIT n ,` (MySQL's `LIMIT offset, count`)."""
+    return i >= 3 and tokens[i - 3].text.upper() == "LIMIT"
+
+
+def _literal(token: Token) -> str:
+    kind = token.token_type.name
+    if kind == "STRING":
+        return "'" + token.text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if kind in ("HEX_STRING", "BYTE_STRING"):
+        return f"X'{token.text}'"
+    if kind == "BIT_STRING":
+        return f"B'{token.text}'"
+    if kind == "NATIONAL_STRING":
+        return "N'" + token.text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return token.text

@@ -1,0 +1,134 @@
+"""sql.py: the exact (operation, gate keys) of every statement of both corpora, case rules, typed shapes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+import sql
+from tests.sql_cases import SQL_CORPUS
+from tests.sql_corpus import ATTACKS, CASE_SENSITIVE
+
+
+@pytest.mark.parametrize(("text", "operation", "tables"), SQL_CORPUS, ids=[c[0][:50] for c in SQL_CORPUS])
+def test_sql_classification(text: str, operation: str, tables: set[str]) -> None:
+    assert sql.classify_sql(text) == (operation, frozenset(tables))
+
+
+@pytest.mark.parametrize(("text", "operation", "tables"), ATTACKS, ids=[c[0][:60] for c in ATTACKS])
+def test_the_exact_keys_of_every_crafted_statement(text: str, operation: str, tables: set[str]) -> None:
+    assert sql.classify_sql(text) == (operation, frozenset(tables))
+
+
+@pytest.mark.parametrize(("text", "operation", "tables"), CASE_SENSITIVE, ids=[c[0][:60] for c in CASE_SENSITIVE])
+def test_keys_keep_the_case_a_case_sensitive_server_tells_apart(text: str, operation: str, tables: set[str]) -> None:
+    assert sql.classify_sql(text, case_sensitive=True) == (operation, frozenset(tables))
+    # The same statement on a server that ignores case: the same keys, lower-cased.
+    op, keys = sql.classify_sql(text, case_sensitive=False)
+    assert op == operation and keys <= {k.lower() for k in tables} and all(k == k.lower() for k in keys)
+
+
+def test_the_corpora_hold_every_kind_the_issue_lists() -> None:
+    assert len(ATTACKS) + len(CASE_SENSITIVE) >= 130
+    show_where = [s for s, _, k in ATTACKS if s.startswith("SHOW") and " WHERE " in s and "secrets" in k]
+    assert len({s.split(" WHERE ")[0] for s in show_where}) >= 12
+
+
+def test_a_batch_is_its_strongest_statement() -> None:
+    assert sql.classify_sql("SELECT * FROM a; UPDATE b SET x = 1") == ("write", frozenset({"a", "b"}))
+    assert sql.classify_sql("SELECT * FROM a; UPDATE b SET x = 1; TRUNCATE c") == ("ddl", frozenset({"a", "b", "c"}))
+    assert sql.strongest(["read", "write"]) == "write" and sql.strongest(["read", "nonsense"]) == "ddl"
+
+
+def test_sql_parsed_as_an_opaque_command_is_not_quoted_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        assert sql.classify_sql("LOCK TABLES secret_salaries WRITE")[0] == "ddl"
+    assert "secret_salaries" not in caplog.text
+
+
+def test_sql_too_deep_to_parse_fails_closed() -> None:
+    assert sql.classify_sql("SELECT " + "(" * 3000 + "1" + ")" * 3000 + " FROM users") == (
+        "ddl", frozenset({"*", "users"}))
+
+
+@pytest.mark.parametrize("value", [None, 42, ["SELECT 1"]])
+def test_sql_that_is_not_text_is_ddl_on_any_table(value: Any) -> None:
+    assert sql.classify_sql(value) == ("ddl", frozenset({"*"}))
+
+
+def test_system_keys_and_table_keys() -> None:
+    assert sql.is_system_key("mysql.user") and sql.is_system_key("MYSQL.user") and sql.is_system_key(
+        "information_schema.processlist")
+    assert not sql.is_system_key("users") and not sql.is_system_key("shop.mysql")
+    assert sql.table_key("Users", "Shop", case_sensitive=True) == "Shop.Users"
+    assert sql.table_key("Users", "Shop") == "shop.users"
+    assert sql.table_key("TABLES", "INFORMATION_SCHEMA", case_sensitive=True) == "information_schema.tables"
+    assert sql.ASSUMED_SQL_MODE_OFF == ("NO_BACKSLASH_ESCAPES", "ANSI_QUOTES")
+    assert not sql.is_system_key(sql.table_key("mysql.user"))  # a table named so, in the current schema
+
+
+# ── Shapes ──────────────────────────────────────────────────────────────────────────────────
+
+GRANTED = "DELETE FROM users WHERE name = 'nobody'"
+
+
+@pytest.mark.parametrize("other", [
+    "DELETE FROM users WHERE name = 0",  # MariaDB compares 0 true with every non-numeric name
+    "DELETE FROM users WHERE name = NULL",
+    "DELETE FROM users WHERE name = 0x41",
+    "DELETE FROM users WHERE name = X'41'",
+    "DELETE FROM users WHERE name = b'1'",
+    "DELETE FROM users WHERE name = TRUE",
+    "DELETE FROM users WHERE name = @v",
+    "DELETE FROM users WHERE name = name",
+    "DELETE FROM users WHERE name = LOWER(name)",
+    "DELETE FROM users WHERE name = N'x'",
+    "DELETE FROM users WHERE name = -1",
+    "DELETE FROM users WHERE name = 'x' OR 1 = 1",
+    "DELETE FROM users WHERE name = 'x'; DELETE FROM users",
+    "DELETE FROM users WHERE name = 'x' /*!50000 OR 1 = 1 */",
+    "DELETE FROM `users` WHERE name = 'x'",
+    "DELETE FROM Users WHERE name = 'x'",
+])
+def test_a_string_shape_never_matches_another_type_or_statement(other: str) -> None:
+    assert sql.sql_shape(GRANTED) == "DELETE FROM users WHERE name = ?s"
+    assert sql.sql_shape(other) != sql.sql_shape(GRANTED)
+
+
+@pytest.mark.parametrize("same", [
+    "delete from users where name = 'somebody else'",
+    "DELETE   FROM users\n WHERE name = \"x\"",  # "…" is a string in MySQL's default mode
+    "DELETE FROM users /* why */ WHERE name = 'x' -- done",
+    "DELETE FROM users WHERE name = 'x\\' OR 1 = 1 -- '",  # one string (backslash escapes on)
+])
+def test_a_shape_ignores_values_of_the_same_type_comments_and_layout(same: str) -> None:
+    assert sql.sql_shape(same) == sql.sql_shape(GRANTED)
+
+
+@pytest.mark.parametrize(("granted", "other"), [
+    ("SELECT * FROM t LIMIT 1", "SELECT * FROM t LIMIT 1000000"),
+    ("DELETE FROM t WHERE a = 1 LIMIT 1", "DELETE FROM t WHERE a = 1 LIMIT 100"),
+    ("SELECT * FROM t LIMIT 0, 1", "SELECT * FROM t LIMIT 0, 100"),
+    ("SELECT * FROM t LIMIT 1 OFFSET 0", "SELECT * FROM t LIMIT 1 OFFSET 5"),
+    ("SELECT * FROM t WHERE a IN (1)", "SELECT * FROM t WHERE a IN (1, 2)"),
+    ("DELETE FROM t WHERE a LIKE 'x'", "DELETE FROM t WHERE a LIKE '%'"),
+    ("DELETE FROM t WHERE a LIKE 'x'", "DELETE FROM t WHERE a LIKE 'x_'"),
+    ("DELETE FROM t WHERE a REGEXP 'x'", "DELETE FROM t WHERE a REGEXP '.*'"),
+    ("SELECT a FROM t ORDER BY 1", "SELECT a FROM t ORDER BY 2"),
+    ("DELETE FROM t WHERE d < NOW() - INTERVAL 1 DAY", "DELETE FROM t WHERE d < NOW() - INTERVAL 1000 DAY"),
+])
+def test_values_that_change_how_much_a_statement_touches_stay_in_the_shape(granted: str, other: str) -> None:
+    assert sql.sql_shape(granted) and sql.sql_shape(granted) != sql.sql_shape(other)
+
+
+@pytest.mark.parametrize("text", ["SELECT 1; SELECT 2", "SELEC 1", "", "SELECT 1 /*M! , 2 */", None,
+                                  "CALL p('x')", "REPLACE INTO users VALUES (1)"])
+def test_no_shape_for_what_is_not_exactly_one_statement_that_parses(text: Any) -> None:
+    assert sql.sql_shape(text) == ""
+
+
+def test_split_statements_keeps_each_statements_text() -> None:
+    assert sql.split_statements("SELECT ';'; /* c */ ; SELECT 2;") == ["SELECT ';'", "SELECT 2"]
+    assert sql.split_statements("/*!40101 SET x = 1 */") == ["/*!40101 SET x = 1 */"]

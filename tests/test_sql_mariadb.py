@@ -1,0 +1,148 @@
+"""Real MariaDB judges the classifier's keys: a statement run in a database holding ONLY the tables the
+classifier named must never miss a table (error 1146), so no table it reads or changes goes unnamed.
+
+For each crafted statement whose keys are plain tables (no `*`, no other schema), a fresh database is
+made with exactly those tables, the statement runs there as root, and the server's answer is checked:
+success or any error but "table doesn't exist". Where a CTE hides a name, the table of that name is
+absent, so the server proves the CTE (not the table) was read. The test creates and drops its databases.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pymysql
+import pytest
+
+import gate
+import sql
+from database import Database, DatabaseSettings
+from tests.conftest import openai_model
+from tests.runtime import runtime
+from tests.sql_cases import SQL_CORPUS
+from tests.sql_corpus import ATTACKS, CASE_SENSITIVE
+
+SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
+          "port": int(os.environ.get("TEST_MYSQL_PORT", "3306")),
+          "user": os.environ.get("TEST_MYSQL_USER", "root"),
+          "password": os.environ.get("TEST_MYSQL_PASS", "")}
+NO_SUCH_TABLE = 1146
+COLUMNS = "(id INT PRIMARY KEY, a INT, note VARCHAR(20), name VARCHAR(20), n INT)"
+
+
+def _connect(**extra: Any) -> pymysql.Connection:
+    return pymysql.connect(**SERVER, autocommit=True, connect_timeout=5, **extra)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[pymysql.Connection]:
+    try:
+        conn = _connect()
+    except pymysql.err.OperationalError as exc:
+        pytest.skip(f"no MariaDB at {SERVER['host']}:{SERVER['port']}: {exc}")
+    with conn:
+        yield conn
+
+
+def _judged(texts: list[str], case_sensitive: bool) -> list[tuple[str, set[str]]]:
+    """(statement, the tables to create) for the statements whose keys the server can check here: plain
+    table names under the server's own case rule. SHOW/DESCRIBE of a table show its schema only
+    (`__meta__`): alone they are not judged; with a WHERE that reads tables, the table they describe
+    is created too."""
+    out = []
+    for text in texts:
+        keys = set(sql.classify_sql(text, case_sensitive=case_sensitive)[1])
+        tables = keys - {sql.META}
+        if sql.ANY_TABLE in tables or any("." in k or "`" in k for k in tables):
+            continue
+        if sql.META in keys and text.split()[0].upper() in ("SHOW", "DESC", "DESCRIBE", "EXPLAIN"):
+            if not tables:
+                continue
+            tables |= {k for k in sql._guess_tables(text, case_sensitive) if "." not in k}
+        out.append((text, tables))
+    return out
+
+
+def _run_alone(conn: pymysql.Connection, text: str, tables: set[str]) -> tuple[int, str] | None:
+    """Run `text` in a new database holding only `tables`, on a connection of its own (its temporary
+    tables and variables end with it): None when it ran, else (error code, message)."""
+    name = f"sqlcls_judge_{secrets.token_hex(4)}"
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{name}`")
+        try:
+            for table in tables:
+                cur.execute(f"CREATE TABLE `{name}`.`{table}` {COLUMNS}")
+                cur.execute(f"INSERT INTO `{name}`.`{table}` VALUES (1, 1, 'x', 'nobody', 1)")
+            with _connect(database=name) as alone, alone.cursor() as run:
+                run.execute("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'")  # what db_query's connections pin
+                try:
+                    for statement in sql.split_statements(text):
+                        run.execute(statement)
+                        run.fetchall()
+                except pymysql.err.MySQLError as exc:
+                    return (exc.args[0], str(exc.args[1])) if len(exc.args) > 1 else (0, str(exc))
+            return None
+        finally:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+
+
+@pytest.mark.parametrize("corpus", ["attacks", "cases"])
+def test_the_server_never_reads_a_table_the_classifier_did_not_name(server: pymysql.Connection, corpus: str) -> None:
+    source = {"attacks": ATTACKS + CASE_SENSITIVE, "cases": SQL_CORPUS}[corpus]
+    with server.cursor() as cur:
+        cur.execute("SELECT @@lower_case_table_names")
+        ((lower,),) = cur.fetchall()
+    judged = _judged([text for text, _, _ in source], case_sensitive=str(lower) == "0")
+    missed: list[tuple[str, list[str], str]] = []
+    ran = 0
+    for text, tables in judged:
+        error = _run_alone(server, text, tables)
+        if error is None:
+            ran += 1
+        elif error[0] == NO_SUCH_TABLE:
+            missed.append((text, sorted(tables), error[1]))
+    assert missed == [], "\n".join(map(str, missed))
+    # The check has teeth: most statements really run against exactly their named tables.
+    assert ran >= len(judged) // 2, (ran, len(judged))
+
+
+def test_a_cte_hides_the_table_only_where_the_server_says_so(server: pymysql.Connection) -> None:
+    # The classifier's one real choice: the same name as a CTE and as a table. Where it says "CTE"
+    # the server must not need the table; where it says "table" the server must need it.
+    hidden = "WITH secrets AS (SELECT 1 AS a) SELECT * FROM secrets"
+    real = "SELECT (WITH secrets AS (SELECT 1) SELECT 1) AS x, s.* FROM secrets s"
+    assert sql.classify_sql(hidden)[1] == {sql.META} and sql.classify_sql(real)[1] == {"secrets"}
+    assert _run_alone(server, hidden, set()) is None
+    error = _run_alone(server, real, set())
+    assert error is not None and error[0] == NO_SUCH_TABLE
+    assert _run_alone(server, real, {"secrets"}) is None
+
+
+async def test_the_database_reads_the_servers_case_rule_when_it_connects(server: pymysql.Connection) -> None:
+    with server.cursor() as cur:
+        cur.execute("SELECT @@lower_case_table_names")
+        ((lower,),) = cur.fetchall()
+    db = Database(DatabaseSettings(host=SERVER["host"], port=SERVER["port"], user=SERVER["user"],
+                                   password=SERVER["password"]))
+    assert db.case_sensitive is None  # not connected yet: the gate matches keys both ways
+    try:
+        assert await db.check() is None
+        assert db.case_sensitive is (str(lower) == "0")
+    finally:
+        await db.close()
+
+
+async def test_the_mysql_plugin_hands_the_case_rule_to_the_gate(server: pymysql.Connection, tmp_path: Path,
+                                                                 fake_openai: Any) -> None:
+    with server.cursor() as cur:
+        cur.execute("SELECT @@lower_case_table_names")
+        ((lower,),) = cur.fetchall()
+    env = {"MYSQL_HOST": SERVER["host"], "MYSQL_PORT": str(SERVER["port"]), "MYSQL_USER": SERVER["user"],
+           "MYSQL_PASS": SERVER["password"]}
+    models = {"fake": openai_model(fake_openai)}
+    async with runtime(tmp_path, models, env=env, plugins=("plugin_database_mysql",)) as rt:
+        assert gate.case_rule(rt.tools.entry("db_query")) is (str(lower) == "0")
