@@ -74,14 +74,13 @@ def test_a_session_of_normal_use_leaves_git_status_clean(checkout: Path, fake_op
     finally:
         log = server.stop()
     assert "Traceback" not in log
+    assert '"llm_call_timeout": 30,' in (checkout / config.MODELS_FILE).read_text()  # 30 stays 30, not 30.0
     (checkout / config.MODELS_FILE).write_text("{not json")
     _agentctl(checkout, "repair", config.MODELS_FILE)
 
     # Everything landed in the checkout's own copies …
     assert "Always answer in haiku." in (checkout / ".system_prompt" / ".system_prompt_behavior").read_text()
     assert json.loads((checkout / config.MODELS_FILE).read_text())["models"]["local"]  # repaired from defaults/
-    broken = next(checkout.glob(f"{config.MODELS_FILE}.broken-*")).read_text()
-    assert '"llm_call_timeout": 30,' in broken  # what !llm_timeout wrote: 30 stays 30, not 30.0
     assert list(checkout.glob(f"{config.MODELS_FILE}.broken-*"))
     assert (checkout / "data" / "sessions.sqlite3").exists()
     # … and none in a tracked file: nothing modified, nothing untracked that git would show.

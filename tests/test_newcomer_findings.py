@@ -91,6 +91,9 @@ def test_the_shell_endpoints_401_says_where_the_token_is(tmp_path, fake_openai, 
     assert "the token is the server's AGENT_SHELL_TOKEN setting" in error and "a-token-from" not in error
 
 
+API_KEY = "newcomer-api-key-0123456789"
+
+
 @pytest.fixture
 def api_server(tmp_path, fake_openai, start_server):
     """A server with the JSON/SSE API on a free port (no key: loopback)."""
@@ -98,6 +101,7 @@ def api_server(tmp_path, fake_openai, start_server):
     cfg.models = {"fake": openai_model(fake_openai)}
     cfg.plugins.append("plugin_client_api")
     cfg.plugin_config["plugin_client_api"] = {"port": free_port()}
+    cfg.env = {"API_KEY": API_KEY}
     start_server(cfg, {"SESSION_STORE": "memory"})
     return f"http://127.0.0.1:{cfg.plugin_config['plugin_client_api']['port']}"
 
@@ -107,7 +111,8 @@ async def test_stop_ends_a_turn_id_stream_with_done_and_closes_it(api_server, fa
     fake_openai.script(text("never ", "finished", hold=release))
     names, stopped = [], None
     try:
-        async with httpx.AsyncClient(base_url=api_server, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=api_server, timeout=10,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             sub = (await http.post("/api/v1/submit", json={"text": "a long story", "client_id": "stopper"})).json()
             params = {"turn_id": sub["turn_id"]}
             async with asyncio.timeout(20), aconnect_sse(http, "GET", "/api/v1/stream/api-stopper", params=params) as s:
@@ -124,7 +129,7 @@ async def test_stop_ends_a_turn_id_stream_with_done_and_closes_it(api_server, fa
 async def test_agent_client_stop_stops_its_running_turn(api_server, fake_openai):
     release = threading.Event()
     fake_openai.script(text("never ", "finished", hold=release))
-    client = AgentClient(api_server, "stop-me")
+    client = AgentClient(api_server, "stop-me", api_key=API_KEY)
     assert await client.stop() is False  # nothing runs yet
     pieces = client.stream("a long story")
     try:
