@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import logging
 import signal
@@ -39,6 +40,7 @@ import state
 from config import CODE_DIR, SECRET_NAME, AppConfig, ConfigError, load_config, own_copies
 from guard import Guard
 from plugin_loader import BasePlugin
+from prompt import PROMPT_DIR
 
 logger = logging.getLogger("agent_mcp")
 
@@ -220,6 +222,24 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
     return prepared
 
 
+#: How long the system prompt an instance started with is remembered in Redis for the next ones to compare.
+PROMPT_SEEN_SECONDS = 7 * 24 * 3600
+
+
+async def _compare_prompts(rt: state.Runtime) -> None:
+    """Instances on one Redis share sessions but each reads its own `.system_prompt/` tree: say at start
+    when this one's differs from what the last instance to start had (then one conversation would get two
+    prompts, depending on which instance runs a turn)."""
+    mine = hashlib.sha256(rt.prompt.assemble().encode()).hexdigest()[:16]
+    seen = await rt.values.get("system-prompt")
+    if seen is not None and seen.partition(" ")[0] != mine:
+        logger.warning("this instance's system prompt (%s, %s) differs from the one %s started with: give "
+                       "every instance on this Redis the same .system_prompt/ tree (copy it, then !sysprompt "
+                       "reload)", mine, rt.config.path(PROMPT_DIR), seen.partition(" ")[2] or "another instance")
+    instance = getattr(getattr(rt.sessions.store, "link", None), "instance", "")
+    await rt.values.put("system-prompt", f"{mine} instance {instance}".strip(), PROMPT_SEEN_SECONDS)
+
+
 async def serve(config: AppConfig) -> int:
     """Run until a signal arrives or a server stops; returns the process exit code."""
     rt = await build.build_runtime(config)
@@ -229,6 +249,8 @@ async def serve(config: AppConfig) -> int:
         store = rt.sessions.store
         sharing = f"; other instances sharing them now: {await store.instances() - 1}" if store.shared else ""
         logger.info("sessions: %s%s", store.describe(), sharing)
+        if store.shared:
+            await _compare_prompts(rt)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens: no request waits for an import, no event loop stalls on one.

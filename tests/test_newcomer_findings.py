@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import shutil
 import threading
 
 import httpx
@@ -15,8 +16,9 @@ from rich.console import Console
 
 import shell
 from api_client import AgentCancelled, AgentClient
+from config import DEFAULTS_DIR
 from shell import ShellClient
-from tests.conftest import ConfigDir, free_port, openai_model
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import demo_reply, text
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import runtime, turn
@@ -203,3 +205,22 @@ async def test_ctrl_c_cancels_the_turn_and_nothing_of_it_prints_later(config_dir
     assert "first" in shown and "never shown" not in shown
     assert shown.index("stopped: the turn was cancelled (Ctrl-C)") < shown.index("second answer")
     assert rows[0]["running"] is False and [r.last_user_text for r in fake_openai.requests] == ["tell me", "next"]
+
+
+@pytest.mark.timeout(240)  # three instances start one after another
+def test_an_instance_whose_system_prompt_differs_on_one_redis_says_so(tmp_path, fake_openai, redis_store):
+    logs = []
+    for name, extra in (("a", ""), ("b", ""), ("c", "Answer in haiku.")):
+        cfg = ConfigDir(tmp_path / name)
+        cfg.path.mkdir()
+        cfg.models = {"fake": openai_model(fake_openai)}
+        cfg.env = {"AGENT_SHELL_TOKEN": "same-token-on-every-instance"}
+        shutil.copytree(DEFAULTS_DIR / ".system_prompt", cfg.path / ".system_prompt")
+        leaf = cfg.path / ".system_prompt" / ".system_prompt_behavior"
+        leaf.write_text(leaf.read_text() + extra)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": redis_store, "AGENT_DRAIN_SECONDS": "0"}).start()
+        logs.append(server.stop())
+    warning = "system prompt"
+    assert not [line for line in logs[0].splitlines() + logs[1].splitlines() if warning in line and "differs" in line]
+    said = [line for line in logs[2].splitlines() if warning in line and "differs" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "same .system_prompt/ tree" in said[0]
