@@ -222,6 +222,8 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
     return prepared
 
 
+#: How long a stopping server waits for its ended event streams to send their last bytes.
+STREAMS_GRACE_SECONDS = 2.0
 #: How long the system prompt an instance started with is remembered in Redis for the next ones to compare.
 PROMPT_SEEN_SECONDS = 7 * 24 * 3600
 
@@ -292,11 +294,16 @@ async def serve(config: AppConfig) -> int:
             await routes.end_all(rt)
             for s in servers:
                 s.should_exit = True
+            # Open event streams end now, each with a complete response, so a stop with shell windows attached
+            # is quick and clean; only then sse-starlette's own shutdown watcher may cut what is left.
+            rt.hub.close()
+            if rt.open_streams:
+                rt.streams_done = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STREAMS_GRACE_SECONDS):
+                        await rt.streams_done.wait()
             if rt.stopping is not None:
                 rt.stopping.set()
-            # Open event streams end now, each with a complete response (sse-starlette's own watcher
-            # of this flag is the fallback), so a stop with shell windows attached is quick and clean.
-            rt.hub.close()
             AppStatus.should_exit = True
 
         ending: list[asyncio.Task[None]] = []

@@ -817,6 +817,9 @@ class Runtime:
     rate_limiter: RateLimiter = None  # type: ignore[assignment]
     #: Set when the server stops, so endless event streams end (an anyio.Event).
     stopping: Any = None
+    #: Event-stream responses not yet complete, and the event a stopping server waits on until none is left.
+    open_streams: int = 0
+    streams_done: asyncio.Event | None = None
     #: Set when the server starts to stop (routes.end_all): requests cancelled from then on end as
     #: interrupted (error + done, the user's message kept), not as replaced by a newer one.
     closing: bool = False

@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import shutil
+import signal
 import threading
 
 import httpx
@@ -224,3 +225,41 @@ def test_an_instance_whose_system_prompt_differs_on_one_redis_says_so(tmp_path, 
     assert not [line for line in logs[0].splitlines() + logs[1].splitlines() if warning in line and "differs" in line]
     said = [line for line in logs[2].splitlines() if warning in line and "differs" in line]
     assert len(said) == 1 and "WARNING" in said[0] and "same .system_prompt/ tree" in said[0]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_of_an_instance_on_redis_with_a_shell_attached_stops_cleanly(config_dir, fake_openai, redis_store):
+    """The drain lets the running turn finish while the window stays attached; then its stream ends with a
+    complete response: no uvicorn ERROR, and "Finished server process" comes after the drain."""
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    server = AgentServer(config_dir.write(), {"SESSION_STORE": redis_store}).start()
+    hold = threading.Event()
+    fake_openai.script(text("a ", "b", hold=hold))
+    names = []
+
+    async def attached() -> None:
+        async with ShellClient(server.url, "attached", token=server.token) as client:
+            await client.connect(max_wait=10)
+            await client.submit("hi")
+            events = client.events()
+            async for ev in events:
+                names.append(ev.name)
+                if ev.name == "tok":
+                    break
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGINT)  # Ctrl-C: the instance drains
+            hold.set()
+            async with asyncio.timeout(30):
+                async for ev in events:
+                    names.append(ev.name)
+                    if ev.name == "done":
+                        break
+            assert server.proc.wait(30) == 0  # the window is still attached while the server finishes
+
+    try:
+        asyncio.run(attached())
+    finally:
+        hold.set()
+    log = server.stop()
+    assert names[-1] == "done" and "ERROR" not in log and "Traceback" not in log
+    assert log.index("waiting up to 30 s for 1 running request(s)") < log.index("Finished server process")
