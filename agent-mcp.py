@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import logging
 import signal
@@ -36,9 +37,10 @@ import routes
 import shared
 import state
 from audit_chain import AuditError
-from config import AppConfig, ConfigError, load_config, own_copies, secret_values
+from config import CODE_DIR, SECRET_NAME, AppConfig, ConfigError, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
 from plugin_loader import BasePlugin
+from prompt import PROMPT_DIR
 
 logger = logging.getLogger("agent_mcp")
 
@@ -182,7 +184,7 @@ async def _unavailable(request: Request, exc: Exception) -> Response:
 def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASGIApp:
     """One Starlette app holding only this plugin's routes, behind the guard (Host, Origin, token, JSON).
 
-    `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins.
+    `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins, token_hint.
     """
     app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _unavailable,
                                                                         state.Stopping: _unavailable})
@@ -230,6 +232,26 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
     return prepared
 
 
+#: How long a stopping server waits for its ended event streams to send their last bytes.
+STREAMS_GRACE_SECONDS = 2.0
+#: How long the system prompt an instance started with is remembered in Redis for the next ones to compare.
+PROMPT_SEEN_SECONDS = 7 * 24 * 3600
+
+
+async def _compare_prompts(rt: state.Runtime) -> None:
+    """Instances on one Redis share sessions but each reads its own `.system_prompt/` tree: say at start
+    when this one's differs from what the last instance to start had (then one conversation would get two
+    prompts, depending on which instance runs a turn)."""
+    mine = hashlib.sha256(rt.prompt.assemble().encode()).hexdigest()[:16]
+    seen = await rt.values.get("system-prompt")
+    if seen is not None and seen.partition(" ")[0] != mine:
+        logger.warning("this instance's system prompt (%s, %s) differs from the one %s started with: give "
+                       "every instance on this Redis the same .system_prompt/ tree (copy it, then !sysprompt "
+                       "reload)", mine, rt.config.path(PROMPT_DIR), seen.partition(" ")[2] or "another instance")
+    instance = getattr(getattr(rt.sessions.store, "link", None), "instance", "")
+    await rt.values.put("system-prompt", f"{mine} instance {instance}".strip(), PROMPT_SEEN_SECONDS)
+
+
 async def serve(config: AppConfig) -> int:
     """Run until a signal arrives or a server stops; returns the process exit code."""
     rt = await build.build_runtime(config)
@@ -239,6 +261,8 @@ async def serve(config: AppConfig) -> int:
         store = rt.sessions.store
         sharing = f"; other instances sharing them now: {await store.instances() - 1}" if store.shared else ""
         logger.info("sessions: %s%s", store.describe(), sharing)
+        if store.shared:
+            await _compare_prompts(rt)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens: no request waits for an import, no event loop stalls on one.
@@ -280,11 +304,16 @@ async def serve(config: AppConfig) -> int:
             await routes.end_all(rt)
             for s in servers:
                 s.should_exit = True
+            # Open event streams end now, each with a complete response, so a stop with shell windows attached
+            # is quick and clean; only then sse-starlette's own shutdown watcher may cut what is left.
+            rt.hub.close()
+            if rt.open_streams:
+                rt.streams_done = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STREAMS_GRACE_SECONDS):
+                        await rt.streams_done.wait()
             if rt.stopping is not None:
                 rt.stopping.set()
-            # Open event streams end now, each with a complete response (sse-starlette's own watcher
-            # of this flag is the fallback), so a stop with shell windows attached is quick and clean.
-            rt.hub.close()
             AppStatus.should_exit = True
 
         ending: list[asyncio.Task[None]] = []
@@ -347,7 +376,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "Config files (read from --config-dir, falling back to the shipped copies):\n"
+            "Config files (read from --config-dir, falling back to the shipped copies in defaults/):\n"
             "  .env  llm-models.json  plugin-manifest.json  plugins-enabled.json  gate-defaults.json\n"
             "  agents.json  mcp-servers.json  .system_prompt/\n"
             "  mcp-tokens.json: bearer tokens (human / agent) of the MCP server plugin_client_mcp;\n"
@@ -359,10 +388,11 @@ def _parser() -> argparse.ArgumentParser:
             "  API_ADMIN_KEY (API), AGENT_PROXY_TOKEN (proxy); GATE_TIMEOUT, API_GATE_TIMEOUT\n"
             "  (seconds a gate waits); AGENT_DRAIN_SECONDS (how long a stopping server lets running\n"
             "  turns finish); AGENT_EVENT_BUFFER (events kept per session for slow readers).\n"
-            "  the API keys named in llm-models.json. The README documents every setting."
+            "  the API keys named in llm-models.json. docs/configuration.md documents every setting."
         ),
     )
-    p.add_argument("--config-dir", default=None, help="directory with the config files (default: next to this file)")
+    p.add_argument("--config-dir", default=None,
+                   help="directory with the config files (default: the checkout, whose copies are git-ignored)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -380,8 +410,9 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        # A config dir of its own holds everything this instance writes (prompt edits, models, gates).
-        created = own_copies(Path(args.config_dir)) if args.config_dir else []
+        # The config dir holds its own copy of everything this instance writes (prompt edits, models, gates);
+        # the shipped defaults/ are never written, so the checkout stays clean (its copies are git-ignored).
+        created = own_copies(Path(args.config_dir) if args.config_dir else CODE_DIR)
     except OSError as exc:
         print(f"agent-mcp: cannot start: cannot copy the default config files into {args.config_dir} "
               f"({exc.strerror}): make that directory writable", file=sys.stderr)

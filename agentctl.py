@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -63,6 +62,7 @@ from config import (
     RateLimit,
     atomic_write,
     read_json,
+    shipped_path,
     validate_data,
 )
 from plugin_loader import check_plugin, is_enabled
@@ -145,20 +145,24 @@ class AgentCtl(DbCommands):
         self._files = None  # read the files afresh: someone may have edited them since the last command
         try:
             if handler is None:
-                close = difflib.get_close_matches(name, self.commands(), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
+                close = _suggest(name, list(self.commands()))
+                hint = f" (did you mean {' or '.join(close)}?)" if close else ""
                 raise InputError(f"unknown command '{name}'{hint}; 'help' lists the commands")
             handler(args)
         except CtlError as exc:
-            self.term.error(str(exc))
-            return exc.exit_code
+            return self._failed(str(exc), exc.exit_code)
         except grants.AuditError as exc:
-            self.term.error(str(exc))
-            return FileProblem.exit_code
+            return self._failed(str(exc), FileProblem.exit_code)
         except (KeyboardInterrupt, EOFError):
-            self.term.error("cancelled; nothing was changed")
-            return 1
+            return self._failed("cancelled; nothing was changed", 1)
         return 0
+
+    def _failed(self, message: str, code: int) -> int:
+        """Say why a command failed; with --json also as its one JSON document on stdout."""
+        self.term.error(message)
+        if self.term.json_output:
+            self.term.json({"error": message, "exit_code": code})
+        return code
 
     def prompt(self) -> int:
         """The interactive prompt: one command per line until quit, exit or end of input."""
@@ -197,8 +201,8 @@ class AgentCtl(DbCommands):
         return args
 
     def _unknown(self, kind: str, name: str, known: list[str]) -> InputError:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
+        close = _suggest(name, known)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
         return InputError(f"unknown {kind} '{name}'; {hint}known: {', '.join(known) or '(none)'}")
 
     def _plugin(self, name: str) -> str:
@@ -364,7 +368,7 @@ class AgentCtl(DbCommands):
         one saved aside.
 
         A file that is not JSON, or not valid for the server, is renamed to `<file>.broken-<time>`
-        and replaced by the shipped copy (in the checkout itself: the committed version, from git).
+        and replaced by the shipped copy (`defaults/`).
         Valid files are left alone. Without arguments every config file agentctl manages is checked.
         """
         names = args or list(FILE_MODELS)
@@ -389,16 +393,15 @@ class AgentCtl(DbCommands):
             try:
                 validate_data(FILE_MODELS[name], read_json(target), target)
                 return {"file": name, "action": "ok", "detail": "valid, left alone"}
-            except ConfigError as exc:
-                problem = str(exc).splitlines()[0]
-        elif self.config_dir == CODE_DIR:
-            problem = "missing"
+            except ConfigError as exc:  # every bad field, not only the first
+                lines = str(exc).splitlines()
+                problem = "; ".join([lines[0], *(line.strip() for line in lines[1:])])
         else:
             return {"file": name, "action": "ok", "detail": "not here: the shipped copy is used"}
-        default = _shipped_default(name, self.config_dir)
+        default = _shipped_default(name)
         if default is None:
-            return {"file": name, "action": "failed", "detail": f"{problem}; no default to restore it from (the "
-                    "checkout's copy is the default: restore it with git checkout or reinstall)"}
+            return {"file": name, "action": "failed", "detail": f"{problem}; no valid default to restore it from "
+                    f"({shipped_path(name)}: restore it with git checkout or reinstall)"}
         saved = None
         if own:
             saved = target.with_name(f"{name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -924,25 +927,21 @@ class AgentCtl(DbCommands):
         self.term.done(f"removed the {section} entry '{key}'")
 
 
-def _shipped_default(name: str, config_dir: Path) -> str | None:
-    """The shipped copy of a config file when it is valid: the checkout's, or (for the checkout
-    itself) the committed version from git; None when there is none."""
-    if config_dir != CODE_DIR:
-        source = CODE_DIR / name
-        text = source.read_text(encoding="utf-8") if source.exists() else None
-    else:
-        try:
-            text = subprocess.run(["git", "show", f"HEAD:{name}"], cwd=CODE_DIR, capture_output=True, text=True,
-                                  check=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-    if text is None:
-        return None
+def _shipped_default(name: str) -> str | None:
+    """The shipped copy of a config file (`defaults/`) when it is valid; None when there is none."""
+    source = shipped_path(name)
     try:
-        validate_data(FILE_MODELS[name], json.loads(text), CODE_DIR / name)
-    except (ValueError, ConfigError):
+        text = source.read_text(encoding="utf-8")
+        validate_data(FILE_MODELS[name], json.loads(text), source)
+    except (OSError, ValueError, ConfigError):
         return None
     return text
+
+
+def _suggest(name: str, known: list[str]) -> list[str]:
+    """What the operator probably meant: the names `name` begins (all of them, up to 3), else the closest one."""
+    starting = [k for k in known if k.startswith(name.lower())] if name else []
+    return starting[:3] if starting else difflib.get_close_matches(name, known, n=1)
 
 
 def _since(text: str) -> float:

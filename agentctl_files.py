@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+import json_edit
 from config import (
     ENABLED_FILE,
     GATE_DEFAULTS_FILE,
@@ -145,8 +146,12 @@ class ConfigFiles:
             if new:
                 raise InputError(f"refused: the server would not start with this change: {new[0]}")
 
+        contents = self._read[name][1]
+        # In the layout the file had (only what changed is rewritten: a minimal diff); a new file: plain.
+        text = (json_edit.edit(contents.decode("utf-8"), self.data[name], raw) if contents is not None
+                else json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
         try:
-            atomic_write(target, json.dumps(raw, indent=2, ensure_ascii=False) + "\n", check)
+            atomic_write(target, text, check)
         except ConfigError as exc:
             raise InputError(f"refused, the result would be invalid: {exc}") from None
         except OSError as exc:

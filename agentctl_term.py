@@ -9,8 +9,9 @@ import sys
 from typing import Any, NoReturn
 
 from prompt_toolkit import PromptSession
-from prompt_toolkit.completion import WordCompleter
+from prompt_toolkit.completion import CompleteEvent, WordCompleter
 from prompt_toolkit.history import InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from rich.console import Console
 from rich.table import Table
 
@@ -41,7 +42,7 @@ class Terminal:
             if self._session is None:
                 self._session = PromptSession(history=InMemoryHistory())
             completer = WordCompleter(words, sentence=True) if words else None
-            return self._session.prompt(question, completer=completer)
+            return self._session.prompt(question, completer=completer, key_bindings=_TAB)
         if question:  # piped input: questions go to stderr, so stdout holds only the answers (--json)
             self.err.print(question, end="", markup=False)
         line = sys.stdin.readline()
@@ -74,6 +75,31 @@ class Terminal:
     def json(self, data: Any) -> None:
         # Plain print: rich would re-wrap long strings and break the JSON for other programs.
         print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+
+
+def _tab_bindings() -> KeyBindings:
+    """Tab completes a unique prefix in place at the first press (prompt-toolkit's own Tab may first open a
+    menu of that one word); with several candidates it behaves as usual: common part, then the menu."""
+    bindings = KeyBindings()
+
+    @bindings.add("tab")
+    def _complete(event: KeyPressEvent) -> None:
+        buffer = event.current_buffer
+        if buffer.completer is None:
+            return
+        found = list(buffer.completer.get_completions(buffer.document, CompleteEvent(completion_requested=True)))
+        if len(found) == 1:
+            buffer.cancel_completion()
+            buffer.apply_completion(found[0])
+        elif buffer.complete_state:
+            buffer.complete_next()
+        else:
+            buffer.start_completion(insert_common_part=True)
+
+    return bindings
+
+
+_TAB = _tab_bindings()
 
 
 class ArgParser(argparse.ArgumentParser):

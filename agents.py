@@ -250,8 +250,11 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
         cause = found.error.__cause__ or found.error
         return f"{where}: cannot connect ({cause}); is the server running and the host right?"
     if found.status == 401:
-        setting = cfg.env_key if cfg and cfg.env_key else "its key"
-        return f"{where}: the backend refused the API key (HTTP 401); check {setting}"
+        if cfg is not None and not cfg.env_key:  # a keyless model (a local server) sent no key at all
+            return (f"{where}: the backend wants an API key (HTTP 401) and this model sends none: put the key in "
+                    f".env and name its variable as env_key of '{key}' in llm-models.json")
+        variable = cfg.env_key if cfg else "the model's API key variable"
+        return f"{where}: the backend refused the API key (HTTP 401); check {variable} in .env (or the environment)"
     if found.kind == "status":
         return f"{where}: the backend answered HTTP {found.status}: {_words(found.message)}"
     if isinstance(exc, openai.APIError):

@@ -277,6 +277,7 @@ class AgentClient:
     async def stream(self, text: str, timeout: float | None = None) -> AsyncIterator[str]:  # noqa: ASYNC109
         """Send one message and yield the answer text as it is produced (raises like `send`)."""
         parts: list[str] = []
+        stopped = False
         async with contextlib.aclosing(self.events(text, timeout)) as events:
             async for ev in events:
                 if ev.name == "tok":
@@ -284,8 +285,11 @@ class AgentClient:
                     yield ev.text
                 elif ev.name == "error":
                     raise AgentError(f"Agent error: {ev.text}", "".join(parts))
-                elif ev.ends_turn and ev.name != "done":
-                    raise AgentCancelled("the turn was cancelled on the server", "".join(parts))
+                elif ev.name == "status" and ev.data.get("stopped") is True:
+                    stopped = True  # its `done` follows
+                elif ev.ends_turn and (ev.name != "done" or stopped):
+                    why = "stopped (stop())" if stopped else "cancelled on the server"
+                    raise AgentCancelled(f"the turn was {why}", "".join(parts))
 
     async def events(self, text: str, timeout: float | None = None) -> AsyncIterator[AgentEvent]:  # noqa: ASYNC109
         """Send one message and yield every event of its turn, through its last one.
@@ -388,6 +392,13 @@ class AgentClient:
             await send_retrying(lambda: http.post(f"/api/v1/gate/{gate_id}",
                                                   json={"approve": gate_decision(self.auto_approve_gates, gate)}))
 
+    async def stop(self) -> bool:
+        """Stop this client's running turn without starting another (POST /api/v1/stop); whether one ran.
+        A `send` or `stream` of that turn then raises AgentCancelled with the text received so far."""
+        async with self._http() as http:
+            body = await self._call(http, "POST", "/api/v1/stop", json={"client_id": self.client_id})
+        return body.get("cancelled") is True
+
     # ── sessions ──
 
     async def sessions(self) -> list[dict[str, Any]]:
@@ -485,6 +496,10 @@ class SyncAgentClient:
                     return
         finally:
             self._runner.run(close())
+
+    def stop(self) -> bool:
+        """Stop this client's running turn (see AgentClient.stop)."""
+        return self._runner.run(self.client.stop())
 
     def sessions(self) -> list[dict[str, Any]]:
         return self._runner.run(self.client.sessions())

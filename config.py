@@ -2,8 +2,10 @@
 
 Every file is loaded into pydantic models; a malformed file or field stops start-up with a
 `ConfigError` that names the file and the field. Files are looked up in the config directory
-first and fall back to the copies shipped next to the code, so a fresh checkout runs as is and a
-second instance only needs the files it changes.
+first and fall back to the shipped copies (`defaults/` for the files an instance writes, the
+checkout for the plugin manifest), so a fresh checkout runs as is and a second instance only needs
+the files it changes. The shipped copies are never written: an instance writes its own copies
+(`own_copies`), which in the checkout itself are git-ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 logger = logging.getLogger("agent_mcp.config")
 
 CODE_DIR = Path(__file__).resolve().parent
+#: The shipped defaults of the files an instance writes (OWN_FILES); tracked, never written at run time.
+DEFAULTS_DIR = CODE_DIR / "defaults"
 MODELS_FILE = "llm-models.json"
 MANIFEST_FILE = "plugin-manifest.json"
 ENABLED_FILE = "plugins-enabled.json"
@@ -258,7 +262,12 @@ class AppConfig(BaseModel):
 def config_path(config_dir: Path, name: str) -> Path:
     """Where a config file is read from: `config_dir/name` if present, else the shipped default."""
     own = Path(config_dir) / name
-    return own if own.exists() or Path(config_dir) == CODE_DIR else CODE_DIR / name
+    return own if own.exists() else shipped_path(name)
+
+
+def shipped_path(name: str) -> Path:
+    """The shipped copy of a config file: `defaults/` for the files an instance writes, else the checkout's."""
+    return DEFAULTS_DIR / name if name in OWN_FILES else CODE_DIR / name
 
 
 def read_json(path: Path) -> Any:
@@ -418,14 +427,13 @@ OWN_FILES = (".system_prompt", MODELS_FILE, ENABLED_FILE, GATE_DEFAULTS_FILE, "m
 
 
 def own_copies(config_dir: Path) -> list[str]:
-    """Copy each of OWN_FILES that a config dir other than the checkout lacks from the shipped
-    defaults, so edits (prompt, models, gates) stay this instance's. Returns the names created."""
+    """Copy each of OWN_FILES that the config dir lacks from the shipped defaults (`defaults/`), so
+    edits (prompt, models, gates) stay this instance's and never change a tracked file (the checkout's
+    own copies are git-ignored). Returns the names created."""
     config_dir = Path(config_dir)
-    if config_dir.resolve() == CODE_DIR:
-        return []
     created = []
     for name in OWN_FILES:
-        source, target = CODE_DIR / name, config_dir / name
+        source, target = DEFAULTS_DIR / name, config_dir / name
         if target.exists() or not source.exists():
             continue
         if source.is_dir():
@@ -516,7 +524,8 @@ def save_model_fields(config_dir: Path, changes: dict[str, dict[str, Any]]) -> P
     for key, fields in changes.items():
         if not isinstance(models.get(key), dict):
             raise ConfigError(f"{source}: model '{key}' not found")
-        models[key].update(fields)
+        # `!llm_timeout local 120` stores 120, not 120.0: the file keeps the operator's number.
+        models[key].update({k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in fields.items()})
     target = Path(config_dir) / MODELS_FILE
     atomic_write(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n",
                  check=lambda tmp: validate_data(ModelsFile, read_json(tmp), target))

@@ -279,14 +279,15 @@ def ensure_token_file(path: Path, env: str = "AGENT_SHELL_TOKEN") -> str:
 #: Addresses, most specific first: a URL with a host (`agentmcp://` names a resource, not a place),
 #: `user@host:port[/db]` (database.DatabaseSettings.where), `host:port`, a bare IPv4 address, and an
 #: absolute path under a system root. An address glued to a name (`llama-10.0.0.1`, a client id the
-#: client knows) and a time (`12:30`) are not locations.
+#: client knows) and a time (`12:30`) are not locations. Punctuation after a location (`…/v1: the backend`,
+#: `…/x.json.`) is the sentence's, and stays.
 _LOCATIONS = re.compile(
-    r"\b(?!agentmcp://)[a-z][a-z0-9+.-]*://[^\s'\"<>)]+"
+    r"\b(?!agentmcp://)[a-z][a-z0-9+.-]*://[^\s'\"<>)]*[^\s'\"<>).,:;]"
     r"|[\w.+-]+@[\w.-]+:\d{1,5}(?:/[\w$.-]*)?"
     r"|(?:\[[0-9a-f:.]+\]|(?<![\w.-])[a-z][\w-]*(?:\.[\w-]+)*|(?<![\w.-])\d{1,3}(?:\.\d{1,3}){3}):\d{2,5}\b"
     r"|(?<![\w.-])\d{1,3}(?:\.\d{1,3}){3}(?![\w.-])"
     r"|(?<![\w./~-])(?:/(?:home|Users|root|etc|var|tmp|opt|srv|usr|mnt|media|run|private|Volumes|data|work)"
-    r"|[A-Za-z]:\\)[^\s'\"<>),;]*",
+    r"|[A-Za-z]:\\)(?:[^\s'\"<>),;]*[^\s'\"<>),;.:])?",
     re.IGNORECASE,
 )
 HIDDEN = "<hidden>"

@@ -48,10 +48,15 @@ async def cancel_active_task(rt: state.Runtime, client_id: str) -> None:
     await _cancel_here(rt, client_id)
 
 
-async def _cancel_here(rt: state.Runtime, client_id: str) -> None:
+#: Why a stopped request was cancelled (POST /stop): it says `[stopped]` and then ends with its own `done`,
+#: where a request replaced by a newer one says `[cancelled]` and leaves the `done` to the newer one.
+STOPPED = "stopped"
+
+
+async def _cancel_here(rt: state.Runtime, client_id: str, why: str | None = None) -> None:
     tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done() and t is not asyncio.current_task()]
     for task in tasks:
-        task.cancel()
+        task.cancel(why)
     if tasks:
         await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
@@ -91,8 +96,9 @@ async def submit(
 
 
 async def stop(rt: state.Runtime, client_id: str) -> bool:
-    """Cancel the client's requests without starting another; each cancelled one also ends with a
-    `done` (clients that wait for `done`, as the original API client does, stop waiting). Returns
+    """Cancel the client's requests without starting another; each cancelled one says `[stopped]` (a status
+    with `"stopped": true`) and then ends with its `done` (clients that wait for `done`, as the original API
+    client does, stop waiting; a `?turn_id=` stream ends there). Returns
     whether anything was running (with several instances: here, or on another by the session's mark)."""
     elsewhere = False
     if rt.signals is not None:
@@ -104,7 +110,7 @@ async def stop(rt: state.Runtime, client_id: str) -> bool:
 
 async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done()]
-    await _cancel_here(rt, client_id)
+    await _cancel_here(rt, client_id, STOPPED)
     for task in tasks:
         kind, _, turn_id = task.get_name().rpartition(":")
         with state.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
@@ -142,7 +148,14 @@ async def delete_session(rt: state.Runtime, client_id: str, remember: bool = Tru
     """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows,
     grants; with `remember`, a client that comes back is told (see SessionManager.delete)."""
     await cancel_active_task(rt, client_id)
-    return await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
+    session = await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
+    # Every window still following the id is told now, not only with its next message: the event opens the
+    # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).
+    with state.running(None):
+        rt.hub.publish(client_id, "status", {"text": f"[session] this session ({session.shorthand}) was deleted; "
+                                                     "the next message here starts a new, empty one",
+                                             "session_deleted": True})
+    return session
 
 
 FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than it was produced and fell more "
@@ -272,6 +285,9 @@ async def process_request(
             if rt.closing:  # the server stops: as if it had been killed, but said at once
                 interrupted(rt, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
                 raise
+            if exc.args == (STOPPED,):  # stopped, not replaced: `stop` sends this turn's `done` right after
+                rt.hub.publish(client_id, "status", {"text": "[stopped]", "stopped": True})
+                raise
             # No `done`: the request that replaced this one sends its own, and a client must not
             # mistake this turn's end for the end of the newer one.
             rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
@@ -355,7 +371,9 @@ async def _llm_turn(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     first, _, rest = text.partition(" ")
     key = first[1:]
     if key not in rt.config.models:
-        rt.hub.tok(turn.client_id, f"ERROR: Unknown model '@{key}'\nAvailable models: {', '.join(rt.config.models)}")
+        # Paragraphs, not lines: chat apps and shell.py render an answer as Markdown, which joins single lines.
+        rt.hub.tok(turn.client_id, f"ERROR: Unknown model '@{key}'.\n\nAvailable models: {', '.join(rt.config.models)}"
+                                   f"\n\nFor example: @{next(iter(rt.config.models))} {rest.strip() or 'hello'}")
         return
     await agents.dispatch_llm(rt, dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip())
 

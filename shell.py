@@ -226,6 +226,11 @@ class ShellUI:
         self._connection = "idle"
         self._mine: list[str] = []  # texts this window sent whose `user` event has not come back yet
         self._checking: asyncio.Future[None] | None = None
+        #: A turn this window stopped (Ctrl-C): its late events are dropped up to its `done`, so nothing of it
+        #: prints after the next prompt.
+        self._swallow = False
+        #: This window deleted its own session and moves to a new one: the server's notice of it is not shown.
+        self.expect_deletion = False
 
     @property
     def busy(self) -> bool:
@@ -262,6 +267,9 @@ class ShellUI:
 
     async def handle_event(self, event: ShellEvent) -> None:
         """Draw one stream event; unknown event names are ignored."""
+        if self._swallow:  # the rest of a turn this window stopped
+            self._swallow = event.name != "done"
+            return
         handler = getattr(self, f"_on_{event.name}", None)
         if handler is not None:
             handler(event.data)
@@ -309,13 +317,25 @@ class ShellUI:
         self._update_idle()
 
     async def interrupt(self) -> None:
-        """Ctrl-C: stop waiting for the current answer; pending gates are rejected so the turn can end."""
+        """Ctrl-C: stop the running turn on the server (as chat REPLs do; its answer so far stays on screen, the
+        rest never prints); with no turn of ours running, pending gates are rejected so their turn can end."""
         self._flush()
-        for _ in range(len(self.pending_gates)):
-            await self.answer_gate("reject")
-        if self._turn:
-            self._turn = False
-            self.note("stopped waiting — the rest of this answer is printed when it ends")
+        if not self._turn:
+            for _ in range(len(self.pending_gates)):
+                await self.answer_gate("reject")
+            self._update_idle()
+            return
+        self._turn = False
+        self._drop_gates(None)  # they end with the turn
+        self._swallow = True  # before the request: its `[stopped]` and `done` may arrive while it is under way
+        try:
+            stopped = await self.client.stop()
+        except ShellError as exc:
+            self._swallow = False
+            self.note(f"stopped waiting, but the turn could not be stopped ({exc}); the rest of its answer is "
+                      "printed when it ends", "yellow")
+        else:
+            self.note("stopped: the turn was cancelled (Ctrl-C)" if stopped else "stopped waiting", "yellow")
         self._update_idle()
 
     def connection_changed(self, state: str, detail: str) -> None:
@@ -367,9 +387,14 @@ class ShellUI:
             self._mine.remove(text)
             return
         self._flush()
+        self._plain = text.lstrip().startswith("!")  # its answer is shown as this window shows its own
         self.console.print(Text.assemble((f"› {text}", "cyan"), ("  (sent from another window)", "dim")))
 
     def _on_status(self, data: dict[str, Any]) -> None:
+        if data.get("session_deleted") is True:
+            if not self.expect_deletion:  # another window or client deleted it: say so at once
+                self.note(str(data.get("text", "")), "yellow")
+            return
         self.note(str(data.get("text", "")), "dim")
         if data.get("cancelled") is True:
             self._drop_gates(None)  # the turn is gone, and its gates with it
@@ -684,13 +709,17 @@ class Shell:
         return await self.cmd_exit(arg)
 
     async def cmd_session(self, arg: str) -> bool:
-        """!session <ID> attach — switch this shell to session ID (full id or shorthand like 101) at once."""
+        """!session <ID> attach — switch this shell to session ID (full id or shorthand like 101) at once;
+        !session new — start a new, empty session in this shell (the old one is kept)."""
         parts = arg.split()
+        if [p.lower() for p in parts] == ["new"]:
+            await self._new_session()
+            return True
         if len(parts) == 1 or (len(parts) == 2 and parts[1].lower() == "attach"):
             await self._attach(parts[0])
             return True
         if len(parts) == 2 and parts[1].lower() == "delete":
-            self._switch_after_turn = await self._is_current(parts[0])
+            self._switch_after_turn = self.ui.expect_deletion = await self._is_current(parts[0])
         return False
 
     async def cmd_gate_preview_length(self, arg: str) -> bool:
@@ -715,7 +744,7 @@ class Shell:
             doc = (getattr(self, name).__doc__ or "").strip().splitlines()
             self.console.print(Text("  " + (doc[0] if doc else "!" + name[4:])))
         self.console.print(
-            Text("Keys: Enter send · Esc-Enter newline · Ctrl-C stop waiting · Ctrl-D quit", style="dim")
+            Text("Keys: Enter send · Esc-Enter newline · Ctrl-C stop the turn · Ctrl-D quit", style="dim")
         )
         return False
 
@@ -747,6 +776,17 @@ class Shell:
         with contextlib.suppress(ShellError):
             new_id = await self.client.new_session()
             self.ui.note(f"this session was deleted — now using a new session {_short(new_id)}", "green")
+        self.ui.expect_deletion = False
+
+    async def _new_session(self) -> None:
+        previous = self.client.client_id
+        try:
+            new_id = await self.client.new_session()
+        except ShellError as exc:
+            self.ui.note(f"cannot start a new session: {exc}", "red")
+            return
+        self.ui.note(f"new session {_short(new_id)} — the previous one ({_short(previous)}) is kept: "
+                     f"!session {previous} attach goes back", "green")
 
     async def _submit(self, text: str) -> None:
         self.ui.begin_turn(plain=text.lstrip().startswith("!"), text=text)
@@ -815,7 +855,7 @@ class Shell:
         )
         grid.add_row("Model", Text(f"{model}" + (f"   (available: {models})" if models else "")))
         hints = Text(
-            "Enter send · Esc-Enter newline · !help commands · !exit quit · Ctrl-C stop waiting", style="dim"
+            "Enter send · Esc-Enter newline · !help commands · !exit quit · Ctrl-C stop the turn", style="dim"
         )
         self.console.print(
             Panel(Group(grid, hints), title="agent-mcp shell", title_align="left", expand=False)

@@ -217,6 +217,11 @@ class ShellClient:
             payload["default_model"] = default_model
         return await self._request("POST", "/submit", json=payload, again=True)
 
+    async def stop(self) -> bool:
+        """POST /stop: cancel this session's running turn (it ends with `[stopped]` and `done`); whether one ran."""
+        body = await self._request("POST", "/stop", json={"client_id": self._client_id})
+        return isinstance(body, dict) and body.get("cancelled") is True
+
     async def gate_response(self, gate_id: str, decision: str, minutes: int | None = None) -> dict[str, Any]:
         """POST /gate_response: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject."""
         if decision not in DECISIONS:

@@ -618,7 +618,7 @@ class Event:
 class _Channel:
     """A bounded, replayable event sequence of one session with broadcast wake-ups."""
 
-    __slots__ = ("_wake", "events", "last_id", "seen", "subscribers", "touched")
+    __slots__ = ("_wake", "events", "last_id", "seen", "start", "subscribers", "touched")
 
     def __init__(self, buffer: int = EVENT_BUFFER) -> None:
         self.subscribers = 0
@@ -626,6 +626,7 @@ class _Channel:
         # Ids start at the current time in microseconds so that they keep increasing across
         # restarts: a client that reconnects with an old Last-Event-ID gets everything new.
         self.last_id = time.time_ns() // 1000
+        self.start = self.last_id  # below its first event
         self.seen = self.last_id  # highest id handed to any subscriber
         self.events: deque[Event] = deque(maxlen=buffer)
         self._wake = asyncio.Event()
@@ -740,11 +741,12 @@ class EventHub:
             while True:
                 event = ch.after(cursor)
                 if event is None and self._channels.get(client_id) is not ch:
-                    # Session deleted: what it had sent was delivered; go on with the id's new channel.
+                    # Session deleted: what it had sent was delivered; go on with the id's new channel, all of
+                    # it (another subscriber that moved first may have seen its first events already).
                     ch.subscribers -= 1
                     ch = self._channel(client_id)
                     ch.subscribers += 1
-                    cursor = ch.seen
+                    cursor = ch.start
                     continue
                 if event is None:
                     if self.closed:
@@ -832,6 +834,9 @@ class Runtime:
     rate_limiter: RateLimiter = None  # type: ignore[assignment]
     #: Set when the server stops, so endless event streams end (an anyio.Event).
     stopping: Any = None
+    #: Event-stream responses not yet complete, and the event a stopping server waits on until none is left.
+    open_streams: int = 0
+    streams_done: asyncio.Event | None = None
     #: Set when the server starts to stop (routes.end_all): requests cancelled from then on end as
     #: interrupted (error + done, the user's message kept), not as replaced by a newer one.
     closing: bool = False

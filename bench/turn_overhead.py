@@ -34,6 +34,7 @@ from langchain_openai import ChatOpenAI
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from config import DEFAULTS_DIR  # noqa: E402
 from prompt import PromptTree  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, openai_model  # noqa: E402
 from tests.fakes.backend import tokens  # noqa: E402
@@ -118,7 +119,7 @@ async def run(args: argparse.Namespace) -> None:
         if pinned:
             os.sched_setaffinity(server.proc.pid, {1})
         llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
-        system = PromptTree(ROOT / ".system_prompt").load().assemble()
+        system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
         path = ServerPath(server.url, server.token)
         await path.open()
         per_round = max(1, args.turns // args.rounds)

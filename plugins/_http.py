@@ -14,6 +14,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope, Send
 
 import routes
 import state
@@ -57,13 +58,33 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
 
     if rt.stopping is None:
         rt.stopping = anyio.Event()
-    return EventSourceResponse(
+    return _Stream(
+        rt,
         events(),
         ping=SSE_PING_SECONDS,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         shutdown_event=rt.stopping,
     )
+
+
+class _Stream(EventSourceResponse):
+    """An SSE response the runtime counts until it is complete: a stopping server ends the streams (hub.close)
+    and waits for them before it lets sse-starlette's shutdown watcher cut what is left (a cut response is
+    logged by uvicorn as an ERROR)."""
+
+    def __init__(self, rt: state.Runtime, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._rt = rt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._rt.open_streams += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._rt.open_streams -= 1
+            if not self._rt.open_streams and self._rt.streams_done is not None:
+                self._rt.streams_done.set()
 
 
 # ── Request bodies and disconnects ──────────────────────────────────────────────────────────

@@ -44,6 +44,10 @@ class _SubmitBody(BaseModel):
     default_model: str | None = None
 
 
+class _StopBody(BaseModel):
+    client_id: str = Field(pattern=_http.CLIENT_ID_PATTERN)
+
+
 class _GateBody(BaseModel):
     gate_id: str = Field(min_length=1, max_length=128)
     decision: str
@@ -106,12 +110,23 @@ class ShellpyPlugin(BasePlugin):
 
     def get_config(self) -> dict[str, Any]:
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "shell.py endpoint", "token": self._token,
-                "allowed_hosts": self.cfg.allowed_hosts, "allowed_origins": self.cfg.allowed_origins}
+                "allowed_hosts": self.cfg.allowed_hosts, "allowed_origins": self.cfg.allowed_origins,
+                "token_hint": self._token_hint()}
+
+    def _token_hint(self) -> str:
+        """Where a 401's reader finds the token, without a path (the reader is nobody the server vouched for)."""
+        if self.rt.config.env.get(self.cfg.token_env):
+            return f"the token is the server's {self.cfg.token_env} setting"
+        name = guard.SHELL_TOKEN_FILE
+        return (f"the token is in the file {name} of the server's data directory (data/{name} in its config dir "
+                "unless AGENT_DATA_DIR says otherwise), readable only by the user who runs the server: "
+                f"curl -H \"Authorization: Bearer $(cat data/{name})\" …")
 
     def get_routes(self) -> list[Route]:
         return [
             Route("/submit", self.submit, methods=["POST"]),
             Route("/stream", self.stream, methods=["GET"]),
+            Route("/stop", self.stop, methods=["POST"]),
             Route("/gate_response", self.gate_response, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/sessions", self.sessions, methods=["GET"]),
@@ -127,6 +142,13 @@ class ShellpyPlugin(BasePlugin):
         await routes.submit(self.rt, body.client_id, body.text,
                             {"default_model": body.default_model, "interactive": True, "identity": "shell"})
         return JSONResponse({"status": "OK"})
+
+    async def stop(self, request: Request) -> JSONResponse:
+        """Ctrl-C in shell.py: cancel the session's running turn, which says `[stopped]` and ends with `done`."""
+        body = await _json_body(request, _StopBody)
+        if isinstance(body, JSONResponse):
+            return body
+        return JSONResponse({"status": "OK", "cancelled": await routes.stop(self.rt, body.client_id)})
 
     async def stream(self, request: Request) -> Any:
         client_id = request.query_params.get("client_id", "")

@@ -15,11 +15,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx
 import pytest
 
 import guard
+from tests import needs
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -134,19 +136,23 @@ class ConfigDir:
 class AgentServer:
     """agent-mcp.py as a subprocess on free ports; `url` is its shell.py endpoint."""
 
-    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None):
+    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None, checkout: Path | None = None):
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.port}"
         self.env = env or {}
+        #: Run that checkout's agent-mcp.py as `make run` does, without --config-dir (cfg.path is the checkout).
+        self.checkout = checkout
         self.proc: subprocess.Popen[str] | None = None
         self.output = ""
 
     def start(self, wait: bool = True) -> AgentServer:
         env = {k: v for k, v in os.environ.items() if not k.endswith("_PROXY") and not k.endswith("_proxy")}
         env.update({"PYTHONUNBUFFERED": "1", **self.env})
+        where = self.checkout or ROOT
+        args = [] if self.checkout else ["--config-dir", str(self.cfg.path)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "agent-mcp.py"), "--config-dir", str(self.cfg.path)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, str(where / "agent-mcp.py"), *args],
+            cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         # Read the output as it comes: a server that logs more than a pipe holds must never block.
         self._lines: list[str] = []
@@ -227,22 +233,37 @@ def fake_gemini() -> Iterator[FakeGemini]:
         yield backend
 
 
-MACHINE_REDIS = "redis://127.0.0.1:6379/0"
+#: The Redis the tests of several instances use: TEST_REDIS_URL, else the machine's Redis, database 15.
+#: Not database 0: that is where redis-py, redis-cli and every `redis://host:6379/0` example (a developer's own
+#: agent-mcp instances included) keep their keys, so the tests' keys never sit among them. Every test also
+#: uses a key prefix of its own (after any `?prefix=` of TEST_REDIS_URL) and removes its keys afterwards.
+TEST_REDIS = os.environ.get("TEST_REDIS_URL") or "redis://127.0.0.1:6379/15"
+
+
+def redis_test_url(prefix: str) -> str:
+    """TEST_REDIS with `prefix` appended to its own `?prefix=` (if any)."""
+    parts = urlsplit(TEST_REDIS)
+    query = dict(parse_qsl(parts.query))
+    query["prefix"] = query.get("prefix", "") + prefix
+    return urlunsplit(parts._replace(query=urlencode(query, safe=":")))
 
 
 @pytest.fixture
 def redis_store() -> Iterator[str]:
-    """A SESSION_STORE URL on the machine's Redis (.ci/run starts it) with a key prefix of this test's own,
-    whose keys are removed afterwards."""
+    """A SESSION_STORE URL on the tests' Redis (TEST_REDIS_URL) with a key prefix of this test's own, whose
+    keys are removed afterwards. Without a Redis there, the test is skipped (or fails: tests/needs.py)."""
     import redis  # only the tests of several instances need it
 
-    client = redis.Redis.from_url(MACHINE_REDIS, socket_connect_timeout=2)
+    url = redis_test_url(f"test-{uuid.uuid4().hex[:10]}:")
+    client = redis.Redis.from_url(TEST_REDIS.split("?")[0], socket_connect_timeout=2)
     try:
         client.ping()
-    except redis.exceptions.ConnectionError as exc:
-        pytest.fail(f"this test needs Redis at 127.0.0.1:6379 ({exc}); start it: redis-server --daemonize yes")
-    prefix = f"test-{uuid.uuid4().hex[:10]}:"
-    yield f"{MACHINE_REDIS}?prefix={prefix}"
+    except (redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError) as exc:
+        client.close()
+        needs.absent("redis", f"no Redis answers at {TEST_REDIS.split('?')[0]} ({exc}): install and start "
+                              "redis-server, or point TEST_REDIS_URL at one")
+    prefix = dict(parse_qsl(urlsplit(url).query))["prefix"]
+    yield url
     keys = list(client.scan_iter(match=prefix + "*", count=1000))
     if keys:
         client.delete(*keys)

@@ -3,13 +3,13 @@ machine's Redis, with a key prefix per test, is the `redis_store` fixture of con
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from tests import needs
 from tests.conftest import free_port
 
 
@@ -26,8 +26,7 @@ class OwnRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> OwnRedis:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server is not installed (Debian: apt-get install redis-server)"
+        binary = needs.program("redis-server", "redis", "redis-server")
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.path),
                                       "--appendonly", "yes", "--save", "", "--daemonize", "no"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -23,7 +23,7 @@ import gate
 import routes
 import state
 import stores
-from config import load_config
+from config import DEFAULTS_DIR, load_config
 from tests.conftest import ROOT, ConfigDir
 
 #: gate-defaults.json with every gate on / off.
@@ -85,7 +85,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     cfg.gates = gates
     cfg.agents = agents
     cfg.write()
-    shutil.copytree(ROOT / ".system_prompt", path / ".system_prompt", dirs_exist_ok=True)
+    shutil.copytree(DEFAULTS_DIR / ".system_prompt", path / ".system_prompt", dirs_exist_ok=True)
     if rate_limits is not None:
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))

@@ -7,8 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +72,7 @@ def write(cdir: Path, name: str, data: Any) -> None:
 def cdir(tmp_path: Path) -> Path:
     """A config dir with its own copies of the shipped files, so every write can be compared."""
     for name in (config.MODELS_FILE, config.ENABLED_FILE, config.GATE_DEFAULTS_FILE):
-        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+        (tmp_path / name).write_bytes((config.DEFAULTS_DIR / name).read_bytes())
     return tmp_path
 
 
@@ -284,7 +282,7 @@ def test_gate_commands(cdir):
     assert gates["db"] == {"*": {"read": True, "write": False, "ddl": False},
                            "__meta__": {"read": True, "write": False, "ddl": False},
                            "users": {"read": False, "write": True, "ddl": False}}
-    shipped = json.loads((ROOT / config.GATE_DEFAULTS_FILE).read_text())
+    shipped = json.loads((config.DEFAULTS_DIR / config.GATE_DEFAULTS_FILE).read_text())
     assert gates["tools"] == {**shipped["tools"], "*": {"read": False, "write": False},
                               "ddgs_search": {"read": True, "write": False}}
     assert as_json(cdir, "gate-list") == {"db": gates["db"], "tools": gates["tools"]}
@@ -300,7 +298,7 @@ def test_gate_commands(cdir):
 def test_gate_set_without_own_gate_defaults_starts_from_the_shipped_file(tmp_path):
     ok(tmp_path, "gate-set", "db_query", "read", "true")
     gates = read(tmp_path, config.GATE_DEFAULTS_FILE)
-    shipped = read(ROOT, config.GATE_DEFAULTS_FILE)
+    shipped = read(config.DEFAULTS_DIR, config.GATE_DEFAULTS_FILE)
     assert gates == {**shipped, "tools": {**shipped["tools"], "db_query": {"read": True, "write": False}}}
 
 
@@ -408,12 +406,13 @@ def test_unknown_fields_and_other_entries_are_kept(cdir):
 
 
 def test_writes_go_to_the_config_dir_and_never_to_the_shipped_files(tmp_path):
-    shipped = {name: (ROOT / name).read_bytes() for name in (config.MODELS_FILE, config.ENABLED_FILE)}
+    shipped = {name: (config.DEFAULTS_DIR / name).read_bytes() for name in (config.MODELS_FILE, config.ENABLED_FILE)}
     ok(tmp_path, "model-context", "local", "70")
     ok(tmp_path, "disable", "plugin_client_api")
-    assert {name: (ROOT / name).read_bytes() for name in shipped} == shipped
+    assert {name: (config.DEFAULTS_DIR / name).read_bytes() for name in shipped} == shipped
     assert read(tmp_path, config.MODELS_FILE)["models"]["local"]["max_context"] == 70
-    assert read(tmp_path, config.MODELS_FILE)["models"].keys() == read(ROOT, config.MODELS_FILE)["models"].keys()
+    shipped_models = read(config.DEFAULTS_DIR, config.MODELS_FILE)["models"]
+    assert read(tmp_path, config.MODELS_FILE)["models"].keys() == shipped_models.keys()
     assert read(tmp_path, config.ENABLED_FILE)["plugin_config"]["plugin_client_api"]["enabled"] is False
     assert not (tmp_path / config.MANIFEST_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [config.MODELS_FILE, config.ENABLED_FILE]
@@ -554,12 +553,8 @@ def test_help_lines_have_no_trailing_padding(cdir):
 
 def test_tab_completes_a_unique_prefix_in_place(cdir, capsys):
     with create_pipe_input() as pipe:
-        def typist() -> None:
-            for keys in ("model-inf", "\t", " local\r", "quit\r"):
-                time.sleep(0.3)
-                pipe.send_text(keys)
-
-        threading.Thread(target=typist, daemon=True).start()
+        # Typed at once, as a fast typist does: one Tab after a unique prefix completes it, before any menu.
+        pipe.send_text("model-i\t local\rquit\r")
         session: PromptSession[str] = PromptSession(input=pipe, output=DummyOutput())
         assert agentctl.AgentCtl(cdir, agentctl.Terminal(session=session), in_prompt=True).prompt() == 0
     out = capsys.readouterr()
@@ -586,6 +581,33 @@ def test_repair_saves_a_broken_file_aside_and_restores_the_default(cdir):
     assert "✓ gate-defaults.json: " in repaired.stdout  # the others are left alone
     (aside,) = cdir.glob("llm-models.json.broken-*")
     assert aside.read_text() == '{"models": {"local": '
-    assert read(cdir, config.MODELS_FILE) == json.loads((ROOT / config.MODELS_FILE).read_text())
+    assert read(cdir, config.MODELS_FILE) == json.loads((config.DEFAULTS_DIR / config.MODELS_FILE).read_text())
     assert ctl(cdir, "models").returncode == 0
     assert json.loads(ctl(cdir, "--json", "repair", config.MODELS_FILE).stdout)["repair"][0]["action"] == "ok"
+
+
+def _documents(text: str) -> list[Any]:
+    decoder, docs, rest = json.JSONDecoder(), [], text.strip()
+    while rest:
+        doc, end = decoder.raw_decode(rest)
+        docs.append(doc)
+        rest = rest[end:].strip()
+    return docs
+
+
+def test_piped_json_prints_one_document_per_command_failed_ones_too(cdir):
+    result = ctl(cdir, "--json", stdin="model-i\nmodels\nmodel-timeout nosuch 5\n")
+    docs = _documents(result.stdout)
+    assert len(docs) == 3 and result.returncode == 1
+    assert docs[0] == {"error": "unknown command 'model-i' (did you mean model-info?); 'help' lists the commands",
+                       "exit_code": 1}
+    assert "local" in json.dumps(docs[1]) and docs[2]["exit_code"] == 1 and "nosuch" in docs[2]["error"]
+
+
+def test_repair_names_every_bad_field(cdir):
+    data = read(cdir, config.MODELS_FILE)
+    data["models"]["local"]["llm_call_timeout"] = "soon"
+    data["models"]["gpt52"]["max_context"] = "many"
+    write(cdir, config.MODELS_FILE, data)
+    out = ok(cdir, "repair", config.MODELS_FILE)
+    assert "models.local.llm_call_timeout" in out and "models.gpt52.max_context" in out

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import budget
-from config import ModelConfig
+from config import DEFAULTS_DIR, ModelConfig
 from tests.conftest import ROOT, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
@@ -106,7 +106,7 @@ def test_the_estimate_is_a_real_tokenizers_count_with_a_margin() -> None:
     samples = {
         "README": (ROOT / "README.md").read_text()[:20_000],
         "code": (ROOT / "agents.py").read_text()[:20_000],
-        "JSON": json.dumps(json.loads((ROOT / "llm-models.json").read_text())),
+        "JSON": json.dumps(json.loads((DEFAULTS_DIR / "llm-models.json").read_text())),
         "CJK": "人工智能代理服务器可以同时服务多个客户端。" * 50,
         "digits": " ".join(str(i * 7919) for i in range(2000)),
         "emoji": "🙂👍🏽🚀 " * 300,

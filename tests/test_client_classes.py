@@ -23,8 +23,8 @@ import gate
 import routes
 import state
 import stores
-from config import load_config
-from tests.conftest import ROOT, ConfigDir, openai_model
+from config import DEFAULTS_DIR, load_config
+from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.runtime import Recorder, add_plugin_tools
 
@@ -61,7 +61,7 @@ async def acme(tmp_path: Path, fake_openai: Any):
     cfg.gates = {"db": {}, "tools": {}}  # everything gated
     cfg.add_plugin("plugin_client_acme", ACME, type_="client_interface")
     cfg.write()
-    shutil.copytree(ROOT / ".system_prompt", tmp_path / ".system_prompt")
+    shutil.copytree(DEFAULTS_DIR / ".system_prompt", tmp_path / ".system_prompt")
     rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
     state.set_current(rt)
     assert rt.plugins is not None

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from config import CODE_DIR, RateLimit
+from config import CODE_DIR, DEFAULTS_DIR, RateLimit
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.drive import FOLDER, FakeDrive
@@ -65,7 +65,7 @@ def test_every_plugin_missing_its_key_the_server_starts_and_says_why(tmp_path, f
 
 async def test_shipped_defaults_keep_keyed_plugins_off(tmp_path, monkeypatch):
     isolate_env(monkeypatch)
-    blocks = json.loads((CODE_DIR / "plugins-enabled.json").read_text())
+    blocks = json.loads((DEFAULTS_DIR / "plugins-enabled.json").read_text())  # shipped, not this checkout's copy
     assert set(DATA_PLUGINS) <= set(blocks["enabled_plugins"])
     configs = {name: blocks["plugin_config"][name] for name in DATA_PLUGINS}
     async with plugin_runtime(tmp_path, configs, {}) as rt:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from database import (
 )
 from shell_client import ShellClient
 from sql import classify_sql
+from tests import needs
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, report
@@ -86,9 +86,9 @@ def mariadb() -> Iterator[RunDatabase]:
     try:
         admin = _connect()
     except pymysql.err.MySQLError as exc:
-        pytest.fail(f"MariaDB is not reachable at {SERVER['host']}:{SERVER['port']} as {SERVER['user']}: {exc}. "
-                    "These tests need a real server: start one (.ci/run does) or point TEST_MYSQL_HOST, "
-                    "TEST_MYSQL_PORT, TEST_MYSQL_USER and TEST_MYSQL_PASS at one.", pytrace=False)
+        needs.absent("mariadb", f"MariaDB is not reachable at {SERVER['host']}:{SERVER['port']} as {SERVER['user']} "
+                                f"({exc}): install and start mariadb-server (.ci/run starts it), or point "
+                                "TEST_MYSQL_HOST, TEST_MYSQL_PORT, TEST_MYSQL_USER and TEST_MYSQL_PASS at one")
     suffix = secrets.token_hex(4)
     db = RunDatabase(f"agent_mcp_test_{suffix}",
                       {role: (f"amcp_{role}_{suffix}", secrets.token_hex(12)) for role in ("rw", "ro")})
@@ -441,11 +441,7 @@ async def test_db_query_as_a_user_without_write_rights(people: RunDatabase, fake
 
 
 def _binary(name: str) -> str:
-    found = shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/bin")
-    if not found:
-        pytest.fail(f"{name} not found: the restart test runs a private MariaDB server; install "
-                    "mariadb-server-core (apt-get install mariadb-server-core)", pytrace=False)
-    return found
+    return needs.program(name, "mariadb", "mariadb-server-core")  # the restart test runs a private server
 
 
 class PrivateMariaDB:

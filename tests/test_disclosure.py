@@ -80,6 +80,12 @@ async def test_the_model_never_learns_where_the_database_is(planted, fake_openai
             "POST /api/v1/submit; agentmcp://sessions; Table 'shop.users' doesn't exist; v1.2.3; ada@example.org",
             "POST /api/v1/submit; agentmcp://sessions; Table 'shop.users' doesn't exist; v1.2.3; ada@example.org",
         ),
+        # The sentence's punctuation after a location stays.
+        (
+            "model 'local' at http://127.0.0.1:11434/v1: the backend answered HTTP 500",
+            "model 'local' at <hidden>: the backend answered HTTP 500",
+        ),
+        ("read /home/u/x.json: bad field; see https://h.example/docs.", "read <hidden>: bad field; see <hidden>."),
         (
             "session llama-10.0.0.1 active at 12:30, mysql:3306 down",
             "session llama-10.0.0.1 active at 12:30, <hidden> down",

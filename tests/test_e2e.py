@@ -156,8 +156,9 @@ async def _attach(server: AgentServer) -> None:
             if ev.name == "done":
                 break
     async with ShellClient(server.url, "second", token=server.token) as c:
-        assert "hello from the attached terminal" in answer(await collect_turn(c, "!session second"))\
-            or True
+        shown = answer(await collect_turn(c, "!session second"))
+    # The message typed after attaching, and its answer, are in session 102 ("second"), not in "first".
+    assert "[102]: second" in shown and "history: 2 messages" in shown
 
 
 def test_attach_switches_sessions_at_once(config_dir, fake_openai, start_server):

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from rich.console import Console
 
+from config import DEFAULTS_DIR
 from shell import ShellClient, ShellEvent, ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
@@ -226,7 +227,7 @@ def test_an_instance_edits_only_its_own_config_dir(tmp_path) -> None:
     """Two instances from one checkout, each with its own config dir and no prompt tree of its own:
     an approved prompt edit on one changes neither the other's prompt nor the checkout's."""
     leaf = Path(".system_prompt") / ".system_prompt_behavior"
-    checkout_before = (ROOT / leaf).read_bytes()
+    checkout_before = (DEFAULTS_DIR / leaf).read_bytes()
     with FakeOpenAI() as gpt:
         servers = []
         for name in ("a", "b"):
@@ -242,7 +243,7 @@ def test_an_instance_edits_only_its_own_config_dir(tmp_path) -> None:
         finally:
             logs = [s.stop() for s in servers]
     assert "Always answer in haiku." in (tmp_path / "a" / leaf).read_text()
-    assert (tmp_path / "b" / leaf).read_bytes() == checkout_before == (ROOT / leaf).read_bytes()
+    assert (tmp_path / "b" / leaf).read_bytes() == checkout_before == (DEFAULTS_DIR / leaf).read_bytes()
     for name, log in zip("ab", logs, strict=True):  # the files the test did not write were created, and said so
         assert f"created in {tmp_path / name} from the shipped defaults: .system_prompt/, mcp-servers.json" in log
 

@@ -21,10 +21,10 @@ import gate
 import shared
 import state
 import stores
-from config import GatePermission, load_config
+from config import DEFAULTS_DIR, GatePermission, load_config
 from plugin_loader import BasePlugin
 from plugins._slack_text import split_message, to_mrkdwn
-from tests.conftest import ROOT, ConfigDir, free_port, openai_model
+from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.fakes.slack import APP_TOKEN, BOT_ID, BOT_TOKEN, BOT_USER_ID, FakeSlack, Message
@@ -516,6 +516,6 @@ def test_the_server_answers_slack_and_serves_health_on_the_plugin_port(config_di
 
 
 def test_the_shipped_configuration_has_the_slack_bot_switched_off():
-    shipped = json.loads((ROOT / "plugins-enabled.json").read_text())
+    shipped = json.loads((DEFAULTS_DIR / "plugins-enabled.json").read_text())
     assert "plugin_client_slack" in shipped["enabled_plugins"]
     assert shipped["plugin_config"]["plugin_client_slack"]["enabled"] is False

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from config import DEFAULTS_DIR
 from prompt import PromptError, PromptTree
-from tests.conftest import ROOT
 
 
 def tree(d: Path, files: dict[str, str]) -> PromptTree:
@@ -86,7 +86,7 @@ def test_edits_rewrite_the_file_and_refuse_containers(tmp_path):
 
 
 def test_tool_sections_are_sent_only_for_bound_tools():
-    tree = PromptTree(ROOT / ".system_prompt").load()
+    tree = PromptTree(DEFAULTS_DIR / ".system_prompt").load()
     full = tree.assemble()
     assert "## tool-db-query: db_query" in full and "## tool-ddgs-search: ddgs_search" in full
     core = tree.assemble(["get_system_info", "db_query"])

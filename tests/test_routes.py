@@ -200,10 +200,43 @@ async def test_plugin_command_signature_and_conflicts(rt):
     async def hello(args: str) -> str:
         return f"hello {state.current_turn().client_id} {args}"
 
-    rt.commands["hello"] = plugin_loader.as_command(hello, "plugin_x")
-    out, _ = await turn(rt, "!HELLO there")
-    assert out == "hello c1 there"
-    await asyncio.sleep(0)
+    async def who(turn: state.Turn, args: str) -> str:
+        return f"{turn.client_id} asked {args}"
+
+    class Commands(plugin_loader.BasePlugin):
+        PLUGIN_TYPE = "data_tool"
+
+        def __init__(self, name: str, commands: dict) -> None:
+            super().__init__()
+            self.PLUGIN_NAME, self.commands = name, commands
+
+        def init(self, config):
+            return True
+
+        def shutdown(self):
+            pass
+
+        def get_tools(self):
+            return {"lc": []}
+
+        def get_commands(self):
+            return self.commands
+
+    loader = plugin_loader.PluginLoader(rt)
+    loader._register("plugin_x", Commands("plugin_x", {"!HELLO": hello, "who": who}))
+    # Both signatures work, whatever the case of the name: (args) and (turn, args).
+    assert (await turn(rt, "!hello there"))[0] == "hello c1 there"
+    assert (await turn(rt, "!WHO me"))[0] == "c1 asked me"
+    # A command that a core module or another plugin already provides is refused, naming the owner, and
+    # none of the refused plugin's commands is registered (not even those that did not conflict).
+    with pytest.raises(ValueError, match=r"!hello is already provided by plugin_x"):
+        loader._register("plugin_y", Commands("plugin_y", {"fresh": hello, "hello": who}))
+    with pytest.raises(ValueError, match=r"!reset is already provided by "):
+        loader._register("plugin_z", Commands("plugin_z", {"reset": hello}))
+    assert "fresh" not in rt.commands and rt.commands["hello"].owner == "plugin_x"
+    assert rt.commands["reset"].owner != "plugin_z"
+    with pytest.raises(TypeError, match="async handler"):
+        loader._register("plugin_w", Commands("plugin_w", {"sync": lambda args: args}))
 
 
 async def _collect(events) -> tuple[str, list[state.Event]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from api_client import AgentClient
 from shell import ShellClient
+from tests import needs
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.redis_help import OwnRedis
@@ -272,8 +272,7 @@ def _nginx(tmp_path: Path, pair: list[AgentServer]) -> tuple[subprocess.Popen[by
     """Debian's nginx with the documented site file, its upstreams pointed at the two instances, and the API
     and the proxy behind copies of its shell block, as docs/architecture.md says: (nginx, its port for each of
     "shell", "mcp", "api", "proxy")."""
-    binary = shutil.which("nginx") or "/usr/sbin/nginx"
-    assert Path(binary).exists(), "nginx is not installed (.ci/run installs Debian's nginx)"
+    binary = needs.program("nginx", "nginx", "nginx-light")
     shipped = NGINX_SITE.read_text()
     shell_part = shipped[:shipped.index("# The MCP server")]
     listen = {door: free_port() for door in ("shell", *DOORS)}

@@ -58,6 +58,7 @@ class FakeServer:
         self.drops = 0
         self.submits: list[dict[str, Any]] = []
         self.gate_responses: list[dict[str, Any]] = []
+        self.stops: list[str] = []
         self.stream_requests: list[tuple[str, str | None]] = []
         self.auth_headers: list[str | None] = []
         self.open_streams: Counter[str] = Counter()
@@ -152,6 +153,16 @@ class FakeServer:
             await self.on_gate(body["gate_id"], body["decision"])
         return JSONResponse({"status": "OK"})
 
+    async def stop(self, request: Request) -> Response:
+        """As the real endpoint: the stopped turn says [stopped] and ends with done before the answer."""
+        if denied := self._denied(request):
+            return denied
+        client_id = (await request.json())["client_id"]
+        self.stops.append(client_id)
+        await self.push(client_id, "status", {"text": "[stopped]", "stopped": True})
+        await self.push(client_id, "done")
+        return JSONResponse({"status": "OK", "cancelled": True})
+
     async def health(self, request: Request) -> Response:
         if denied := self._denied(request):
             return denied
@@ -182,6 +193,7 @@ class FakeServer:
                 Route("/submit", self.submit, methods=["POST"]),
                 Route("/stream", self.stream),
                 Route("/gate_response", self.gate_response, methods=["POST"]),
+                Route("/stop", self.stop, methods=["POST"]),
                 Route("/health", self.health),
                 Route("/sessions", self.list_sessions),
                 Route("/session/{sid}", self.delete_session, methods=["DELETE"]),
@@ -574,11 +586,20 @@ async def test_ui_gate_timeout_and_interrupt(fake: FakeServer, client: ShellClie
         ("tok", {"text": "partial "}),
         ("gate", {"gate_id": "g2", "tool_name": "db_query", "tool_args": {}}),
     )
+    await ui.handle_key("c-c")  # stops the turn on the server (its gate ends with it)
+    assert not ui.busy and not ui.pending_gates
+    assert fake.stops == [client.client_id] and fake.gate_responses == []
+    # What the stopped turn still sends up to its done never prints; the next turn's events do.
+    await _feed(ui, ("tok", {"text": "rest of it"}), ("status", {"text": "[stopped]", "stopped": True}), ("done", {}))
+    ui.begin_turn()
+    await _feed(ui, ("tok", {"text": "next answer"}), ("done", {}))
+    shown = out.getvalue()
+    assert "partial" in shown and "stopped: the turn was cancelled (Ctrl-C)" in shown and "next answer" in shown
+    assert "rest of it" not in shown and "[stopped]" not in shown
+    # With no turn of this window running, Ctrl-C rejects a pending gate (of another window's turn).
+    await _feed(ui, ("gate", {"gate_id": "g3", "tool_name": "db_query", "tool_args": {}}))
     await ui.handle_key("c-c")
-    assert not ui.busy
-    assert fake.gate_responses == [{"gate_id": "g2", "decision": "reject"}]
-    await _feed(ui, ("tok", {"text": "rest of it"}), ("done", {}))
-    assert "stopped waiting" in out.getvalue() and "rest of it" in out.getvalue()
+    assert fake.gate_responses == [{"gate_id": "g3", "decision": "reject"}] and fake.stops == [client.client_id]
 
 
 async def test_ui_forgets_gates_the_server_no_longer_waits_for(fake: FakeServer, client: ShellClient) -> None:
@@ -724,10 +745,12 @@ async def test_shell_attach_and_delete_current_session(fake: FakeServer, tmp_pat
     fake.add_session("client-b", model="m2")
 
     async def on_submit(client_id: str, text: str) -> None:
-        if text.startswith("!session") and text.endswith("delete"):
-            fake.sessions.pop(client_id, None)
         await fake.push(client_id, "tok", {"text": f"ok: {text}"})
         await fake.push(client_id, "done")
+        if text.startswith("!session") and text.endswith("delete"):  # as the server: gone after the answer
+            fake.sessions.pop(client_id, None)
+            await fake.push(client_id, "status", {"text": "[session] this session (102) was deleted; …",
+                                                  "session_deleted": True})
 
     fake.on_submit = on_submit
     async with running_shell(fake, session_file) as (sh, term):
@@ -743,6 +766,44 @@ async def test_shell_attach_and_delete_current_session(fake: FakeServer, tmp_pat
     text = term.out.getvalue()
     assert "attached to session client-b (#102)" in text
     assert "ok: hi" in text and "ok: after" in text and "now using a new session" in text
+    assert "this session (102) was deleted" not in text  # this window did it, and has moved on
+
+
+async def test_shell_session_new_starts_an_empty_session_and_keeps_the_old(fake: FakeServer, tmp_path: Path) -> None:
+    session_file = tmp_path / "sid"
+    session_file.write_text("client-a")
+    fake.add_session("client-a")
+    fake.on_submit = _answer(fake, "ok")
+    async with running_shell(fake, session_file) as (sh, term):
+        term.feed("before", "!session new", "after", "!exit")
+        assert await asyncio.wait_for(sh.run(), 10) == 0
+    new_id = session_file.read_text().strip()
+    assert uuid.UUID(new_id).version == 4
+    assert [(s["client_id"], s["text"]) for s in fake.submits] == [("client-a", "before"), (new_id, "after")]
+    assert "client-a" in fake.sessions  # nothing was deleted
+    assert "!session client-a attach goes back" in term.out.getvalue()
+
+
+async def test_ui_tells_a_window_its_session_was_deleted_elsewhere(client: ShellClient) -> None:
+    console, out = _console()
+    ui = ShellUI(console, client)
+    await _feed(ui, ("status", {"text": "[session] this session (101) was deleted; the next message here starts a "
+                                        "new, empty one", "session_deleted": True}))
+    assert "this session (101) was deleted" in out.getvalue()
+
+
+async def test_ui_shows_another_windows_command_output_with_its_line_breaks(client: ShellClient) -> None:
+    console, out = _console()
+    ui = ShellUI(console, client)
+    ui.begin_turn(text="a question")  # this window's own turn first: rendered as Markdown
+    await _feed(ui, ("user", {"text": "a question"}), ("tok", {"text": "one\ntwo"}), ("done", {}))
+    await _feed(ui, ("user", {"text": "!session"}), ("tok", {"text": "Active sessions:\n  ID [101] a\n  ID [102] b"}),
+                ("done", {}))
+    await _feed(ui, ("user", {"text": "and you?"}), ("tok", {"text": "three\nfour"}), ("done", {}))
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert "one two" in lines  # a model's answer: Markdown joins its lines
+    assert ["Active sessions:", "  ID [101] a", "  ID [102] b"] == lines[lines.index("Active sessions:"):][:3]
+    assert "three four" in lines  # the next chat answer of the other window: Markdown again
 
 
 async def test_shell_gate_keys_and_ctrl_c(fake: FakeServer, tmp_path: Path) -> None:
@@ -784,11 +845,12 @@ async def test_shell_gate_keys_and_ctrl_c(fake: FakeServer, tmp_path: Path) -> N
         await asyncio.wait_for(seen["tok"].wait(), 5)
         seen["tok"].clear()
         await asyncio.wait_for(seen["tok"].wait(), 5)  # "thinking…" of the second turn
-        term.keys.put_nowait("c-c")  # no done will come: Ctrl-C gives the prompt back
+        term.keys.put_nowait("c-c")  # no done will come by itself: Ctrl-C stops the turn
         assert await asyncio.wait_for(run, 10) == 0
     assert fake.gate_responses == [{"gate_id": "g1", "decision": "allow_session"}]
     text = term.out.getvalue()
-    assert "DROP TABLE t" in text and "gate said allow_session" in text and "stopped waiting" in text
+    assert "DROP TABLE t" in text and "gate said allow_session" in text and "the turn was cancelled" in text
+    assert fake.stops == [fake.submits[-1]["client_id"]]
 
 
 async def test_shell_without_token_says_how_to_pass_one(tmp_path: Path) -> None:

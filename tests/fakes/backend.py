@@ -389,7 +389,10 @@ class FakeBackend(ThreadedServer):
             reply = self.default_reply(recorded)
         if isinstance(reply, HangReply):
             await self._wait_stop(reply.seconds)
-            reply = self.default_reply(recorded)
+            silent, reply = reply.seconds, self.default_reply(recorded)
+            if isinstance(reply, HangReply):  # a person's `HANG n` line again: say what happened, never hang twice
+                reply = text(*words(f"(sent nothing for {silent:g} s, less than the model's llm_call_timeout, so "
+                                    "the turn went on: HANG more seconds than that timeout to see it end the turn)"))
         if isinstance(reply, ToolCallsReply) and reply.hold is not None:
             await self._wait_hold(reply.hold)
         if isinstance(reply, ErrorReply):
