@@ -37,7 +37,7 @@ import routes
 import shared
 import state
 from audit_chain import AuditError
-from config import CODE_DIR, SECRET_NAME, AppConfig, ConfigError, load_config, own_copies, secret_values
+from config import CODE_DIR, AppConfig, ConfigError, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
 from plugin_loader import BasePlugin
 from prompt import PROMPT_DIR
