@@ -19,6 +19,7 @@ from config import load_config
 from tests.conftest import ConfigDir, gemini_model, openai_model
 from tests.fakes.backend import error, hang, malformed, text, tool_call
 from tests.runtime import SHIPPED_NAMESPACES, entry, shell_payload
+from tests.waiting import until
 
 
 @pytest.fixture
@@ -244,17 +245,22 @@ async def _collect(events) -> tuple[str, list[state.Event]]:
     return "".join(e.data.get("text", "") for e in got if e.name == "tok"), got
 
 
+def _queued(session: state.Session) -> int:
+    """How many requests wait for `session`'s lock (asyncio keeps its waiters in `_waiters`)."""
+    return len(session.lock._waiters or ()) if session.lock.locked() else 0
+
+
 async def test_run_turn_queues_requests_on_one_session_each_with_its_own_answer(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("first ", "answer", hold=hold))
     first = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "one")))
     second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "two")))
-    for _ in range(200):  # the first reaches the model (its chat client is built on first use)
-        if fake_openai.requests:
-            break
-        await asyncio.sleep(0.025)
-    await asyncio.sleep(0.2)
-    assert len(fake_openai.requests) == 1  # the second waits for the session, it does not cancel the first
+    await until(lambda: bool(fake_openai.requests), "the first request at the model")  # its client is built first
+    session = rt.sessions.get("c1")
+    assert session is not None
+    await until(lambda: _queued(session) == 1, "the second request waiting for the session")
+    # The second waits for the session: it neither reached the model nor cancelled the first.
+    assert len(fake_openai.requests) == 1 and not first.done() and session.running is not None
     hold.set()
     (out1, ev1), (out2, ev2) = await asyncio.gather(first, second)
     assert (out1, out2) == ("first answer", "echo: two")
@@ -268,9 +274,11 @@ async def test_run_turn_cancels_its_request_when_the_caller_leaves(rt, fake_open
     fake_openai.script(text("partial ", "rest", hold=hold))
     events = routes.run_turn(rt, "c1", "slow")
     assert [(await anext(events)).data["text"] for _ in range(2)] == ["slow", "partial "]
-    await events.aclose()
+    (task,) = rt.active_tasks["c1"]
+    await events.aclose()  # cancels the request, which the held model answer cannot outrun
     hold.set()
-    await asyncio.sleep(0.1)
+    await asyncio.wait([task], timeout=60)
+    assert task.cancelled()
     assert "c1" not in rt.active_tasks and rt.sessions.get("c1").history == []
     out, _ = await turn(rt, "next")
     assert out == "echo: next"
@@ -293,7 +301,9 @@ async def test_a_stopping_server_ends_the_running_and_the_waiting_turns_with_err
     first = routes.run_turn(rt, "c1", "slow")  # as the proxy, Slack and MCP send: queued
     assert [(await anext(first)).data["text"] for _ in range(2)] == ["slow", "partial "]
     second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "waiting")))
-    await asyncio.sleep(0.1)  # the second waits for the session
+    session = rt.sessions.get("c1")
+    assert session is not None
+    await until(lambda: _queued(session) == 1, "the second request waiting for the session")
     await routes.end_all(rt)
     hold.set()
     _, rest = await _collect(first)
