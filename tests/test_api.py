@@ -34,6 +34,7 @@ from shell import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -283,10 +284,8 @@ async def test_a_client_written_like_the_originals_works_unmodified(api) -> None
     api.gpt.script(text("never ", "finished", hold=release))
     try:
         streaming = asyncio.ensure_future(client.stream("a long story"))
-        for _ in range(100):
-            if api.gpt.requests and api.gpt.requests[-1].last_user_text == "a long story":
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: bool(api.gpt.requests) and api.gpt.requests[-1].last_user_text == "a long story",
+                    "the turn's request at the model")
         assert (await client.stop())["cancelled"] is True
         assert "".join(await asyncio.wait_for(streaming, 10)) == "never "
     finally:
@@ -519,10 +518,7 @@ async def test_agent_client_says_a_turn_was_interrupted_by_a_restart(tmp_path, m
                     pieces.append(piece)
 
             task = asyncio.ensure_future(follow())
-            for _ in range(200):
-                if pieces:
-                    break
-                await asyncio.sleep(0.05)
+            await until(lambda: bool(pieces), "the first piece of the answer")
             assert server.proc is not None
             server.proc.kill()  # kill -9
             await asyncio.to_thread(server.stop)

@@ -242,7 +242,8 @@ async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_
             async for ev in sub:
                 if ev.turn == ran.id and routes.ends_turn(ev):
                     break
-        await asyncio.sleep(0.2)  # A's turn has cleaned up (its last save would come now)
+        await asyncio.wait([ran.task], timeout=60)  # A's turn has cleaned up (its last save would come by now)
+        assert ran.task.done()
         assert not await a.sessions.exists("c1") and a.sessions.get("c1") is None
         await b.sessions.refresh()
         assert b.sessions.all() == []
