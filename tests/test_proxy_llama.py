@@ -33,6 +33,7 @@ from plugins.plugin_proxy_llama import LlamaProxyPlugin
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -672,10 +673,12 @@ def test_identical_conversations_of_two_users_are_two_sessions(proxy):
 
 
 async def test_sixteen_new_conversations_run_concurrently(proxy):
-    """A reply takes 0.6 s; 16 conversations from one address, at once, take about that long (one
-    session per address would queue them: ~10 s)."""
-    proxy.gpt.script(*[text("slow ", "answer", delay=0.6) for _ in range(17)])
-    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    """16 new conversations from one address, at once, are answered side by side: all 16 reach the model
+    while every answer is still held there (one session per address would queue them: one at a time)."""
+    release = threading.Event()
+    proxy.gpt.script(*[text("slow ", "answer", hold=release) for _ in range(16)])
+    before = await asyncio.to_thread(proxy.sessions)
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
     async def chat(i: int) -> str:
         stream = await client.chat.completions.create(
@@ -683,16 +686,20 @@ async def test_sixteen_new_conversations_run_concurrently(proxy):
         return "".join([c.choices[0].delta.content or "" async for c in stream])
 
     try:
-        started = time.monotonic()
-        await chat(99)
-        one = time.monotonic() - started
-        started = time.monotonic()
-        answers = await asyncio.gather(*(chat(i) for i in range(16)))
-        sixteen = time.monotonic() - started
+        chats = [asyncio.create_task(chat(i)) for i in range(16)]
+        try:
+            await until(lambda: len(proxy.gpt.requests) == 16 or any(c.done() for c in chats),
+                        "all 16 conversations at the model at once")
+            assert not any(c.done() for c in chats)  # none was answered yet: the model holds every answer
+        finally:
+            release.set()
+        answers = await asyncio.gather(*chats)
     finally:
         await client.close()
+    assert sorted(r.last_user_text for r in proxy.gpt.requests) == sorted(f"conversation {i}" for i in range(16))
     assert answers == ["slow answer"] * 16
-    assert sixteen < one + 3, (one, sixteen)  # generous: fails only when they queue
+    made = await asyncio.to_thread(_new_sessions, proxy, before)
+    assert len(made) == 16 and {v["history_length"] for v in made.values()} == {2}
 
 
 def test_sessions_by_address_keeps_one_session_per_host(tmp_path):
@@ -830,7 +837,7 @@ async def test_the_first_request_after_start_finds_everything_built(tmp_path):
                         await asyncio.sleep(0.005)
 
             poller = asyncio.create_task(poll())
-            await asyncio.sleep(0.1)
+            await until(lambda: bool(gaps), "the first /health answer")
             async with openai.AsyncOpenAI(base_url=p.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
                 answer = await client.chat.completions.create(model=AGENT, messages=HI)
             done.set()
