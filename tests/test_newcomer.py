@@ -25,6 +25,7 @@ from shell import ShellClient, ShellEvent, ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
+from tests.waiting import DEADLINE, until
 
 pytestmark = pytest.mark.slow
 
@@ -253,34 +254,37 @@ def test_a_shell_waiting_for_a_turn_the_restart_killed_gets_its_prompt_back(tmp_
     release = threading.Event()
     with FakeOpenAI() as gpt:
         cfg = ConfigDir(tmp_path)
-        cfg.models = {"gpt": openai_model(gpt)}
-        agent = AgentServer(cfg.write()).start()
+        cfg.models = {"gpt": openai_model(gpt, llm_call_timeout=600)}  # the held answer never times out first
+        agent = AgentServer(cfg.write()).start(wait=False)
+        agent.wait_ready(DEADLINE)  # a loaded machine starts slowly, never this slowly
         gpt.script(text("half ", "of it", hold=release))
         out = io.StringIO()
 
         async def scenario() -> bool:
             async with ShellClient(agent.url, "restarted", token=agent.token) as client:
-                await client.connect(max_wait=10)
+                assert await client.connect(max_wait=DEADLINE)
                 ui = ShellUI(Console(file=out, width=160), client)
                 client.on_state = ui.connection_changed
                 ui.begin_turn(text="tell me")
                 await client.submit("tell me")
 
+                seen: list[str] = []
+
                 async def draw() -> None:
                     async for ev in client.events():
+                        seen.append(ev.name)
                         await ui.handle_event(ev)
 
                 drawing = asyncio.ensure_future(draw())
-                for _ in range(200):
-                    if "half" in out.getvalue():
-                        break
-                    await asyncio.sleep(0.05)
+                # The turn is under way: its first token reached the shell (the model holds the rest).
+                await until(lambda: "tok" in seen, "the turn's first token at the shell")
                 assert agent.proc is not None
                 agent.proc.kill()  # kill -9
                 await asyncio.to_thread(agent.stop)
-                await asyncio.to_thread(agent.start)
+                await asyncio.to_thread(agent.start, False)
+                await asyncio.to_thread(agent.wait_ready, DEADLINE)
                 try:
-                    await asyncio.wait_for(ui.wait_idle(), 30)
+                    await asyncio.wait_for(ui.wait_idle(), DEADLINE)
                     return ui.busy
                 finally:
                     drawing.cancel()
