@@ -24,6 +24,7 @@ from tests.redis_help import OwnRedis
 from tests.runtime import ALL_GATED
 from tests.test_mcp_server import PENDING, call_json, connect, next_note, read_json, subscribe
 from tests.turns import answer, collect_turn, run_turn
+from tests.waiting import until, until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "scale-test-token-0123456789abcdef"
@@ -195,12 +196,13 @@ def test_the_instance_running_a_turn_killed_or_stopped_ends_it_on_the_other(pair
             async with ShellClient(a.url, "victim", token=TOKEN) as on_a:
                 await on_a.submit("a question nobody will answer")
             await _until(on_b.events(), ("user",))
-            await asyncio.sleep(0.5)  # the model call is under way on A
+            await until(lambda: any(r.last_user_text == "a question nobody will answer" for r in fake_openai.requests),
+                        "the model call under way on A")
             assert a.proc is not None
             a.proc.send_signal(how)
-            if how == signal.SIGTERM:
-                await asyncio.sleep(0.2)
-                a.proc.send_signal(how)  # stop waiting for the turn (it would never finish)
+            if how == signal.SIGTERM:  # once A drains (it logs so), stop waiting for the turn: it would never end
+                await until(lambda: any("stopping: waiting up to" in line for line in a._lines), "A's drain")
+                a.proc.send_signal(how)
             killed = time.monotonic()
             events = await _until(on_b.events(), seconds=20)
             return events, time.monotonic() - killed
@@ -210,10 +212,8 @@ def test_the_instance_running_a_turn_killed_or_stopped_ends_it_on_the_other(pair
     assert "the turn was interrupted" in events[0].data["message"] and seconds < (10 if how == signal.SIGKILL else 2)
     rows = httpx.get(f"{b.url}/sessions", params={"client_id": "victim"}, headers=b.auth, timeout=10).json()
     assert rows["sessions"][0]["history_length"] == 1 and rows["sessions"][0]["running"] is False
-    deadline = time.monotonic() + 10  # the dead instance drops out of the count (a stopped one left at once)
-    while b.health()["instances"] != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    # The dead instance drops out of the count (a stopped one left at once).
+    until_sync(lambda: b.health()["instances"] == 1, "B counting one instance")
     run_turn(b, "victim", "are you there?")
     sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
     assert sent == ["a question nobody will answer", "are you there?"]
@@ -507,8 +507,8 @@ def test_a_rolling_restart_behind_nginx_answers_every_message(tmp_path, pair, fa
                     print("TURN", n, [(e.id, e.name, e.data) for e in events])
 
     async def restart() -> None:
-        for server in (a, b):
-            await asyncio.sleep(1)
+        for server in (a, b):  # each once the conversation is under way through the instances still up
+            await until(lambda heard=len(answers): len(answers) >= min(heard + 2, 24), "two more answers")
             assert server.proc is not None
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(server.proc.wait, 60)
