@@ -29,8 +29,8 @@ import db_roles
 import gate
 import sql as sql_module
 import state
+from config import DEFAULTS_DIR
 from database import Database, DatabaseSettings, query_text, read_accounts
-from tests.conftest import ROOT
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
 from tests.runtime import SHIPPED_NAMESPACES, execute, with_events
 from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
@@ -41,7 +41,7 @@ SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
           "user": os.environ.get("TEST_MYSQL_USER", "root"),
           "password": os.environ.get("TEST_MYSQL_PASS", "")}
 PLUGIN = "plugin_database_mysql"
-SHIPPED = {"db": json.loads((ROOT / "gate-defaults.json").read_text())["db"], "tools": {}}
+SHIPPED = {"db": json.loads((DEFAULTS_DIR / "gate-defaults.json").read_text())["db"], "tools": {}}
 USERS_RW = {"db": {**SHIPPED["db"], "users": {"read": True, "write": True, "ddl": False}}, "tools": {}}
 VICTIMS = ("secrets", "Users", "outfile", "dumpfile", "dual")
 PROXY_CLIENT = "llama-10.0.0.9"  # a client class that cannot ask a person: only policy runs
