@@ -260,13 +260,19 @@ async def process_request(
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
     turn = gate.new_turn(rt, client_id, payload, turn_id)
     untrack = _track(rt, client_id)
-    cancelled = started = False
+    cancelled = started = done = False
+
+    def end_turn() -> None:  # while the session is still held: see SessionManager.hold
+        nonlocal done
+        rt.hub.done(client_id)
+        done = True
+
     with state.running(turn):
         try:
             # Added without awaiting, so requests take the session in the order they arrived.
             session, _ = rt.sessions.get_or_add(client_id, model, turn.kind)
             turn.session = session
-            async with rt.sessions.hold(session, turn.id) as created:  # saved (user message first) as it ends
+            async with rt.sessions.hold(session, turn.id, end_turn) as created:  # saved (user message first) as it ends
                 started = True
                 why = await rt.sessions.take_gone(client_id) if created else None
                 if why is not None:
@@ -303,7 +309,7 @@ async def process_request(
             rt.hub.error(client_id, f"internal error{detail}")
         finally:
             untrack()
-            if not cancelled:
+            if not cancelled and not done:
                 rt.hub.done(client_id)
             if turn.ends_session and rt.sessions.get(client_id) is turn.session:
                 # After its answer and `done` reached every window: the one that asked already knows.

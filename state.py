@@ -416,26 +416,33 @@ class SessionManager:
         return True
 
     @contextlib.asynccontextmanager
-    async def hold(self, session: Session, turn_id: str) -> AsyncIterator[bool]:
+    async def hold(self, session: Session, turn_id: str,
+                   ended: Callable[[], None] | None = None) -> AsyncIterator[bool]:
         """Hold `session` for one request; yields whether the session is new.
 
         Requests on a session run one at a time, in the order they asked (on every instance of a
         shared store: the store's lease, and the session is read again once held). While held, the
         session is stored marked `running`, so a request that dies with its process is found and
-        ended (`recover`); on leaving it is saved, unless it was removed meanwhile.
+        ended (`recover`); on leaving it is saved, unless it was removed meanwhile. `ended` runs
+        after that save and before the session is let go, when the request finished without an
+        exception: its `done` then comes before anything the next request (on any instance) says.
         """
         async with session.lock, self.store.lease(session.client_id, turn_id):
             created = await self._reload(session) if self.store.shared else session.client_id in self._unsaved
             if session.running and self.interrupted is not None:
                 self.interrupted(session.client_id, session.running)  # its process died; say so first
             session.running = turn_id
+            finished = False
             try:
                 await self.save(session)
                 yield created
+                finished = True
             finally:
                 session.running = None
                 if self._sessions.get(session.client_id) is session:
                     await self.save(session)
+                if finished and ended is not None:
+                    ended()
 
     async def recover(self) -> list[str]:
         """End the requests whose process died while they ran (see `hold`): `interrupted` tells their
