@@ -14,7 +14,8 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import routes
 import state
@@ -168,6 +169,42 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
     except ValidationError as exc:
         problems = field_problems(exc, "body")
         raise BadRequest(400, f"invalid request: {problems}") from None
+
+
+def whole_body(app: ASGIApp, max_bytes: int = MAX_BODY) -> ASGIApp:
+    """`app` (one whose own body reading we do not control, such as the MCP SDK's) behind a reader
+    that takes the whole request body first: a body cut short is one log line and a 400, one over
+    `max_bytes` a 413, never the app's 500 and traceback; the app then reads the body from memory."""
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                client = (scope.get("client") or ("?",))[0]
+                logger.info("%s %s from %s: the client went away before its body was complete (%d bytes)",
+                            scope.get("method"), scope.get("path"), client, size)
+                await JSONResponse({"error": "the request body ended before it was complete; send the whole "
+                                             "body"}, status_code=400)(scope, receive, send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                await JSONResponse({"error": f"request body is over {max_bytes} bytes; the limit is {max_bytes}"},
+                                   status_code=413)(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        whole: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return whole.pop() if whole else await receive()
+
+        await app(scope, replay, send)
+    return wrapped
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

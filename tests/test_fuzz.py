@@ -527,3 +527,36 @@ async def _settle(server: Server) -> None:
     tasks = [t for group in server.rt.active_tasks.values() for t in group if not t.done()]
     if tasks:
         await asyncio.wait(tasks, timeout=REQUEST_LIMIT)
+
+
+def test_a_body_cut_short_is_a_400_on_every_post_route(tmp_path, fake_openai, slack) -> None:
+    """Every POST route of every listener (the MCP SDK's too), half a body and the client gone: a 4xx and
+    one log line, never a 5xx or a traceback (the fuzz draws this case only now and then)."""
+    server = Server(tmp_path, fake_openai, slack)
+    records: list[logging.LogRecord] = []
+    catch = _Catch(records)
+    logging.getLogger().addHandler(catch)
+    body = b'{"text": "hello", "client_id": "cut", "jsonrpc": "2.0", "id": 1, "method": "tools/list"}'
+    tried = []
+    try:
+        with asyncio.Runner() as runner:
+            try:
+                runner.run(server.start())
+                for target in server.targets:
+                    for path, methods in target.paths:
+                        if "POST" not in methods or "{" in path:
+                            continue
+                        headers = [(b"host", f"127.0.0.1:{target.port}".encode()),
+                                   (b"content-type", b"application/json"),
+                                   (b"accept", b"application/json, text/event-stream"),
+                                   (b"content-length", str(len(body)).encode()),
+                                   *((k.lower().encode(), v.encode()) for k, v in target.auth.items())]
+                        answer = runner.run(send(target.app, "POST", path, b"", headers, body, target.port, cut=True))
+                        tried.append(f"{target.name} {path}")
+                        assert not answer.problem and 400 <= answer.status < 500, (target.name, path, answer)
+            finally:
+                runner.run(server.stop())
+    finally:
+        logging.getLogger().removeHandler(catch)
+    assert any(t.startswith("plugin_client_mcp ") for t in tried) and len(tried) >= 5, tried
+    assert not records, [f"{r.levelname} {r.name}: {r.getMessage()[:200]}" for r in records]
