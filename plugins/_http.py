@@ -171,13 +171,22 @@ async def read_json(request: Request, model: type[M], max_bytes: int = MAX_BODY)
         raise BadRequest(400, f"invalid request: {problems}") from None
 
 
-def whole_body(app: ASGIApp, max_bytes: int = MAX_BODY) -> ASGIApp:
+class WholeBody:
     """`app` (one whose own body reading we do not control, such as the MCP SDK's) behind a reader
     that takes the whole request body first: a body cut short is one log line and a 400, one over
-    `max_bytes` a 413, never the app's 500 and traceback; the app then reads the body from memory."""
-    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+    `max_bytes` a 413, never the app's 500 and traceback; the app then reads the body from memory.
+    Its `routes` are the app's, so a Mount of it lists them like a Mount of the app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY):
+        self.app, self.max_bytes = app, max_bytes
+
+    @property
+    def routes(self) -> list[Any]:
+        return list(getattr(self.app, "routes", []))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
-            await app(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -191,9 +200,9 @@ def whole_body(app: ASGIApp, max_bytes: int = MAX_BODY) -> ASGIApp:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > max_bytes:
-                await JSONResponse({"error": f"request body is over {max_bytes} bytes; the limit is {max_bytes}"},
-                                   status_code=413)(scope, receive, send)
+            if size > self.max_bytes:
+                await JSONResponse({"error": f"request body is over {self.max_bytes} bytes; the limit is "
+                                             f"{self.max_bytes}"}, status_code=413)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -203,8 +212,7 @@ def whole_body(app: ASGIApp, max_bytes: int = MAX_BODY) -> ASGIApp:
         async def replay() -> Message:
             return whole.pop() if whole else await receive()
 
-        await app(scope, replay, send)
-    return wrapped
+        await self.app(scope, replay, send)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

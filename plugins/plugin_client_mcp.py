@@ -226,7 +226,7 @@ class McpServerPlugin(BasePlugin):
                 "allowed_origins": self.cfg.allowed_origins}
 
     def get_routes(self) -> list[Any]:
-        return [Mount("/", app=_http.whole_body(self.app))]  # a body cut short: a 400, not the SDK's 500
+        return [Mount("/", app=_http.WholeBody(self.app))]  # a body cut short: a 400, not the SDK's 500
 
     def get_help(self) -> str:
         return (f"MCP server on http://{self._url_host()}:{self.cfg.port}/mcp (bearer tokens from {self.token_path}; "
