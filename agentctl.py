@@ -61,6 +61,7 @@ from config import (
     ModelConfig,
     RateLimit,
     atomic_write,
+    load_env,
     read_json,
     shipped_path,
     validate_data,
@@ -386,6 +387,10 @@ class AgentCtl(DbCommands):
         if any(r["action"] in ("repaired", "created") for r in report):
             self.term.say(RESTART, style="dim")
 
+    def _data_dir(self) -> Path:
+        """The data dir, read from the environment and `.env` only (repair runs when config files do not load)."""
+        return Path(load_env(self.config_dir).get("AGENT_DATA_DIR") or self.config_dir / "data")
+
     def _repair(self, name: str) -> dict[str, Any]:
         target = self.config_dir / name
         own = target.exists()
@@ -402,6 +407,9 @@ class AgentCtl(DbCommands):
         if default is None:
             return {"file": name, "action": "failed", "detail": f"{problem}; no valid default to restore it from "
                     f"({shipped_path(name)}: restore it with git checkout or reinstall)"}
+        if name in agentctl_remote.SERVER_OWNED and agentctl_remote.server_holds_log(self._data_dir()):
+            return {"file": name, "action": "failed", "detail": f"{problem}; the running server owns this file "
+                    "and writes it: stop the server, then repair it (nothing was changed)"}
         saved = None
         if own:
             saved = target.with_name(f"{name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")

@@ -611,3 +611,19 @@ def test_repair_names_every_bad_field(cdir):
     write(cdir, config.MODELS_FILE, data)
     out = ok(cdir, "repair", config.MODELS_FILE)
     assert "models.local.llm_call_timeout" in out and "models.gpt52.max_context" in out
+
+
+def test_repair_leaves_a_file_the_running_server_owns_alone(cdir):
+    """While a server runs (it holds the audit log's lock), repair does not rewrite the files it owns and writes."""
+    import fcntl
+
+    import grants
+
+    (cdir / config.MODELS_FILE).write_text('{"models": {"local": ')
+    (cdir / "data").mkdir(exist_ok=True)
+    with open(cdir / "data" / (grants.AUDIT_FILE + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the running server does
+        refused = ctl(cdir, "repair", config.MODELS_FILE)
+    assert "✗ llm-models.json" in refused.stdout and "stop the server, then repair it" in refused.stdout, refused
+    assert (cdir / config.MODELS_FILE).read_text() == '{"models": {"local": ' and not list(cdir.glob("*.broken-*"))
+    assert "re-created from the shipped defaults" in ctl(cdir, "repair", config.MODELS_FILE).stdout  # stopped: repaired
