@@ -270,7 +270,7 @@ def ensure_token_file(path: Path, env: str = "AGENT_SHELL_TOKEN") -> str:
         raise TokenFileError(f"cannot create {path} ({exc.strerror}): make {path.parent} a directory this user "
                              f"can write, set AGENT_DATA_DIR to one, or set {env}") from None
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(secrets.token_urlsafe(32) + "\n")
+        fh.write(secrets.token_hex(32) + "\n")  # hex: never starts with "-", so `--token <it>` parses
     return read_token_file(path, env)
 
 

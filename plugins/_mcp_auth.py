@@ -125,7 +125,7 @@ def load_tokens(path: Path) -> list[tuple[bytes, Principal]]:
 def create_token_file(path: Path) -> None:
     """Write a token file with one new human token (`owner`), readable by this user only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"tokens": {"owner": {"role": HUMAN, "token": secrets.token_urlsafe(32)}}}
+    body = {"tokens": {"owner": {"role": HUMAN, "token": secrets.token_hex(32)}}}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(body, indent=2) + "\n")

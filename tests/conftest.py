@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -28,10 +29,28 @@ from tests.fakes.openai_backend import FakeOpenAI
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_PORT_BLOCK = 1000
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a server a test starts after this returns.
+
+    The kernel's "any free port" (bind to 0) is a race under xdist: the port is free again the moment
+    this returns, and another worker's bind to 0 or any outgoing connection may get it before our
+    server binds it. Each worker therefore takes its ports from a block of its own below the
+    ephemeral range (32768 and up on Linux), in turn, skipping any that is taken."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    first = 20000 + (int(worker[2:]) % 12 if worker[2:].isdigit() else 0) * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = first + next(_next_port) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + _PORT_BLOCK - 1}")
 
 
 def openai_model(backend: FakeOpenAI, **extra: Any) -> dict[str, Any]:

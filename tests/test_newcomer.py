@@ -309,7 +309,7 @@ class Window:
         self.master, slave = pty.openpty()
         env = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40"}
         self.proc = subprocess.Popen(
-            [sys.executable, "shell.py", "--url", server.url, "--token", server.token, "--session-file",
+            [sys.executable, "shell.py", "--url", server.url, f"--token={server.token}", "--session-file",
              str(session_file)], cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
         os.close(slave)
         self.out = b""
@@ -344,9 +344,13 @@ class Window:
         return False
 
     def close(self) -> None:
-        self.proc.kill()
+        """Ends shell.py and its terminal; a second call does nothing."""
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait(10)
-        os.close(self.master)
+        if self.master >= 0:
+            os.close(self.master)
+            self.master = -1
         self._reader.join(5)
 
 

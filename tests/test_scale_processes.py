@@ -568,9 +568,10 @@ def test_one_instance_stopped_mid_turn_gives_the_terminal_its_prompt_back(tmp_pa
         assert _prompt_back(window), window.text[-800:]
         assert window.shows("server back online", timeout=60), window.text[-800:]
         assert window.text.count("the turn was interrupted") == 1  # told once, by whichever server ended it
+        window.close()
+        run_turn(server, "pty-restart", "are you back?")
+        sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
+        assert sent == ["what were we saying", "are you back?"]  # the interrupted message was kept
     finally:
         window.close()
-    run_turn(server, "pty-restart", "are you back?")
-    sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
-    assert sent == ["what were we saying", "are you back?"]  # the interrupted message was kept
-    server.stop()
+        server.stop()  # also when an assertion failed: no server process outlives its test
