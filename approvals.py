@@ -267,6 +267,20 @@ class AnswerResult:
         return self.outcome == ANSWERED
 
 
+def explain(result: AnswerResult) -> str:
+    """What an answer that did not decide its gate is told (the same words on every channel)."""
+    if result.outcome == NOT_APPROVER:
+        return (f"not an approver of this gate: it is answered by {', '.join(result.approvers)} "
+                "(plugins-enabled.json approvals); nothing was changed")
+    if result.outcome == DECIDED and result.first is not None:
+        if result.first.decision == TIMEOUT:
+            return "this gate timed out (rejected) before the answer came"
+        if result.first.decision == ABANDONED:
+            return "this gate is closed: its turn ended before an answer came"
+        return f"this gate was already answered: {result.first.describe()}"
+    return f"no pending gate '{result.gate_id[:64]}': it was answered, timed out or never existed"
+
+
 @dataclass(frozen=True)
 class FeedEvent:
     """One event of the approver feed: `name` OPENED (`gate`) or CLOSED (`closing`)."""
@@ -380,6 +394,13 @@ class ApprovalDesk:
             elif ev.name == CLOSED:
                 told.discard(ev.data.get("gate_id"))
                 yield FeedEvent(CLOSED, closing=Closing.from_dict(ev.data))
+
+    async def wire(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """`watch()` as (event name, JSON data) pairs, for an SSE response (the data are `to_dict()`s)."""
+        async for ev in self.watch():
+            item = ev.gate if ev.gate is not None else ev.closing
+            if item is not None:
+                yield ev.name, item.to_dict()
 
     # ── shell windows that approve ──
 

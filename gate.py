@@ -378,7 +378,7 @@ class GateKeeper:
                 approvals.trimmed(args), ensure_ascii=False), approvals.trimmed(args), offers, 0.0, 0.0,
             [str(a) for a in route.approvers], route.who(), turn.id)
         if routed is not None:
-            payload.update(approvers=routed.approvers, waiting_for=routed.who)
+            payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
         decision, gate_id = await self.ask(rt, client_id, payload, timeout, routed)
         resolved = {"gate_id": gate_id, "decision": decision.word}
         if routed is not None:  # who answered, through which channel, after how long: for the client and the audit
