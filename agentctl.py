@@ -338,7 +338,8 @@ class AgentCtl(DbCommands):
         for r in records:
             what = " ".join(filter(None, [r["tool"], r["op"], ",".join(r["tables"]), r["grant_id"]]))
             table.add_row(str(r["seq"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["event"],
-                          escape(r["session"] or ""), escape(r["actor"] or ""), escape(what), escape(r["outcome"]))
+                          escape(r["session"] or ""), escape(r["actor"] or ""), escape(what),
+                          escape(" — ".join(filter(None, [r["outcome"], grants.describe_detail(r["detail"])]))))
         self.term.table(table)
 
     def cmd_audit_verify(self, args: list[str]) -> None:

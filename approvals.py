@@ -291,9 +291,8 @@ class FeedEvent:
 
 
 def audit_detail(gate: RoutedGate, closing: Closing) -> str:
-    """The audit record's `detail` of a routed gate's decision: where it was asked, who answered how, the wait."""
-    return json.dumps({"routed": True, "asked": gate.approvers, "client": gate.client_class, "by": closing.by,
-                       "channel": closing.channel, "waited_s": round(closing.waited, 3)}, ensure_ascii=False)
+    """The audit record's `detail` of a routed gate's decision (grants.routed_detail)."""
+    return grants.routed_detail(gate.approvers, gate.client_class, closing.by, closing.channel, closing.waited)
 
 
 # ── The desk ────────────────────────────────────────────────────────────────────────────────
