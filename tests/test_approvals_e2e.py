@@ -259,3 +259,52 @@ async def test_a_window_that_did_not_opt_in_is_refused_and_changes_nothing(srv) 
     await feed.aclose()
     await shell.aclose()
     await bystander.aclose()
+
+
+async def test_a_gate_raised_through_one_instance_is_answered_through_the_other(tmp_path, redis_store) -> None:
+    token = "approvals-e2e-shell-token-0123456789"
+    with FakeOpenAI() as gpt:
+        servers = []
+        for name, extra in (("a", {"plugin_proxy_llama": free_port()}), ("b", {})):
+            (tmp_path / name).mkdir()
+            cfg = _config(tmp_path / name, gpt, **extra)
+            env = {"SESSION_STORE": redis_store, "AGENT_SHELL_TOKEN": token,
+                   "AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key")}
+            servers.append(AgentServer(cfg.write(), env).start(wait=False))
+        a, b = servers
+        try:
+            for s in servers:
+                s.wait_ready(60)
+            gpt.script(tool_call("db_query", {"sql": "UPDATE users SET role = 'admin' WHERE id = 3"}), text("Done."))
+            on_b, feed, ui, _ = await _approver(b, "window-on-b")
+            on_a = ShellClient(a.url, "window-on-a", token=token)
+            await on_a.set_approver(True)
+            parts: list[str] = []
+            proxy = f"http://127.0.0.1:{a.cfg.plugin_config['plugin_proxy_llama']['port']}"
+            async with openai.AsyncOpenAI(base_url=proxy + "/v1", api_key="unused", max_retries=0) as client:
+                stream = await client.chat.completions.create(
+                    model=AGENT, messages=[{"role": "user", "content": "make user 3 an admin"}], stream=True)
+
+                async def read() -> None:
+                    async for chunk in stream:
+                        if chunk.choices:
+                            parts.append(chunk.choices[0].delta.content or "")
+
+                reader = asyncio.create_task(read())
+                asked = await _next(feed)  # raised on A, on B's feed
+                await ui.handle_event(asked)
+                await ui.handle_key("a")
+                async with asyncio.timeout(60):
+                    await reader
+            with pytest.raises(RequestRejected, match=f"already answered: allow by shell:{on_b.window_id}"):
+                await on_a.gate_response(asked.data["gate_id"], "reject", as_approver=True)
+            closed = await _next(feed)
+            assert (closed.data["gate_id"], closed.data["by"]) == (asked.data["gate_id"], f"shell:{on_b.window_id}")
+            for c in (feed, on_a, on_b):
+                await c.aclose()
+            answer = "".join(parts)
+            assert answer.index("⏳ waiting for approval of db_query") < answer.index("Done.")
+            assert f"allowed once by shell:{on_b.window_id}" in answer
+        finally:
+            outputs = [s.stop() for s in servers]
+    assert "db_query ran: UPDATE users SET role = 'admin' WHERE id = 3" in outputs[0]
