@@ -407,8 +407,10 @@ class ApprovalDesk:
         """A shell window opts in (`!approver on`) or out; it lasts WINDOW_SECONDS unless renewed."""
         if self.store is not None:
             await self.store.set_window(window, on, WINDOW_SECONDS)
+        now = self.clock()
+        self._windows = {w: until for w, until in self._windows.items() if until > now}
         if on:
-            self._windows[window] = self.clock() + WINDOW_SECONDS
+            self._windows[window] = now + WINDOW_SECONDS
         else:
             self._windows.pop(window, None)
 
