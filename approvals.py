@@ -449,11 +449,13 @@ async def timed_out(desk: ApprovalDesk, gate: RoutedGate) -> grants.Decision | N
     return grants.Decision(first.decision, first.by, first.minutes or grants.DEFAULT_MINUTES)
 
 
-async def closing(desk: ApprovalDesk, gate: RoutedGate) -> None:
-    """The gate's turn has its decision (or was cancelled: ABANDONED): close it on the feed."""
+async def closing(desk: ApprovalDesk, gate: RoutedGate) -> Closing:
+    """The gate's turn has its decision (or was cancelled: ABANDONED): close it on the feed; how it closed."""
+    final = answered(gate, ABANDONED, "", "")
     try:
-        won, first = await desk.claim(answered(gate, ABANDONED, "", ""))
-        final = first if not won and first is not None else desk._closings.get(gate.gate_id)
-        await desk.close(gate, final or answered(gate, ABANDONED, "", ""))
+        won, first = await desk.claim(final)
+        final = first if not won and first is not None else desk._closings.get(gate.gate_id) or final
+        await desk.close(gate, final)
     except Exception:  # the turn goes on; the gate expires on its own
         logger.exception("closing routed gate %s failed", gate.gate_id)
+    return final

@@ -452,7 +452,11 @@ class GateKeeper:
         finally:
             self.pending.pop(gate_id, None)
             if desk is not None and routed is not None:
-                await approvals.closing(desk, routed)
+                final = await approvals.closing(desk, routed)
+                if final.decision == approvals.ABANDONED:  # the turn was cancelled while the gate waited
+                    self.audit("decision", session=client_id, actor="abandoned", tool=routed.tool, op=routed.op,
+                               tables=routed.tables, outcome="not run: the turn ended before an answer",
+                               detail=approvals.audit_detail(routed, final))
         return decision, gate_id
 
     async def answer(self, gate_id: str, decision: str, *, answerer: approvals.Approver | None = None,

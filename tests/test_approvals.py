@@ -258,3 +258,21 @@ async def test_a_routed_gate_raised_on_one_instance_is_answered_through_the_othe
         assert closed.closing.by == "shell:w-b" and closed.closing.channel == "shell"
         assert await b.gate.desk.pending() == []
         await feed_b.aclose()
+
+
+async def test_a_turn_cancelled_while_its_gate_waits_closes_the_gate_as_abandoned(art) -> None:
+    await art.sessions.get_or_create(PROXY_ID, "fake")
+    feed = art.gate.desk.watch()
+    with as_request(art, PROXY_ID):
+        call = asyncio.ensure_future(execute(art, PROXY_ID, "web_search", {"query": "q"}))
+    gate = (await next_feed(feed)).gate
+    call.cancel()
+    closed = await next_feed(feed)
+    assert (closed.closing.gate_id, closed.closing.decision) == (gate.gate_id, approvals.ABANDONED)
+    late = await art.gate.answer(gate.gate_id, "allow", answerer=Approver(API, ADMIN), channel="api")
+    assert late.outcome == approvals.DECIDED and "its turn ended" in approvals.explain(late)
+    await art.gate.grants.flush()
+    (record,) = [r for r in grants.read_audit(art.config.data_dir() / grants.AUDIT_FILE) if r["actor"] == "abandoned"]
+    assert record["tool"] == "web_search" and json.loads(record["detail"])["asked"] == gate.approvers
+    assert art.recorder.calls == [] and await art.gate.desk.pending() == []
+    await feed.aclose()
