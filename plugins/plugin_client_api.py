@@ -301,13 +301,15 @@ class ApiPlugin(BasePlugin):
             return _error(400, str(exc))
         if result.answered:
             return JSONResponse({"status": "ok"})
-        status = {approvals.NOT_APPROVER: 403, approvals.DECIDED: 409}.get(result.outcome, 404)
+        # 409, not 403: the key is valid (403 is the guard's); the gate is someone else's to answer, or answered.
+        status = 409 if result.outcome in (approvals.NOT_APPROVER, approvals.DECIDED) else 404
         return JSONResponse({"error": approvals.explain(result), "outcome": result.outcome,
                              "first": result.first.to_dict() if result.first else None}, status_code=status)
 
     def _admin_desk(self, request: Request) -> approvals.ApprovalDesk:
         if not self._is_admin(request):
-            raise _http.BadRequest(403, "the approvals are answered with the admin key: send X-Admin-Key")
+            raise _http.BadRequest(404, "no approvals for this key: they are answered with the admin key "
+                                        "(send X-Admin-Key)")
         if self.rt.gate.desk is None:
             raise _http.BadRequest(404, "no gates are routed to approvers: add an 'approvals' section to "
                                         "plugins-enabled.json (docs/approvals.md)")

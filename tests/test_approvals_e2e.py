@@ -168,9 +168,10 @@ async def test_an_ollama_stream_waits_for_the_api_admin_key_and_the_other_approv
     async with httpx.AsyncClient(base_url=srv.api, headers={"Authorization": f"Bearer {API_KEY}"}) as api:
         listed = (await api.get("/api/v1/approvals", headers=ADMIN)).json()["approvals"]
         assert [(g["gate_id"], g["tool"], g["tables"]) for g in listed] == [(gate_id, "db_query", ["users"])]
-        assert (await api.get("/api/v1/approvals")).status_code == 403  # the admin key answers, not any key
+        assert (await api.get("/api/v1/approvals")).status_code == 404  # the admin key answers, not any key
         refused = await api.post(f"/api/v1/gate/{gate_id}", json={"approve": True})
-        assert refused.status_code == 403 and "not an approver of this gate" in refused.json()["error"]
+        assert refused.status_code == 409 and refused.json()["outcome"] == "not_approver"
+        assert "not an approver of this gate" in refused.json()["error"]
         still = (await api.get("/api/v1/approvals", headers=ADMIN)).json()["approvals"]
         assert not reader.done() and [g["gate_id"] for g in still] == [gate_id]
         assert (await api.post(f"/api/v1/gate/{gate_id}", json={"approve": True}, headers=ADMIN)).status_code == 200
@@ -207,7 +208,7 @@ async def test_a_client_that_goes_away_while_waiting_leaves_the_gate_to_expire_a
     asked = await _next(feed)
     assert asked.data["tool"] == "file_edit" and asked.data["approvers"] == ["shell:*"]
     closed = await _next(feed)  # still open after the client left: it expires, it is not cut short
-    assert closed.data["decision"] == "timeout" and closed.data["by"] == "" and closed.data["waited"] >= 2
+    assert closed.data["decision"] == "timeout" and closed.data["by"] == "" and closed.data["waited"] > 1
     await feed.aclose()
     await shell.aclose()
 
