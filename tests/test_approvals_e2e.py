@@ -25,11 +25,12 @@ import pytest
 from rich.console import Console
 
 import grants
-from shell import RequestRejected, ShellClient, ShellUI
+from shell import RequestRejected, Shell, ShellClient, ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import ALL_GATED
+from tests.test_shell import FakeTerminal
 from tests.waiting import until
 
 pytestmark = pytest.mark.slow
@@ -309,3 +310,27 @@ async def test_a_gate_raised_through_one_instance_is_answered_through_the_other(
         finally:
             outputs = [s.stop() for s in servers]
     assert "db_query ran: UPDATE users SET role = 'admin' WHERE id = 3" in outputs[0]
+
+
+async def test_the_shell_window_opts_in_sees_the_panel_answers_with_a_key_and_opts_out(srv) -> None:
+    srv.gpt.script(tool_call("db_query", {"sql": "UPDATE users SET name = 'y' WHERE id = 2"}), text("Renamed."))
+    terminal = FakeTerminal()
+    async with ShellClient(srv.server.url, "window-six", token=srv.server.token) as client:
+        shell = Shell(client, terminal)
+        running = asyncio.create_task(shell.run())
+        terminal.feed("!approver on")
+        await until(lambda: "approver on: this window now answers" in terminal.out.getvalue(), "!approver on")
+        async with ollama.AsyncClient(host=srv.proxy) as chat:
+            asked = asyncio.create_task(chat.chat(model=AGENT, messages=[{"role": "user", "content": "rename 2"}]))
+            await until(lambda: "approval asked for session llama-" in terminal.out.getvalue(), "the panel")
+            assert "UPDATE users SET name = 'y' WHERE id = 2" in terminal.out.getvalue()
+            terminal.keys.put_nowait("a")
+            async with asyncio.timeout(60):
+                answer = await asyncio.shield(asked)
+        terminal.feed("!approver off", "!approver", "!exit")
+        async with asyncio.timeout(30):
+            assert await running == 0
+    screen = terminal.out.getvalue()
+    assert "✓ allowed once — db_query proceeds" in screen and answer.message.content.endswith("Renamed.")
+    assert "approver off: this window no longer answers" in screen and "approver: off" in screen
+    assert "db_query ran: UPDATE users SET name = 'y' WHERE id = 2" in "".join(srv.server._lines)
