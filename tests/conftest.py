@@ -40,8 +40,12 @@ def free_port() -> int:
     this returns, and another worker's bind to 0 or any outgoing connection may get it before our
     server binds it. Each worker therefore takes its ports from a block of its own below the
     ephemeral range (32768 and up on Linux), in turn, skipping any that is taken."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    first = 20000 + (int(worker[2:]) % 12 if worker[2:].isdigit() else 0) * _PORT_BLOCK
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker[2:].isdigit():  # one process (a single pytest, a benchmark): the kernel's choice is safe
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first = 20000 + int(worker[2:]) % 12 * _PORT_BLOCK
     for _ in range(_PORT_BLOCK):
         port = first + next(_next_port) % _PORT_BLOCK
         with socket.socket() as s:
