@@ -8,7 +8,7 @@ import pytest
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-from agents import TextCallFilter, trim_history, try_force_tool_calls
+from agents import AFTER_RESULTS, TextCallFilter, trim_history, try_force_tool_calls
 from tests.conftest import openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn
@@ -82,6 +82,8 @@ WELL_FORMED = [
     ),
     # chat-template artefacts and encodings
     ('<tool_call>{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}</tool_call>', [PARIS]),
+    ('{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}', [PARIS]),  # a whole reply, doubled
+    ('{{"name": "get_weather", "arguments": {"city": "Paris"}}}}', [PARIS]),  # doubled unevenly (Qwen 1.5B)
     ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>', [PARIS]),
     ('<tool_call>{"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}</tool_call>', [PARIS]),
     # an unclosed tag at the end of the reply (the model stopped at its stop token)
@@ -203,6 +205,7 @@ async def test_text_call_runs_and_its_result_is_fed_back_as_a_user_message(trt, 
     assert "<tool_call>" in sent[2]["content"] and sent[3]["content"].startswith(
         "[Tool result for get_weather]:\nsunny"
     )
+    assert sent[3]["content"].endswith(AFTER_RESULTS)  # a small model is told to answer now
     history = trt.sessions.get("c1").history
     assert [(m["role"], bool(m.get("tool_results"))) for m in history] == [
         ("user", False), ("assistant", False), ("user", True), ("assistant", False)]
