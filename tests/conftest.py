@@ -29,6 +29,18 @@ from tests.fakes.openai_backend import FakeOpenAI
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The longest test files (seconds each, in one run of the suite), handed out first: xdist gives each worker
+#: whole files, in collection order, so a long file collected last makes the others wait for it at the end.
+_LONGEST_FIRST = ("test_scale_processes.py", "test_agentctl.py", "test_db_enforcement.py", "test_mcp_client.py",
+                  "test_newcomer_findings.py", "test_scale.py", "test_newcomer.py", "test_agentctl_remote.py",
+                  "test_plugins.py", "test_e2e.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
+
+
 _PORT_BLOCK = 1000
 _next_port = itertools.count()
 
