@@ -543,8 +543,8 @@ REPEAT_NOTE = ("You already have this result of {name} (you called it with these
                "{result}\n"
                "Do not call {name} again: answer the user now, using this result.")
 #: Closes the results of text calls (a user message): a small model tends to call again instead of answering.
-AFTER_RESULTS = ("If these results answer my question, answer it now in plain words; call a tool only if you "
-                 "still need one.")
+AFTER_RESULTS = ("If you now have everything my question asks for, answer it in plain words; if it also needs "
+                 "another tool, call that tool.")
 #: Repeats of a call in one turn before the loop stops offering tools and asks for the final answer.
 REPEATS_BEFORE_FINAL = 2
 #: Closes the final call, which carries no tools: the turn's question with what its tools returned.

@@ -163,6 +163,9 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
     shaped = [_json_call(v) for v in flat]
     usable = [s for s in shaped if s is not None]
     if not tagged and not any(s[2] or s[0] in tools for s in usable):
+        owner = _arguments_of(flat, tools)
+        if owner:  # a small model wrote only the arguments: `{"section": "backups"}`
+            return [], [f"arguments without a tool name (a call of {owner}?): {_snippet(json.dumps(flat[0]))}"]
         return None
     if len(usable) < len(shaped) or not shaped:
         return [], [f"not a call: {_snippet(json.dumps(flat, ensure_ascii=False))}"]
@@ -185,6 +188,16 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
         else:
             found.append((name, _unwrap_schema(args, tools[name]), False))
     return found, problems
+
+
+def _arguments_of(flat: list[Any], tools: dict[str, StructuredTool]) -> str | None:
+    """The one bound tool whose parameters are exactly the keys of a lone JSON object, if there is one."""
+    if len(flat) != 1 or not isinstance(flat[0], dict) or not flat[0]:
+        return None
+    owners = [name for name, tool in tools.items()
+              if set(flat[0]) <= set(convert_to_openai_tool(tool)["function"].get("parameters", {})
+                                     .get("properties", {}))]
+    return owners[0] if len(owners) == 1 else None
 
 
 _SCHEMA_KEYS = frozenset({"properties", "type", "required"})
