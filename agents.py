@@ -50,6 +50,7 @@ from text_calls import (  # noqa: F401  (try_force_tool_calls: tools.py reads te
     correction,
     described_tool,
     find_text_calls,
+    likely_call,
     tool_manifest,
     try_force_tool_calls,
 )
@@ -716,7 +717,8 @@ async def _round(loop: _Loop) -> str | None:
             rt.hub.tok(client_id, "\n\n")  # what it said stays on screen; the answer follows apart
             history.append({"role": "assistant", "content": text})
             history.append({"role": "user", "tool_results": True, "content": correction(
-                [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text")})
+                [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text",
+                (named, None))})
             return None
         history.append({"role": "assistant", "content": text})
         return text
@@ -746,7 +748,8 @@ async def _text_round(loop: _Loop, text: str, found: TextCalls) -> None:
     if not usable and not loop.strike("the model's tool call could not be run"):
         return  # the loop gives up on this reply: it is left out, and the final answer follows
     if found.problems:
-        results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text"))
+        results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text",
+                                  likely_call(text, loop.by_name)))
     if results:
         if usable and not found.problems:
             results.append(AFTER_RESULTS)
