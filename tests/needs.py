@@ -26,7 +26,8 @@ def required() -> set[str]:
         return set(NAMES.values())
     unknown = sorted(asked - NAMES.keys())
     if unknown:
-        raise pytest.UsageError(f"AGENT_TEST_REQUIRE names {', '.join(unknown)}: use nginx, redis, mariadb, prometheus or all")
+        raise pytest.UsageError(f"AGENT_TEST_REQUIRE names {', '.join(unknown)}: use nginx, redis, mariadb, "
+                                "prometheus or all")
     return {NAMES[name] for name in asked}
 
 

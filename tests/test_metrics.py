@@ -14,13 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import build
 import metrics
 from api_client import AgentClient
-from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI, _usage
-
-API_KEY = "metrics-test-api-key-0123456789"
-GATED = {"type": "thing", "operation": "write"}
-LOOKUP = {"type": "thing", "operation": "read"}
+from tests.observability import API_KEY, metrics_server
 
 
 def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -44,25 +41,15 @@ def counters(samples: dict[Any, float]) -> dict[tuple[str, tuple[tuple[str, str]
             if name.endswith("_total")}
 
 
-def _server(tmp_path: Any, backend: FakeOpenAI, start_server: Any, **extra_env: str) -> tuple[AgentServer, dict]:
-    cfg = ConfigDir(tmp_path)
-    cfg.models = {"fake": openai_model(backend)}
-    ports = {"api": free_port(), "proxy": free_port(), "metrics": free_port()}
-    cfg.plugins += ["plugin_client_api", "plugin_proxy_llama", "plugin_client_metrics"]
-    cfg.plugin_config.update({"plugin_client_api": {"port": ports["api"]},
-                              "plugin_proxy_llama": {"port": ports["proxy"]},
-                              "plugin_client_metrics": {"port": ports["metrics"]}})
-    cfg.add_plugin("plugin_thing", one_tool_plugin("plugin_thing", "lookup", "q", "'found ' + q", LOOKUP, "Look up"))
-    cfg.add_plugin("plugin_thing2", one_tool_plugin("plugin_thing2", "write_thing", "v", "'wrote ' + v", GATED,
-                                                    "Write a thing"))
-    cfg.gates = {"db": {}, "tools": {"lookup": {"read": True}}}
-    cfg.env = {"API_KEY": API_KEY, "AGENT_INSTANCE": "test-a", **extra_env}
-    server = start_server(cfg, {"SESSION_STORE": "memory"})
-    return server, {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+def _server(tmp_path: Any, backend: FakeOpenAI, servers: list[AgentServer], **env: str) -> tuple[AgentServer, dict]:
+    """A started metrics_server (stopped by the `servers` fixture after the test)."""
+    server, urls = metrics_server(ConfigDir(tmp_path), backend, **env)
+    servers.append(server)
+    return server.start(), {"api": urls.api, "proxy": urls.proxy, "metrics": urls.metrics}
 
 
-async def test_every_counter_after_a_scripted_set_of_turns(tmp_path, fake_openai, start_server) -> None:
-    _, urls = _server(tmp_path, fake_openai, start_server)
+async def test_every_counter_after_a_scripted_set_of_turns(tmp_path, fake_openai, servers) -> None:
+    _, urls = _server(tmp_path, fake_openai, servers)
     before = scrape(urls["metrics"])
     # Nothing counted yet: unlabelled counters are 0, labelled ones have no sample until their first use.
     assert set(counters(before).values()) == {0}
@@ -135,8 +122,8 @@ async def test_every_counter_after_a_scripted_set_of_turns(tmp_path, fake_openai
     assert all(dict(labels)["instance"] == "test-a" for _, labels in samples)
 
 
-async def test_label_values_stay_bounded_after_1000_sessions(tmp_path, fake_openai, start_server) -> None:
-    _, urls = _server(tmp_path, fake_openai, start_server)
+async def test_label_values_stay_bounded_after_1000_sessions(tmp_path, fake_openai, servers) -> None:
+    _, urls = _server(tmp_path, fake_openai, servers)
     proxy = openai.AsyncOpenAI(base_url=urls["proxy"] + "/v1", api_key="unused", max_retries=0, timeout=30)
     fake_openai.script(*(tool_call(f"made_up_{i}", {}) if i % 2 else text(f"answer {i}") for i in range(40)))
 
@@ -156,8 +143,8 @@ async def test_label_values_stay_bounded_after_1000_sessions(tmp_path, fake_open
     assert tools == {"other"}
 
 
-def test_the_listener_has_the_guard_and_a_token_when_configured(tmp_path, fake_openai, start_server) -> None:
-    _, urls = _server(tmp_path, fake_openai, start_server, AGENT_METRICS_TOKEN="scrape-token-0123456789")
+def test_the_listener_has_the_guard_and_a_token_when_configured(tmp_path, fake_openai, servers) -> None:
+    _, urls = _server(tmp_path, fake_openai, servers, AGENT_METRICS_TOKEN="scrape-token-0123456789")
     assert httpx.get(f"{urls['metrics']}/metrics", timeout=5).status_code == 401
     ok = httpx.get(f"{urls['metrics']}/metrics", headers={"Authorization": "Bearer scrape-token-0123456789"}, timeout=5)
     assert ok.status_code == 200 and "agent_mcp_turns" in ok.text
