@@ -40,6 +40,9 @@ ALLOW_SCOPES = {"allow": "once", "allow_for": "minutes", "allow_session": "sessi
 #: Refusal kinds (gate.Refusal.kind) that are gate rejections, and why: the user said no, nobody answered in
 #: time, or the client class cannot ask anyone.
 REJECTIONS = {"reject": "user", "timeout": "timeout", "denied": "no_approver"}
+#: How a proxy request's session was found: it continues a conversation, starts one, or is named by a forwarded
+#: header or the client's address.
+PROXY_RESULTS = ("matched", "new", "header", "address")
 #: The turn now running in this task (its start, for the time to first token).
 _CLOCK: contextvars.ContextVar[_Clock | None] = contextvars.ContextVar("agent_mcp_turn_clock", default=None)
 
@@ -148,6 +151,15 @@ class Metrics:
         self.db_calls = Counter(f"{p}_db_queries", "db_query calls by outcome (ok, error).", ("outcome",), registry=r)
         self.db_seconds = Histogram(f"{p}_db_query_duration_seconds", "One db_query call, all its statements.",
                                     buckets=DB_BUCKETS, registry=r)
+        # The fixed label values exist from the start (at 0), so rate() and increase() see their first event.
+        for scope in ("policy", "grant", "model_prefix", *ALLOW_SCOPES.values()):
+            self.gates_allowed.labels(scope)
+        for reason in REJECTIONS.values():
+            self.gates_rejected.labels(reason)
+        for result in PROXY_RESULTS:
+            self.proxy.labels(result)
+        for outcome in ("ok", "error"):
+            self.db_calls.labels(outcome)
 
     # ── turns and model calls ──
 
