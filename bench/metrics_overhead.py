@@ -7,8 +7,9 @@ once a second (15 times as often as deploy/prometheus.yml), its scrapes' CPU inc
 through the shell.py endpoint as in bench/turn_overhead.py, in interleaved rounds (off, on, on, off, …),
 each server's CPU time read from /proc around its own rounds. Two answer lengths (short and long) give
 the cost per turn and, from their difference, per token; a third mix has a tool call in every turn
-(tools, gates and two model calls counted). With two or more cores both servers are pinned to core 1
-and the client, fake and scraper to core 0.
+(tools, gates and two model calls counted). `--calibrate` runs both servers without metrics: the
+difference it shows is the noise of the measurement on this machine. With two or more cores both
+servers are pinned to core 1 and the client, fake and scraper to core 0.
 
     python bench/metrics_overhead.py [--turns 400] [--rounds 20]
 """
@@ -73,7 +74,7 @@ async def measure(args: argparse.Namespace, count: int, ask: str) -> dict[str, f
             cfg.models = {"fake": openai_model(backend, max_context=2)}
             cfg.gates = {"db": {}, "tools": {"get_system_info": {"read": True}}}
             cfg.env = {"SESSION_STORE": "sqlite"}
-            if name == "on":
+            if name == "on" and not args.calibrate:
                 port = free_port()
                 cfg.plugins.append("plugin_client_metrics")
                 cfg.plugin_config["plugin_client_metrics"] = {"port": port}
@@ -88,7 +89,7 @@ async def measure(args: argparse.Namespace, count: int, ask: str) -> dict[str, f
         for i in range(args.warmup):
             for path in paths.values():
                 await path.turn(i)
-        scraper = asyncio.create_task(scrape_forever(scrape_url))
+        scraper = asyncio.create_task(scrape_forever(scrape_url) if scrape_url and args.scrape else asyncio.sleep(0))
         cpu = {"off": 0.0, "on": 0.0}
         turns = {"off": 0, "on": 0}
         per_round = max(1, args.turns // args.rounds)
@@ -142,7 +143,19 @@ def instrumentation_us() -> dict[str, float]:
 async def run(args: argparse.Namespace) -> None:
     if (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {0})
+    if args.calibrate:  # both servers without metrics: the difference is this machine's noise
+        same = await measure(args, args.short, "question")
+        print(f"calibration, both servers without metrics, {same['turns']:.0f} turns each: {same['off']:.3f} vs "
+              f"{same['on']:.3f} ms CPU per turn ({(same['on'] - same['off']) / same['off'] * 100:+.1f}%)")
+        print(json.dumps({"calibrate": same}))
+        return
     short = await measure(args, args.short, "question")
+    if args.short_only:
+        print(f"{short['turns']:.0f} turns each, scraped {'every second' if args.scrape else 'never'}: metrics off "
+              f"{short['off']:.3f}, on {short['on']:.3f} ms CPU per turn "
+              f"({(short['on'] - short['off']) / short['off'] * 100:+.1f}%)")
+        print(json.dumps({"short": short, "scrape": args.scrape}))
+        return
     long = await measure(args, args.long, "question")
     tool = await measure(args, args.short, TOOL_ROUND)
     print(f"\n{short['turns']:.0f} turns per server and mix, {args.rounds} interleaved rounds, metrics scraped every "
@@ -170,6 +183,9 @@ def main() -> None:
     p.add_argument("--short", type=int, default=32)
     p.add_argument("--long", type=int, default=512)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--no-scrape", dest="scrape", action="store_false", help="nobody reads /metrics")
+    p.add_argument("--short-only", action="store_true", help="only the short answers")
+    p.add_argument("--calibrate", action="store_true", help="both servers without metrics (the noise floor)")
     asyncio.run(run(p.parse_args()))
 
 

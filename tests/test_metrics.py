@@ -184,3 +184,19 @@ def test_a_listener_beyond_loopback_needs_a_token(tmp_path, fake_openai) -> None
     server.proc.wait(timeout=30)
     out = server.stop()
     assert "plugin plugin_client_metrics would listen on 0.0.0.0" in out and "without a token" in out
+
+
+async def test_redis_round_trips_are_counted_with_several_instances(tmp_path, fake_openai, servers,
+                                                                     redis_store) -> None:
+    server, urls = metrics_server(ConfigDir(tmp_path), fake_openai)
+    server.env["SESSION_STORE"] = redis_store
+    servers.append(server.start())
+    before = value(scrape(urls.metrics), "agent_mcp_redis_round_trips_total")
+    assert before is not None and before > 0  # loading sessions, the instance's heartbeat
+    fake_openai.script(text("Hi."))
+    assert await AgentClient(urls.api, "api-r1", api_key=API_KEY).send("hello") == "Hi."
+    after = scrape(urls.metrics)
+    # A turn takes its lease, saves the session twice and writes its events: at least a few round trips.
+    assert value(after, "agent_mcp_redis_round_trips_total") >= before + 4
+    assert value(after, "agent_mcp_redis_failures_total") == 0
+    assert value(after, "agent_mcp_turns_total", client_class="api", model="fake", outcome="ok") == 1

@@ -14,7 +14,8 @@ from pydantic import BaseModel
 
 import state
 import tracing
-from tests.conftest import free_port, openai_model
+from api_client import AgentClient
+from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, entry, runtime, turn
@@ -24,6 +25,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tests.fakes.otlp import FakeCollector
 
 KEY_B = "tracing-test-key-of-b-0123456789"
 SECRET_QUESTION = "What is the secret number 7431?"
@@ -162,3 +165,39 @@ def test_tracing_is_off_without_an_endpoint_and_says_so_without_the_packages(mon
     with caplog.at_level("WARNING"):
         assert tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}, "x") is tracing.OFF
     assert "pip install" in caplog.text
+
+
+@pytest.mark.slow
+async def test_two_server_processes_export_one_trace_over_otlp(tmp_path, start_server) -> None:
+    """The operator's setup: OTEL_EXPORTER_OTLP_ENDPOINT on two real servers, a collector receiving OTLP/HTTP."""
+    port_a, port_b = free_port(), free_port()
+    with FakeOpenAI() as fake_a, FakeOpenAI() as fake_b, FakeCollector() as collector:
+        dirs = {}
+        for name, port, backend in (("a", port_a, fake_a), ("b", port_b, fake_b)):
+            (tmp_path / name).mkdir()
+            cfg = dirs[name] = ConfigDir(tmp_path / name)
+            cfg.models = {"gpt": openai_model(backend)}
+            cfg.plugins.append("plugin_client_api")
+            cfg.plugin_config["plugin_client_api"] = {"port": port}
+            cfg.env = {"API_KEY": f"key-of-{name}-0123456789", "B_TOKEN": "key-of-b-0123456789",
+                       "AGENT_INSTANCE": f"agent-{name}", "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}
+        dirs["a"].agents = {"b": {"url": f"http://127.0.0.1:{port_b}", "token_env": "B_TOKEN"}}
+        dirs["a"].gates = ALL_OPEN
+        b = start_server(dirs["b"])
+        a = start_server(dirs["a"])
+        fake_a.script(tool_call("agent_call", {"agent_url": "b", "message": SECRET_QUESTION}), text("B says 7431."))
+        fake_b.script(text("It is 7431."))
+        client = AgentClient(f"http://127.0.0.1:{port_a}", api_key="key-of-a-0123456789")
+        assert (await client.send(SECRET_QUESTION)).endswith("B says 7431.")
+        a.stop()  # a stopping server sends what it has buffered
+        b.stop()
+    spans = {(s.resource["service.instance.id"], s.name): s for s in collector.spans}
+    turn_a, call = spans["agent-a", "invoke_agent agent-mcp"], spans["agent-a", "execute_tool agent_call"]
+    turn_b, chat_b = spans["agent-b", "invoke_agent agent-mcp"], spans["agent-b", "chat fake-gpt"]
+    assert turn_a.parent_id == "" and call.parent_id == turn_a.span_id
+    assert turn_b.trace_id == turn_a.trace_id and turn_b.parent_id == call.span_id
+    assert chat_b.parent_id == turn_b.span_id and chat_b.attributes["gen_ai.usage.output_tokens"] == 1
+    assert turn_a.resource["service.name"] == "agent-mcp"
+    assert turn_a.attributes["agent_mcp.client_class"] == "api"
+    assert turn_b.attributes["agent_mcp.client_class"] == "swarm"
+    assert not any("7431" in str(v) for s in collector.spans for v in s.attributes.values())
