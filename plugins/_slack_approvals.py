@@ -4,7 +4,8 @@ Runs only when plugins-enabled.json has an `approvals` section (`rt.gate.desk` i
 feed (`ApprovalDesk.watch`) and posts each routed gate that concerns Slack as a Block Kit message: what the
 tool will do, who may answer, the deadline, and one button per answer the gate offers. Where it goes:
 
-- a gate raised in a Slack thread: in that thread (its Slack approvers are @-mentioned, so their phones ring);
+- a gate raised in a Slack thread: in that thread (its Slack approvers are @-mentioned, so their phones ring;
+  with only an approver channel elsewhere, the thread's message has no buttons and points there);
 - a route naming a `slack_channel`: a message in that channel (once: not again when the thread is in it);
 - a route naming `slack_users` but no channel, for a gate raised outside Slack: a DM to each of them.
 
@@ -125,8 +126,15 @@ def describe(gate: approvals.RoutedGate, channel: str) -> list[dict[str, Any]]:
     ]
 
 
+def answerable_in(gate: approvals.RoutedGate, channel: str) -> bool:
+    """Whether someone may answer `gate` with a click in `channel`: a listed Slack user (anywhere they see
+    it), or anyone in an approver channel."""
+    return bool(_approvers(gate, approvals.SLACK)) or channel in _approvers(gate, approvals.SLACK_CHANNEL)
+
+
 def open_blocks(gate: approvals.RoutedGate, channel: str) -> list[dict[str, Any]]:
-    """The message of an open gate: what, who may answer, until when, and the buttons it offers."""
+    """The message of an open gate: what, who may answer, until when, and the buttons it offers (none where
+    nobody may click them: a thread whose gate goes to an approver channel elsewhere)."""
     words = [w for w in BUTTONS if w in (grants.ALLOW, grants.REJECT) or w in gate.scopes]
     buttons = []
     for word in words:
@@ -136,9 +144,10 @@ def open_blocks(gate: approvals.RoutedGate, channel: str) -> list[dict[str, Any]
             button["style"] = "primary" if word == grants.ALLOW else "danger"
         buttons.append(button)
     context = f"May answer: {gate.who} · unanswered by {_when(gate.deadline)} it is rejected"
-    return [*describe(gate, channel),
-            {"type": "context", "elements": [{"type": "mrkdwn", "text": context}]},
-            {"type": "actions", "block_id": ACTION + gate.gate_id, "elements": buttons}]
+    blocks = [*describe(gate, channel), {"type": "context", "elements": [{"type": "mrkdwn", "text": context}]}]
+    if answerable_in(gate, channel):
+        blocks.append({"type": "actions", "block_id": ACTION + gate.gate_id, "elements": buttons})
+    return blocks
 
 
 def outcome(gate: approvals.RoutedGate | None, closing: approvals.Closing) -> str:
@@ -162,7 +171,13 @@ def closed_blocks(gate: approvals.RoutedGate, closing: approvals.Closing, channe
 
 def fallback(gate: approvals.RoutedGate) -> str:
     """The notification text (phones and screen readers show it, not the blocks)."""
-    return f"🔐 Approval needed: {gate.headline()}"[:300]
+    return f"🔐 Approval needed: {escape(gate.headline())}"[:300]
+
+
+def notify(gate: approvals.RoutedGate) -> str:
+    """The text of a new gate message: the headline and the Slack approvers @-mentioned (their phones ring)."""
+    users = " ".join(f"<@{u}>" for u in _approvers(gate, approvals.SLACK)[:20])
+    return f"{fallback(gate)}" + (f" · {users}" if users else "")
 
 
 class SlackApprovals:
@@ -210,7 +225,7 @@ class SlackApprovals:
         for channel, thread_ts in where:
             try:
                 resp = await asyncio.to_thread(
-                    self.web.chat_postMessage, channel=channel, text=fallback(gate),
+                    self.web.chat_postMessage, channel=channel, text=notify(gate),
                     blocks=open_blocks(gate, channel), unfurl_links=False, unfurl_media=False,
                     **({"thread_ts": thread_ts} if thread_ts else {}))
             except Exception as exc:

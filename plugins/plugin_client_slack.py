@@ -638,6 +638,7 @@ class SlackPlugin(BasePlugin):
             "answers": self.stats["answers"],
             "answering": len(self._latest),
             "ignored": dict(self.ignored),
+            **({"approvals": dict(self.approvals.stats)} if self.approvals is not None else {}),
             "active_sessions": len(rows),
             "sessions": rows,
         })

@@ -39,7 +39,8 @@ LEAD, OTHER, NOBODY = "U0LEAD", "U0LEAD2", "U0NOBODY"
 APPROVE_CHANNEL = "C0APPROVE"
 PROXY_ID = "llama-10.0.0.9"
 APPROVALS = {"timeout_seconds": 60, "classes": {
-    "slack": {"slack_users": [LEAD], "tools": {"file_edit": {"slack_users": [LEAD], "timeout_seconds": 1}}},
+    "slack": {"slack_users": [LEAD], "tools": {"file_edit": {"slack_users": [LEAD], "timeout_seconds": 1},
+                                               "web_search": {"slack_channel": APPROVE_CHANNEL}}},
     "proxy": {"slack_channel": APPROVE_CHANNEL,
               "tools": {"web_search": {"slack_users": [LEAD, OTHER]}}}}}
 ALLOW, ALLOW_FOR, SESSION, PATTERN, REJECT = (f"agent-gate:{w}" for w in grants.DECISIONS)
@@ -144,7 +145,7 @@ async def test_a_gate_from_a_thread_gets_buttons_and_an_approvers_click_runs_it(
         ("db_query", "UPDATE users SET name = 'ada' WHERE id = 7")]
     assert f"✅ Allowed once by <@{LEAD}> at <!date^" in msg.block_text()
     assert "```UPDATE users SET name = ?s WHERE id = ?n```" in msg.block_text()  # what was decided stays readable
-    assert msg.text.endswith("✅ Allowed once by <@" + LEAD + "> at " + msg.text.split(" at ", 1)[1])
+    assert f"✅ Allowed once by <@{LEAD}> at" in msg.text and msg.texts[0].endswith(f" · <@{LEAD}>")  # rings
     assert answer and bot.slack.ephemerals == []
 
 
@@ -188,6 +189,22 @@ async def test_a_gate_nobody_answers_times_out_and_its_message_says_so(bot: Bot)
     await closed(bot.slack, msg)
     assert "⌛ No answer within 1 s: rejected" in msg.block_text()
     await bot.slack.until(lambda: [m for m in bot.slack.thread("C1", root) if m.text == "It was not approved in time."])
+    assert bot.recorder.calls == []
+
+
+async def test_a_thread_whose_gate_goes_to_an_approver_channel_says_so_and_the_channel_answers(bot: Bot) -> None:
+    bot.llm.script(tool_call("web_search", {"query": "competitor prices"}), text("Searched."))
+    root = "1600000000.000004"
+    bot.slack.push_event(mention("look up competitor prices", root))
+    in_thread, in_channel = await posted(bot.slack, "C1", root), await posted(bot.slack, APPROVE_CHANNEL)
+    # Nobody may answer in the thread (the route names a channel, no users): no buttons there, it says where.
+    assert in_thread.buttons() == {} and f"May answer: Slack channel <#{APPROVE_CHANNEL}>" in in_thread.block_text()
+    assert "asked from a thread in <#C1>" in in_channel.block_text() and ALLOW in in_channel.buttons()
+    bot.slack.click(in_channel, REJECT, NOBODY)
+    for msg in (in_thread, in_channel):
+        await bot.slack.until(lambda msg=msg: len(msg.versions) > 1)
+        assert f"⛔ Rejected by <@{NOBODY}>" in msg.block_text() and msg.buttons() == {}
+    await bot.slack.until(lambda: [m for m in bot.slack.thread("C1", root) if m.text == "Searched."])
     assert bot.recorder.calls == []
 
 

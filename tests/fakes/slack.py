@@ -55,6 +55,8 @@ class ApiCall:
     method: str
     args: dict[str, Any]
     token: str | None
+    #: When it arrived (time.time(): comparable with a server's timestamps on this machine).
+    at: float = 0.0
 
 
 @dataclass
@@ -303,7 +305,7 @@ class FakeSlack(ThreadedServer):
         auth = request.headers.get("Authorization", "")
         token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
         with self._cond:
-            self.calls.append(ApiCall(method, args, token))
+            self.calls.append(ApiCall(method, args, token, time.time()))
             failures = self._failures.get(method)
             failure = failures.pop(0) if failures else None
             self._cond.notify_all()
