@@ -54,6 +54,10 @@ OUTCOMES = {grants.ALLOW: "✅ Allowed once", grants.SESSION: "✅ Allowed for t
 SUMMARY_CHARS = 1500
 #: Gates whose messages this instance remembers for their closing edit.
 KEPT = 1024
+#: Seconds before the feed is read again after it failed.
+RETRY = 2.0
+#: Longest gate id taken from a click (ours are uuids).
+GATE_ID_CHARS = 64
 #: The claim on a gate's post outlives its deadline by this much (late feed replays do not post it again).
 CLAIM_MARGIN = 300.0
 
@@ -196,15 +200,26 @@ class SlackApprovals:
     # ── the feed ──
 
     async def run(self) -> None:
-        """Follow the approver feed until the server stops."""
-        async for ev in self.feed:
+        """Follow the approver feed until the server stops (if reading it fails, it is read again: the open
+        gates come first, and those already posted are not posted again)."""
+        while True:
             try:
-                if ev.name == approvals.OPENED and ev.gate is not None:
-                    await self._opened(ev.gate)
-                elif ev.name == approvals.CLOSED and ev.closing is not None:
-                    self._closed(ev.closing)
-            except Exception:  # one gate's trouble never stops the feed
-                logger.exception("slack: handling an approval event failed")
+                async for ev in self.feed:
+                    await self._handle(ev)
+                return
+            except Exception as exc:  # e.g. Redis unreachable: serve again once it is back
+                logger.warning("slack: the approver feed failed (%s); reading it again in %g s", _why(exc), RETRY)
+            await asyncio.sleep(RETRY)
+            self.feed = self.desk.watch()
+
+    async def _handle(self, ev: approvals.FeedEvent) -> None:
+        try:
+            if ev.name == approvals.OPENED and ev.gate is not None:
+                await self._opened(ev.gate)
+            elif ev.name == approvals.CLOSED and ev.closing is not None:
+                self._closed(ev.closing)
+        except Exception:  # one gate's trouble never stops the feed
+            logger.exception("slack: handling an approval event failed")
 
     async def _opened(self, gate: approvals.RoutedGate) -> None:
         where = targets(gate)
@@ -274,7 +289,7 @@ class SlackApprovals:
         channel = str((payload.get("channel") or {}).get("id") or (payload.get("container") or {}).get("channel_id")
                       or "")
         thread_ts = (payload.get("message") or {}).get("thread_ts") or (payload.get("container") or {}).get("thread_ts")
-        if not user or not gate_id:
+        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS:
             return
         gate, _ = await self.desk.get(gate_id)
         if gate is None and gate_id in self.posted:  # closed already: what it was is still known here

@@ -26,6 +26,7 @@ import grants
 import shared
 import state
 import stores
+from approvals import MCP, Approver
 from config import load_config
 from tests import needs
 from tests.conftest import ConfigDir, free_port, openai_model
@@ -42,7 +43,8 @@ APPROVALS = {"timeout_seconds": 60, "classes": {
     "slack": {"slack_users": [LEAD], "tools": {"file_edit": {"slack_users": [LEAD], "timeout_seconds": 1},
                                                "web_search": {"slack_channel": APPROVE_CHANNEL}}},
     "proxy": {"slack_channel": APPROVE_CHANNEL,
-              "tools": {"web_search": {"slack_users": [LEAD, OTHER]}}}}}
+              "tools": {"web_search": {"slack_users": [LEAD, OTHER]},
+                        "file_edit": {"slack_channel": APPROVE_CHANNEL, "mcp_tokens": ["owner"]}}}}}
 ALLOW, ALLOW_FOR, SESSION, PATTERN, REJECT = (f"agent-gate:{w}" for w in grants.DECISIONS)
 
 
@@ -231,13 +233,31 @@ async def test_a_gate_for_named_users_without_a_channel_goes_to_each_of_them_pri
         call = asyncio.ensure_future(execute(bot.rt, PROXY_ID, "web_search", {"query": "salaries 2026"}))
     first, second = await posted(bot.slack, f"D{LEAD}"), await posted(bot.slack, f"D{OTHER}")
     assert gate_message(bot.slack, APPROVE_CHANNEL) is None
-    assert '"query": "salaries 2026"' in first.block_text().replace("&quot;", '"')
+    assert '"query": "salaries 2026"' in first.block_text()  # the arguments, as the gate's summary
     bot.slack.click(second, ALLOW, OTHER)
     async with asyncio.timeout(10):
         assert (await call).startswith("ok:")
     for msg in (first, second):  # both approvers' DMs say who decided
         await closed(bot.slack, msg)
         assert f"✅ Allowed once by <@{OTHER}>" in msg.block_text()
+
+
+async def test_a_gate_answered_elsewhere_is_closed_on_slack_too(bot: Bot) -> None:
+    await bot.rt.sessions.get_or_create(PROXY_ID, "fake")
+    with as_request(bot.rt, PROXY_ID):
+        call = asyncio.ensure_future(execute(bot.rt, PROXY_ID, "file_edit", {"path": "plan.md"}))
+    msg = await posted(bot.slack, APPROVE_CHANNEL)
+    [gate] = await bot.rt.gate.desk.pending()
+    result = await bot.rt.gate.answer(gate.gate_id, "reject", answerer=Approver(MCP, "owner"), channel="mcp")
+    assert result.answered
+    await closed(bot.slack, msg)
+    assert "⛔ Rejected by MCP token 'owner' at" in msg.block_text()
+    async with asyncio.timeout(10):
+        assert "REJECTED" in await call
+    bot.slack.click(msg, ALLOW, NOBODY, version=0)  # from a screen that still shows the buttons
+    [late] = await bot.slack.until(lambda: bot.slack.told(NOBODY))
+    assert late.text.startswith("Already answered: ⛔ Rejected by MCP token 'owner'")
+    assert bot.recorder.calls == []
 
 
 async def test_without_approvals_slack_posts_no_buttons_and_refuses_as_before(tmp_path, fake_openai,
