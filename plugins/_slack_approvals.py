@@ -271,11 +271,11 @@ class SlackApprovals:
 
     def on_interactive(self, payload: dict[str, Any]) -> bool:
         """An acked `interactive` envelope: True when it was a gate button (handled in a task)."""
-        actions = payload.get("actions") or []
-        if payload.get("type") != "block_actions" or not actions:
+        actions = payload.get("actions") if isinstance(payload, dict) else None
+        if payload.get("type") != "block_actions" or not isinstance(actions, list) or not actions:
             return False
         action = actions[0]
-        if not str(action.get("action_id", "")).startswith(ACTION):
+        if not isinstance(action, dict) or not str(action.get("action_id", "")).startswith(ACTION):
             return False
         task = asyncio.create_task(self._click(payload, action), name="slack-gate-click")
         self.clicks.add(task)
@@ -284,12 +284,22 @@ class SlackApprovals:
 
     async def _click(self, payload: dict[str, Any], action: dict[str, Any]) -> None:
         self.stats["clicks"] += 1
+        try:
+            await self._answer(payload, action)
+        except Exception:  # a malformed payload or an unreachable store: logged, the gate unchanged
+            logger.exception("slack: a gate button click was not handled")
+
+    async def _answer(self, payload: dict[str, Any], action: dict[str, Any]) -> None:
+        def part(name: str) -> dict[str, Any]:
+            value = payload.get(name)
+            return value if isinstance(value, dict) else {}
+
         word = str(action["action_id"])[len(ACTION):]
-        gate_id, user = str(action.get("value") or ""), str((payload.get("user") or {}).get("id") or "")
-        channel = str((payload.get("channel") or {}).get("id") or (payload.get("container") or {}).get("channel_id")
-                      or "")
-        thread_ts = (payload.get("message") or {}).get("thread_ts") or (payload.get("container") or {}).get("thread_ts")
-        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS:
+        gate_id, user = str(action.get("value") or ""), str(part("user").get("id") or "")
+        channel = str(part("channel").get("id") or part("container").get("channel_id") or "")
+        thread_ts = part("message").get("thread_ts") or part("container").get("thread_ts")
+        thread_ts = str(thread_ts) if isinstance(thread_ts, str | int | float) else None
+        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS or word not in grants.DECISIONS:
             return
         gate, _ = await self.desk.get(gate_id)
         if gate is None and gate_id in self.posted:  # closed already: what it was is still known here

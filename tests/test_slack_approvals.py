@@ -181,6 +181,30 @@ async def test_a_non_approvers_click_is_refused_the_gate_stays_open_and_a_late_c
     assert bot.recorder.calls == [] and bot.plugin.approvals.stats["refused"] == 1
 
 
+async def test_malformed_clicks_change_nothing_and_the_real_one_still_counts(bot: Bot) -> None:
+    await bot.rt.sessions.get_or_create(PROXY_ID, "fake")
+    with as_request(bot.rt, PROXY_ID):
+        call = asyncio.ensure_future(execute(bot.rt, PROXY_ID, "db_query", {"sql": "DELETE FROM t"}))
+    msg = await posted(bot.slack, APPROVE_CHANNEL)
+    gate_id = msg.buttons()[ALLOW]["value"]
+    button = {"type": "button", "action_id": ALLOW, "value": gate_id}
+    hostile = [{"type": "block_actions", "actions": "nope"}, {"type": "block_actions", "actions": ["x"]},
+               {"type": "block_actions", "user": "U0X", "actions": [button]},
+               {"type": "block_actions", "user": {"id": LEAD}, "channel": [1], "actions": [
+                   {**button, "action_id": "agent-gate:allow_forever"}]},
+               {"type": "block_actions", "user": {"id": LEAD}, "actions": [{**button, "value": "g" * 5000}]},
+               {"type": "view_submission", "user": {"id": LEAD}, "actions": [button]}]
+    sent = [bot.slack.send_raw({"envelope_id": f"e{i}", "type": "interactive", "payload": p}) for i, p in
+            enumerate(hostile)]
+    assert sent == [None] * len(hostile)
+    bot.slack.click(msg, REJECT, NOBODY)  # a real click after them still counts
+    await closed(bot.slack, msg)
+    assert (await bot.rt.gate.desk.get(gate_id))[1].by == f"slack:{NOBODY}"
+    async with asyncio.timeout(10):
+        assert "REJECTED" in await call
+    assert bot.recorder.calls == [] and bot.slack.ephemerals == []
+
+
 async def test_a_gate_nobody_answers_times_out_and_its_message_says_so(bot: Bot) -> None:
     bot.llm.script(tool_call("file_edit", {"path": "notes.txt"}), text("It was not approved in time."))
     root = "1600000000.000003"
