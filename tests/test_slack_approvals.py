@@ -139,6 +139,9 @@ async def test_a_gate_from_a_thread_gets_buttons_and_an_approvers_click_runs_it(
     assert [b["text"]["text"] for b in msg.buttons().values()] == [
         "Allow once", "Allow 15 min", "Allow for the session", "Allow this statement shape", "Reject"]
     assert bot.recorder.calls == []
+    # The requester's placeholder says what it waits for.
+    await bot.slack.until(lambda: [m for m in bot.slack.thread("C1", root)
+                                   if m.text == "_🔐 waiting for approval of `db_query`…_"])
     click = bot.slack.click(msg, ALLOW, LEAD)
     await bot.slack.until(lambda: bot.slack.acked(click), within=3)
     await closed(bot.slack, msg)
