@@ -754,6 +754,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         return "Grants are not kept by this server."
     parts = args.split()
     await store.refresh(turn.client_id)  # with several instances: as they are now
+    await store.refresh(turn.client_id)  # with several instances: as they are on the shared store now
     if not parts:
         now = store.clock()
         rows = [f"  {g.describe(now)}" for g in store.active(turn.client_id)]

@@ -173,7 +173,9 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
     problems: list[str] = []
     for name, args, _ in usable:
         if name is None:
-            problems.append("a call without a tool name")
+            owner = _arguments_of([args], tools)
+            problems.append(f"a call without a tool name (of {owner}? write its name)" if owner
+                            else "a call without a tool name")
             continue
         if isinstance(args, str):
             try:
