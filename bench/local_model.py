@@ -141,6 +141,16 @@ def _time_facts(outputs: dict[str, str]) -> list[str]:
     return [f"{found[1]}:{found[2]}"] if found else []
 
 
+def _time(outputs: dict[str, str], answer: str) -> bool:
+    """The tool's HH:MM in the answer, on the 24-hour clock or the 12-hour one (`4:26 PM` for 16:26)."""
+    found = _time_facts(outputs)
+    if not found:
+        return False
+    hour, minute = map(int, found[0].split(":"))
+    twelve = rf"\b{(hour - 1) % 12 + 1}:{minute:02d}(?::\d\d)?\s*{'PM' if hour >= 12 else 'AM'}\b"
+    return found[0] in answer or re.search(twelve, answer, re.IGNORECASE) is not None
+
+
 def _host_facts(outputs: dict[str, str]) -> list[str]:
     found = re.search(r"Host: (\S+)", outputs.get("get_system_info", ""))
     return [found[1]] if found else []
@@ -159,7 +169,7 @@ def _uses(facts: Callable[[dict[str, str]], list[str]], need: int = 1) -> Callab
 
 
 def _both(outputs: dict[str, str], answer: str) -> bool:
-    return _uses(_time_facts)(outputs, answer) and _uses(_model_facts)(outputs, answer)
+    return _time(outputs, answer) and _uses(_model_facts)(outputs, answer)
 
 
 def _order(outputs: dict[str, str], answer: str) -> bool:
@@ -195,7 +205,7 @@ def tasks(window: int) -> list[Task]:
     long_history = [f"Here is a log excerpt:\n{_filler(int(window * 0.45))}\nHow many workers appear in it? "
                     "Answer in one short sentence."]
     return [
-        Task("time", "qwen-native", time_q, _uses(_time_facts)),
+        Task("time", "qwen-native", time_q, _time),
         Task("host", "qwen-native", "What is the host name of the machine you are running on?", _uses(_host_facts)),
         Task("prompt-section", "qwen-native",
              "What does the 'backups' section of your system prompt say? Read it with read_system_prompt.", _backups),
@@ -208,15 +218,15 @@ def tasks(window: int) -> list[Task]:
         Task("gated-tool", "qwen-native", "Look up order 4711 with the lookup_order tool: how was it shipped?",
              _order),
         Task("arithmetic", "qwen-native", "What is 17 times 23? Answer with the number.", None, expect="391"),
-        Task("router-time", "qwen-router", time_q, _uses(_time_facts)),
+        Task("router-time", "qwen-router", time_q, _time),
         Task("router-models", "qwen-router", "Which language models are configured here? Use llm_list.",
              _uses(_model_facts, 2)),
-        Task("text-mode-time", "qwen-text", time_q, _uses(_time_facts)),
+        Task("text-mode-time", "qwen-text", time_q, _time),
         Task("text-mode-models", "qwen-text", "Call llm_list and tell me which models are configured.",
              _uses(_model_facts, 2)),
         Task("greeting", "qwen-router", "Hello! How are you today?", None),
         # Last: its long prompt takes the longest.
-        Task("long-history", "qwen-native", time_q, _uses(_time_facts), before=long_history),
+        Task("long-history", "qwen-native", time_q, _time, before=long_history),
     ]
 
 

@@ -389,17 +389,17 @@ def test_invalid_field_on_disk_and_missing_config_dir_are_file_problems(cdir, tm
 def test_unknown_fields_and_other_entries_are_kept(cdir):
     models = read(cdir, config.MODELS_FILE)
     models["metadata"] = {"note": "kept"}
-    models["models"]["local"]["temperature"] = 0.2
+    models["models"]["local"]["top_k"] = 20
     write(cdir, config.MODELS_FILE, models)
     enabled = read(cdir, config.ENABLED_FILE)
     enabled["plugin_config"][SHELLPY]["token_env"] = "MY_TOKEN"
     enabled["max_users"] = 5
     write(cdir, config.ENABLED_FILE, enabled)
     result = ctl(cdir, "model-context", "local", "77")
-    assert result.returncode == 0 and "unknown field 'models.local.temperature' (kept)" in result.stderr
+    assert result.returncode == 0 and "unknown field 'models.local.top_k' (kept)" in result.stderr
     ok(cdir, "port-set", SHELLPY, str(free_port()))
     models_after, enabled_after = read(cdir, config.MODELS_FILE), read(cdir, config.ENABLED_FILE)
-    assert models_after["metadata"] == {"note": "kept"} and models_after["models"]["local"]["temperature"] == 0.2
+    assert models_after["metadata"] == {"note": "kept"} and models_after["models"]["local"]["top_k"] == 20
     assert models_after["models"]["gpt52"] == models["models"]["gpt52"]
     assert enabled_after["max_users"] == 5 and enabled_after["plugin_config"][SHELLPY]["token_env"] == "MY_TOKEN"
     assert enabled_after["rate_limits"] == enabled["rate_limits"]
