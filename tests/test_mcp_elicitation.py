@@ -1,0 +1,164 @@
+"""MCP elicitation, agent-mcp as MCP server: a gate of a turn started by an MCP client that declared the
+`elicitation` capability is asked as a form on that client's own call, and the form's answer decides it.
+
+The module's agent-mcp (tests/test_mcp_server.py's fixture: MCP server, gated db_query, fake OpenAI) is
+driven by the official SDK `mcp.Client` with an `elicitation_callback`, over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx2
+import mcp_types as types
+from mcp import Client
+from mcp.client.session import ClientRequestContext
+from mcp.client.streamable_http import streamable_http_client
+
+from tests.fakes.backend import text, tool_call
+from tests.test_gate_e2e import tool_results
+from tests.test_mcp_server import HUMAN, WAIT, WORKER, McpServer, _first_pending, call_json, connect, mcp_server
+from tests.waiting import until
+
+__all__ = ["mcp_server"]  # the module's server (a fixture)
+
+Answer = Callable[[types.ElicitRequestFormParams], Awaitable[types.ElicitResult]]
+ROWS = "id | name\n1  | ada"
+
+
+@contextlib.asynccontextmanager
+async def eliciting(url: str, token: str, answer: Answer, asked: list[types.ElicitRequestFormParams]
+                    ) -> AsyncIterator[Client]:
+    """A 2025-11-25 SDK client that declares elicitation: each form is recorded in `asked`, then answered."""
+
+    async def on_elicit(ctx: ClientRequestContext, params: types.ElicitRequestParams
+                        ) -> types.ElicitResult | types.ErrorData:
+        assert isinstance(params, types.ElicitRequestFormParams)
+        asked.append(params)
+        return await answer(params)
+
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"},
+                                  timeout=httpx2.Timeout(30, read=120)) as http:
+        async with Client(streamable_http_client(url, http_client=http), mode="legacy", cache=None,
+                          elicitation_callback=on_elicit) as client:
+            yield client
+
+
+def choose(decision: str, **more: Any) -> Answer:
+    async def answer(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        return types.ElicitResult(action="accept", content={"decision": decision, **more})
+    return answer
+
+
+def act(action: str) -> Answer:
+    async def answer(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        return types.ElicitResult(action=action)  # type: ignore[arg-type]
+    return answer
+
+
+async def test_a_gate_arrives_as_an_elicitation_form_and_allow_runs_the_call(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("The user is ada."))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_once"), asked) as client:
+        out = call_json(await asyncio.wait_for(client.call_tool(
+            "send_message", {"text": "who are the users?", "session": "elicit-allow"}), WAIT))
+    assert out["status"] == "complete" and out["text"] == "The user is ada."
+    assert tool_results(backend) == [ROWS]  # the tool ran and the model got its rows
+    (form,) = asked
+    assert "db_query" in form.message and "users" in form.message and "read" in form.message
+    schema = form.requested_schema
+    assert schema["required"] == ["decision"]
+    offered = [c["const"] for c in schema["properties"]["decision"]["oneOf"]]
+    assert offered == ["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"]
+    assert schema["properties"]["minutes"]["default"] == 15
+    async with connect(mcp_server.url, HUMAN) as human:
+        async def history() -> list[dict[str, Any]]:
+            result = await human.read_resource("agentmcp://sessions/mcp-elicit-allow/approvals/history")
+            return json.loads(result.contents[0].text)
+
+        await until(history, "the decision is recorded")  # written after the turn goes on
+        (record,) = await history()
+        assert record["decision"] == "allow" and record["decided_by"] == "human:alice (elicitation: accept)"
+
+
+async def test_allow_for_minutes_from_the_form_creates_a_timed_grant(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada"),
+                   tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada again"))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_for", minutes=30), asked) as client:
+        first = call_json(await client.call_tool("send_message", {"text": "users?", "session": "elicit-for"}))
+        again = call_json(await client.call_tool("send_message", {"text": "again?", "session": "elicit-for"}))
+    assert (first["text"], again["text"]) == ("ada", "ada again")
+    assert len(asked) == 1  # the second call ran under the 30-minute grant, unasked
+    async with connect(mcp_server.url, HUMAN) as human:
+        result = await human.read_resource("agentmcp://sessions/mcp-elicit-for/grants")
+        assert '"scope": "allow_for"' in result.contents[0].text and "mcp token 'alice'" in result.contents[0].text
+
+
+async def test_decline_or_cancel_of_the_form_rejects_the_call(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    for action in ("decline", "cancel"):
+        backend.script(tool_call("db_query", {"sql": "DELETE FROM users"}), text("It was not run."))
+        asked: list[types.ElicitRequestFormParams] = []
+        async with eliciting(mcp_server.url, HUMAN, act(action), asked) as client:
+            out = call_json(await client.call_tool("send_message", {"text": "delete them",
+                                                                    "session": f"elicit-{action}"}))
+        assert out["text"] == "It was not run." and len(asked) == 1
+        (result,) = tool_results(backend)
+        assert result.startswith("TOOL CALL REJECTED: the user rejected"), result
+    # An accepted form that says reject (or a choice the gate did not offer) rejects too.
+    backend.script(tool_call("db_query", {"sql": "DELETE FROM users"}), text("No."))
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_everything"), []) as client:
+        await client.call_tool("send_message", {"text": "delete them", "session": "elicit-odd"})
+    assert tool_results(backend)[0].startswith("TOOL CALL REJECTED: the user rejected")
+
+
+async def test_a_client_without_the_capability_waits_for_answer_approval_as_before(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("The user is ada."))
+    async with connect(mcp_server.url, HUMAN) as plain, connect(mcp_server.url, HUMAN) as approver:
+        call = asyncio.create_task(plain.call_tool("send_message", {"text": "users?", "session": "elicit-none"}))
+        (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-elicit-none"]
+        call_json(await approver.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "The user is ada." and tool_results(backend) == [ROWS]
+
+
+async def test_an_agent_token_is_never_asked_to_approve_its_own_gate(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ok"))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, WORKER, choose("allow_once"), asked) as agent, \
+            connect(mcp_server.url, HUMAN) as human:
+        call = asyncio.create_task(agent.call_tool("send_message", {"text": "users?"}))
+        (pending,) = [p for p in await _first_pending(human) if p["session"] == "mcp-worker"]
+        call_json(await human.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "reject"}))
+        call_json(await asyncio.wait_for(call, WAIT))
+    assert asked == []
+    assert tool_results(backend)[0].startswith("TOOL CALL REJECTED")
+
+
+async def test_a_form_is_withdrawn_when_the_gate_is_answered_elsewhere(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada"))
+    shown = asyncio.Event()
+    never: asyncio.Future[types.ElicitResult] = asyncio.get_running_loop().create_future()
+
+    async def hold(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        shown.set()
+        return await never  # the human never answers the form
+
+    async with eliciting(mcp_server.url, HUMAN, hold, []) as client, connect(mcp_server.url, HUMAN) as other:
+        call = asyncio.create_task(client.call_tool("send_message", {"text": "users?", "session": "elicit-else"}))
+        await asyncio.wait_for(shown.wait(), WAIT)
+        (pending,) = [p for p in await _first_pending(other) if p["session"] == "mcp-elicit-else"]
+        call_json(await other.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "ada" and tool_results(backend) == [ROWS]
