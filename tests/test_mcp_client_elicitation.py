@@ -1,0 +1,124 @@
+"""MCP elicitation, agent-mcp as MCP client: a server's question during a tool call reaches the human of
+the turn that called the tool as a gate, and the answer goes back to the server.
+
+The server is tests/fakes/mcp_server.py (the SDK's `MCPServer`), whose `book` tool elicits a form
+{seats: integer 1..9 (required), window: boolean = false, meal: veg|meat = veg} and returns what came
+back. Both protocol eras: a standalone `elicitation/create` (2025-11-25, "legacy") and the 2026-07-28
+`InputRequiredResult` rounds ("auto").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import mcp_types as types
+import pytest
+
+import routes
+from shell import ShellClient
+from tests.conftest import openai_model
+from tests.fakes.backend import text, tool_call
+from tests.test_gate_e2e import tool_results
+from tests.test_mcp_client import (
+    make_rt,  # noqa: F401  (a fixture)
+    plugin,
+    stdio_server,
+    write_config,
+)
+
+WAIT = 30  # a guard: a broken server fails the test instead of hanging it
+ERAS = ["legacy", "auto"]
+
+
+async def answer_from_shell(server: Any, client_id: str, decision: str, content: dict[str, Any] | None
+                            ) -> list[Any]:
+    """One turn from a shell window whose gates are answered with `decision` (and `content`): its events."""
+    events: list[Any] = []
+    async with ShellClient(server.url, client_id, token=server.token) as client:
+        await client.connect(max_wait=10)
+        await client.submit("book Hamlet")
+
+        async def follow() -> None:
+            async for ev in client.events():
+                events.append(ev)
+                if ev.name == "gate":
+                    await client.gate_response(ev.data["gate_id"], decision, content=content)
+                if ev.name == "done":
+                    return
+
+        await asyncio.wait_for(follow(), WAIT)
+    return events
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_a_servers_question_is_answered_from_a_shell_window(config_dir, fake_openai, start_server, era) -> None:
+    config_dir.models = {"gpt": openai_model(fake_openai)}
+    write_config(config_dir, {"local": stdio_server(protocol=era)})
+    server = start_server(config_dir)
+
+    # A JSON object: accepted with those values over the form's defaults.
+    fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Booked."))
+    events = asyncio.run(answer_from_shell(server, "shell-ask1", "allow", {"seats": "2", "window": True}))
+    (gate,) = [e for e in events if e.name == "gate"]
+    asked = gate.data["elicitation"]
+    assert asked["server"] == "local" and asked["message"] == "How many seats for 'Hamlet'?"
+    assert [(f["name"], f["type"], f["required"]) for f in asked["fields"]] == [
+        ("seats", "integer", True), ("window", "boolean", False), ("meal", "string", False)]
+    assert next(f for f in asked["fields"] if f["name"] == "meal")["choices"] == ["veg", "meat"]
+    assert gate.data["tool_name"] == "local_book" and gate.data["grants"] == []
+    assert tool_results(fake_openai) == ['booked Hamlet: {"seats":2,"window":true,"meal":"veg"}']
+    assert any(e.name == "status" and "[ask ✓] local_book: answered" in e.text for e in events)
+
+    # A no: the server hears decline.
+    fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
+    asyncio.run(answer_from_shell(server, "shell-ask2", "reject", None))
+    assert tool_results(fake_openai) == ["not booked: decline"]
+
+    # A plain yes to a form with a required field and no default cannot be accepted: declined, and told why.
+    fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
+    events = asyncio.run(answer_from_shell(server, "shell-ask3", "allow", None))
+    assert tool_results(fake_openai) == ["not booked: decline"]
+    assert any(e.name == "status" and "needs a value for seats" in e.text for e in events)
+
+    # Values that do not fit the form: declined (never sent on to the server as they are).
+    fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
+    events = asyncio.run(answer_from_shell(server, "shell-ask4", "allow", {"seats": 2, "meal": "fish"}))
+    assert tool_results(fake_openai) == ["not booked: decline"]
+    assert any(e.name == "status" and "meal' takes one of: veg, meat" in e.text for e in events)
+
+
+@pytest.mark.parametrize("era", ERAS)
+async def test_with_nobody_to_ask_the_question_is_declined(make_rt, fake_openai, era) -> None:  # noqa: F811
+    rt = await make_rt({"local": stdio_server(protocol=era)})
+    assert plugin(rt).servers["local"].status == "connected"
+    fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
+    client_id = "nobody-1"  # no plugin vouches for this id: its class cannot answer gates
+    sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+    await routes.submit(rt, client_id, "book Hamlet", {})
+    statuses: list[str] = []
+    async with asyncio.timeout(WAIT):
+        async for ev in sub:
+            if ev.name == "status":
+                statuses.append(str(ev.data.get("text")))
+            assert ev.name != "gate"
+            if ev.name == "done":
+                break
+    assert tool_results(fake_openai) == ["not booked: decline"]
+    assert any("MCP server 'local' asked “How many seats for 'Hamlet'?” during local_book" in s
+               and "cannot answer — declined" in s for s in statuses), statuses
+
+
+def test_forms_beyond_flat_primitive_fields_are_refused_with_the_reason() -> None:
+    from plugins._mcp_asks import FormError, content_for, fields_of
+
+    with pytest.raises(FormError, match="field 'where' is not a string, number, integer or boolean"):
+        fields_of({"type": "object", "properties": {"where": {"type": "object"}}})
+    fields = fields_of({"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}})
+    assert content_for(fields, None) == {"ok": True}  # a yes to one yes/no question
+    assert content_for(fields, {"ok": "no"}) == {"ok": False}
+    with pytest.raises(FormError, match="the form has no field other"):
+        content_for(fields, {"other": 1})
+    assert types.ElicitResult(action="accept", content=content_for(fields, {"ok": True})).content == {"ok": True}
+    assert json.dumps(fields)  # the gate event carries them as they are
