@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hashlib
 import ipaddress
 import logging
@@ -332,6 +333,9 @@ async def serve(config: AppConfig) -> int:
             logger.info("listening: %s", where)
         logger.info("agent-mcp ready: %d plugin(s) loaded, %d with problems, default model %s",
                     len(rt.plugins.loaded), len(problems), config.default_model)
+        # What start-up made (modules, plugins, clients) lives as long as the process: the collector need not
+        # walk it again at every full collection while serving, nor at exit (half a second at every stop).
+        gc.freeze()
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop()  # one server stopped (or a signal came): stop the rest
         await asyncio.gather(*tasks, *ending, return_exceptions=True)

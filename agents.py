@@ -48,6 +48,7 @@ from text_calls import (  # noqa: F401  (try_force_tool_calls: tools.py reads te
     TextCalls,
     call_signature,
     correction,
+    described_tool,
     find_text_calls,
     tool_manifest,
     try_force_tool_calls,
@@ -541,6 +542,9 @@ async def context_report(rt: state.Runtime, session: state.Session) -> str:
 REPEAT_NOTE = ("You already have this result of {name} (you called it with these arguments earlier in this turn):\n"
                "{result}\n"
                "Do not call {name} again: answer the user now, using this result.")
+#: Closes the results of text calls (a user message): a small model tends to call again instead of answering.
+AFTER_RESULTS = ("If you now have everything my question asks for, answer it in plain words; if it also needs "
+                 "another tool, call that tool.")
 #: Repeats of a call in one turn before the loop stops offering tools and asks for the final answer.
 REPEATS_BEFORE_FINAL = 2
 #: Closes the final call, which carries no tools: the turn's question with what its tools returned.
@@ -707,6 +711,13 @@ async def _round(loop: _Loop) -> str | None:
         if not text.strip() and loop.results:
             loop.finish = "the model's answer after the tool results was empty"
             return None
+        named = described_tool(text, by_name) if by_name and not loop.done and not loop.corrected else None
+        if named and loop.strike(f"the model named {named} instead of calling it"):
+            rt.hub.tok(client_id, "\n\n")  # what it said stays on screen; the answer follows apart
+            history.append({"role": "assistant", "content": text})
+            history.append({"role": "user", "tool_results": True, "content": correction(
+                [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text")})
+            return None
         history.append({"role": "assistant", "content": text})
         return text
     history.append({"role": "assistant", "content": text,
@@ -737,6 +748,8 @@ async def _text_round(loop: _Loop, text: str, found: TextCalls) -> None:
     if found.problems:
         results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text"))
     if results:
+        if usable and not found.problems:
+            results.append(AFTER_RESULTS)
         loop.session.history.append({"role": "assistant", "content": text})
         loop.session.history.append({"role": "user", "content": "\n\n".join(results), "tool_results": True})
 

@@ -599,6 +599,11 @@ def describe_detail(detail: str | None) -> str:
             f"{float(data.get('waited_s') or 0):.1f} s")
 
 
+def shown(record: dict[str, Any]) -> str:
+    """An audit record's outcome as `agentctl audit` shows it: with a routed gate's line (`describe_detail`)."""
+    return " — ".join(filter(None, [record["outcome"], describe_detail(record["detail"])]))
+
+
 # ── offline access (agentctl) ───────────────────────────────────────────────────────────────
 
 

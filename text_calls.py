@@ -163,6 +163,9 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
     shaped = [_json_call(v) for v in flat]
     usable = [s for s in shaped if s is not None]
     if not tagged and not any(s[2] or s[0] in tools for s in usable):
+        owner = _arguments_of(flat, tools)
+        if owner:  # a small model wrote only the arguments: `{"section": "backups"}`
+            return [], [f"arguments without a tool name (a call of {owner}?): {_snippet(json.dumps(flat[0]))}"]
         return None
     if len(usable) < len(shaped) or not shaped:
         return [], [f"not a call: {_snippet(json.dumps(flat, ensure_ascii=False))}"]
@@ -185,6 +188,16 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
         else:
             found.append((name, _unwrap_schema(args, tools[name]), False))
     return found, problems
+
+
+def _arguments_of(flat: list[Any], tools: dict[str, StructuredTool]) -> str | None:
+    """The one bound tool whose parameters are exactly the keys of a lone JSON object, if there is one."""
+    if len(flat) != 1 or not isinstance(flat[0], dict) or not flat[0]:
+        return None
+    owners = [name for name, tool in tools.items()
+              if set(flat[0]) <= set(convert_to_openai_tool(tool)["function"].get("parameters", {})
+                                     .get("properties", {}))]
+    return owners[0] if len(owners) == 1 else None
 
 
 _SCHEMA_KEYS = frozenset({"properties", "type", "required"})
@@ -229,7 +242,20 @@ def _block_calls(match: re.Match[str], tools: dict[str, StructuredTool]) -> _Fou
 
 
 def _leading_json(text: str) -> tuple[list[Any], int]:
-    """The JSON values a reply starts with (one after another) and where they end; prose may follow."""
+    """The JSON values a reply starts with (one after another) and where they end; prose may follow.
+
+    A reply that is all JSON with `{{`/`}}` doubled (a chat-template artefact) is read collapsed."""
+    values, end = _leading_values(text)
+    if not values and text.startswith("{{"):
+        collapsed = text.rstrip().replace("{{", "{").replace("}}", "}")
+        values, end = _leading_values(collapsed)
+        if end < len(collapsed):  # prose after it: positions in the collapsed text say nothing here
+            return [], 0
+        end = len(text.rstrip())
+    return values, end
+
+
+def _leading_values(text: str) -> tuple[list[Any], int]:
     decoder, values, pos, end = json.JSONDecoder(), [], 0, 0
     while pos < len(text) and text[pos] in "{[":
         try:
@@ -316,6 +342,15 @@ def tool_signatures(tools: list[StructuredTool]) -> str:
         args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
         lines.append(f"- {tool.name}({args})")
     return "\n".join(lines)
+
+
+def described_tool(text: str, tools: dict[str, StructuredTool]) -> str | None:
+    """The tool a reply tells the user to call instead of calling it ("you can use the `llm_list` function"),
+    if any: a bound tool's name right after call/use/run/invoke. Small models answer so when asked to call."""
+    for name in tools:
+        if re.search(rf"\b(?:call|calling|use|using|run|invoke)\s+(?:the\s+)?[`'\"]?{re.escape(name)}\b", text, re.I):
+            return name
+    return None
 
 
 def correction(problems: list[str], tools: list[StructuredTool], text_mode: bool) -> str:

@@ -29,6 +29,18 @@ from tests.fakes.openai_backend import FakeOpenAI
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The longest test files (seconds each, in one run of the suite), handed out first: xdist gives each worker
+#: whole files, in collection order, so a long file collected last makes the others wait for it at the end.
+_LONGEST_FIRST = ("test_scale_processes.py", "test_agentctl.py", "test_db_enforcement.py", "test_mcp_client.py",
+                  "test_newcomer_findings.py", "test_scale.py", "test_newcomer.py", "test_agentctl_remote.py",
+                  "test_plugins.py", "test_e2e.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
+
+
 _PORT_BLOCK = 1000
 _next_port = itertools.count()
 
@@ -40,8 +52,12 @@ def free_port() -> int:
     this returns, and another worker's bind to 0 or any outgoing connection may get it before our
     server binds it. Each worker therefore takes its ports from a block of its own below the
     ephemeral range (32768 and up on Linux), in turn, skipping any that is taken."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    first = 20000 + (int(worker[2:]) % 12 if worker[2:].isdigit() else 0) * _PORT_BLOCK
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker[2:].isdigit():  # one process (a single pytest, a benchmark): the kernel's choice is safe
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first = 20000 + int(worker[2:]) % 12 * _PORT_BLOCK
     for _ in range(_PORT_BLOCK):
         port = first + next(_next_port) % _PORT_BLOCK
         with socket.socket() as s:

@@ -278,3 +278,32 @@ async def test_the_final_answer_streams_to_the_shell_and_the_proxy(tmp_path, fak
         assert len(fake_openai.requests) == 4 and "tools" not in fake_openai.requests[-1].json
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("described", [
+    "To see the weather, you can use the `get_weather` function.",
+    "You can call get_weather with the city name.",
+])
+async def test_a_model_that_describes_a_tool_instead_of_calling_it_is_told_once(nrt, fake_openai, described) -> None:
+    """Qwen 1.5B answers "read it with read_system_prompt" with "you can use the `read_system_prompt` function"."""
+    fake_openai.script(text(described), fenced_call("get_weather", {"city": "Oslo"}), text("Sunny in Oslo."))
+    out, events = await turn(nrt, "weather in Oslo? use get_weather")
+    # What it said stays on screen (it streamed), and the answer follows apart.
+    assert nrt.recorder.calls == [("get_weather", {"city": "Oslo"})] and out == f"{described}\n\nSunny in Oslo."
+    assert nrt.sessions.get("c1").history[-1]["content"] == "Sunny in Oslo."
+    told = fake_openai.requests[1].json["messages"][-1]["content"]
+    assert "you named get_weather but did not call it" in told and "- get_weather(city: string)" in told
+    assert any("named get_weather instead of calling it" in s for s in _statuses(events))
+    _check_history(nrt.sessions.get("c1").history)
+
+
+async def test_describing_a_tool_twice_or_after_a_result_is_an_answer(nrt, fake_openai) -> None:
+    described = "You can use get_weather for that."
+    fake_openai.script(text(described), text(described))
+    out, _ = await turn(nrt, "weather?")
+    assert out == f"{described}\n\n{described}" and nrt.recorder.calls == []
+    assert len(fake_openai.requests) == 2  # told once only: the second description is the answer
+    later = "Sunny. You can use get_weather again later."
+    fake_openai.script(fenced_call("get_weather", {"city": "Rome"}), text(later))
+    out, _ = await turn(nrt, "and Rome?")
+    assert out == later and len(fake_openai.requests) == 4

@@ -19,8 +19,10 @@ import approvals
 import gate
 import grants
 import shared
+import state
 from approvals import ADMIN, API, MCP, SHELL, SLACK, SLACK_CHANNEL, Approver
 from config import ApprovalsConfig, ConfigError, load_config
+from plugins import _proxy_wire
 from tests.conftest import openai_model
 from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, as_request, execute, runtime
 from tests.test_scale import two
@@ -276,3 +278,58 @@ async def test_a_turn_cancelled_while_its_gate_waits_closes_the_gate_as_abandone
     assert record["tool"] == "web_search" and json.loads(record["detail"])["asked"] == gate.approvers
     assert art.recorder.calls == [] and await art.gate.desk.pending() == []
     await feed.aclose()
+
+
+# ── The proxy while a gate waits (plugins/_proxy_wire.py) ───────────────────────────────────
+
+
+def _event(n: int, name: str, **data: Any) -> state.Event:
+    return state.Event(n, name, data, "t1")
+
+
+async def _turn_events(release: asyncio.Event, ended: list[str]) -> Any:
+    try:
+        yield _event(1, "gate", gate_id="g1", tool_name="db_query", headline="db_query (UPDATE users …)",
+                     waiting_for="shell approvers", approvers=["shell:*"])
+        await release.wait()
+        yield _event(2, "status", text="[gate ✓] db_query: allowed once by shell:w1", gate_id="g1", decision="allow")
+        yield _event(3, "tok", text="Done.")
+        yield _event(4, "done")
+        ended.append("finished")
+    finally:
+        ended.append("closed")
+
+
+async def test_the_proxy_stream_keeps_alive_while_a_gate_waits_then_goes_on(monkeypatch) -> None:
+    monkeypatch.setattr(_proxy_wire, "KEEPALIVE_SECONDS", 0.01)
+    release, ended, keep = asyncio.Event(), [], set()
+    out = _proxy_wire.Output("off", "rename")  # status lines off: the wait line is still said
+    pump = _proxy_wire.TurnPump(_turn_events(release, ended), out, keep)
+    first = out.feed(await _proxy_wire.first_output(pump))
+    assert first == ("> ⏳ waiting for approval of db_query (UPDATE users …) by shell approvers\n\n", "")
+    written, keepalives = [], 0
+    async for content, _ in _proxy_wire.pieces(out, first, pump):
+        written.append(content)
+        keepalives += content == ""
+        if keepalives == 3:
+            release.set()  # the approver answers after three empty pieces kept the stream alive
+    assert "".join(written).endswith("Done.") and out.finished and ended == ["finished", "closed"] and not keep
+
+
+async def test_a_client_leaving_while_a_gate_waits_leaves_the_turn_running(monkeypatch) -> None:
+    release, ended, keep = asyncio.Event(), [], set()
+    out = _proxy_wire.Output("quote", "rename")
+    pump = _proxy_wire.TurnPump(_turn_events(release, ended), out, keep)
+    out.feed(await anext(pump))
+    await pump.aclose()  # the client went away while the gate waits
+    assert ended == [] and len(keep) == 1
+    release.set()
+    await asyncio.wait(list(keep))
+    assert ended == ["finished", "closed"]
+    # Without a waiting gate, a client leaving ends the turn as before.
+    release, ended = asyncio.Event(), []
+    out = _proxy_wire.Output("quote", "rename")
+    pump = _proxy_wire.TurnPump(_turn_events(release, ended), out, keep)
+    await anext(pump)  # (not fed to `out`: nothing waits)
+    await pump.aclose()
+    assert ended == ["closed"] and not keep

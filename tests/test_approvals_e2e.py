@@ -30,6 +30,7 @@ from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, one_tool_plu
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import ALL_GATED
+from tests.test_mcp_server import PENDING, call_json, connect, next_note, read_json, subscribe
 from tests.test_shell import FakeTerminal
 from tests.waiting import until
 
@@ -334,3 +335,39 @@ async def test_the_shell_window_opts_in_sees_the_panel_answers_with_a_key_and_op
     assert "✓ allowed once — db_query proceeds" in screen and answer.message.content.endswith("Renamed.")
     assert "approver off: this window no longer answers" in screen and "approver: off" in screen
     assert "db_query ran: UPDATE users SET name = 'y' WHERE id = 2" in "".join(srv.server._lines)
+
+
+async def test_only_the_human_mcp_tokens_a_gate_names_may_answer_it(tmp_path) -> None:
+    lead, intern = "approvals-e2e-mcp-lead-token-0001", "approvals-e2e-mcp-intern-token-01"
+    with FakeOpenAI() as gpt:
+        ports = {"plugin_proxy_llama": free_port(), "plugin_client_mcp": free_port()}
+        cfg = _config(tmp_path, gpt, **ports)
+        cfg.enabled_extra = {"approvals": {"classes": {"proxy": {"mcp_tokens": ["lead"]}}}}
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps({"tokens": {
+            "lead": {"role": "human", "token": lead}, "intern": {"role": "human", "token": intern}}}))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        try:
+            gpt.script(tool_call("db_query", {"sql": "DELETE FROM orders WHERE id = 5"}), text("Deleted."))
+            mcp_url = f"http://127.0.0.1:{ports['plugin_client_mcp']}/mcp"
+            notes: asyncio.Queue[str] = asyncio.Queue()
+            async with connect(mcp_url, intern, notes=notes) as as_intern, connect(mcp_url, lead) as as_lead:
+                await subscribe(as_intern, PENDING)
+                async with ollama.AsyncClient(host=f"http://127.0.0.1:{ports['plugin_proxy_llama']}") as chat:
+                    asked = asyncio.create_task(chat.chat(model=AGENT, messages=[{"role": "user", "content": "go"}]))
+                    await next_note(notes, PENDING)
+                    (pending,) = await read_json(as_intern, PENDING)
+                    assert pending["session"].startswith("llama-") and pending["request"]["approvers"] == ["mcp:lead"]
+                    refused = await as_intern.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                             "decision": "allow_once"})
+                    assert refused.is_error and "token 'intern' is not one of them" in refused.content[0].text
+                    assert not asked.done()
+                    answer = call_json(await as_lead.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                                    "decision": "allow_once"}))
+                    assert answer["status"] == "answered"
+                    async with asyncio.timeout(60):
+                        whole = await asked
+            assert whole.message.content.endswith("Deleted.") and "allowed once by mcp:lead" in whole.message.content
+        finally:
+            out = server.stop()
+    assert "db_query ran: DELETE FROM orders WHERE id = 5" in out and lead not in out and intern not in out

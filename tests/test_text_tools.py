@@ -8,7 +8,7 @@ import pytest
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-from agents import TextCallFilter, trim_history, try_force_tool_calls
+from agents import AFTER_RESULTS, TextCallFilter, find_text_calls, trim_history, try_force_tool_calls
 from tests.conftest import openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn
@@ -82,6 +82,8 @@ WELL_FORMED = [
     ),
     # chat-template artefacts and encodings
     ('<tool_call>{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}</tool_call>', [PARIS]),
+    ('{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}', [PARIS]),  # a whole reply, doubled
+    ('{{"name": "get_weather", "arguments": {"city": "Paris"}}}}', [PARIS]),  # doubled unevenly (Qwen 1.5B)
     ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>', [PARIS]),
     ('<tool_call>{"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}</tool_call>', [PARIS]),
     # an unclosed tag at the end of the reply (the model stopped at its stop token)
@@ -134,6 +136,15 @@ MUST_NOT_RUN = [
 @pytest.mark.parametrize("reply", MUST_NOT_RUN, ids=[r[:40] for r in MUST_NOT_RUN])
 def test_malformed_or_prose_replies_do_not_run(reply: str) -> None:
     assert calls(reply) == []
+
+
+def test_a_reply_of_bare_arguments_is_a_problem_to_correct_not_a_call() -> None:
+    """Qwen 1.5B, asked to read a prompt section, replied `{"section": "backups"}`: the arguments of one tool."""
+    found = find_text_calls('{"city": "Paris", "days": 2}', TOOLS)
+    assert found.calls == [] and found.problems == [
+        'arguments without a tool name (a call of get_weather?): {"city": "Paris", "days": 2}']
+    assert find_text_calls('{"sql": "SELECT 1"}', TOOLS).problems == []  # db_query or read_file: nobody's to guess
+    assert find_text_calls('{"city": "Paris", "temperature": 21}', TOOLS).problems == []  # ordinary JSON
 
 
 def test_spans_cover_only_the_call_syntax() -> None:
@@ -203,6 +214,7 @@ async def test_text_call_runs_and_its_result_is_fed_back_as_a_user_message(trt, 
     assert "<tool_call>" in sent[2]["content"] and sent[3]["content"].startswith(
         "[Tool result for get_weather]:\nsunny"
     )
+    assert sent[3]["content"].endswith(AFTER_RESULTS)  # a small model is told to answer now
     history = trt.sessions.get("c1").history
     assert [(m["role"], bool(m.get("tool_results"))) for m in history] == [
         ("user", False), ("assistant", False), ("user", True), ("assistant", False)]
