@@ -19,8 +19,11 @@ from mcp import Client
 from mcp.client.session import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 
+from shell import ShellClient
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
-from tests.test_gate_e2e import tool_results
+from tests.fakes.openai_backend import FakeOpenAI
+from tests.test_gate_e2e import DB_PLUGIN, tool_results
 from tests.test_mcp_server import HUMAN, WAIT, WORKER, McpServer, _first_pending, call_json, connect, mcp_server
 from tests.waiting import until
 
@@ -162,3 +165,53 @@ async def test_a_form_is_withdrawn_when_the_gate_is_answered_elsewhere(mcp_serve
         call_json(await other.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "allow_once"}))
         out = call_json(await asyncio.wait_for(call, WAIT))
     assert out["text"] == "ada" and tool_results(backend) == [ROWS]
+
+
+async def test_a_routed_gate_is_asked_only_of_the_mcp_tokens_it_names(tmp_path) -> None:
+    """approvals routes the mcp class's gates to token alice: her form's answer decides (as mcp:alice through
+    mcp-elicitation); bob, another human token, is not asked, and his session's gate waits for alice."""
+    bob = "human-token-bob-for-tests-01"
+    with FakeOpenAI() as backend:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(backend)}
+        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
+        port = free_port()
+        cfg.plugins.append("plugin_client_mcp")
+        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
+        cfg.gates = {"db": {}}
+        cfg.enabled_extra = {"approvals": {"classes": {"mcp": {"mcp_tokens": ["alice"]}}}}
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps({"tokens": {
+            "alice": {"role": "human", "token": HUMAN}, "bob": {"role": "human", "token": bob}}}))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        url = f"http://127.0.0.1:{port}/mcp"
+        try:
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 3"}), text("Deleted."))
+            asked: list[types.ElicitRequestFormParams] = []
+            async with ShellClient(server.url, "mcp-routed", token=server.token) as watcher:
+                await watcher.connect(max_wait=10)
+                async with eliciting(url, HUMAN, choose("allow_once"), asked) as alice:
+                    out = call_json(await alice.call_tool("send_message", {"text": "delete 3", "session": "routed"}))
+                closing = None
+                async for ev in watcher.events():
+                    if ev.name == "status" and ev.data.get("decision"):
+                        closing = ev.data
+                    if ev.name == "done":
+                        break
+            assert out["text"] == "Deleted." and tool_results(backend) == [ROWS]
+            assert "approvers: MCP token 'alice'" in asked[0].message
+            assert closing is not None and (closing["by"], closing["channel"]) == ("mcp:alice", "mcp-elicitation")
+
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 4"}), text("Deleted too."))
+            not_asked: list[types.ElicitRequestFormParams] = []
+            async with eliciting(url, bob, choose("allow_once"), not_asked) as as_bob, connect(url, HUMAN) as lead:
+                call = asyncio.create_task(as_bob.call_tool("send_message", {"text": "delete 4", "session": "bobs"}))
+                (pending,) = [p for p in await _first_pending(lead) if p["session"] == "mcp-bobs"]
+                assert pending["request"]["approvers"] == ["mcp:alice"]
+                call_json(await lead.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                    "decision": "allow_once"}))
+                out = call_json(await asyncio.wait_for(call, WAIT))
+            assert out["text"] == "Deleted too." and not_asked == []
+        finally:
+            log = server.stop()
+    assert HUMAN not in log and bob not in log
