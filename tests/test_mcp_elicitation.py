@@ -34,8 +34,8 @@ ROWS = "id | name\n1  | ada"
 
 
 @contextlib.asynccontextmanager
-async def eliciting(url: str, token: str, answer: Answer, asked: list[types.ElicitRequestFormParams]
-                    ) -> AsyncIterator[Client]:
+async def eliciting(url: str, token: str, answer: Answer, asked: list[types.ElicitRequestFormParams],
+                    mode: str = "legacy") -> AsyncIterator[Client]:
     """A 2025-11-25 SDK client that declares elicitation: each form is recorded in `asked`, then answered."""
 
     async def on_elicit(ctx: ClientRequestContext, params: types.ElicitRequestParams
@@ -46,7 +46,7 @@ async def eliciting(url: str, token: str, answer: Answer, asked: list[types.Elic
 
     async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"},
                                   timeout=httpx2.Timeout(30, read=120)) as http:
-        async with Client(streamable_http_client(url, http_client=http), mode="legacy", cache=None,
+        async with Client(streamable_http_client(url, http_client=http), mode=mode, cache=None,
                           elicitation_callback=on_elicit) as client:
             yield client
 
@@ -132,6 +132,22 @@ async def test_a_client_without_the_capability_waits_for_answer_approval_as_befo
                                                                 "decision": "allow_once"}))
         out = call_json(await asyncio.wait_for(call, WAIT))
     assert out["text"] == "The user is ada." and tool_results(backend) == [ROWS]
+
+
+async def test_a_2026_client_is_not_asked_mid_call_and_waits_for_answer_approval(mcp_server: McpServer) -> None:
+    """2026-07-28 has no server-to-client request during a call: its gates wait as before (docs/approvals.md)."""
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ok"))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_once"), asked, mode="auto") as modern, \
+            connect(mcp_server.url, HUMAN) as approver:
+        assert modern.protocol_version == "2026-07-28"
+        call = asyncio.create_task(modern.call_tool("send_message", {"text": "users?", "session": "elicit-2026"}))
+        (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-elicit-2026"]
+        call_json(await approver.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "ok" and asked == [] and tool_results(backend) == [ROWS]
 
 
 async def test_an_agent_token_is_never_asked_to_approve_its_own_gate(mcp_server: McpServer) -> None:
