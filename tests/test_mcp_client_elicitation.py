@@ -10,14 +10,16 @@ back. Both protocol eras: a standalone `elicitation/create` (2025-11-25, "legacy
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from typing import Any
 
 import mcp_types as types
 import pytest
+from rich.console import Console
 
 import routes
-from shell import ShellClient
+from shell import ShellClient, gate_panel
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
 from tests.test_gate_e2e import tool_results
@@ -68,6 +70,10 @@ def test_a_servers_question_is_answered_from_a_shell_window(config_dir, fake_ope
         ("seats", "integer", True), ("window", "boolean", False), ("meal", "string", False)]
     assert next(f for f in asked["fields"] if f["name"] == "meal")["choices"] == ["veg", "meat"]
     assert gate.data["tool_name"] == "local_book" and gate.data["grants"] == []
+    screen = io.StringIO()  # shell.py's panel for it: the server's question, yes / no keys
+    Console(file=screen, width=140).print(gate_panel(gate.data, 400))
+    assert "MCP server 'local' asks" in screen.getvalue() and "How many seats for 'Hamlet'?" in screen.getvalue()
+    assert "[a] yes (the form's defaults)" in screen.getvalue() and "[r] no (decline)" in screen.getvalue()
     assert tool_results(fake_openai) == ['booked Hamlet: {"seats":2,"window":true,"meal":"veg"}']
     assert any(e.name == "status" and "[ask ✓] local_book: answered" in e.text for e in events)
 
