@@ -18,9 +18,14 @@ import mcp_types as types
 import pytest
 from rich.console import Console
 
+import approvals
+import build
 import routes
+import stores
+from approvals import SHELL, Approver
+from config import load_config
 from shell import ShellClient, gate_panel
-from tests.conftest import openai_model
+from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.test_gate_e2e import tool_results
 from tests.test_mcp_client import (
@@ -128,3 +133,48 @@ def test_forms_beyond_flat_primitive_fields_are_refused_with_the_reason() -> Non
         content_for(fields, {"other": 1})
     assert types.ElicitResult(action="accept", content=content_for(fields, {"ok": True})).content == {"ok": True}
     assert json.dumps(fields)  # the gate event carries them as they are
+
+
+async def test_a_question_routed_to_approvers_is_answered_by_a_shell_approver_window(tmp_path, fake_openai) -> None:
+    """`approvals` names shell approvers for the tool local_book of a class that cannot answer: the server's
+    question goes on the approver feed, a window that did not opt in is refused, one that did answers it."""
+    cfg = ConfigDir(tmp_path)
+    cfg.models = {"fake": openai_model(fake_openai)}
+    cfg.enabled_extra = {"approvals": {"classes": {"unknown": {"tools": {"local_book": {"shell": True}}}}}}
+    rt = await build.build_runtime(load_config(write_config(cfg, {"local": stdio_server()}).path),
+                                   store=stores.MemoryStore())
+    try:
+        assert rt.plugins is not None
+        await rt.plugins.load_all()
+        desk = rt.gate.desk
+        assert desk is not None
+        feed = desk.watch()
+        fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Booked."))
+        client_id = "nobody-2"
+        sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
+        await routes.submit(rt, client_id, "book Hamlet", {})
+        async with asyncio.timeout(WAIT):
+            opened = await anext(aiter(feed))
+        asked = opened.gate
+        assert opened.name == approvals.OPENED and asked is not None
+        assert (asked.tool, asked.op, asked.approvers) == ("local_book", "elicitation", ["shell:*"])
+        assert asked.summary == "MCP server 'local' asks: How many seats for 'Hamlet'?"
+        stranger = await rt.gate.answer(asked.gate_id, "allow", answerer=Approver(SHELL, "w-stranger"),
+                                        channel="shell", content={"seats": 9})
+        assert stranger.outcome == approvals.NOT_APPROVER
+        await desk.set_window("w-lead", True)
+        result = await rt.gate.answer(asked.gate_id, "allow", answerer=Approver(SHELL, "w-lead"), channel="shell",
+                                      content={"seats": 3, "meal": "meat"})
+        assert result.answered
+        statuses = []
+        async with asyncio.timeout(WAIT):
+            async for ev in sub:
+                if ev.name == "status":
+                    statuses.append(ev.data)
+                if ev.name == "done":
+                    break
+        assert tool_results(fake_openai) == ['booked Hamlet: {"seats":3,"window":false,"meal":"meat"}']
+        closing = next(s for s in statuses if s.get("gate_id") == asked.gate_id and s.get("decision"))
+        assert (closing["by"], closing["channel"]) == ("shell:w-lead", "shell")
+    finally:
+        await build.close_runtime(rt)
