@@ -163,7 +163,8 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
         return types.ElicitResult(action="decline")
     timeout = route.timeout if route else keeper.timeout if wait == gate.HUMAN_WAIT else keeper.api_timeout
     timeout = min(timeout, max_wait)
-    asked = {"server": server, "message": message, "fields": fields, "summary": _describe(fields)}
+    asked = {"server": server, "message": message, "fields": fields, "summary": _describe(fields),
+             "schema": params.requested_schema}
     args = {"message": message, "fields": _describe(fields)}
     payload = {"tool_name": exposed, "tool_args": {**args, "operation_type": OPERATION}, "tables": [],
                "timeout_seconds": timeout, "grants": [], "elicitation": asked}
@@ -173,7 +174,15 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
-    decision, gate_id = await keeper.ask(rt, client_id, payload, timeout, routed)
+    with state.running(turn):  # the callback may run outside the turn's task: its events carry the turn
+        decision, gate_id = await keeper.ask(rt, client_id, payload, timeout, routed)
+        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, audit, timeout)
+
+
+async def _answered(rt: state.Runtime, keeper: gate.GateKeeper, client_id: str, exposed: str,
+                    fields: list[dict[str, Any]], decision: grants.Decision, gate_id: str,
+                    routed: approvals.RoutedGate | None, audit: dict[str, Any], limit: float) -> types.ElicitResult:
+    """Close the question's gate (told to the session, audited) and say what goes back to the server."""
     closing = {"gate_id": gate_id, "decision": decision.word}
     if routed is not None and keeper.desk is not None:
         closed = (await keeper.desk.get(gate_id))[1]
@@ -182,7 +191,7 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
             audit["detail"] = approvals.audit_detail(routed, closed)
     if decision.word == "timeout":
         keeper.audit("decision", actor="timeout", outcome="elicitation cancelled (no answer)", **audit)
-        _status(rt, client_id, f"[ask ✗] {exposed}: no answer within {timeout:g} s — cancelled", **closing)
+        _status(rt, client_id, f"[ask ✗] {exposed}: no answer within {limit:g} s — cancelled", **closing)
         return types.ElicitResult(action="cancel")
     if decision.word == grants.REJECT:
         keeper.audit("decision", actor=decision.by, outcome="elicitation declined", **audit)

@@ -137,7 +137,13 @@ class GateForms:
         self._tasks.clear()
 
     async def _ask(self, gate_id: str, data: dict[str, Any], seen: float) -> None:
-        message, schema = form(data)
+        asked = data.get("elicitation") if isinstance(data.get("elicitation"), dict) else None
+        if asked is not None:  # an MCP server agent-mcp uses asks (plugins/_mcp_asks.py): its own form, passed on
+            message = (f"MCP server '{asked.get('server')}' asks (during {data.get('tool_name')}): "
+                       f"{asked.get('message', '')}")
+            schema = asked.get("schema") or {"type": "object", "properties": {}}
+        else:
+            message, schema = form(data)
         offered = list(data.get("grants") or ())
         if self._notify is not None:
             self._notify(gate_id, time.time() - seen)
@@ -149,12 +155,17 @@ class GateForms:
             logger.info("MCP elicitation of gate %s not answered by the client (%s: %s); it waits for "
                         "answer_approval", gate_id[:8], type(exc).__name__, exc)
             return
-        word, minutes = decision_of(result, offered)
+        content = None
+        if asked is not None:  # accept → allow with the values (checked against the form there); else decline
+            word, minutes = (grants.ALLOW, None) if result.action == "accept" else (grants.REJECT, None)
+            content = result.content if result.action == "accept" else None
+        else:
+            word, minutes = decision_of(result, offered)
         self._deciders[gate_id] = f"{self.who.label} (elicitation: {result.action})"
         try:
             answered = await self.rt.gate.answer(
                 gate_id, word, answerer=approvals.Approver(approvals.MCP, self.who.name), channel=CHANNEL,
-                by=f"mcp token '{self.who.name}'", minutes=minutes)
+                by=f"mcp token '{self.who.name}'", minutes=minutes, content=content)
         except ValueError as exc:  # e.g. minutes out of range: fail closed
             logger.info("MCP elicitation answer for gate %s refused (%s): rejecting", gate_id[:8], exc)
             answered = await self.rt.gate.answer(

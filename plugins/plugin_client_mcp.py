@@ -602,10 +602,13 @@ class McpServerPlugin(BasePlugin):
             gate_id: str,
             decision: Literal["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"],
             minutes: int = grants.DEFAULT_MINUTES,
+            content: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
             """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
             for `minutes`); allow_session (the same for the rest of the session); allow_pattern (calls of
-            the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers."""
+            the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers.
+            A question of an MCP server agent-mcp uses (the request has `elicitation`): allow_once with
+            `content`, the values its `fields` ask for (without: the form's defaults); reject declines."""
             who = request_principal()
             owner = await plugin.rt.gate.owner(gate_id)
             if owner is None:
@@ -615,7 +618,7 @@ class McpServerPlugin(BasePlugin):
             try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
                 result = await plugin.rt.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
                                                      answerer=approvals.Approver(approvals.MCP, who.name),
-                                                     channel="mcp", minutes=minutes)
+                                                     channel="mcp", minutes=minutes, content=content)
             except ValueError as exc:
                 plugin._deciders.pop(gate_id, None)
                 raise ToolError(str(exc)) from None

@@ -86,8 +86,9 @@ class McpClientPlugin(BasePlugin):
                            params: types.ElicitRequestParams) -> types.ElicitResult:
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
         assert self.runtime is not None
-        return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
-                                   max(1.0, conn.spec.call_timeout - 5))
+        with state.running(turn):  # what it tells the session belongs to the turn (its client's stream)
+            return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
+                                       max(1.0, conn.spec.call_timeout - 5))
 
     # ── tools ──
 

@@ -24,7 +24,18 @@ from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.test_gate_e2e import DB_PLUGIN, tool_results
-from tests.test_mcp_server import HUMAN, WAIT, WORKER, McpServer, _first_pending, call_json, connect, mcp_server
+from tests.test_mcp_client import stdio_server, write_config
+from tests.test_mcp_server import (
+    HUMAN,
+    TOKENS,
+    WAIT,
+    WORKER,
+    McpServer,
+    _first_pending,
+    call_json,
+    connect,
+    mcp_server,
+)
 from tests.waiting import until
 
 __all__ = ["mcp_server"]  # the module's server (a fixture)
@@ -231,3 +242,49 @@ async def test_a_routed_gate_is_asked_only_of_the_mcp_tokens_it_names(tmp_path) 
         finally:
             log = server.stop()
     assert HUMAN not in log and bob not in log
+
+
+async def test_a_servers_question_is_passed_on_to_the_mcp_client_whose_turn_called_the_tool(tmp_path) -> None:
+    """Both ways at once: an MCP client's turn calls a tool of an MCP server agent-mcp uses, that server
+    elicits, and the client that declared elicitation gets the server's own form; its values reach the
+    server. A client without the capability answers through answer_approval with `content`."""
+    with FakeOpenAI() as backend:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(backend)}
+        port = free_port()
+        cfg.plugins.append("plugin_client_mcp")
+        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
+        write_config(cfg, {"shows": stdio_server(protocol="legacy")})  # every tool open: only the question asks
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps(TOKENS))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        url = f"http://127.0.0.1:{port}/mcp"
+        try:
+            backend.script(tool_call("shows_book", {"title": "Hamlet"}), text("Booked."))
+            asked: list[types.ElicitRequestFormParams] = []
+
+            async def fill(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+                return types.ElicitResult(action="accept", content={"seats": 5, "window": True})
+
+            async with eliciting(url, HUMAN, fill, asked) as client:
+                out = call_json(await asyncio.wait_for(client.call_tool("send_message", {"text": "book",
+                                                                                         "session": "shows"}), WAIT))
+            assert out["text"] == "Booked."
+            assert tool_results(backend) == ['booked Hamlet: {"seats":5,"window":true,"meal":"veg"}']
+            (form,) = asked
+            assert form.message == "MCP server 'shows' asks (during shows_book): How many seats for 'Hamlet'?"
+            assert form.requested_schema["properties"]["seats"]["type"] == "integer"  # the server's own form
+
+            backend.script(tool_call("shows_book", {"title": "Lear"}), text("Booked Lear."))
+            async with connect(url, HUMAN) as plain, connect(url, HUMAN) as approver:
+                call = asyncio.create_task(plain.call_tool("send_message", {"text": "book", "session": "lear"}))
+                (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-lear"]
+                assert pending["request"]["elicitation"]["server"] == "shows"
+                call_json(await approver.call_tool("answer_approval", {
+                    "gate_id": pending["gate_id"], "decision": "allow_once", "content": {"seats": 1}}))
+                out = call_json(await asyncio.wait_for(call, WAIT))
+            assert out["text"] == "Booked Lear."
+            assert tool_results(backend) == ['booked Lear: {"seats":1,"window":false,"meal":"veg"}']
+        finally:
+            log = server.stop()
+    assert HUMAN not in log
