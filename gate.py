@@ -330,6 +330,7 @@ class GateKeeper:
         else:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op, case_sensitive=case) for k in keys):
+            rt.metrics.gate_allowed("policy")
             _covers(turn, section, "policy", allows=functools.partial(self.allowed, session, "db", case_sensitive=case))
             return None
 
@@ -345,12 +346,14 @@ class GateKeeper:
         if grant is not None:
             assert self.grants is not None
             self.grants.used(grant)
+            rt.metrics.gate_allowed("grant")
             self.audit("grant_used", actor=_actor(turn), outcome="allowed", grant_id=grant.id, **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
             _covers(turn, section, "grant", grant.keys, grant.op)
             return None
         _covers(turn, section, "approval", keys, op)  # what a person approves below (or an @model turn)
         if turn.bypass_gates:
+            rt.metrics.gate_allowed("model_prefix")
             self.audit("decision", actor=_actor(turn), outcome="allowed (@model turn)", **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
@@ -380,6 +383,7 @@ class GateKeeper:
         if routed is not None:
             payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
         decision, gate_id = await self.ask(rt, client_id, payload, timeout, routed)
+        rt.metrics.gate_answered(decision.word)
         resolved = {"gate_id": gate_id, "decision": decision.word}
         if routed is not None:  # who answered, through which channel, after how long: for the client and the audit
             closing = (await self.desk.get(gate_id))[1] if self.desk else None
@@ -438,7 +442,8 @@ class GateKeeper:
                    if self.relay is not None else contextlib.nullcontext())
         desk = self.desk if routed is not None else None
         try:
-            async with relayed:
+            async with relayed, rt.tracing.waiting(f"gate {payload.get('tool_name')}") as span:
+                rt.metrics.gate_raised()
                 if desk is not None and routed is not None:
                     await approvals.opening(desk, rt.hub, routed, gate_id, wait_seconds)
                 rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
@@ -449,6 +454,7 @@ class GateKeeper:
                     decision = grants.Decision("timeout")
                     if desk is not None and routed is not None:  # an answer may have been claimed just before
                         decision = await approvals.timed_out(desk, routed) or decision
+                rt.tracing.note(span, agent_mcp__gate__decision=decision.word)
         finally:
             self.pending.pop(gate_id, None)
             if desk is not None and routed is not None:
@@ -756,6 +762,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         return "Grants are not kept by this server."
     parts = args.split()
     await store.refresh(turn.client_id)  # with several instances: as they are now
+    await store.refresh(turn.client_id)  # with several instances: as they are on the shared store now
     if not parts:
         now = store.clock()
         rows = [f"  {g.describe(now)}" for g in store.active(turn.client_id)]

@@ -471,6 +471,16 @@ class GrantStore(stores.SqliteFile):
             return None
         return grant
 
+    async def refresh_all(self) -> None:
+        """`refresh` of every session that has grants on the shared store (the admin's list and `revoke all`
+        must see grants given on other instances, not only those this one has met)."""
+        if self.link is None:
+            return
+        with self.link.calling():
+            sessions = set(await self.link.client.hvals(self.link.key("grant-owners")))
+        for session in sorted(sessions | set(self.grants)):
+            await self.refresh(session)
+
     async def find_owner(self, grant_id: str) -> str | None:
         """`owner`, on every instance of a shared store."""
         if self.link is None:

@@ -51,6 +51,9 @@ async def handle(rt: state.Runtime, body: AdminBody) -> dict[str, Any]:
     store = rt.gate.grants
     if body.action in ("revoke", "grants") and store is None:
         raise AdminError("this server keeps no grants")
+    if body.action in ("revoke", "grants"):
+        assert store is not None
+        await store.refresh_all()  # with several instances: grants given on the others too
     if body.action == "grants":
         assert store is not None
         return {"grants": [{**g.__dict__, "keys": list(g.keys)} for s in list(store.grants) for g in store.active(s)]}

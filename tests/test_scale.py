@@ -226,6 +226,45 @@ async def test_a_grant_given_on_one_instance_allows_there_and_is_revoked_from_th
         await sub.aclose()
 
 
+async def test_revoking_all_grants_reaches_those_given_on_another_instance(tmp_path, fake_openai, redis_store) -> None:
+    """agentctl's `grants revoke all` (POST /admin) and `!grants revoke all` are answered by one instance,
+    which may never have met the session whose grant another instance gave."""
+    from plugins import _shell_admin
+
+    recorder = Recorder()
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}, gates=ALL_GATED) as (a, b):
+        for rt in (a, b):
+            add_plugin_tools(rt, "plugin_test", [recorder.tool("web_search", Query)], {"web_search": {"type": "read"}})
+
+        async def search(rt: state.Runtime, client: str, answer: str) -> list[str]:
+            sub = rt.hub.subscribe(client, None)
+            fake_openai.script(tool_call("web_search", {"query": "q"}), text("done"))
+            ran = await routes.submit(rt, client, "search", shell_payload(rt, client, None))
+            names = []
+            async with asyncio.timeout(20):
+                async for ev in sub:
+                    if ev.turn == ran.id:
+                        names.append(ev.name)
+                        if ev.name == "gate":
+                            assert await rt.gate.resolve(ev.data["gate_id"], answer, by="shell")
+                        if ev.name == "done":
+                            break
+            await sub.aclose()
+            return names
+
+        for client in ("c1", "c2"):  # grants of two sessions, given on A only
+            assert (await search(a, client, "allow_session")).count("gate") == 1
+        listing = await _shell_admin.handle(b, _shell_admin.AdminBody(action="grants"))
+        assert sorted(g["session"] for g in listing["grants"]) == ["c1", "c2"]
+        revoked = await _shell_admin.handle(b, _shell_admin.AdminBody(action="revoke", which="all"))
+        assert len(revoked["revoked"]) == 2
+        assert (await search(a, "c1", "reject")).count("gate") == 1  # A asks again
+        assert (await search(a, "c2", "allow_session")).count("gate") == 1
+        mine = await routes.wait_turn(b, "c2", "!grants revoke all", shell_payload(b, "c2", None), 20)
+        assert mine["text"].startswith("Revoked"), mine  # B had not met c2's new grant
+        assert (await search(a, "c2", "reject")).count("gate") == 1
+
+
 async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_on_another(tmp_path, fake_openai,
                                                                                          redis_store) -> None:
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):

@@ -144,7 +144,19 @@ def test_a_reply_of_bare_arguments_is_a_problem_to_correct_not_a_call() -> None:
     assert found.calls == [] and found.problems == [
         'arguments without a tool name (a call of get_weather?): {"city": "Paris", "days": 2}']
     assert find_text_calls('{"sql": "SELECT 1"}', TOOLS).problems == []  # db_query or read_file: nobody's to guess
+    # Arguments under "arguments" without a name (Qwen 1.5B, the same task, another sample).
+    assert find_text_calls('```json\n{"arguments": {"city": "Paris"}}\n```', TOOLS).problems == [
+        "a call without a tool name (of get_weather? write its name)"]
     assert find_text_calls('{"city": "Paris", "temperature": 21}', TOOLS).problems == []  # ordinary JSON
+
+
+def test_a_correction_shows_the_generic_shape_when_no_tool_is_meant() -> None:
+    from text_calls import correction
+    told = correction(["unknown tool 'x'"], list(TOOLS.values()), text_mode=True)
+    assert 'To call one, write exactly:\n<tool_code>{"tool_name": "<tool name>", "arguments"' in told
+    told = correction(["x"], list(TOOLS.values()), text_mode=True, meant=("db_query", None))
+    assert 'To call db_query, write exactly:\n<tool_code>{"tool_name": "db_query", "arguments": {"sql": "<string>"}}' \
+           in told
 
 
 def test_spans_cover_only_the_call_syntax() -> None:
