@@ -34,6 +34,7 @@ from tests.test_mcp_client import (
     stdio_server,
     write_config,
 )
+from tests.test_scale import two
 
 WAIT = 30  # a guard: a broken server fails the test instead of hanging it
 ERAS = ["legacy", "auto"]
@@ -178,3 +179,26 @@ async def test_a_question_routed_to_approvers_is_answered_by_a_shell_approver_wi
         assert (closing["by"], closing["channel"]) == ("shell:w-lead", "shell")
     finally:
         await build.close_runtime(rt)
+
+
+async def test_values_answered_on_another_instance_reach_the_waiting_question(tmp_path, fake_openai,
+                                                                                redis_store) -> None:
+    """Two instances on one Redis: a question's gate raised on A, answered with values through B (a shell
+    window's /gate_response lands on B) — the values reach A's waiting call."""
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        client_id = "shell-two"
+        await a.sessions.get_or_create(client_id, "fake")
+        sub = a.hub.subscribe(client_id, a.hub.last_id(client_id))
+        asking = asyncio.ensure_future(a.gate.ask(a, client_id, {"tool_name": "x_book", "grants": []}, WAIT))
+        gate_id = ""
+        async with asyncio.timeout(WAIT):
+            async for ev in sub:
+                if ev.name == "gate":
+                    gate_id = ev.data["gate_id"]
+                    break
+        assert (await b.gate.answer(gate_id, "allow", by="shell", channel="shell", content={"seats": 7})).answered
+        try:
+            decision, asked_id = await asyncio.wait_for(asking, WAIT)
+        finally:
+            asking.cancel()
+        assert (asked_id, decision.word, decision.content) == (gate_id, "allow", {"seats": 7})
