@@ -20,6 +20,7 @@ from rich.console import Console
 
 import approvals
 import build
+import grants
 import routes
 import stores
 from approvals import SHELL, Approver
@@ -177,6 +178,14 @@ async def test_a_question_routed_to_approvers_is_answered_by_a_shell_approver_wi
         assert tool_results(fake_openai) == ['booked Hamlet: {"seats":3,"window":false,"meal":"meat"}']
         closing = next(s for s in statuses if s.get("gate_id") == asked.gate_id and s.get("decision"))
         assert (closing["by"], closing["channel"]) == ("shell:w-lead", "shell")
+        await rt.gate.grants.flush()
+        records = list(grants.read_audit(rt.config.data_dir() / grants.AUDIT_FILE))
+        (refused,) = [r for r in records if r["event"] == "approval_refused"]
+        assert (refused["actor"], refused["tool"]) == ("shell:w-stranger", "local_book")
+        (record,) = [r for r in records if r["event"] == "decision" and r["tool"] == "local_book"]
+        assert (record["actor"], record["op"], record["outcome"]) == ("shell:w-lead", "elicitation",
+                                                                      "elicitation accepted")
+        assert json.loads(record["detail"])["channel"] == "shell"
     finally:
         await build.close_runtime(rt)
 
