@@ -22,6 +22,7 @@ import approvals
 import build
 import grants
 import routes
+import state
 import stores
 from approvals import SHELL, Approver
 from config import load_config
@@ -211,3 +212,20 @@ async def test_values_answered_on_another_instance_reach_the_waiting_question(tm
         finally:
             asking.cancel()
         assert (asked_id, decision.word, decision.content) == (gate_id, "allow", {"seats": 7})
+
+
+def test_a_question_belongs_to_the_one_session_calling_else_to_nobody(tmp_path) -> None:
+    """Which turn a server's question is asked of: the current turn's call; else the only session with calls
+    in flight on that connection; with calls of several sessions and no context, nobody (declined)."""
+    from plugins._mcp_connection import Connection
+    from plugins._mcp_servers import StdioServer
+
+    conn = Connection("s", StdioServer(command="true"), {}, tmp_path, lambda c: None)
+    a1, a2, b = (state.Turn("shell-a", "t1", "shell"), state.Turn("shell-a", "t2", "shell"),
+                 state.Turn("shell-b", "t3", "shell"))
+    conn._calls = {1: ("s_book", a1), 2: ("s_book", a2)}
+    assert conn._caller() == ("s_book", a1)  # one session: its (first) call
+    conn._calls[3] = ("s_other", b)
+    assert conn._caller() == ("", None)  # two sessions, no context: nobody
+    with state.running(b):
+        assert conn._caller() == ("s_other", b)  # the SDK ran the callback in the calling task
