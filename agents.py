@@ -763,7 +763,7 @@ async def _round(loop: _Loop) -> str | None:
             history.append({"role": "assistant", "content": text})
             history.append({"role": "user", "tool_results": True, "content": correction(
                 [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text",
-                (named, None))})
+                (named, None), insist=True)})
             return None
         history.append({"role": "assistant", "content": text})
         return text

@@ -378,15 +378,18 @@ def _example(tool: StructuredTool, args: dict[str, Any] | None, text_mode: bool)
 
 
 def correction(problems: list[str], tools: list[StructuredTool], text_mode: bool,
-               meant: tuple[str, dict[str, Any] | None] | None = None) -> str:
+               meant: tuple[str, dict[str, Any] | None] | None = None, insist: bool = False) -> str:
     """The one message that tells a model why its text call was not run and how to write one; with `meant`
-    (the tool it most likely wanted, and its arguments if known), that call written out exactly."""
+    (the tool it most likely wanted, and its arguments if known), that call written out exactly. `insist`:
+    the model named the tool instead of calling it, so it is told to call it now (no way out in prose, which
+    small models take)."""
     tool = next((t for t in tools if meant and t.name == meant[0]), None)
     how = (f"To call {tool.name}, write exactly:\n{_example(tool, meant[1] if meant else None, text_mode)}"
            if tool is not None else f"To call one, write exactly:\n{call_shape(text_mode)}")
+    end = ("Reply now with only that call; its result comes back to you." if insist and tool is not None
+           else "Or, if no tool is needed, answer the user directly.")
     return ("[Tool call error]: not run: " + "; ".join(dict.fromkeys(problems)) + ".\n"
-            f"The tools you can call:\n{tool_signatures(tools)}\n{how}\n"
-            "Or, if no tool is needed, answer the user directly.")
+            f"The tools you can call:\n{tool_signatures(tools)}\n{how}\n{end}")
 
 class TextCallFilter:
     """Holds streamed text back from the first sign of a text tool call until the reply is complete.

@@ -297,6 +297,7 @@ async def test_a_model_that_describes_a_tool_instead_of_calling_it_is_told_once(
     assert "you named get_weather but did not call it" in told and "- get_weather(city: string)" in told
     shown = '<tool_call>{"name": "get_weather", "arguments": {"city": "<string>"}}</tool_call>'
     assert f"To call get_weather, write exactly:\n{shown}" in told  # the call written out, not a generic shape
+    assert told.endswith("Reply now with only that call; its result comes back to you.")  # no way out in prose
     assert any("named get_weather instead of calling it" in s for s in _statuses(events))
     _check_history(nrt.sessions.get("c1").history)
 
