@@ -84,6 +84,9 @@ class ModelConfig(_Model):
     context_tokens: int | None = Field(default=None, ge=512)
     #: Share of the window kept free for the answer; the request gets the rest.
     answer_share: float = Field(default=0.25, gt=0, le=0.75)
+    #: Sampling temperature sent with every request; None: the client library's default (OpenAI-compatible:
+    #: none sent, so the server's; Gemini: langchain-google-genai's).
+    temperature: float | None = Field(default=None, ge=0, le=2)
 
     @field_validator("host")
     @classmethod

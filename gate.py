@@ -445,6 +445,7 @@ class GateKeeper:
             async with relayed, rt.tracing.waiting(f"gate {payload.get('tool_name')}") as span:
                 rt.metrics.gate_raised()
                 if desk is not None and routed is not None:
+                    rt.metrics.gate_routed()
                     await approvals.opening(desk, rt.hub, routed, gate_id, wait_seconds)
                 rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
                 try:

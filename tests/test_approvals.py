@@ -18,6 +18,7 @@ from pydantic import BaseModel
 import approvals
 import gate
 import grants
+import metrics
 import shared
 import state
 from approvals import ADMIN, API, MCP, SHELL, SLACK, SLACK_CHANNEL, Approver
@@ -122,6 +123,7 @@ async def next_feed(feed: Any) -> approvals.FeedEvent:
 
 
 async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art) -> None:
+    art.metrics = metrics.Metrics("test")  # counted like every gate, and as routed
     await art.sessions.get_or_create(PROXY_ID, "fake")
     feed = art.gate.desk.watch()
     session = art.hub.subscribe(PROXY_ID, art.hub.last_id(PROXY_ID))
@@ -156,6 +158,7 @@ async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art
     assert late.outcome == approvals.DECIDED and late.first is not None
     assert (late.first.decision, late.first.by, late.first.channel) == ("allow", "mcp:lead", "mcp")
     assert (await call).startswith("ok")
+    assert [art.metrics.own.get_sample_value(f"agent_mcp_gates_{n}_total") for n in ("raised", "routed")] == [1, 1]
     closed = await next_feed(feed)
     assert closed.name == approvals.CLOSED and closed.closing is not None
     assert (closed.closing.gate_id, closed.closing.decision, closed.closing.by) == (gate.gate_id, "allow", "mcp:lead")
