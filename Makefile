@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-guard bench-grants bench-scale bench-local bench-metrics dashboard metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-local bench-metrics dashboard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,9 @@ bench-approvals: $(STAMP)
 
 bench-slack-approvals: $(STAMP)
 	$(PY) bench/slack_approvals.py
+
+bench-elicitation: $(STAMP)
+	$(PY) bench/elicitation_latency.py
 
 bench-guard: $(STAMP)
 	$(PY) bench/guard_overhead.py

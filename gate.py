@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -467,8 +467,8 @@ class GateKeeper:
         return decision, gate_id
 
     async def answer(self, gate_id: str, decision: str, *, answerer: approvals.Approver | None = None,
-                     channel: str = "", by: str = "", minutes: Any = None, may_grant: bool = True
-                     ) -> approvals.AnswerResult:
+                     channel: str = "", by: str = "", minutes: Any = None, may_grant: bool = True,
+                     content: dict[str, Any] | None = None) -> approvals.AnswerResult:
         """Answer a pending gate as `answerer` through `channel` (see approvals.AnswerResult for the outcomes).
 
         A gate routed to approvers takes only an answer of one of them (else NOT_APPROVER, and nothing
@@ -478,7 +478,7 @@ class GateKeeper:
         routed, first = await self.desk.get(gate_id) if self.desk is not None else (None, None)
         if routed is None and first is None:
             done = await self.resolve_plain(gate_id, decision, by=by or str(answerer or ""), minutes=minutes,
-                                            may_grant=may_grant)
+                                            may_grant=may_grant, content=content)
             return approvals.AnswerResult(approvals.ANSWERED if done else approvals.UNKNOWN, gate_id)
         assert self.desk is not None
         if first is not None or routed is None:
@@ -488,7 +488,8 @@ class GateKeeper:
                        tool=routed.tool, op=routed.op, tables=routed.tables, outcome="not an approver of this gate",
                        detail=json.dumps({"channel": channel, "asked": routed.approvers}))
             return approvals.AnswerResult(approvals.NOT_APPROVER, gate_id, approvers=tuple(routed.approvers))
-        checked = grants.Decision.parse(decision, str(answerer), minutes, may_grant=may_grant)
+        checked = replace(grants.Decision.parse(decision, str(answerer), minutes, may_grant=may_grant),
+                                      content=content)
         won, first = await self.desk.claim(approvals.answered(routed, checked.word, checked.by, channel,
                                                               checked.minutes))
         if not won:
@@ -498,7 +499,8 @@ class GateKeeper:
             if not waiting[1].done():
                 waiting[1].set_result(checked)
         elif self.relay is not None:
-            await self.relay.answer(gate_id, {"word": checked.word, "by": checked.by, "minutes": checked.minutes})
+            await self.relay.answer(gate_id, {"word": checked.word, "by": checked.by, "minutes": checked.minutes,
+                                              "content": checked.content})
         return approvals.AnswerResult(approvals.ANSWERED, gate_id)
 
     async def owner(self, gate_id: str) -> str | None:
@@ -514,16 +516,16 @@ class GateKeeper:
         return (await self.answer(gate_id, decision, by=by, minutes=minutes, may_grant=may_grant)).answered
 
     async def resolve_plain(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
-                            may_grant: bool = True) -> bool:
+                            may_grant: bool = True, content: dict[str, Any] | None = None) -> bool:
         """Answer a pending gate: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject;
         `by` names who answered (for the audit log). False if the gate is unknown or already answered;
         grants.GrantError (a ValueError) for an answer that is not allowed. With a shared store the gate
         may belong to a turn on another instance: the answer goes there through Redis."""
-        checked = grants.Decision.parse(decision, by, minutes, may_grant=may_grant)
+        checked = replace(grants.Decision.parse(decision, by, minutes, may_grant=may_grant), content=content)
         waiting = self.pending.get(gate_id)
         if waiting is None:
             return self.relay is not None and await self.relay.answer(
-                gate_id, {"word": checked.word, "by": checked.by, "minutes": checked.minutes})
+                gate_id, {"word": checked.word, "by": checked.by, "minutes": checked.minutes, "content": content})
         if waiting[1].done():
             return False
         waiting[1].set_result(checked)

@@ -27,7 +27,7 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,8 @@ class Decision:
     word: str
     by: str = ""
     minutes: int = DEFAULT_MINUTES
+    #: What the human filled in, for a question that asks for values (an MCP server's elicitation form).
+    content: dict[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
     def parse(cls, word: str, by: str = "", minutes: Any = None, *, may_grant: bool = True) -> Decision:

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,9 +204,11 @@ async def run_turn(
 
 
 async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None, seconds: float,
-                    *, cancel_running: bool = False) -> dict[str, Any]:
+                    *, cancel_running: bool = False,
+                    on_event: Callable[[state.Event], None] | None = None) -> dict[str, Any]:
     """Run one request to its end (or for `seconds`, then cancel it): `{"status", "text"}` with status
-    complete, error, timeout or cancelled, and `"error"` when the agent reported one."""
+    complete, error, timeout or cancelled, and `"error"` when the agent reported one. `on_event` sees each
+    event of the request as it comes (the MCP server asks its gates as elicitation forms)."""
     parts: list[str] = []
     error: str | None = None
     status = "complete"
@@ -214,6 +216,8 @@ async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[
         try:
             async with asyncio.timeout(seconds):
                 async for ev in events:
+                    if on_event is not None:
+                        on_event(ev)
                     if ev.name == "tok":
                         parts.append(str(ev.data.get("text", "")))
                     elif ev.name == "error":

@@ -584,9 +584,9 @@ class GateRelay:
 
     @contextlib.asynccontextmanager
     async def listening(self, gate_id: str, client_id: str, seconds: float, future: asyncio.Future[Any],
-                        decision: Callable[[str, str, int], Any]) -> AsyncIterator[None]:
+                        decision: Callable[[str, str, int, Any], Any]) -> AsyncIterator[None]:
         """While inside: the gate of `client_id` is listed for every instance, and an answer given on any
-        sets `future` to `decision(word, by, minutes)`."""
+        sets `future` to `decision(word, by, minutes, content)`."""
         await self._raised(gate_id, client_id, seconds)
         delivering = asyncio.ensure_future(self._deliver(gate_id, future, decision))
         try:
@@ -615,11 +615,12 @@ class GateRelay:
             return bool(await self.r.eval(_ANSWER, 2, key, self.link.key("answer", gate_id), json.dumps(answer),
                                           60_000))
 
-    async def _deliver(self, gate_id: str, future: asyncio.Future[Any], decision: Callable[[str, str, int], Any]
+    async def _deliver(self, gate_id: str, future: asyncio.Future[Any], decision: Callable[[str, str, int, Any], Any]
                        ) -> None:
         answer = await self._wait(gate_id)
         if not future.done():
-            future.set_result(decision(answer["word"], answer.get("by", ""), int(answer["minutes"])))
+            future.set_result(decision(answer["word"], answer.get("by", ""), int(answer["minutes"]),
+                                       answer.get("content")))
 
     async def _wait(self, gate_id: str) -> dict[str, Any]:
         """The answer given on any instance (waits until one comes; the caller bounds the time)."""

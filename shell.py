@@ -124,14 +124,17 @@ def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | 
         )
     if gate.get("shape"):
         grid.add_row("Shape", Text(str(gate["shape"]), style="dim"))  # what p (allow this shape) would allow
+    asked = gate.get("elicitation") if isinstance(gate.get("elicitation"), dict) else None
+    labels = {**_KEY_LABELS, **(_ASK_LABELS if asked else {})}
     parts: list[Any] = []
     for key in gate_keys(gate):
-        parts += [(f"[{key}]", "bold red" if key == "r" else "bold green"), f" {_KEY_LABELS[key]}   "]
+        parts += [(f"[{key}]", "bold red" if key == "r" else "bold green"), f" {labels[key]}   "]
     keys = Text.assemble(*parts, *((("[v]", "bold"), " show all arguments") if truncated else ()))
+    title = f"❓ MCP server '{asked.get('server')}' asks" if asked else "⚠ the agent asks to run a tool"
     return Panel(
         Group(grid, Text(""), keys),
         title=f"⚖ approval asked for session {gate.get('session')} ({gate.get('client_label')})" if gate.get(
-            "routed") else "⚠ the agent asks to run a tool",
+            "routed") else title,
         title_align="left",
         border_style="yellow",
         expand=False,
@@ -175,6 +178,8 @@ GRANT_MINUTES = 15
 _GATE_KEYS = {"a": "allow", "t": "allow_for", "s": "allow_session", "p": "allow_pattern", "r": "reject"}
 _KEY_LABELS = {"a": "allow once", "t": f"allow for {GRANT_MINUTES} min", "s": "allow for this session",
                "p": "allow this shape", "r": "reject"}
+#: The keys of an MCP server's question (an elicitation, docs/approvals.md): values go by /gate_response `content`.
+_ASK_LABELS = {"a": "yes (the form's defaults)", "r": "no (decline)"}
 _DECISION_LINES = {
     "allow": ("✓ allowed once — {tool} proceeds", "green"),
     "allow_for": (f"✓ allowed for {GRANT_MINUTES} min (!grants to see or revoke) — {{tool}} proceeds", "green"),

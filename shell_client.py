@@ -236,9 +236,10 @@ class ShellClient:
         return isinstance(body, dict) and body.get("cancelled") is True
 
     async def gate_response(self, gate_id: str, decision: str, minutes: int | None = None,
-                            as_approver: bool = False) -> dict[str, Any]:
+                            as_approver: bool = False, content: dict[str, Any] | None = None) -> dict[str, Any]:
         """POST /gate_response: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject;
-        `as_approver`: a gate of another session routed to this window (`set_approver`)."""
+        `as_approver`: a gate of another session routed to this window (`set_approver`); `content`: the values
+        an MCP server's elicitation asks for (with allow)."""
         if decision not in DECISIONS:
             raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
         body: dict[str, Any] = {"gate_id": gate_id, "decision": decision}
@@ -246,6 +247,8 @@ class ShellClient:
             body["minutes"] = minutes
         if as_approver:
             body["approver"] = self.window_id
+        if content is not None:
+            body["content"] = content
         return await self._request("POST", "/gate_response", json=body, again=True)
 
     async def set_approver(self, on: bool) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +22,7 @@ from mcp.client.subscriptions import SubscriptionLost
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+import state
 from plugins._mcp_servers import HttpServer, StdioServer, format_result
 
 logger = logging.getLogger("agent_mcp.mcp_client")
@@ -132,13 +133,23 @@ def _safe_url(url: str) -> str:
     return f"{p.scheme}://{p.hostname}{f':{p.port}' if p.port else ''}{p.path}"
 
 
+#: async (connection, exposed tool name, the calling turn or None, params) → the result sent to the server.
+Elicit = Callable[["Connection", str, "state.Turn | None", types.ElicitRequestParams],
+                  Awaitable[types.ElicitResult]]
+
+
 class Connection:
     """One configured MCP server: its live session (owned by a task of its own), tools and status."""
 
     def __init__(self, name: str, spec: StdioServer | HttpServer, env: dict[str, str], config_dir: Path,
-                 on_change: Callable[[Connection], None]):
+                 on_change: Callable[[Connection], None], on_elicit: Elicit | None = None):
         self.name, self.spec, self._env, self._config_dir = name, spec, env, config_dir
         self._on_change = on_change
+        #: Asks the human of a calling turn an elicitation of the server (None: every one is declined).
+        self._on_elicit = on_elicit
+        #: Calls in flight: a number each → (the exposed tool, the turn that called it).
+        self._calls: dict[int, tuple[str, state.Turn | None]] = {}
+        self._call_seq = 0
         self.status = "not started"
         self.error: str | None = None
         self.tools: list[types.Tool] = []
@@ -331,7 +342,8 @@ class Connection:
                         stack.push_async_callback(_drain, pump)  # after the child has stopped (LIFO)
                     client = Client(transport, mode=self.spec.protocol, message_handler=on_message, cache=None,
                                     read_timeout_seconds=self.spec.connect_timeout,
-                                    client_info=types.Implementation(name="agent-mcp", version="0.1.0"))
+                                    client_info=types.Implementation(name="agent-mcp", version="0.1.0"),
+                                    elicitation_callback=self._elicited)
                     try:
                         await stack.enter_async_context(client)
                     finally:
@@ -403,6 +415,28 @@ class Connection:
 
     # ── calls ──
 
+    def _caller(self) -> tuple[str, state.Turn | None]:
+        """The call an elicitation belongs to: the current turn's (when the SDK runs the callback in the
+        caller's context), else the only session with calls in flight; ("", None) when it is ambiguous."""
+        turn = state.current_turn()
+        mine = [c for c in self._calls.values() if turn is not None and c[1] is turn]
+        if mine:
+            return mine[0]
+        sessions = {c[1].client_id if c[1] else None for c in self._calls.values()}
+        if len(sessions) == 1 and None not in sessions:
+            return next(iter(self._calls.values()))
+        return "", None
+
+    async def _elicited(self, ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
+        exposed, turn = self._caller()
+        if self._on_elicit is None:
+            return types.ElicitResult(action="decline")
+        try:
+            return await self._on_elicit(self, exposed, turn, params)
+        except Exception:  # never leave the server's tool waiting on our failure
+            logger.exception("MCP server %s: asking its elicitation failed; declined", self.name)
+            return types.ElicitResult(action="decline")
+
     async def call(self, exposed: str, tool: str, arguments: dict[str, Any]) -> str:
         """Call one tool; every failure becomes a readable `ERROR:` result."""
         for attempt in (1, 2):
@@ -411,12 +445,17 @@ class Connection:
                         "Tell the user; `!mcp` shows the servers' status.")
             client = self.client
             assert client is not None
+            self._call_seq += 1
+            key = self._call_seq
+            self._calls[key] = (exposed, state.current_turn())
             try:
                 result = await client.call_tool(tool, arguments, read_timeout_seconds=self.spec.call_timeout)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
                 result = MCPError(types.CONNECTION_CLOSED, f"{type(exc).__name__}")
             except MCPError as exc:
                 result = exc
+            finally:
+                self._calls.pop(key, None)
             if not isinstance(result, MCPError):
                 return format_result(exposed, result)
             code, message = result.error.code, result.error.message

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.context import ServerRequestContext
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
 from mcp.server.transport_security import TransportSecuritySettings
@@ -72,6 +72,7 @@ from plugins._mcp_auth import (
     mcp_client_id,
     request_principal,
 )
+from plugins._mcp_elicit import GateForms
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 
@@ -556,14 +557,22 @@ class McpServerPlugin(BasePlugin):
         plugin = self
 
         @mcp.tool()
-        async def send_message(text: str, session: str = "", model: str = "",
-                               timeout_seconds: float = 300) -> dict[str, Any]:
+        async def send_message(text: str, session: str = "", model: str = "", timeout_seconds: float = 300,
+                               ctx: Context | None = None) -> dict[str, Any]:
             """Send a message (or a !command) to a session and return the answer.
 
             Human tokens name the session (created if new, in the mcp- namespace); agent tokens always
-            talk to their own session. `model` answers this turn with another registry model.
+            talk to their own session. `model` answers this turn with another registry model. A client
+            that declared the elicitation capability is asked each gate of the turn as a form.
             """
-            return await plugin._send(request_principal(), text, session, model, timeout_seconds)
+            who = request_principal()
+            forms = GateForms.for_request(plugin.rt, ctx, who, plugin._deciders)
+            try:
+                return await plugin._send(who, text, session, model, timeout_seconds,
+                                          forms.on_event if forms else None)
+            finally:
+                if forms is not None:
+                    await forms.close()
 
         @mcp.tool()
         async def create_session(name: str = "", model: str = "") -> dict[str, Any]:
@@ -593,10 +602,13 @@ class McpServerPlugin(BasePlugin):
             gate_id: str,
             decision: Literal["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"],
             minutes: int = grants.DEFAULT_MINUTES,
+            content: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
             """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
             for `minutes`); allow_session (the same for the rest of the session); allow_pattern (calls of
-            the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers."""
+            the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers.
+            A question of an MCP server agent-mcp uses (the request has `elicitation`): allow_once with
+            `content`, the values its `fields` ask for (without: the form's defaults); reject declines."""
             who = request_principal()
             owner = await plugin.rt.gate.owner(gate_id)
             if owner is None:
@@ -606,7 +618,7 @@ class McpServerPlugin(BasePlugin):
             try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
                 result = await plugin.rt.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
                                                      answerer=approvals.Approver(approvals.MCP, who.name),
-                                                     channel="mcp", minutes=minutes)
+                                                     channel="mcp", minutes=minutes, content=content)
             except ValueError as exc:
                 plugin._deciders.pop(gate_id, None)
                 raise ToolError(str(exc)) from None
@@ -641,7 +653,8 @@ class McpServerPlugin(BasePlugin):
             return await plugin._set_default(request_principal(), section, key, operation, allowed)
 
     async def _send(
-        self, who: Principal, text: str, session: str, model: str, timeout_seconds: float
+        self, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
+        on_event: Callable[[state.Event], None] | None = None,
     ) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:
@@ -661,7 +674,8 @@ class McpServerPlugin(BasePlugin):
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
         payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None, "identity": f"mcp:{who.name}"}
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
-        return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds)}
+        return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds,
+                                                               on_event=on_event)}
 
     def _create(self, name: str, model: str) -> dict[str, Any]:
         try:

@@ -58,6 +58,8 @@ class _GateBody(BaseModel):
     minutes: int | None = None
     #: The answering window, when it answers a gate of another session as an approver (`!approver on`).
     approver: str | None = Field(default=None, pattern=_http.CLIENT_ID_PATTERN)
+    #: The values filled in, for a question asking for some (an MCP server's elicitation: docs/approvals.md).
+    content: dict[str, Any] | None = None
 
 
 class _ApproverBody(BaseModel):
@@ -182,7 +184,7 @@ class ShellpyPlugin(BasePlugin):
         window = approvals.Approver(approvals.SHELL, body.approver) if body.approver else None
         try:  # the shell's user is the human the gates ask: they may grant
             result = await self.rt.gate.answer(body.gate_id, body.decision, by="shell", minutes=body.minutes,
-                                               answerer=window, channel="shell")
+                                               answerer=window, channel="shell", content=body.content)
         except ValueError as exc:
             return _error(400, str(exc))
         if result.outcome == approvals.UNKNOWN:

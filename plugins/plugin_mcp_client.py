@@ -24,6 +24,7 @@ import mcp_types as types
 import gate
 import state
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
+from plugins import _mcp_asks
 from plugins._mcp_connection import (
     Connection,
 )
@@ -73,12 +74,21 @@ class McpClientPlugin(BasePlugin):
         servers = load_servers(self.config_file)
         for name, spec in servers.servers.items():
             if spec.enabled:
-                self.servers[name] = Connection(name, spec, app.env, app.config_dir, self._server_changed)
+                self.servers[name] = Connection(name, spec, app.env, app.config_dir, self._server_changed,
+                                                self._elicitation)
         await asyncio.gather(*(c.connect() for c in self.servers.values()))
         return True
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))
+
+    async def _elicitation(self, conn: Connection, exposed: str, turn: state.Turn | None,
+                           params: types.ElicitRequestParams) -> types.ElicitResult:
+        """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
+        assert self.runtime is not None
+        with state.running(turn):  # what it tells the session belongs to the turn (its client's stream)
+            return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
+                                       max(1.0, conn.spec.call_timeout - 5))
 
     # ── tools ──
 

@@ -5,7 +5,9 @@
 
 Tools: `add` (structured result, read-only hint), `shout` (text), `fail` (an `isError` result),
 `whoami` (pid and the environment variables the process can see), `grow` (adds the tool `extra`
-and announces the change on both protocol eras). Over HTTP, `--token-env` makes every request
+and announces the change on both protocol eras), `book` (asks the client's user a form by elicitation —
+a standalone request on 2025-11-25, `InputRequiredResult` rounds on 2026-07-28 — and says what came
+back). Over HTTP, `--token-env` makes every request
 need `Authorization: Bearer <value of that variable>`.
 """
 
@@ -15,13 +17,26 @@ import argparse
 import hmac
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import AcceptedElicitation, Context, Elicit, ElicitationResult, MCPServer, Resolve
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
+from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+class Seats(BaseModel):
+    """The form `book` asks for."""
+
+    seats: int = Field(description="How many seats", ge=1, le=9)
+    window: bool = Field(default=False, description="A window seat")
+    meal: Literal["veg", "meat"] = "veg"
+
+
+def ask_seats(title: str) -> Elicit[Seats]:
+    return Elicit(f"How many seats for '{title}'?", Seats)
 
 
 def build_server(name: str) -> MCPServer:
@@ -52,6 +67,13 @@ def build_server(name: str) -> MCPServer:
     def dotted(x: str = "") -> str:
         """A tool whose MCP name is not a Python identifier."""
         return f"dotted:{x}"
+
+    @mcp.tool()
+    def book(title: str, answer: Annotated[ElicitationResult[Seats], Resolve(ask_seats)]) -> str:
+        """Book seats for a show: asks the user how many (elicitation)."""
+        if isinstance(answer, AcceptedElicitation):
+            return f"booked {title}: {answer.data.model_dump_json()}"
+        return f"not booked: {answer.action}"
 
     @mcp.tool()
     async def grow(ctx: Context) -> str:

@@ -1,0 +1,290 @@
+"""MCP elicitation, agent-mcp as MCP server: a gate of a turn started by an MCP client that declared the
+`elicitation` capability is asked as a form on that client's own call, and the form's answer decides it.
+
+The module's agent-mcp (tests/test_mcp_server.py's fixture: MCP server, gated db_query, fake OpenAI) is
+driven by the official SDK `mcp.Client` with an `elicitation_callback`, over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx2
+import mcp_types as types
+from mcp import Client
+from mcp.client.session import ClientRequestContext
+from mcp.client.streamable_http import streamable_http_client
+
+from shell import ShellClient
+from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
+from tests.fakes.backend import text, tool_call
+from tests.fakes.openai_backend import FakeOpenAI
+from tests.test_gate_e2e import DB_PLUGIN, tool_results
+from tests.test_mcp_client import stdio_server, write_config
+from tests.test_mcp_server import (
+    HUMAN,
+    TOKENS,
+    WAIT,
+    WORKER,
+    McpServer,
+    _first_pending,
+    call_json,
+    connect,
+    mcp_server,
+)
+from tests.waiting import until
+
+__all__ = ["mcp_server"]  # the module's server (a fixture)
+
+Answer = Callable[[types.ElicitRequestFormParams], Awaitable[types.ElicitResult]]
+ROWS = "id | name\n1  | ada"
+
+
+@contextlib.asynccontextmanager
+async def eliciting(url: str, token: str, answer: Answer, asked: list[types.ElicitRequestFormParams],
+                    mode: str = "legacy") -> AsyncIterator[Client]:
+    """A 2025-11-25 SDK client that declares elicitation: each form is recorded in `asked`, then answered."""
+
+    async def on_elicit(ctx: ClientRequestContext, params: types.ElicitRequestParams
+                        ) -> types.ElicitResult | types.ErrorData:
+        assert isinstance(params, types.ElicitRequestFormParams)
+        asked.append(params)
+        return await answer(params)
+
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"},
+                                  timeout=httpx2.Timeout(30, read=120)) as http:
+        async with Client(streamable_http_client(url, http_client=http), mode=mode, cache=None,
+                          elicitation_callback=on_elicit) as client:
+            yield client
+
+
+def choose(decision: str, **more: Any) -> Answer:
+    async def answer(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        return types.ElicitResult(action="accept", content={"decision": decision, **more})
+    return answer
+
+
+def act(action: str) -> Answer:
+    async def answer(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        return types.ElicitResult(action=action)  # type: ignore[arg-type]
+    return answer
+
+
+async def test_a_gate_arrives_as_an_elicitation_form_and_allow_runs_the_call(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("The user is ada."))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_once"), asked) as client:
+        out = call_json(await asyncio.wait_for(client.call_tool(
+            "send_message", {"text": "who are the users?", "session": "elicit-allow"}), WAIT))
+    assert out["status"] == "complete" and out["text"] == "The user is ada."
+    assert tool_results(backend) == [ROWS]  # the tool ran and the model got its rows
+    (form,) = asked
+    assert "db_query" in form.message and "users" in form.message and "read" in form.message
+    schema = form.requested_schema
+    assert schema["required"] == ["decision"]
+    offered = [c["const"] for c in schema["properties"]["decision"]["oneOf"]]
+    assert offered == ["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"]
+    assert schema["properties"]["minutes"]["default"] == 15
+    async with connect(mcp_server.url, HUMAN) as human:
+        async def history() -> list[dict[str, Any]]:
+            result = await human.read_resource("agentmcp://sessions/mcp-elicit-allow/approvals/history")
+            return json.loads(result.contents[0].text)
+
+        await until(history, "the decision is recorded")  # written after the turn goes on
+        (record,) = await history()
+        assert record["decision"] == "allow" and record["decided_by"] == "human:alice (elicitation: accept)"
+
+
+async def test_allow_for_minutes_from_the_form_creates_a_timed_grant(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada"),
+                   tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada again"))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_for", minutes=30), asked) as client:
+        first = call_json(await client.call_tool("send_message", {"text": "users?", "session": "elicit-for"}))
+        again = call_json(await client.call_tool("send_message", {"text": "again?", "session": "elicit-for"}))
+    assert (first["text"], again["text"]) == ("ada", "ada again")
+    assert len(asked) == 1  # the second call ran under the 30-minute grant, unasked
+    async with connect(mcp_server.url, HUMAN) as human:
+        result = await human.read_resource("agentmcp://sessions/mcp-elicit-for/grants")
+        assert '"scope": "allow_for"' in result.contents[0].text and "mcp token 'alice'" in result.contents[0].text
+
+
+async def test_decline_or_cancel_of_the_form_rejects_the_call(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    for action in ("decline", "cancel"):
+        backend.script(tool_call("db_query", {"sql": "DELETE FROM users"}), text("It was not run."))
+        asked: list[types.ElicitRequestFormParams] = []
+        async with eliciting(mcp_server.url, HUMAN, act(action), asked) as client:
+            out = call_json(await client.call_tool("send_message", {"text": "delete them",
+                                                                    "session": f"elicit-{action}"}))
+        assert out["text"] == "It was not run." and len(asked) == 1
+        (result,) = tool_results(backend)
+        assert result.startswith("TOOL CALL REJECTED: the user rejected"), result
+    # An accepted form that says reject (or a choice the gate did not offer) rejects too.
+    backend.script(tool_call("db_query", {"sql": "DELETE FROM users"}), text("No."))
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_everything"), []) as client:
+        await client.call_tool("send_message", {"text": "delete them", "session": "elicit-odd"})
+    assert tool_results(backend)[0].startswith("TOOL CALL REJECTED: the user rejected")
+
+
+async def test_a_client_without_the_capability_waits_for_answer_approval_as_before(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("The user is ada."))
+    async with connect(mcp_server.url, HUMAN) as plain, connect(mcp_server.url, HUMAN) as approver:
+        call = asyncio.create_task(plain.call_tool("send_message", {"text": "users?", "session": "elicit-none"}))
+        (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-elicit-none"]
+        call_json(await approver.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "The user is ada." and tool_results(backend) == [ROWS]
+
+
+async def test_a_2026_client_is_not_asked_mid_call_and_waits_for_answer_approval(mcp_server: McpServer) -> None:
+    """2026-07-28 has no server-to-client request during a call: its gates wait as before (docs/approvals.md)."""
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ok"))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, HUMAN, choose("allow_once"), asked, mode="auto") as modern, \
+            connect(mcp_server.url, HUMAN) as approver:
+        assert modern.protocol_version == "2026-07-28"
+        call = asyncio.create_task(modern.call_tool("send_message", {"text": "users?", "session": "elicit-2026"}))
+        (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-elicit-2026"]
+        call_json(await approver.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "ok" and asked == [] and tool_results(backend) == [ROWS]
+
+
+async def test_an_agent_token_is_never_asked_to_approve_its_own_gate(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ok"))
+    asked: list[types.ElicitRequestFormParams] = []
+    async with eliciting(mcp_server.url, WORKER, choose("allow_once"), asked) as agent, \
+            connect(mcp_server.url, HUMAN) as human:
+        call = asyncio.create_task(agent.call_tool("send_message", {"text": "users?"}))
+        (pending,) = [p for p in await _first_pending(human) if p["session"] == "mcp-worker"]
+        call_json(await human.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "reject"}))
+        call_json(await asyncio.wait_for(call, WAIT))
+    assert asked == []
+    assert tool_results(backend)[0].startswith("TOOL CALL REJECTED")
+
+
+async def test_a_form_is_withdrawn_when_the_gate_is_answered_elsewhere(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada"))
+    shown = asyncio.Event()
+    never: asyncio.Future[types.ElicitResult] = asyncio.get_running_loop().create_future()
+
+    async def hold(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        shown.set()
+        return await never  # the human never answers the form
+
+    async with eliciting(mcp_server.url, HUMAN, hold, []) as client, connect(mcp_server.url, HUMAN) as other:
+        call = asyncio.create_task(client.call_tool("send_message", {"text": "users?", "session": "elicit-else"}))
+        await asyncio.wait_for(shown.wait(), WAIT)
+        (pending,) = [p for p in await _first_pending(other) if p["session"] == "mcp-elicit-else"]
+        call_json(await other.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "ada" and tool_results(backend) == [ROWS]
+
+
+async def test_a_routed_gate_is_asked_only_of_the_mcp_tokens_it_names(tmp_path) -> None:
+    """approvals routes the mcp class's gates to token alice: her form's answer decides (as mcp:alice through
+    mcp-elicitation); bob, another human token, is not asked, and his session's gate waits for alice."""
+    bob = "human-token-bob-for-tests-01"
+    with FakeOpenAI() as backend:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(backend)}
+        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
+        port = free_port()
+        cfg.plugins.append("plugin_client_mcp")
+        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
+        cfg.gates = {"db": {}}
+        cfg.enabled_extra = {"approvals": {"classes": {"mcp": {"mcp_tokens": ["alice"]}}}}
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps({"tokens": {
+            "alice": {"role": "human", "token": HUMAN}, "bob": {"role": "human", "token": bob}}}))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        url = f"http://127.0.0.1:{port}/mcp"
+        try:
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 3"}), text("Deleted."))
+            asked: list[types.ElicitRequestFormParams] = []
+            async with ShellClient(server.url, "mcp-routed", token=server.token) as watcher:
+                await watcher.connect(max_wait=10)
+                async with eliciting(url, HUMAN, choose("allow_once"), asked) as alice:
+                    out = call_json(await alice.call_tool("send_message", {"text": "delete 3", "session": "routed"}))
+                closing = None
+                async for ev in watcher.events():
+                    if ev.name == "status" and ev.data.get("decision"):
+                        closing = ev.data
+                    if ev.name == "done":
+                        break
+            assert out["text"] == "Deleted." and tool_results(backend) == [ROWS]
+            assert "approvers: MCP token 'alice'" in asked[0].message
+            assert closing is not None and (closing["by"], closing["channel"]) == ("mcp:alice", "mcp-elicitation")
+
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 4"}), text("Deleted too."))
+            not_asked: list[types.ElicitRequestFormParams] = []
+            async with eliciting(url, bob, choose("allow_once"), not_asked) as as_bob, connect(url, HUMAN) as lead:
+                call = asyncio.create_task(as_bob.call_tool("send_message", {"text": "delete 4", "session": "bobs"}))
+                (pending,) = [p for p in await _first_pending(lead) if p["session"] == "mcp-bobs"]
+                assert pending["request"]["approvers"] == ["mcp:alice"]
+                call_json(await lead.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                    "decision": "allow_once"}))
+                out = call_json(await asyncio.wait_for(call, WAIT))
+            assert out["text"] == "Deleted too." and not_asked == []
+        finally:
+            log = server.stop()
+    assert HUMAN not in log and bob not in log
+
+
+async def test_a_servers_question_is_passed_on_to_the_mcp_client_whose_turn_called_the_tool(tmp_path) -> None:
+    """Both ways at once: an MCP client's turn calls a tool of an MCP server agent-mcp uses, that server
+    elicits, and the client that declared elicitation gets the server's own form; its values reach the
+    server. A client without the capability answers through answer_approval with `content`."""
+    with FakeOpenAI() as backend:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(backend)}
+        port = free_port()
+        cfg.plugins.append("plugin_client_mcp")
+        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
+        write_config(cfg, {"shows": stdio_server(protocol="legacy")})  # every tool open: only the question asks
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps(TOKENS))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        url = f"http://127.0.0.1:{port}/mcp"
+        try:
+            backend.script(tool_call("shows_book", {"title": "Hamlet"}), text("Booked."))
+            asked: list[types.ElicitRequestFormParams] = []
+
+            async def fill(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+                return types.ElicitResult(action="accept", content={"seats": 5, "window": True})
+
+            async with eliciting(url, HUMAN, fill, asked) as client:
+                out = call_json(await asyncio.wait_for(client.call_tool("send_message", {"text": "book",
+                                                                                         "session": "shows"}), WAIT))
+            assert out["text"] == "Booked."
+            assert tool_results(backend) == ['booked Hamlet: {"seats":5,"window":true,"meal":"veg"}']
+            (form,) = asked
+            assert form.message == "MCP server 'shows' asks (during shows_book): How many seats for 'Hamlet'?"
+            assert form.requested_schema["properties"]["seats"]["type"] == "integer"  # the server's own form
+
+            backend.script(tool_call("shows_book", {"title": "Lear"}), text("Booked Lear."))
+            async with connect(url, HUMAN) as plain, connect(url, HUMAN) as approver:
+                call = asyncio.create_task(plain.call_tool("send_message", {"text": "book", "session": "lear"}))
+                (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-lear"]
+                assert pending["request"]["elicitation"]["server"] == "shows"
+                call_json(await approver.call_tool("answer_approval", {
+                    "gate_id": pending["gate_id"], "decision": "allow_once", "content": {"seats": 1}}))
+                out = call_json(await asyncio.wait_for(call, WAIT))
+            assert out["text"] == "Booked Lear."
+            assert tool_results(backend) == ['booked Lear: {"seats":1,"window":false,"meal":"veg"}']
+        finally:
+            log = server.stop()
+    assert HUMAN not in log
