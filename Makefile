@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale bench-growth bench-local metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale bench-growth bench-local bench-metrics dashboard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,15 @@ bench-guard: $(STAMP)
 
 bench-grants: $(STAMP)
 	$(PY) bench/grant_cost.py
+
+# Metrics on vs off: server CPU per turn and per token (docs/benchmarks.md).
+bench-metrics: $(STAMP)
+	$(PY) bench/metrics_overhead.py
+
+# Needs Debian's prometheus (apt-get install prometheus): runs every query of deploy/grafana-agent-mcp.json against
+# a Prometheus that scraped a minute of traffic, and draws the main panels into docs/dashboard.svg.
+dashboard: $(STAMP)
+	$(PY) bench/dashboard.py
 
 # Needs the machine's Redis at 127.0.0.1:6379 (keys under a prefix of its own, removed after).
 bench-scale: $(STAMP)

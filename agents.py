@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import ssl
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ import budget
 import failures
 import gate
 import state
+import tracing
 from config import MAX_TOOL_ITERATIONS, ModelConfig, field_problems, resolve_api_key
 from state import trim_history
 from text_calls import (  # noqa: F401  (try_force_tool_calls: tools.py reads text calls through agents)
@@ -50,6 +52,7 @@ from text_calls import (  # noqa: F401  (try_force_tool_calls: tools.py reads te
     correction,
     described_tool,
     find_text_calls,
+    likely_call,
     tool_manifest,
     try_force_tool_calls,
 )
@@ -97,6 +100,8 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             # model's prompt processing short of llm_call_timeout; _stream_once keeps the same clock.
             stream_chunk_timeout=cfg.llm_call_timeout,
             max_retries=0,  # _stream_once retries, and never after a timeout (see there)
+            # Token counts in the stream (stream_options.include_usage) only when metrics or traces want them.
+            **({"stream_usage": True} if rt.metrics.on or rt.tracing.on else {}),
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
             http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
         )
@@ -326,6 +331,22 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
     Every failure is an outcome the model can read; only cancellation escapes.
     """
     entry = rt.tools.entry(name)
+    label = name if entry is not None else "other"  # a name a model made up is no metric label or span name
+    with rt.tracing.span(f"execute_tool {label}", {"gen_ai.operation.name": "execute_tool",
+                                                    "gen_ai.tool.name": label}) as span:
+        rt.tracing.text(span, "gen_ai.tool.call.arguments", json.dumps(args, ensure_ascii=False, default=str))
+        started = time.perf_counter()
+        outcome = await _checked_tool(rt, turn, name, args)
+        ran = None if outcome.status in ("refused", "invalid") else time.perf_counter() - started
+        refusal = outcome.refusal.kind if outcome.refusal else None
+        rt.metrics.tool_call(label, outcome.status, refusal, ran, gate.gate_type(entry) if refusal else "")
+        rt.tracing.note(span, agent_mcp__tool__outcome=outcome.status, error__type=refusal)
+        rt.tracing.text(span, "gen_ai.tool.call.result", outcome.text)
+        return outcome
+
+
+async def _checked_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
+    entry = rt.tools.entry(name)
     if entry is None:
         problem = f"unknown tool '{name}'"
         return ToolOutcome(f"ERROR: {problem}. Available tools: {', '.join(rt.tools.names()) or 'none'}",
@@ -414,6 +435,7 @@ async def _stream_once(
 
     async def attempt() -> AIMessageChunk:
         nonlocal streamed
+        streamed_text = False
         full: AIMessageChunk | None = None
         # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
         # without ever producing a token is cut off too.
@@ -423,6 +445,9 @@ async def _stream_once(
                 streamed = True
                 text = content_text(chunk.content)
                 if text:
+                    if not streamed_text:
+                        streamed_text = True
+                        rt.metrics.first_answer_token()
                     rt.hub.tok(client_id, hold.feed(text) if hold else text)
                 full = chunk if full is None else full + chunk
         if full is None:
@@ -441,7 +466,28 @@ async def _stream_once(
         before_sleep=log_retry,
         reraise=True,
     )
-    return await retrying(attempt)
+    attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": cfg.model_id,
+                  "gen_ai.provider.name": tracing.PROVIDERS.get(cfg.type, cfg.type.lower())}
+    with rt.tracing.span(f"chat {cfg.model_id}", attributes, client=True) as span, \
+            rt.metrics.model_call(_failure_kind) as call:
+        reply = await retrying(attempt)
+        usage = reply.usage_metadata or {}
+        call.done(usage)
+        finish = reply.response_metadata.get("finish_reason")
+        rt.tracing.note(span, gen_ai__usage__input_tokens=usage.get("input_tokens"),
+                        gen_ai__usage__output_tokens=usage.get("output_tokens"),
+                        gen_ai__response__finish_reasons=[str(finish)] if finish else None)
+        return reply
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """How a model call failed, for metrics: context_overflow, timeout, unreachable, http_<status> or other."""
+    if _overflowed(exc):
+        return "context_overflow"
+    found = failures.failure(exc)
+    if found.kind == "status" and found.status:
+        return f"http_{found.status}"
+    return found.kind if found.kind in ("timeout", "unreachable") else "other"
 
 
 def _last_user_text(history: list[dict[str, Any]]) -> str:
@@ -716,7 +762,8 @@ async def _round(loop: _Loop) -> str | None:
             rt.hub.tok(client_id, "\n\n")  # what it said stays on screen; the answer follows apart
             history.append({"role": "assistant", "content": text})
             history.append({"role": "user", "tool_results": True, "content": correction(
-                [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text")})
+                [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text",
+                (named, None), insist=True)})
             return None
         history.append({"role": "assistant", "content": text})
         return text
@@ -746,7 +793,8 @@ async def _text_round(loop: _Loop, text: str, found: TextCalls) -> None:
     if not usable and not loop.strike("the model's tool call could not be run"):
         return  # the loop gives up on this reply: it is left out, and the final answer follows
     if found.problems:
-        results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text"))
+        results.append(correction(found.problems, loop.tools, loop.request.cfg.tool_mode == "text",
+                                  likely_call(text, loop.by_name)))
     if results:
         if usable and not found.problems:
             results.append(AFTER_RESULTS)
@@ -821,8 +869,13 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     mark = len(session.history)
     session.history.append({"role": "user", "content": text})
     await rt.sessions.save(session)  # kept if this server dies before answering (see SessionManager.hold)
+    cfg = rt.config.models.get(key)
+    attributes = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "agent-mcp",
+                  "gen_ai.request.model": cfg.model_id if cfg else key, "agent_mcp.client_class": turn.kind}
     try:
-        await agentic_lc(rt, turn, key)
+        with rt.metrics.turn(turn.kind, key), rt.tracing.span("invoke_agent agent-mcp", attributes) as span:
+            rt.tracing.text(span, "gen_ai.input.messages", text)
+            rt.tracing.text(span, "gen_ai.output.messages", await agentic_lc(rt, turn, key))
     except asyncio.CancelledError:
         # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
         del session.history[mark + 1 if rt.closing else mark:]
@@ -831,7 +884,6 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
         if not _from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
             logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
         del session.history[mark:]
-        cfg = rt.config.models.get(key)
         message = describe_llm_error(exc, key, cfg)
         logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
         if not gate.may_administer(turn):

@@ -232,8 +232,9 @@ class AgentClient:
     endpoint's bearer token (None: `API_KEY`, else the server's `<data dir>/api-key`; "": none),
     `admin_key` its admin token (`API_ADMIN_KEY`, needed for
     gate-changing commands). `default_timeout` (seconds) bounds each turn; `verify` is httpx's TLS
-    setting for https URLs (pass one `ssl.SSLContext` to skip loading the CA bundle per call). Every
-    call opens its own HTTP connection, so a client may be shared and needs no closing.
+    setting for https URLs (pass one `ssl.SSLContext` to skip loading the CA bundle per call). `headers`
+    are sent with every request (agent_call sends the W3C `traceparent` this way). Every call opens its
+    own HTTP connection, so a client may be shared and needs no closing.
     """
 
     def __init__(
@@ -247,13 +248,14 @@ class AgentClient:
         admin_key: str | None = None,
         verify: ssl.SSLContext | bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.client_id = client_id or f"api-{uuid.uuid4().hex[:8]}"
         self.auto_approve_gates = auto_approve_gates
         self.default_timeout = default_timeout
         api_key, self._key_problem = find_api_key(api_key, os.environ)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         if admin_key:
             self._headers["X-Admin-Key"] = admin_key
         # Plain http needs no TLS: skipping the CA bundle makes each call's client ~18 ms cheaper.

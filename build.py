@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import socket
 from collections.abc import Mapping
 
 import agents
@@ -11,12 +13,14 @@ import audit_chain
 import commands
 import gate
 import grants
+import metrics
 import routes
 import shared
 import state
 import stores
+import tracing
 from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
-from plugin_loader import PluginLoader
+from plugin_loader import PluginLoader, is_enabled
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
 from tools import make_core_tools
@@ -64,6 +68,9 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         await sessions.close()
         raise
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    rt.metrics, rt.tracing = observability(rt)
+    if link is not None:
+        link.metrics = rt.metrics
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
             shared.SharedValues(link)
@@ -83,6 +90,45 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     rt.plugins = PluginLoader(rt)
     return rt
+
+
+#: The plugin that serves /metrics; metrics are collected only while it is enabled.
+METRICS_PLUGIN = "plugin_client_metrics"
+#: Its port when plugins-enabled.json names none (the OpenTelemetry Prometheus exporter's usual port).
+METRICS_PORT = 9464
+
+
+def instance_name(config: AppConfig) -> str:
+    """The `instance` label of this server's metrics and its traces' service.instance.id: AGENT_INSTANCE,
+    else host:port of its metrics listener (stable across restarts, unlike a process id)."""
+    named = config.env.get("AGENT_INSTANCE", "").strip()
+    if named:
+        return named[:100]
+    port = config.enabled.plugin_config.get(METRICS_PLUGIN, {}).get("port", METRICS_PORT)
+    return f"{socket.gethostname()}:{port}"
+
+
+def observability(rt: state.Runtime) -> tuple[metrics.Metrics, tracing.Tracing]:
+    """The runtime's metrics (metrics.OFF unless the metrics listener is enabled) and traces (tracing.OFF
+    unless an OTLP endpoint is configured and the otel extra installed)."""
+    config = rt.config
+    instance = instance_name(config)
+    spans = tracing.from_env(config.env, instance)
+    if not is_enabled(config.enabled, METRICS_PLUGIN):
+        return metrics.OFF, spans
+    found = metrics.Metrics(instance, models=config.models)
+
+    def levels() -> dict[str, float]:
+        grants_store = rt.gate.grants
+        return {"sessions_stored": len(rt.sessions.all()),
+                "sessions_running": sum(1 for tasks in list(rt.active_tasks.values()) if tasks),
+                "sse_subscribers": rt.open_streams,
+                "grants_active": sum(len(grants_store.active(s)) for s in list(grants_store.grants))
+                if grants_store is not None else 0,
+                "gates_pending": len(rt.gate.pending)}
+
+    found.watch(levels)
+    return found, spans
 
 
 def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
@@ -118,3 +164,5 @@ async def close_runtime(rt: state.Runtime) -> None:
         await rt.gate.grants.close()
     await rt.sessions.close()  # last: with a shared store it closes the Redis connection the others use
     await agents.close_models(rt)
+    if rt.tracing.on:
+        await asyncio.to_thread(rt.tracing.close)

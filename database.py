@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pymysql.constants import CLIENT
 
 import db_roles
+import metrics
 import sql as sql_rules  # `sql` is the name of the SQL text in this module
 import state
 from config import ConfigError
@@ -598,10 +600,14 @@ class Database:
             logger.warning("could not kill MySQL thread %s: %s", thread_id, exc)
 
 
-async def query_text(db: Database, sql: str, access: state.DbAccess | None = None) -> str:
+async def query_text(db: Database, sql: str, access: state.DbAccess | None = None,
+                     observed: metrics.Metrics = metrics.OFF) -> str:
     """Run `sql` with what `access` covers and return the text for the user or the model (results, or an
-    ERROR line first)."""
-    return format_outcome(await db.run(sql, access))
+    ERROR line first); the call is counted and timed in `observed`."""
+    started = time.perf_counter()
+    outcome = await db.run(sql, access)
+    observed.db_query(outcome.error is None, time.perf_counter() - started)
+    return format_outcome(outcome)
 
 
 def read_accounts(path: Path) -> dict[str, str]:

@@ -327,6 +327,7 @@ class GateKeeper:
         else:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op, case_sensitive=case) for k in keys):
+            rt.metrics.gate_allowed("policy")
             _covers(turn, section, "policy", allows=functools.partial(self.allowed, session, "db", case_sensitive=case))
             return None
 
@@ -342,12 +343,14 @@ class GateKeeper:
         if grant is not None:
             assert self.grants is not None
             self.grants.used(grant)
+            rt.metrics.gate_allowed("grant")
             self.audit("grant_used", actor=_actor(turn), outcome="allowed", grant_id=grant.id, **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
             _covers(turn, section, "grant", grant.keys, grant.op)
             return None
         _covers(turn, section, "approval", keys, op)  # what a person approves below (or an @model turn)
         if turn.bypass_gates:
+            rt.metrics.gate_allowed("model_prefix")
             self.audit("decision", actor=_actor(turn), outcome="allowed (@model turn)", **audit)
             rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
@@ -369,6 +372,7 @@ class GateKeeper:
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
                    "timeout_seconds": timeout, "grants": offers, **({"shape": shape} if pattern else {})}
         decision, gate_id = await self.ask(rt, client_id, payload, timeout)
+        rt.metrics.gate_answered(decision.word)
         resolved = {"gate_id": gate_id, "decision": decision.word}
         if decision.word in offers:
             assert self.grants is not None
@@ -417,13 +421,15 @@ class GateKeeper:
         relayed = (self.relay.listening(gate_id, client_id, wait_seconds, future, grants.Decision)
                    if self.relay is not None else contextlib.nullcontext())
         try:
-            async with relayed:
+            async with relayed, rt.tracing.waiting(f"gate {payload.get('tool_name')}") as span:
+                rt.metrics.gate_raised()
                 rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
                 try:
                     async with asyncio.timeout(wait_seconds):
                         decision = await future
                 except TimeoutError:
                     decision = grants.Decision("timeout")
+                rt.tracing.note(span, agent_mcp__gate__decision=decision.word)
         finally:
             self.pending.pop(gate_id, None)
         return decision, gate_id

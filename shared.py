@@ -43,6 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+import metrics
 import state
 import stores
 
@@ -127,6 +128,8 @@ class Link:
                                               retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
                                               retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.down: str | None = None
+        #: Counts round trips and failures (build_runtime gives it the runtime's metrics).
+        self.metrics: metrics.Metrics = metrics.OFF
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._pinger: asyncio.Task[None] | None = None
 
@@ -152,10 +155,12 @@ class Link:
 
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
-        """Turn Redis connection failures into StoreUnavailable (and note that Redis is down)."""
+        """One Redis round trip (counted): connection failures become StoreUnavailable (and Redis is noted down)."""
+        self.metrics.redis_round_trip()
         try:
             yield
         except _DOWN as exc:
+            self.metrics.redis_failed()
             raise self.unavailable(exc) from None
 
     async def _ping_until_back(self) -> None:

@@ -857,6 +857,10 @@ class Runtime:
     values: Any = None
     #: With a shared store: requests to the other instances (shared.Signals: cancel, stop).
     signals: Any = None
+    #: Prometheus metrics (metrics.Metrics, metrics.OFF without a metrics listener) and OpenTelemetry spans
+    #: (tracing.Tracing), set by build_runtime.
+    metrics: Any = None
+    tracing: Any = None
 
     def unavailable(self) -> str | None:
         """Why this instance cannot serve requests now (its shared store is unreachable), or None."""

@@ -355,12 +355,41 @@ def described_tool(text: str, tools: dict[str, StructuredTool]) -> str | None:
     return None
 
 
-def correction(problems: list[str], tools: list[StructuredTool], text_mode: bool) -> str:
-    """The one message that tells a model why its text call was not run and how to write one."""
+def likely_call(text: str, tools: dict[str, StructuredTool]) -> tuple[str, dict[str, Any]] | None:
+    """(tool, arguments) that a call written without its tool name most likely meant: the first JSON object of
+    the reply (in a block or bare) whose arguments fit exactly one bound tool."""
+    bodies = [m["tool_call"] or m["tool_code"] or m["fenced"] or "" for m in _BLOCKS.finditer(text)]
+    for body in [*bodies, text]:
+        for value in _json_values(body.strip()) or []:
+            args = value.get("arguments", value) if isinstance(value, dict) else None
+            owner = _arguments_of([args], tools) if isinstance(args, dict) else None
+            if owner:
+                return owner, args
+    return None
+
+
+def _example(tool: StructuredTool, args: dict[str, Any] | None, text_mode: bool) -> str:
+    """The exact call of `tool` (its arguments as placeholders of their type when none are given)."""
+    if args is None:
+        props = convert_to_openai_tool(tool)["function"].get("parameters", {}).get("properties", {})
+        args = {k: f"<{v.get('type', 'value')}>" for k, v in props.items()}
+    body = json.dumps({"tool_name" if text_mode else "name": tool.name, "arguments": args}, ensure_ascii=False)
+    return f"<tool_code>{body}</tool_code>" if text_mode else f"<tool_call>{body}</tool_call>"
+
+
+def correction(problems: list[str], tools: list[StructuredTool], text_mode: bool,
+               meant: tuple[str, dict[str, Any] | None] | None = None, insist: bool = False) -> str:
+    """The one message that tells a model why its text call was not run and how to write one; with `meant`
+    (the tool it most likely wanted, and its arguments if known), that call written out exactly. `insist`:
+    the model named the tool instead of calling it, so it is told to call it now (no way out in prose, which
+    small models take)."""
+    tool = next((t for t in tools if meant and t.name == meant[0]), None)
+    how = (f"To call {tool.name}, write exactly:\n{_example(tool, meant[1] if meant else None, text_mode)}"
+           if tool is not None else f"To call one, write exactly:\n{call_shape(text_mode)}")
+    end = ("Reply now with only that call; its result comes back to you." if insist and tool is not None
+           else "Or, if no tool is needed, answer the user directly.")
     return ("[Tool call error]: not run: " + "; ".join(dict.fromkeys(problems)) + ".\n"
-            f"The tools you can call:\n{tool_signatures(tools)}\n"
-            f"To call one, write exactly:\n{call_shape(text_mode)}\n"
-            "Or, if no tool is needed, answer the user directly.")
+            f"The tools you can call:\n{tool_signatures(tools)}\n{how}\n{end}")
 
 class TextCallFilter:
     """Holds streamed text back from the first sign of a text tool call until the reply is complete.

@@ -142,7 +142,9 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
     session = rt.sessions.get(caller)
     relay = session is None or session.settings.get(AGENT_CALL_STREAM, True) is not False
     # `or ""`: without a token of its own the call carries none (never this server's API_KEY or key file).
-    client = AgentClient(target.url, remote, api_key=token or "", default_timeout=target.timeout)
+    # The trace context of this tool call's span goes along, so the other agent's turn joins this trace.
+    client = AgentClient(target.url, remote, api_key=token or "", default_timeout=target.timeout,
+                         headers=rt.tracing.headers())
     parts: list[str] = []
     error = ended = None
     try:

@@ -238,9 +238,12 @@ class ApiPlugin(BasePlugin):
         admin = self._is_admin(request)
         # Rate limits follow the key, not the client id a caller picks.
         payload = {"default_model": body.default_model, "admin": admin, "identity": "api:admin" if admin else "api:key"}
+        # A caller's W3C trace context (another agent's agent_call): this turn's spans join its trace.
+        traced = self.rt.tracing.continuing(request.headers.get("traceparent"))
         if body.wait:
-            answer = await _http.unless_disconnected(
-                request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))
+            with traced:
+                answer = await _http.unless_disconnected(
+                    request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))
             if answer is None:
                 return Response(status_code=499)
             if answer["status"] == "error":  # the message in `text` too, as the original API answers
@@ -250,7 +253,8 @@ class ApiPlugin(BasePlugin):
                                   f"{timeout:g} s (plugin_config.plugin_client_api.max_wait_seconds)")
             return JSONResponse({"client_id": client_id, **answer})
         after = self.rt.hub.last_id(client_id)
-        turn = await routes.submit(self.rt, client_id, body.text, payload)
+        with traced:
+            turn = await routes.submit(self.rt, client_id, body.text, payload)
         await self._remember(turn.id, client_id, after)
         return JSONResponse({"client_id": client_id, "status": "accepted", "turn_id": turn.id, "after": after})
 

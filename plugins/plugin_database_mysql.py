@@ -110,7 +110,7 @@ class MySQLPlugin(BasePlugin):
     async def db_query(self, sql: str) -> str:
         """Run SQL; a result table with its row count, `OK — rows affected: N`, or an ERROR line."""
         turn = state.current_turn()
-        return await query_text(self._database(), sql, turn.db_access if turn else None)
+        return await query_text(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
 
     def get_tools(self) -> dict[str, Any]:
         tool = StructuredTool.from_function(

@@ -319,9 +319,11 @@ class LlamaProxyPlugin(BasePlugin):
         the session is not told by the transcript (forwarded headers, `sessions_by: "address"`)."""
         by_header = self._by_header(request)
         if by_header is not None or self.cfg.sessions_by == "address":
+            self.rt.metrics.proxy_conversation("header" if by_header is not None else "address")
             return by_header or self._address(request), None
         scope, prior = self._caller(request).scope, transcript[:-1]
         client_id = await self.conversations.claim(fingerprint(scope, prior)) if prior else None
+        self.rt.metrics.proxy_conversation("new" if client_id is None else "matched")
         if client_id is None:
             client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
             session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, gate.PROXY)

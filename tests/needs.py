@@ -1,8 +1,8 @@
-"""What a test needs from the machine (nginx, Redis, MariaDB), and what happens when it is absent.
+"""What a test needs from the machine (nginx, Redis, MariaDB, Prometheus), and what happens when it is absent.
 
 On a fresh machine (`make test` after the README's quick start) such a test is skipped, with the
 reason shown in pytest's summary (`-ra`). A name listed in `AGENT_TEST_REQUIRE` (comma-separated:
-`nginx`, `redis`, `mariadb`, or `all`) turns that skip into a failure: `.ci/run` names them all, so
+`nginx`, `redis`, `mariadb`, `prometheus`, or `all`) turns that skip into a failure: `.ci/run` names them all, so
 CI can never pass by skipping them.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 #: Every name AGENT_TEST_REQUIRE accepts, with the other spellings a reader may use for it.
 NAMES = {"nginx": "nginx", "redis": "redis", "redis-server": "redis", "mariadb": "mariadb", "mariadbd": "mariadb",
-         "mysql": "mariadb"}
+         "mysql": "mariadb", "prometheus": "prometheus"}
 
 
 def required() -> set[str]:
@@ -26,7 +26,8 @@ def required() -> set[str]:
         return set(NAMES.values())
     unknown = sorted(asked - NAMES.keys())
     if unknown:
-        raise pytest.UsageError(f"AGENT_TEST_REQUIRE names {', '.join(unknown)}: use nginx, redis, mariadb or all")
+        raise pytest.UsageError(f"AGENT_TEST_REQUIRE names {', '.join(unknown)}: use nginx, redis, mariadb, "
+                                "prometheus or all")
     return {NAMES[name] for name in asked}
 
 

@@ -174,7 +174,9 @@ async def test_a_call_of_an_unknown_tool_gets_exactly_one_corrective_message(nrt
     assert len(set(corrections)) == 1
     message = corrections[0]
     assert "unknown tool 'weather_lookup'" in message and "- get_weather(city: string)" in message
-    assert '"name": "<tool name>", "arguments"' in message  # the expected shape
+    # The call its arguments fit, written out (the arguments fit get_weather alone).
+    assert 'To call get_weather, write exactly:\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}' \
+           in message
     assert "weather_lookup" not in out
 
 
@@ -293,6 +295,9 @@ async def test_a_model_that_describes_a_tool_instead_of_calling_it_is_told_once(
     assert nrt.sessions.get("c1").history[-1]["content"] == "Sunny in Oslo."
     told = fake_openai.requests[1].json["messages"][-1]["content"]
     assert "you named get_weather but did not call it" in told and "- get_weather(city: string)" in told
+    shown = '<tool_call>{"name": "get_weather", "arguments": {"city": "<string>"}}</tool_call>'
+    assert f"To call get_weather, write exactly:\n{shown}" in told  # the call written out, not a generic shape
+    assert told.endswith("Reply now with only that call; its result comes back to you.")  # no way out in prose
     assert any("named get_weather instead of calling it" in s for s in _statuses(events))
     _check_history(nrt.sessions.get("c1").history)
 
@@ -307,3 +312,14 @@ async def test_describing_a_tool_twice_or_after_a_result_is_an_answer(nrt, fake_
     fake_openai.script(fenced_call("get_weather", {"city": "Rome"}), text(later))
     out, _ = await turn(nrt, "and Rome?")
     assert out == later and len(fake_openai.requests) == 4
+
+
+async def test_a_call_without_its_tool_name_is_corrected_with_the_call_written_out(nrt, fake_openai) -> None:
+    """Qwen 1.5B wrote {"arguments": {"section": "backups"}}: the correction gives back the exact call it meant."""
+    nameless = '```json\n{"arguments": {"city": "Oslo"}}\n```'
+    fake_openai.script(text(nameless), fenced_call("get_weather", {"city": "Oslo"}), text("Sunny in Oslo."))
+    out, _ = await turn(nrt, "weather in Oslo?")
+    assert out == "Sunny in Oslo." and nrt.recorder.calls == [("get_weather", {"city": "Oslo"})]
+    told = fake_openai.requests[1].json["messages"][-1]["content"]
+    assert "a call without a tool name (of get_weather? write its name)" in told
+    assert 'write exactly:\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in told

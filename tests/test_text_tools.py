@@ -150,6 +150,15 @@ def test_a_reply_of_bare_arguments_is_a_problem_to_correct_not_a_call() -> None:
     assert find_text_calls('{"city": "Paris", "temperature": 21}', TOOLS).problems == []  # ordinary JSON
 
 
+def test_a_correction_shows_the_generic_shape_when_no_tool_is_meant() -> None:
+    from text_calls import correction
+    told = correction(["unknown tool 'x'"], list(TOOLS.values()), text_mode=True)
+    assert 'To call one, write exactly:\n<tool_code>{"tool_name": "<tool name>", "arguments"' in told
+    told = correction(["x"], list(TOOLS.values()), text_mode=True, meant=("db_query", None))
+    assert 'To call db_query, write exactly:\n<tool_code>{"tool_name": "db_query", "arguments": {"sql": "<string>"}}' \
+           in told
+
+
 def test_spans_cover_only_the_call_syntax() -> None:
     reply = 'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\nOne moment.'
     found, spans = try_force_tool_calls(reply, TOOLS)
