@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-guard bench-grants bench-scale bench-growth bench-local bench-metrics dashboard metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-guard bench-grants bench-scale bench-growth bench-local bench-metrics dashboard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ bench-api: $(STAMP)
 
 bench-mcp: $(STAMP)
 	$(PY) bench/mcp_approvals.py
+
+bench-approvals: $(STAMP)
+	$(PY) bench/approvals_latency.py
+
+bench-slack-approvals: $(STAMP)
+	$(PY) bench/slack_approvals.py
 
 bench-guard: $(STAMP)
 	$(PY) bench/guard_overhead.py

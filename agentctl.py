@@ -338,7 +338,7 @@ class AgentCtl(DbCommands):
         for r in records:
             what = " ".join(filter(None, [r["tool"], r["op"], ",".join(r["tables"]), r["grant_id"]]))
             table.add_row(str(r["seq"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["event"],
-                          escape(r["session"] or ""), escape(r["actor"] or ""), escape(what), escape(r["outcome"]))
+                          *(escape(v) for v in (r["session"] or "", r["actor"] or "", what, grants.shown(r))))
         self.term.table(table)
 
     def cmd_audit_verify(self, args: list[str]) -> None:

@@ -87,6 +87,7 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             f"model '{key}' needs an API key: set {cfg.env_key} in .env (or the environment) and restart, "
             "or switch model with !model"
         )
+    sampling = {"temperature": cfg.temperature} if cfg.temperature is not None else {}
     if cfg.type == "OPENAI":
         from langchain_openai import ChatOpenAI
 
@@ -104,6 +105,7 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             **({"stream_usage": True} if rt.metrics.on or rt.tracing.on else {}),
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
             http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
+            **sampling,
         )
     else:
         from langchain_google_genai import ChatGoogleGenerativeAI
@@ -115,6 +117,7 @@ def chat_model(rt: state.Runtime, key: str) -> BaseChatModel:
             timeout=cfg.llm_call_timeout,
             max_retries=0,  # one attempt: _stream_once owns the retry policy
             **extra,
+            **sampling,
         )
     rt.llms[key] = llm
     return llm

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping
 
 import agents
+import approvals
 import audit_chain
 import commands
 import gate
@@ -43,6 +44,7 @@ def event_buffer(env: Mapping[str, str]) -> int:
 async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
+    rules = approvals.ApprovalRules(config.enabled.approvals, gate.CLASSES, [gate.SHELL])  # before anything opens
     sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                                     session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
@@ -68,6 +70,8 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         await sessions.close()
         raise
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    if rules.configured:  # else no gate is routed: every class behaves as the spec says
+        rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
     if link is not None:
         link.metrics = rt.metrics

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 from dotenv import dotenv_values
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 logger = logging.getLogger("agent_mcp.config")
 
@@ -84,6 +84,9 @@ class ModelConfig(_Model):
     context_tokens: int | None = Field(default=None, ge=512)
     #: Share of the window kept free for the answer; the request gets the rest.
     answer_share: float = Field(default=0.25, gt=0, le=0.75)
+    #: Sampling temperature sent with every request; None: the client library's default (OpenAI-compatible:
+    #: none sent, so the server's; Gemini: langchain-google-genai's).
+    temperature: float | None = Field(default=None, ge=0, le=2)
 
     @field_validator("host")
     @classmethod
@@ -145,6 +148,96 @@ class SessionsConfig(_Model):
         return self.classes.get(kind) or (self.interactive if interactive else self.non_interactive)
 
 
+#: How long a gate routed to approvers waits for an answer by default, and the longest wait allowed.
+APPROVAL_TIMEOUT = 300.0
+MAX_APPROVAL_TIMEOUT = 3600.0
+_SLACK_USER = re.compile(r"[UW][A-Z0-9]{2,40}")
+_SLACK_CHANNEL = re.compile(r"[CGD][A-Z0-9]{2,40}")
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9._@-]{1,64}")
+
+
+def _known_fields(model: type[BaseModel], data: Any) -> Any:
+    """Refuse unknown fields with the list of known ones: a misspelt approver must not leave gates unanswerable."""
+    if isinstance(data, dict):
+        unknown = sorted(set(data) - set(model.model_fields))
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; the fields are "
+                             f"{', '.join(model.model_fields)} (see docs/approvals.md)")
+    return data
+
+
+class Approvers(BaseModel):
+    """Who may answer a routed gate (`approvals` of plugins-enabled.json; see docs/approvals.md)."""
+
+    #: Slack user ids (U…/W…) who may answer, wherever the gate is shown to them.
+    slack_users: list[str] = []
+    #: A Slack channel id (C…/G…/D…) the gate is posted to; without slack_users anyone answering there may.
+    slack_channel: str | None = None
+    #: Shell windows that opted in with `!approver on` (token-authenticated shell.py windows only).
+    shell: bool = False
+    #: Names of human MCP tokens (mcp-tokens.json) whose holders may answer.
+    mcp_tokens: list[str] = []
+    #: API clients holding the admin key (API_ADMIN_KEY).
+    api_admin: bool = False
+    #: Seconds a gate routed by this entry waits (default: the section's timeout_seconds).
+    timeout_seconds: float | None = Field(default=None, gt=0, le=MAX_APPROVAL_TIMEOUT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, data: Any) -> Any:
+        return _known_fields(cls, data)
+
+    @field_validator("slack_users")
+    @classmethod
+    def _slack_users(cls, v: list[str]) -> list[str]:
+        for user in v:
+            if not _SLACK_USER.fullmatch(user):
+                raise ValueError(f"{user[:60]!r} is not a Slack user id: use the member id (U… or W…, e.g. "
+                                 "U0123ABCD; in Slack: the profile's ⋮ menu → Copy member ID), not a name")
+        return v
+
+    @field_validator("slack_channel")
+    @classmethod
+    def _slack_channel(cls, v: str | None) -> str | None:
+        if v is not None and not _SLACK_CHANNEL.fullmatch(v):
+            raise ValueError(f"{v[:60]!r} is not a Slack channel id: use the channel id (C…, G… or D…, e.g. "
+                             "C0123ABCD; in Slack: the channel's details → About, at the bottom), not its #name")
+        return v
+
+    @field_validator("mcp_tokens")
+    @classmethod
+    def _token_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _TOKEN_NAME.fullmatch(name):
+                raise ValueError(f"{name[:60]!r} is not an MCP token name: use the 'name' of a human token in "
+                                 "mcp-tokens.json (letters, digits, . _ @ -), never the token itself")
+        return v
+
+    def empty(self) -> bool:
+        """True when this entry names nobody (its gates are not routed: they are refused as without approvals)."""
+        return not (self.slack_users or self.slack_channel or self.shell or self.mcp_tokens or self.api_admin)
+
+
+class ClassApprovers(Approvers):
+    """The approvers of one client class, with entries of their own for some tools and (db gates) tables."""
+
+    tools: dict[str, Approvers] = {}
+    tables: dict[str, Approvers] = {}
+
+
+class ApprovalsConfig(BaseModel):
+    """`approvals` of plugins-enabled.json: per client class, who answers the gates that class cannot."""
+
+    timeout_seconds: float = Field(default=APPROVAL_TIMEOUT, gt=0, le=MAX_APPROVAL_TIMEOUT)
+    #: Client class (gate.CLASSES: api, swarm, proxy, slack, mcp, unknown) → its approvers.
+    classes: dict[str, ClassApprovers] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, data: Any) -> Any:
+        return _known_fields(cls, data)
+
+
 class EnabledConfig(_Model):
     """`plugins-enabled.json`: the operator's control panel."""
 
@@ -154,6 +247,8 @@ class EnabledConfig(_Model):
     plugin_config: dict[str, dict[str, Any]] = {}
     rate_limits: dict[str, RateLimit] = {}
     sessions: SessionsConfig = SessionsConfig()
+    #: Who answers the gates of client classes that cannot answer them (none: they are refused as the spec says).
+    approvals: ApprovalsConfig = ApprovalsConfig()
 
 
 class Manifest(_Model):

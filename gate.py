@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import approvals
 import grants
 import guard
 import sql
@@ -233,6 +234,8 @@ class GateKeeper:
         self.grants: grants.GrantStore | None = None
         #: With a shared store: gates of every instance (shared.GateRelay), so any may answer them.
         self.relay: shared.GateRelay | None = None
+        #: Gates routed to approvers (plugins-enabled.json `approvals`); None: none are, as the spec says.
+        self.desk: approvals.ApprovalDesk | None = None
 
     @classmethod
     def from_env(cls, defaults: GateDefaults, env: dict[str, str]) -> GateKeeper:
@@ -356,7 +359,8 @@ class GateKeeper:
             return None
         what = f"{op} on {', '.join(tables)}" if tables else op
         wait = CLASSES[turn.kind].gate_wait
-        if wait == NO_WAIT:
+        route = self.desk.route(turn.kind, tool_name, section, keys) if self.desk is not None else None
+        if wait == NO_WAIT and route is None:
             label = CLIENT_LABELS[turn.kind]
             self.audit("decision", actor=_actor(turn), outcome="denied (no one can approve)", **audit)
             rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {label} "
@@ -365,15 +369,27 @@ class GateKeeper:
                                      f"client ({label}) cannot give it, so it was not run. Do not retry it; tell "
                                      "the user that an operator can allow it from the shell (!autogate / "
                                      "!autoAIdb) or in gate-defaults.json.")
-        timeout = self.timeout if wait == HUMAN_WAIT else self.api_timeout
+        timeout = route.timeout if route else self.timeout if wait == HUMAN_WAIT else self.api_timeout
         shape, pattern = shaped()
         grantable = ANY_TABLE not in keys and self.grants is not None
         offers = [s for s in grants.GRANT_SCOPES if grantable and (s != grants.PATTERN or pattern)]
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
                    "timeout_seconds": timeout, "grants": offers, **({"shape": shape} if pattern else {})}
-        decision, gate_id = await self.ask(rt, client_id, payload, timeout)
+        routed = None if route is None else approvals.RoutedGate(
+            "", client_id, turn.kind, CLIENT_LABELS[turn.kind], tool_name, op, tables,
+            shape or str(args.get("sql") or "")[:approvals.ARG_CHARS] if section == "db" else json.dumps(
+                approvals.trimmed(args), ensure_ascii=False), approvals.trimmed(args), offers, 0.0, 0.0,
+            [str(a) for a in route.approvers], route.who(), turn.id)
+        if routed is not None:
+            payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
+        decision, gate_id = await self.ask(rt, client_id, payload, timeout, routed)
         rt.metrics.gate_answered(decision.word)
         resolved = {"gate_id": gate_id, "decision": decision.word}
+        if routed is not None:  # who answered, through which channel, after how long: for the client and the audit
+            closing = (await self.desk.get(gate_id))[1] if self.desk else None
+            closing = closing or approvals.Closing(gate_id, decision.word, decision.by)
+            resolved.update(by=closing.by, channel=closing.channel)
+            audit["detail"] = approvals.audit_detail(routed, closing)
         if decision.word in offers:
             assert self.grants is not None
             grant = grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape)
@@ -396,6 +412,7 @@ class GateKeeper:
             note = {"allow": "allowed once", "reject": "rejected", "timeout": "no answer: rejected"}[decision.word]
         self.audit("decision", actor=decision.by or "timeout", outcome=note, **audit)
         if decision.word == "allow":
+            note += f" by {resolved['by']}" if resolved.get("by") else ""
             rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})
             return None
         if decision.word == "timeout":
@@ -404,15 +421,18 @@ class GateKeeper:
             return Refusal("timeout", f"TOOL CALL REJECTED: nobody approved your {tool_name} request ({what}) "
                                       f"within {timeout:g} s, so it was not run. Do not retry it now; tell the user "
                                       "it is waiting for their approval.")
-        rt.hub.publish(client_id, "status", {"text": f"[gate ✗] {tool_name}: rejected by the user", **resolved})
+        whom = f"{resolved['by']} (an approver)" if resolved.get("by") else "the user"
+        rt.hub.publish(client_id, "status", {"text": f"[gate ✗] {tool_name}: rejected by {whom}", **resolved})
         return Refusal("reject", f"TOOL CALL REJECTED: the user rejected your {tool_name} request ({what}). Do not "
                                  "retry it; tell the user it was not run and ask how they want to proceed.")
 
-    async def ask(self, rt: state.Runtime, client_id: str, payload: dict[str, Any],
-                  wait_seconds: float) -> tuple[grants.Decision, str]:
+    async def ask(self, rt: state.Runtime, client_id: str, payload: dict[str, Any], wait_seconds: float,
+                  routed: approvals.RoutedGate | None = None) -> tuple[grants.Decision, str]:
         """Send a gate event and wait for its decision (word `timeout` when none came), with the gate id.
 
-        The pending entry is always removed: on a decision, on timeout, and when the turn is cancelled.
+        A `routed` gate is also put on the approver feed, its requester is told who it waits for, and the
+        first answer (or the timeout) is claimed once (`approvals.ApprovalDesk.claim`). The pending entry is
+        always removed: on a decision, on timeout, and when the turn is cancelled.
         """
         gate_id = str(uuid.uuid4())
         future: asyncio.Future[grants.Decision] = asyncio.get_running_loop().create_future()
@@ -420,19 +440,66 @@ class GateKeeper:
         # With a shared store the gate is listed, and answerable, on every instance.
         relayed = (self.relay.listening(gate_id, client_id, wait_seconds, future, grants.Decision)
                    if self.relay is not None else contextlib.nullcontext())
+        desk = self.desk if routed is not None else None
         try:
             async with relayed, rt.tracing.waiting(f"gate {payload.get('tool_name')}") as span:
                 rt.metrics.gate_raised()
+                if desk is not None and routed is not None:
+                    rt.metrics.gate_routed()
+                    await approvals.opening(desk, rt.hub, routed, gate_id, wait_seconds)
                 rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
                 try:
                     async with asyncio.timeout(wait_seconds):
                         decision = await future
                 except TimeoutError:
                     decision = grants.Decision("timeout")
+                    if desk is not None and routed is not None:  # an answer may have been claimed just before
+                        decision = await approvals.timed_out(desk, routed) or decision
                 rt.tracing.note(span, agent_mcp__gate__decision=decision.word)
         finally:
             self.pending.pop(gate_id, None)
+            if desk is not None and routed is not None:
+                final = await approvals.closing(desk, routed)
+                if final.decision == approvals.ABANDONED:  # the turn was cancelled while the gate waited
+                    self.audit("decision", session=client_id, actor="abandoned", tool=routed.tool, op=routed.op,
+                               tables=routed.tables, outcome="not run: the turn ended before an answer",
+                               detail=approvals.audit_detail(routed, final))
         return decision, gate_id
+
+    async def answer(self, gate_id: str, decision: str, *, answerer: approvals.Approver | None = None,
+                     channel: str = "", by: str = "", minutes: Any = None, may_grant: bool = True
+                     ) -> approvals.AnswerResult:
+        """Answer a pending gate as `answerer` through `channel` (see approvals.AnswerResult for the outcomes).
+
+        A gate routed to approvers takes only an answer of one of them (else NOT_APPROVER, and nothing
+        changes), and only the first (later ones get DECIDED with who answered). Any other gate is answered
+        as `resolve` does. grants.GrantError (a ValueError) for an answer that is not allowed.
+        """
+        routed, first = await self.desk.get(gate_id) if self.desk is not None else (None, None)
+        if routed is None and first is None:
+            done = await self.resolve_plain(gate_id, decision, by=by or str(answerer or ""), minutes=minutes,
+                                            may_grant=may_grant)
+            return approvals.AnswerResult(approvals.ANSWERED if done else approvals.UNKNOWN, gate_id)
+        assert self.desk is not None
+        if first is not None or routed is None:
+            return approvals.AnswerResult(approvals.DECIDED, gate_id, first)
+        if not await self.desk.admits(routed, answerer, channel):
+            self.audit("approval_refused", session=routed.session, actor=str(answerer or by or "anonymous"),
+                       tool=routed.tool, op=routed.op, tables=routed.tables, outcome="not an approver of this gate",
+                       detail=json.dumps({"channel": channel, "asked": routed.approvers}))
+            return approvals.AnswerResult(approvals.NOT_APPROVER, gate_id, approvers=tuple(routed.approvers))
+        checked = grants.Decision.parse(decision, str(answerer), minutes, may_grant=may_grant)
+        won, first = await self.desk.claim(approvals.answered(routed, checked.word, checked.by, channel,
+                                                              checked.minutes))
+        if not won:
+            return approvals.AnswerResult(approvals.DECIDED if first else approvals.UNKNOWN, gate_id, first)
+        waiting = self.pending.get(gate_id)
+        if waiting is not None:
+            if not waiting[1].done():
+                waiting[1].set_result(checked)
+        elif self.relay is not None:
+            await self.relay.answer(gate_id, {"word": checked.word, "by": checked.by, "minutes": checked.minutes})
+        return approvals.AnswerResult(approvals.ANSWERED, gate_id)
 
     async def owner(self, gate_id: str) -> str | None:
         """The client id of the session a pending gate belongs to (on any instance), or None if it is not pending."""
@@ -443,6 +510,11 @@ class GateKeeper:
 
     async def resolve(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
                       may_grant: bool = True) -> bool:
+        """`answer` without an approver identity: True when it decided the gate (never a routed one)."""
+        return (await self.answer(gate_id, decision, by=by, minutes=minutes, may_grant=may_grant)).answered
+
+    async def resolve_plain(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
+                            may_grant: bool = True) -> bool:
         """Answer a pending gate: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject;
         `by` names who answered (for the audit log). False if the gate is unknown or already answered;
         grants.GrantError (a ValueError) for an answer that is not allowed. With a shared store the gate

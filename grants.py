@@ -587,6 +587,31 @@ def new_grant(session: str, decision: Decision, tool: str, section: str, keys: I
                  expires, pattern if decision.word == PATTERN else "", shape if decision.word == PATTERN else "")
 
 
+def routed_detail(asked: list[str], client: str, by: str, channel: str, waited: float) -> str:
+    """The `detail` of the audit record deciding a gate routed to approvers (approvals.py): where it was
+    asked, who answered through which channel, how long it waited."""
+    return json.dumps({"routed": True, "asked": asked, "client": client, "by": by, "channel": channel,
+                       "waited_s": round(waited, 3)}, ensure_ascii=False)
+
+
+def describe_detail(detail: str | None) -> str:
+    """The `detail` of a routed gate's audit record as one line for a person (`agentctl audit`); "" for others."""
+    try:
+        data = json.loads(detail or "")
+    except ValueError:
+        return ""
+    if not isinstance(data, dict) or data.get("routed") is not True:
+        return ""
+    answered = f"answered by {data.get('by')} via {data.get('channel')}" if data.get("by") else "nobody answered"
+    return (f"routed ({data.get('client')}) to {', '.join(data.get('asked') or [])}; {answered} after "
+            f"{float(data.get('waited_s') or 0):.1f} s")
+
+
+def shown(record: dict[str, Any]) -> str:
+    """An audit record's outcome as `agentctl audit` shows it: with a routed gate's line (`describe_detail`)."""
+    return " — ".join(filter(None, [record["outcome"], describe_detail(record["detail"])]))
+
+
 # ── offline access (agentctl) ───────────────────────────────────────────────────────────────
 
 

@@ -12,7 +12,8 @@ Everything two instances could disagree about lives in Redis itself, under one k
   subscriber anywhere sees every event and resumes by `Last-Event-ID`;
 - pending gates (`gate:<id>`) and their answers (`answer:<id>`, a list the asking turn pops);
 - rate-limit windows (`rate:<id>:<type>`, sorted sets) and disabled tool types (`disabled:<id>`);
-- small values of plugins (`value:<name>`): de-duplication keys, fingerprints, turn cursors.
+- small values of plugins (`value:<name>`): de-duplication keys, fingerprints, turn cursors;
+- gates routed to approvers (`approval:<id>`, `approvals`) and shell windows that approve (`approver:<id>`).
 
 Event ids are microsecond-like integers as on one instance, chosen by the publishing instance from its
 clock (each above the last). A stream entry holds a run of one session's events, written in one round
@@ -716,6 +717,76 @@ class SharedValues:
     async def drop(self, name: str) -> None:
         with self.link.calling():
             await self.r.delete(self.link.key("value", name))
+
+
+_CLAIM = """if redis.call('EXISTS', KEYS[1]) == 0 then return {0, false} end
+if redis.call('HSETNX', KEYS[1], 'closing', ARGV[1]) == 1 then return {1, false} end
+return {0, redis.call('HGET', KEYS[1], 'closing')}"""
+
+
+class SharedApprovals:
+    """Routed gates (approvals.py) for every instance: their descriptions, the first answer, the approver windows.
+
+    `approval:<id>` (a hash: `gate` its description, `closing` the first answer or the timeout, claimed once with
+    HSETNX) lives until a while after its deadline, so a late answerer learns who answered; `approvals` (a sorted
+    set by deadline) lists the open ones; `approver:<window>` marks a shell window that opted in.
+    """
+
+    #: How long a closed gate's record stays for late answerers.
+    KEPT_SECONDS = 600
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.r = link.client
+
+    async def add(self, gate_id: str, record: str, deadline: float) -> None:
+        key = self.link.key("approval", gate_id)
+        with self.link.calling():
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(key, mapping={"gate": record})
+            pipe.expireat(key, int(deadline + self.KEPT_SECONDS))
+            pipe.zadd(self.link.key("approvals"), {gate_id: deadline})
+            pipe.zremrangebyscore(self.link.key("approvals"), "-inf", time.time() - self.KEPT_SECONDS)
+            await pipe.execute()
+
+    async def get(self, gate_id: str) -> tuple[str | None, str | None]:
+        """(description, closing) of a routed gate, None for what is not there."""
+        with self.link.calling():
+            found = await self.r.hmget(self.link.key("approval", gate_id), ["gate", "closing"])
+        return found[0], found[1]
+
+    async def claim(self, gate_id: str, closing: str) -> tuple[bool, str | None]:
+        """(True, None) when `closing` is the first answer; else (False, the first one) — (False, None): unknown."""
+        with self.link.calling():
+            won, first = await self.r.eval(_CLAIM, 1, self.link.key("approval", gate_id), closing)
+        return bool(won), first or None
+
+    async def closed(self, gate_id: str) -> None:
+        with contextlib.suppress(*_DOWN, RedisError):
+            await self.r.zrem(self.link.key("approvals"), gate_id)
+
+    async def open_ones(self) -> list[str]:
+        """Descriptions of the routed gates still open (deadline not passed), soonest deadline first."""
+        with self.link.calling():
+            ids = await self.r.zrangebyscore(self.link.key("approvals"), time.time(), "+inf")
+            if not ids:
+                return []
+            pipe = self.r.pipeline(transaction=False)
+            for gate_id in ids:
+                pipe.hmget(self.link.key("approval", gate_id), ["gate", "closing"])
+            rows = await pipe.execute()
+        return [g for g, c in rows if g and not c]
+
+    async def set_window(self, window: str, on: bool, seconds: float) -> None:
+        with self.link.calling():
+            if on:
+                await self.r.set(self.link.key("approver", window), "1", px=int(seconds * 1000))
+            else:
+                await self.r.delete(self.link.key("approver", window))
+
+    async def window(self, window: str) -> bool:
+        with self.link.calling():
+            return bool(await self.r.exists(self.link.key("approver", window)))
 
 
 class Signals:

@@ -53,6 +53,7 @@ from shell_client import (  # noqa: F401 - re-exported: shell.py is the public f
     ShellClient,
     ShellError,
     ShellEvent,
+    approval_gate,
     find_token,
     load_or_create_client_id,
     save_client_id,
@@ -129,7 +130,8 @@ def gate_panel(gate: dict[str, Any], preview_length: int, seconds_left: float | 
     keys = Text.assemble(*parts, *((("[v]", "bold"), " show all arguments") if truncated else ()))
     return Panel(
         Group(grid, Text(""), keys),
-        title="⚠ the agent asks to run a tool",
+        title=f"⚖ approval asked for session {gate.get('session')} ({gate.get('client_label')})" if gate.get(
+            "routed") else "⚠ the agent asks to run a tool",
         title_align="left",
         border_style="yellow",
         expand=False,
@@ -303,7 +305,8 @@ class ShellUI:
         self._forget_timer(gate_id)
         template, style = _DECISION_LINES[decision]
         try:
-            await self.client.gate_response(gate_id, decision, GRANT_MINUTES if decision == "allow_for" else None)
+            await self.client.gate_response(gate_id, decision, GRANT_MINUTES if decision == "allow_for" else None,
+                                            as_approver=bool(gate.get("routed")))
         except RequestRejected as exc:
             self.note(f"the gate is no longer pending ({exc.message})", "yellow")
         except ServerOffline as exc:
@@ -409,6 +412,19 @@ class ShellUI:
         self._turn = False
         self._drop_gates(None)  # a finished turn waits for nothing
         self._update_idle()
+
+    def _on_approval(self, data: dict[str, Any]) -> None:
+        """A gate of another session routed to this window (`!approver on`): asked like one of our own."""
+        if all(g.get("gate_id") != data.get("gate_id") for g in self.pending_gates):
+            self._on_gate(approval_gate(data, time.time()))
+
+    def _on_approval_closed(self, data: dict[str, Any]) -> None:
+        """A routed gate was decided (here, by another approver, or it timed out): its panel goes."""
+        if any(g.get("gate_id") == data.get("gate_id") for g in self.pending_gates):
+            by = f" by {data['by']} ({data.get('channel')})" if data.get("by") else ""
+            self.note(f"the approval for session {data.get('session')} was answered{by}: {data.get('decision')}",
+                      "yellow")
+            self._drop_gates(str(data.get("gate_id")))
 
     def _on_gate(self, data: dict[str, Any]) -> None:
         self._flush()
@@ -647,6 +663,7 @@ class Shell:
         self._running = True
         self._draft = ""
         self._switch_after_turn = False
+        self._approving: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
         """Connect, show the banner and serve the prompt until !exit or Ctrl-D; return the exit code."""
@@ -682,7 +699,9 @@ class Shell:
                 await self.handle_line(text)
             return 0
         finally:
-            consumer.cancel()
+            for task in (consumer, self._approving):
+                if task is not None:
+                    task.cancel()
             await asyncio.wait([consumer])
 
     async def handle_line(self, text: str) -> None:
@@ -731,6 +750,28 @@ class Shell:
             self.ui.gate_preview_length = int(arg)
         self.ui.note(f"gate preview length: {self.ui.gate_preview_length} characters", "")
         return True
+
+    async def cmd_approver(self, arg: str) -> bool:
+        """!approver on|off — this window answers gates of other sessions routed to shell approvers (or stops)."""
+        if arg.lower() not in ("on", "off"):
+            self.ui.note(f"approver: {'on' if self._approving else 'off'} — usage: !approver on|off", "")
+            return True
+        try:
+            await self.client.set_approver(arg.lower() == "on")
+        except ShellError as exc:
+            self.ui.note(f"!approver {arg}: {exc}", "red")
+            return True
+        if self._approving is not None:
+            self._approving.cancel()
+        self._approving = asyncio.create_task(self._follow_approvals()) if arg.lower() == "on" else None
+        self.ui.note(f"approver {arg.lower()}: this window {'now answers' if self._approving else 'no longer answers'}"
+                     " gates routed to shell approvers", "green")
+        return True
+
+    async def _follow_approvals(self) -> None:
+        with contextlib.suppress(ShellError):
+            async for event in self.client.approvals():
+                await self.ui.handle_event(event)
 
     async def cmd_clear(self, arg: str) -> bool:
         """!clear — clear the screen."""

@@ -26,6 +26,17 @@ DECISIONS = ("allow", "allow_for", "allow_session", "allow_pattern", "reject")
 TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
 
 
+def approval_gate(data: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """A feed `approval` event (approvals.RoutedGate) as the gate dict the shell's panel shows (`routed`: True)."""
+    args = data.get("args") if isinstance(data.get("args"), dict) else {}
+    shape = data.get("summary") if data.get("tables") else None
+    return {"gate_id": data.get("gate_id"), "tool_name": data.get("tool"), "tables": data.get("tables") or [],
+            "tool_args": {**args, "operation_type": data.get("op")}, "grants": data.get("scopes") or [],
+            "timeout_seconds": max(0.1, float(data.get("deadline") or 0) - now), "routed": True,
+            "session": data.get("session"), "client_label": data.get("client_label"),
+            **({"shape": shape} if shape else {})}
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -183,6 +194,8 @@ class ShellClient:
         self._connected = asyncio.Event()
         self._fatal: AuthRequired | None = None
         self._closed = False
+        #: This window's identity as an approver of other sessions' gates (`!approver on`).
+        self.window_id = f"w-{uuid.uuid4().hex[:8]}"
 
     def __repr__(self) -> str:  # never shows the token
         return f"ShellClient({self.base_url!r}, client_id={self._client_id!r})"
@@ -222,14 +235,45 @@ class ShellClient:
         body = await self._request("POST", "/stop", json={"client_id": self._client_id})
         return isinstance(body, dict) and body.get("cancelled") is True
 
-    async def gate_response(self, gate_id: str, decision: str, minutes: int | None = None) -> dict[str, Any]:
-        """POST /gate_response: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject."""
+    async def gate_response(self, gate_id: str, decision: str, minutes: int | None = None,
+                            as_approver: bool = False) -> dict[str, Any]:
+        """POST /gate_response: allow (once), allow_for (`minutes`), allow_session, allow_pattern or reject;
+        `as_approver`: a gate of another session routed to this window (`set_approver`)."""
         if decision not in DECISIONS:
             raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, not {decision!r}")
         body: dict[str, Any] = {"gate_id": gate_id, "decision": decision}
         if minutes is not None:
             body["minutes"] = minutes
+        if as_approver:
+            body["approver"] = self.window_id
         return await self._request("POST", "/gate_response", json=body, again=True)
+
+    async def set_approver(self, on: bool) -> dict[str, Any]:
+        """POST /approver: this window answers (or stops answering) gates routed to shell approvers."""
+        return await self._request("POST", "/approver", json={"window": self.window_id, "on": on}, again=True)
+
+    async def approvals(self) -> AsyncIterator[ShellEvent]:
+        """The approver feed while this window is an approver: `approval` (a routed gate, see approvals.RoutedGate)
+        and `approval_closed` events; after a drop it opts in again and reconnects (the open gates come again)."""
+        while not self._closed:
+            try:
+                async with self._http.stream("GET", "/approvals", params={"window": self.window_id},
+                                             headers={"Accept": "text/event-stream"},
+                                             timeout=self._stream_timeout) as response:
+                    if response.status_code in (401, 403):
+                        raise AuthRequired(self._auth_message())
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise RequestRejected(response.status_code, error_message(response)[:200])
+                    async for event in sse_events(EventSource(response)):
+                        yield event
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(self._retry_initial)
+            try:
+                await self.set_approver(True)
+            except ServerOffline:
+                continue
 
     async def attach(self, session_id: str) -> dict[str, Any]:
         """Switch to an existing session (full id or shorthand) at once; return its /sessions entry.

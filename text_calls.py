@@ -19,11 +19,12 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-_OPENERS = ("<tool_call>", "<tool_code>", "<function=", "<|python_tag|>", "```json", "```tool", "```\n")
+_OPENERS = ("<tool_call>", "<tool_code>", "<tools>", "<function=", "<|python_tag|>", "```json", "```tool", "```\n")
 _OPENER_STARTS = frozenset(o[:i] for o in _OPENERS for i in range(1, len(o)))
 _LONGEST_OPENER = max(map(len, _OPENERS))
 _BLOCKS = re.compile(
     r"<tool_call>(?P<tool_call>.*?)(?:</tool_call>|\Z)"
+    r"|<tools>(?P<tools>.*?)(?:</tools>|\Z)"  # Qwen's template lists tools in this tag: a small model echoes it
     r"|<tool_code>(?P<tool_code>.*?)(?:</tool_code>|\Z)"
     r"|(?P<function><function=[^>\s]+>.*?(?:</function>|\Z))"
     r"|```(?P<lang>[\w-]*)[ \t]*\n(?P<fenced>.*?)(?:```|\Z)",
@@ -220,9 +221,8 @@ def _unwrap_schema(args: dict[str, Any], tool: StructuredTool) -> dict[str, Any]
 
 def _block_calls(match: re.Match[str], tools: dict[str, StructuredTool]) -> _Found | None:
     """Calls and problems of one tagged or fenced block; None when the block is not a call at all."""
-    body = next(
-        g for g in (match["tool_call"], match["tool_code"], match["function"], match["fenced"]) if g is not None
-    )
+    body = next(g for g in (match["tool_call"], match["tools"], match["tool_code"], match["function"],
+                            match["fenced"]) if g is not None)
     lang = (match["lang"] or "").lower()
     tagged = match["fenced"] is None or lang in _PY_CALL_LANGS
     if "<function=" in body:
@@ -358,7 +358,7 @@ def described_tool(text: str, tools: dict[str, StructuredTool]) -> str | None:
 def likely_call(text: str, tools: dict[str, StructuredTool]) -> tuple[str, dict[str, Any]] | None:
     """(tool, arguments) that a call written without its tool name most likely meant: the first JSON object of
     the reply (in a block or bare) whose arguments fit exactly one bound tool."""
-    bodies = [m["tool_call"] or m["tool_code"] or m["fenced"] or "" for m in _BLOCKS.finditer(text)]
+    bodies = [m["tool_call"] or m["tools"] or m["tool_code"] or m["fenced"] or "" for m in _BLOCKS.finditer(text)]
     for body in [*bodies, text]:
         for value in _json_values(body.strip()) or []:
             args = value.get("arguments", value) if isinstance(value, dict) else None

@@ -18,6 +18,7 @@ the tool loop), model calls (with the router step and the final call without too
 is slow and not deterministic, so the numbers are one sample.
 
     python bench/local_model.py [--base-url http://127.0.0.1:8081/v1] [--label 0.5B] [--only time,greeting]
+                                [--temperature 0.2]
 """
 
 from __future__ import annotations
@@ -284,10 +285,11 @@ async def run_task(server: AgentServer, recorder: Recorder, task: Task, limit: f
                   sum(c.prompt_tokens for c in calls), seconds, answer, notes, calls)
 
 
-def configure(cfg: ConfigDir, host: str, model_id: str, timeout: float) -> None:
+def configure(cfg: ConfigDir, host: str, model_id: str, timeout: float, temperature: float | None = None) -> None:
     """Three model entries on one server, a short system prompt with a `backups` section, one gated tool."""
     base = {"model_id": model_id, "type": "OPENAI", "host": host, "env_key": None, "max_retries": 0,
             "llm_call_timeout": timeout, "tool_call_available": False, "max_context": 50,
+            **({"temperature": temperature} if temperature is not None else {}),
             "llm_tools": ["get_system_info", "read_system_prompt", "llm_list", "lookup_order"]}
     cfg.models = {
         "qwen-native": {**base, "description": "native tool calling"},
@@ -329,11 +331,12 @@ async def run(args: argparse.Namespace) -> int:
         window = int(props.json().get("default_generation_settings", {}).get("n_ctx") or window)
     chosen = [t for t in tasks(window) if not args.only or t.name in args.only.split(",")]
     print(f"bench-local: {len(chosen)} tasks on {model_id} at {args.base_url} (context window {window:,} tokens)"
-          f"{' [' + args.label + ']' if args.label else ''}; one run\n", flush=True)
+          f"{' [' + args.label + ']' if args.label else ''}; temperature "
+          f"{args.temperature if args.temperature is not None else 'the server default'}; one run\n", flush=True)
     results = []
     with Recorder(args.base_url) as recorder, tempfile.TemporaryDirectory() as tmp:
         cfg = ConfigDir(Path(tmp))
-        configure(cfg, recorder.url + "/v1", model_id, args.call_timeout)
+        configure(cfg, recorder.url + "/v1", model_id, args.call_timeout, args.temperature)
         server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start(wait=False)
         try:
             server.wait_ready(timeout=300)  # a loaded machine starts slowly
@@ -373,6 +376,8 @@ def main() -> None:
     p.add_argument("--label", default="", help="a name for this run in the output (e.g. 0.5B)")
     p.add_argument("--only", default="", help="comma-separated task names")
     p.add_argument("--call-timeout", type=float, default=300, help="llm_call_timeout of the entries (s)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="the entries' temperature (default: none sent, the server's default)")
     p.add_argument("--verbose", action="store_true", help="print each answer and the loop's notes")
     raise SystemExit(asyncio.run(run(p.parse_args())))
 

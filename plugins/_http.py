@@ -69,6 +69,25 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
     )
 
 
+def feed_stream(rt: state.Runtime, feed: AsyncIterator[tuple[str, dict[str, Any]]]) -> EventSourceResponse:
+    """An SSE response of (event name, JSON data) pairs, such as the approver feed (approvals.py), with
+    keepalive comments; it ends when the server stops."""
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        try:
+            async with contextlib.aclosing(feed) as items:
+                async for name, data in items:
+                    yield ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=name)
+        except state.SessionError as exc:
+            logger.warning("feed stream ended early: %s", exc)
+            yield ServerSentEvent(data=json.dumps({"message": f"the stream was cut short: {exc}"}), event="error")
+
+    if rt.stopping is None:
+        rt.stopping = anyio.Event()
+    return _Stream(rt, events(), ping=SSE_PING_SECONDS, sep="\n",
+                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, shutdown_event=rt.stopping)
+
+
 class _Stream(EventSourceResponse):
     """An SSE response the runtime counts until it is complete: a stopping server ends the streams (hub.close)
     and waits for them before it lets sse-starlette's shutdown watcher cut what is left (a cut response is

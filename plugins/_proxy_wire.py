@@ -3,6 +3,7 @@ protocol's stream or whole answer (plugin_proxy_llama serves them)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -29,6 +30,9 @@ OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 #: Every error answer says so: SDKs (openai's retries 408/409/429/5xx twice by default) must never
 #: send a chat request again, because the turn's tools may already have run.
 NO_RETRY = {"x-should-retry": "false"}
+#: While a gate waits for its approvers, an empty piece is written this often (NDJSON has no comment lines;
+#: clients and reverse proxies drop a response that says nothing for a minute or more).
+KEEPALIVE_SECONDS = 10.0
 #: The OpenAI error `code` of each status a failed turn gets.
 ERROR_CODES = {502: "backend_error", 503: "cancelled", 504: "backend_timeout"}
 
@@ -145,6 +149,9 @@ class Output:
         #: cancelled, 502 any other failure of the agent's backend.
         self.error_status = 502
         self._tail = "\n\n"
+        #: A gate of this turn waits for its approvers (approvals.py): the stream is kept alive meanwhile, and a
+        #: client that goes away leaves the turn running until the gate is answered or expires (TurnPump).
+        self.waiting = False
 
     @property
     def finished(self) -> bool:
@@ -162,7 +169,15 @@ class Output:
             self.error = "the request was cancelled: the server is stopping or the session was deleted"
             self.error_status = 503
             self.ended = time.monotonic_ns()
+        elif ev.name == "gate" and ev.data.get("waiting_for"):  # routed to approvers: always said, it may be long
+            self.waiting = True
+            content, thinking = self._status(f"⏳ waiting for approval of {ev.data.get('headline')} by "
+                                             f"{ev.data.get('waiting_for')}", always=True)
+        elif ev.name == "status" and str(ev.data.get("text", "")).startswith("[gate ⏳]"):
+            pass  # the gate event above says it
         elif ev.name in ("status", "gate"):
+            if ev.name == "status" and ev.data.get("gate_id") and ev.data.get("decision"):
+                self.waiting = False
             line = str(ev.data.get("text", "")) if ev.name == "status" else (
                 f"[{ev.data.get('tool_name', 'tool')}] waits for approval in shell.py")
             content, thinking = self._status(line)
@@ -182,8 +197,8 @@ class Output:
         """(HTTP status, message, OpenAI error code) of the failed turn."""
         return self.error_status, self.error or "", ERROR_CODES[self.error_status]
 
-    def _status(self, line: str) -> tuple[str, str]:
-        if not line or self.mode == "off":
+    def _status(self, line: str, always: bool = False) -> tuple[str, str]:
+        if not line or (self.mode == "off" and not always):
             return "", ""
         if self.mode == "thinking":
             return "", line + "\n"
@@ -295,8 +310,9 @@ class OpenAI:
                     if self.include_usage:
                         yield sse({**self.head, "choices": [], "usage": out.usage()})
                     yield ServerSentEvent(data="[DONE]", sep="\n")
-                else:
-                    yield self.chunk({"content": content} if content else {"reasoning_content": thinking})
+                else:  # (an empty content chunk: the keepalive while a gate waits)
+                    yield self.chunk({"content": content} if content or not thinking
+                                     else {"reasoning_content": thinking})
 
         return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
 
@@ -320,7 +336,15 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[stat
             if out.finished:
                 return
             try:
-                ev = await anext(events, None)
+                if out.waiting:
+                    try:
+                        ev = await asyncio.wait_for(anext(events, None), KEEPALIVE_SECONDS)
+                    except TimeoutError:  # (events is a TurnPump: the wait ends, the turn does not)
+                        content = thinking = ""
+                        yield "", ""
+                        continue
+                else:
+                    ev = await anext(events, None)
             except state.SessionError as exc:  # the shared store went away mid-answer: say so, one log line
                 logger.warning("an answer stream ended early: %s", exc)
                 out.error, out.error_status = f"the answer was cut short: {exc}", 503
@@ -331,6 +355,73 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[stat
     finally:
         with contextlib.suppress(state.SessionError):
             await events.aclose()  # cancels the turn if the client went away before its end
+
+
+class TurnPump:
+    """A turn's events (`routes.run_turn`) read by a task of their own, one at a time as the reader asks
+    (so a slow reader still falls behind the event buffer as it would reading them itself).
+
+    Closing the pump (the client went away) cancels the turn, as closing `run_turn` does; but while a gate
+    of the turn waits for its approvers (`out.waiting`), the turn goes on without its client, and the gate
+    stays open until it is answered or expires (and is audited either way). `keep` holds the running pumps.
+    """
+
+    def __init__(self, events: AsyncIterator[state.Event], out: Output, keep: set[asyncio.Task[None]]):
+        self.out = out
+        self._queue: asyncio.Queue[state.Event | BaseException | None] = asyncio.Queue()
+        self._wanted = asyncio.Event()
+        self._detached = False
+        self._task = asyncio.get_running_loop().create_task(self._run(events))
+        keep.add(self._task)
+        self._task.add_done_callback(keep.discard)
+
+    async def _run(self, events: AsyncIterator[state.Event]) -> None:
+        try:
+            async with contextlib.aclosing(events):
+                while True:
+                    if not self._detached:
+                        await self._wanted.wait()
+                        self._wanted.clear()
+                    ev = await anext(events, None)
+                    if ev is None:
+                        break
+                    if not self._detached:
+                        self._queue.put_nowait(ev)
+        except Exception as exc:  # (state.SessionError: the shared store went away) for the reader to raise
+            self._queue.put_nowait(exc)
+            return
+        self._queue.put_nowait(None)
+
+    def __aiter__(self) -> TurnPump:
+        return self
+
+    async def __anext__(self) -> state.Event:
+        if self._queue.empty():
+            self._wanted.set()
+        item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)  # every later read ends too
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if self._task.done():
+            return
+        if self.out.finished or self.out.error is not None:  # its end is read (or comes): let its cleanup run uncut
+            self._detached = True
+            self._wanted.set()
+            await asyncio.wait([self._task])
+            return
+        if self.out.waiting:
+            self._detached = True
+            self._wanted.set()
+            logger.info("a proxy client went away while a gate waits for its approvers: the turn goes on until "
+                        "the gate is answered or expires")
+            return
+        self._task.cancel()
+        await asyncio.wait([self._task])
 
 
 async def first_output(events: AsyncIterator[state.Event]) -> state.Event:

@@ -3,7 +3,8 @@
 Endpoints (those of the reference `AgentClient`, so programs written for it keep working):
 `POST /api/v1/submit`, `GET /api/v1/stream/{client_id}` (SSE with ids, `Last-Event-ID` replay,
 `?turn_id=` for one turn's events only), `POST /api/v1/gate/{gate_id}`, `GET /api/v1/sessions`,
-`GET /api/v1/health`, `DELETE /api/v1/session/{id}`, `POST /api/v1/stop`.
+`GET /api/v1/health`, `DELETE /api/v1/session/{id}`, `POST /api/v1/stop`; with the admin key, the gates
+routed to it as an approver (docs/approvals.md): `GET /api/v1/approvals`, `GET /api/v1/approvals/stream`.
 
 Client ids live in the `api-` namespace: an id without that prefix gets it (`myapp` → `api-myapp`),
 so an API caller can never reach an interactive shell session (whose gates it could otherwise
@@ -26,7 +27,7 @@ import logging
 import re
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import approvals
 import gate
 import guard
 import routes
@@ -78,6 +80,7 @@ class _SubmitBody(_Body):
     default_model: str | None = Field(default=None, max_length=128)
 
 
+_ADMIN_APPROVER = f"{approvals.API}:{approvals.ADMIN}"
 #: The gate decision of each `scope` of an approving answer.
 _SCOPES = {"once": "allow", "minutes": "allow_for", "session": "allow_session", "pattern": "allow_pattern"}
 
@@ -191,6 +194,8 @@ class ApiPlugin(BasePlugin):
             Route("/api/v1/submit", _endpoint(self.submit), methods=["POST"]),
             Route("/api/v1/stream/{client_id}", _endpoint(self.stream), methods=["GET"]),
             Route("/api/v1/gate/{gate_id}", _endpoint(self.gate_answer), methods=["POST"]),
+            Route("/api/v1/approvals", _endpoint(self.approvals), methods=["GET"]),
+            Route("/api/v1/approvals/stream", _endpoint(self.approvals_stream), methods=["GET"]),
             Route("/api/v1/stop", _endpoint(self.stop), methods=["POST"]),
             Route("/api/v1/sessions", _endpoint(self.sessions), methods=["GET"]),
             Route("/api/v1/health", _endpoint(self.health), methods=["GET"]),
@@ -276,6 +281,8 @@ class ApiPlugin(BasePlugin):
         owner = await self.rt.gate.owner(gate_id)
         admin = self._is_admin(request)
         decision = _SCOPES[body.scope] if body.approve else "reject"
+        if self.rt.gate.desk is not None and (await self.rt.gate.desk.get(gate_id)) != (None, None):
+            return await self._answer_routed(gate_id, decision, body, admin)
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
             answered = owner is not None and gate.client_class(owner) == gate.API and await self.rt.gate.resolve(
@@ -287,6 +294,47 @@ class ApiPlugin(BasePlugin):
             return _error(404, f"unknown gate '{gate_id[:64]}': it was answered, timed out "
                                f"(after {self.rt.gate.api_timeout:g} s) or never existed")
         return JSONResponse({"status": "ok"})
+
+    async def _answer_routed(self, gate_id: str, decision: str, body: _GateBody, admin: bool) -> Response:
+        """A gate routed to approvers (approvals.py): the admin key answers when the operator named it."""
+        try:
+            result = await self.rt.gate.answer(
+                gate_id, decision, answerer=approvals.Approver(approvals.API, approvals.ADMIN) if admin else None,
+                channel="api", by="api (key)", minutes=body.minutes, may_grant=admin)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if result.answered:
+            return JSONResponse({"status": "ok"})
+        # 409, not 403: the key is valid (403 is the guard's); the gate is someone else's to answer, or answered.
+        status = 409 if result.outcome in (approvals.NOT_APPROVER, approvals.DECIDED) else 404
+        return JSONResponse({"error": approvals.explain(result), "outcome": result.outcome,
+                             "first": result.first.to_dict() if result.first else None}, status_code=status)
+
+    def _admin_desk(self, request: Request) -> approvals.ApprovalDesk:
+        if not self._is_admin(request):
+            raise _http.BadRequest(404, "no approvals for this key: they are answered with the admin key "
+                                        "(send X-Admin-Key)")
+        if self.rt.gate.desk is None:
+            raise _http.BadRequest(404, "no gates are routed to approvers: add an 'approvals' section to "
+                                        "plugins-enabled.json (docs/approvals.md)")
+        return self.rt.gate.desk
+
+    async def approvals(self, request: Request) -> Response:
+        """The open gates routed to the admin key (approvals.RoutedGate each), soonest deadline first."""
+        desk = self._admin_desk(request)
+        mine = [g.to_dict() for g in await desk.pending() if _ADMIN_APPROVER in g.approvers]
+        return JSONResponse({"approvals": mine})
+
+    async def approvals_stream(self, request: Request) -> Response:
+        """The approver feed (SSE `approval` / `approval_closed`) of the gates routed to the admin key."""
+        desk = self._admin_desk(request)
+
+        async def mine() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+            async for name, data in desk.wire():
+                if name == approvals.CLOSED or _ADMIN_APPROVER in data.get("approvers", ()):
+                    yield name, data
+
+        return _http.feed_stream(self.rt, mine())
 
     async def stop(self, request: Request) -> Response:
         """Cancel a client's running request without starting another: `{"status": "OK", "cancelled"}`."""

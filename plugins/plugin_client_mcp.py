@@ -50,6 +50,7 @@ from pydantic import Field
 from starlette.routing import Mount
 
 import agents
+import approvals
 import gate
 import grants
 import guard
@@ -602,15 +603,21 @@ class McpServerPlugin(BasePlugin):
                 raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
                                 "read agentmcp://approvals/pending")
             plugin._deciders[gate_id] = who.label
-            try:
-                answered = await plugin.rt.gate.resolve(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
-                                                  minutes=minutes)
+            try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
+                result = await plugin.rt.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
+                                                     answerer=approvals.Approver(approvals.MCP, who.name),
+                                                     channel="mcp", minutes=minutes)
             except ValueError as exc:
                 plugin._deciders.pop(gate_id, None)
                 raise ToolError(str(exc)) from None
-            if not answered:
+            if not result.answered:
                 plugin._deciders.pop(gate_id, None)
-                raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile")
+                if result.outcome == approvals.NOT_APPROVER:
+                    raise ToolError(f"gate '{gate_id[:64]}' is answered by its approvers "
+                                    f"({', '.join(result.approvers)}), and token '{who.name}' is not one of them; "
+                                    "nothing was changed")
+                first = f" ({result.first.describe()})" if result.first else ""
+                raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile{first}")
             return {"status": "answered", "gate_id": gate_id, "session": owner, "decision": decision,
                     "decided_by": who.label}
 

@@ -2,7 +2,8 @@
 
 Wire contract (DESIGN.md): `POST /submit`, `GET /stream?client_id=X` (SSE with ids, replay after
 `Last-Event-ID`), `POST /gate_response`, `GET /health`, `GET /sessions`, `DELETE /session/{id}`, and
-`POST /admin` (agentctl's writes while the server runs: plugins/_shell_admin.py).
+`POST /admin` (agentctl's writes while the server runs: plugins/_shell_admin.py); for a window that is an
+approver (`!approver on`, docs/approvals.md): `POST /approver`, `GET /approvals?window=W` (SSE feed).
 Binds 127.0.0.1:8765 by default. Every endpoint needs a bearer token: `AGENT_SHELL_TOKEN` when set,
 else the one generated into `<data dir>/shell-token` (mode 0600) at the first start, which shell.py
 reads by itself.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -19,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import approvals
 import guard
 import routes
 import state
@@ -53,6 +56,13 @@ class _GateBody(BaseModel):
     decision: str
     #: For allow_for: how long the grant lasts.
     minutes: int | None = None
+    #: The answering window, when it answers a gate of another session as an approver (`!approver on`).
+    approver: str | None = Field(default=None, pattern=_http.CLIENT_ID_PATTERN)
+
+
+class _ApproverBody(BaseModel):
+    window: str = Field(pattern=_http.CLIENT_ID_PATTERN)
+    on: bool
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -73,6 +83,13 @@ def _session_row(rt: state.Runtime, s: state.Session) -> dict[str, Any]:
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),
             "running": any(not t.done() for t in rt.active_tasks.get(s.client_id, ()))
                        or (rt.sessions.store.shared and s.running is not None)}  # a turn on another instance
+
+
+async def _for_shells(desk: approvals.ApprovalDesk) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """The feed's gates that shell approvers may answer (and every closing: a window drops what it shows)."""
+    async for name, data in desk.wire():
+        if name == approvals.CLOSED or any(a.startswith(approvals.SHELL + ":") for a in data.get("approvers", ())):
+            yield name, data
 
 
 class ShellpyPlugin(BasePlugin):
@@ -128,6 +145,8 @@ class ShellpyPlugin(BasePlugin):
             Route("/stream", self.stream, methods=["GET"]),
             Route("/stop", self.stop, methods=["POST"]),
             Route("/gate_response", self.gate_response, methods=["POST"]),
+            Route("/approver", self.approver, methods=["POST"]),
+            Route("/approvals", self.approvals, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/sessions", self.sessions, methods=["GET"]),
             Route("/session/{sid}", self.delete_session, methods=["DELETE"]),
@@ -160,13 +179,47 @@ class ShellpyPlugin(BasePlugin):
         body = await _json_body(request, _GateBody)
         if isinstance(body, JSONResponse):
             return body
+        window = approvals.Approver(approvals.SHELL, body.approver) if body.approver else None
         try:  # the shell's user is the human the gates ask: they may grant
-            answered = await self.rt.gate.resolve(body.gate_id, body.decision, by="shell", minutes=body.minutes)
+            result = await self.rt.gate.answer(body.gate_id, body.decision, by="shell", minutes=body.minutes,
+                                               answerer=window, channel="shell")
         except ValueError as exc:
             return _error(400, str(exc))
-        if not answered:
+        if result.outcome == approvals.UNKNOWN:
             return _error(404, f"unknown or already answered gate '{body.gate_id}' (it may have timed out)")
+        if not result.answered:  # a routed gate: not an approver (409, not 403: the token is fine), or too late
+            first = result.first.to_dict() if result.first else None
+            return JSONResponse({"error": approvals.explain(result), "outcome": result.outcome, "first": first},
+                                status_code=409)
         return JSONResponse({"status": "OK"})
+
+    async def approver(self, request: Request) -> JSONResponse:
+        """`!approver on|off` of a shell window: it is shown the gates routed to shell approvers, and may answer."""
+        body = await _json_body(request, _ApproverBody)
+        if isinstance(body, JSONResponse):
+            return body
+        if self.rt.gate.desk is None:
+            return _error(409, "no gates are routed to approvers: add an 'approvals' section to "
+                               "plugins-enabled.json (docs/approvals.md)")
+        await self.rt.gate.desk.set_window(body.window, body.on)
+        shells = any(a.startswith("shell:") for g in await self.rt.gate.desk.pending() for a in g.approvers)
+        return JSONResponse({"status": "OK", "on": body.on, "window": body.window,
+                             "shell_approvers": self._shells_configured(), "pending_for_shells": shells})
+
+    def _shells_configured(self) -> bool:
+        cfg = self.rt.config.enabled.approvals
+        return any(e.shell or any(t.shell for t in (*e.tools.values(), *e.tables.values()))
+                   for e in cfg.classes.values())
+
+    async def approvals(self, request: Request) -> Any:
+        """The approver feed (SSE `approval` / `approval_closed` events) for a window that opted in."""
+        window = request.query_params.get("window", "")
+        desk = self.rt.gate.desk
+        if not CLIENT_ID.match(window):
+            return _error(400, "missing or invalid window query parameter")
+        if desk is None or not await desk.is_window(window):
+            return _error(409, "this window is not an approver: !approver on")
+        return _http.feed_stream(self.rt, _for_shells(desk))
 
     async def admin(self, request: Request) -> JSONResponse:
         """agentctl's writes to what this server owns (plugins/_shell_admin.py), done and audited here."""

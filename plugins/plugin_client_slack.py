@@ -47,6 +47,7 @@ import guard
 import routes
 import state
 from plugin_loader import BasePlugin, parse_settings
+from plugins._slack_approvals import SlackApprovals
 from plugins._slack_events import PREFIX, SEEN_MEMORY, EventFilter, InboundMessage
 from plugins._slack_text import (
     escape,
@@ -144,8 +145,11 @@ class _Reply:
             self.status = f"⚙️ running `{escape(tag[:-2])}`…"
             return
         self.status = ""
-        if tag == "gate ✗":
-            self._note(tool, f"⛔ Not run: {escape(rest[:300])}\n{GATE_HINT}")
+        if tag == "gate ⏳":  # a gate routed to approvers (the buttons are posted by _slack_approvals)
+            self.status = f"🔐 waiting for approval of `{escape(tool)}`…"
+        elif tag == "gate ✗":  # the hint only where nobody could approve (not: an approver said no, or timed out)
+            hint = f"\n{GATE_HINT}" if "cannot give" in rest else ""
+            self._note(tool, f"⛔ Not run: {escape(rest[:300])}{hint}")
         elif tag == "RATE LIMITED":
             self._note(tool, f"⏳ Not run: {escape(rest[:300])}")
         elif tag.endswith(" ✗"):
@@ -328,6 +332,9 @@ class SlackPlugin(BasePlugin):
         #: events being checked against Redis (see _dispatch_shared).
         self._shared_threads: OrderedDict[str, None] = OrderedDict()
         self._pending_events: set[asyncio.Future[None]] = set()
+        #: Gates routed to approvers, posted with buttons (only with an `approvals` section).
+        self.approvals: SlackApprovals | None = None
+        self._approvals_task: asyncio.Task[None] | None = None
 
     # ── lifecycle ──
 
@@ -358,6 +365,9 @@ class SlackPlugin(BasePlugin):
             proxy=proxy, logger=logging.getLogger("agent_mcp.slack.socket"),
         )
         self.socket.proxy = proxy
+        if self.rt.gate.desk is not None:
+            self.approvals = SlackApprovals(self.rt, self.web)
+            self._approvals_task = asyncio.create_task(self.approvals.run(), name="slack:approvals")
         self.socket.message_listeners.append(self._on_frame)
         self.socket.socket_mode_request_listeners.append(self._on_request)
         try:
@@ -425,7 +435,9 @@ class SlackPlugin(BasePlugin):
         answers = [t for t in self._tasks if not t.done()]
         if answers:
             await asyncio.wait(answers, timeout=SHUTDOWN_GRACE)
-        tasks = [t for t in (*self._tasks, self._connecting) if t is not None and not t.done()]
+        if self.approvals is not None:
+            await self.approvals.stop()
+        tasks = [t for t in (*self._tasks, self._connecting, self._approvals_task) if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -434,7 +446,7 @@ class SlackPlugin(BasePlugin):
             await asyncio.wait([self._thread_call], timeout=SHUTDOWN_GRACE)
         if self.socket is not None:
             await asyncio.to_thread(_close_socket_mode, self.socket)
-        self.socket = self.web = self._connecting = None
+        self.socket = self.web = self._connecting = self._approvals_task = self.approvals = None
         self.problem = "stopped"
 
     def get_config(self) -> dict[str, Any]:
@@ -455,8 +467,9 @@ class SlackPlugin(BasePlugin):
         ]
 
     def get_help(self) -> str:
+        routed = " (unless approvers are configured: then with buttons)" if self.approvals else ""
         return ("Slack: mention the bot in a channel or send it a direct message; it answers in the thread, "
-                "one session per thread. Tools that need approval are refused there.")
+                f"one session per thread. Tools that need approval are refused there{routed}.")
 
     # ── inbound ──
 
@@ -487,6 +500,8 @@ class SlackPlugin(BasePlugin):
     def _dispatch(self, kind: str, payload: dict[str, Any]) -> None:
         """In the event loop: filter the acknowledged envelope and start its answer."""
         self.stats["envelopes"] += 1
+        if kind == "interactive" and self.approvals is not None and self.approvals.on_interactive(payload):
+            return
         if kind != "events_api" or self.filter is None:
             self._ignore(f"{kind} envelope")
             return
@@ -623,6 +638,7 @@ class SlackPlugin(BasePlugin):
             "answers": self.stats["answers"],
             "answering": len(self._latest),
             "ignored": dict(self.ignored),
+            **({"approvals": dict(self.approvals.stats)} if self.approvals is not None else {}),
             "active_sessions": len(rows),
             "sessions": rows,
         })

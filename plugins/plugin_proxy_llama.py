@@ -16,6 +16,7 @@ forwarder's key and a trusted address).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -47,6 +48,7 @@ from plugins._proxy_wire import (
     OpenAIChat,
     Output,
     ProxyError,
+    TurnPump,
     first_output,
     now_iso,
     read_body,
@@ -110,6 +112,8 @@ class LlamaProxyPlugin(BasePlugin):
         self._started = now_iso()
         self._created = int(time.time())
         self._routes: list[Route] = []
+        #: Turns being read (TurnPump); one whose client left while a gate waits for approvers runs on here.
+        self._pumps: set[asyncio.Task[None]] = set()
 
     def init(self, config: dict[str, Any]) -> bool:
         self.cfg = parse_settings(self.PLUGIN_NAME, ProxyConfig, config)
@@ -376,6 +380,7 @@ class LlamaProxyPlugin(BasePlugin):
             events = routes.run_turn(self.rt, client_id, text, payload)
             if scope is not None:
                 events = self._then_remember(events, out, client_id, scope, transcript)
+        events = TurnPump(events, out, self._pumps)  # a gate waiting for approvers outlives a client that left
         if not stream:
             async def collect() -> bool:
                 async with contextlib.aclosing(events):

@@ -136,6 +136,8 @@ class ConfigDir:
         self.gates: dict[str, Any] | None = None
         #: agents.json to write: the agents agent_call may reach (None: no file).
         self.agents: dict[str, Any] | None = None
+        #: More top-level sections of plugins-enabled.json (e.g. "approvals").
+        self.enabled_extra: dict[str, Any] = {}
 
     def add_plugin(self, name: str, source: str, *, type_: str = "data_tool", enabled: bool = True,
                    priority: int = 300, **manifest: Any) -> None:
@@ -153,6 +155,7 @@ class ConfigDir:
             "default_model": self.default_model or next(iter(self.models)),
             "enabled_plugins": self.plugins,
             "plugin_config": {**self.plugin_config, "plugin_client_shellpy": shell_cfg},
+            **self.enabled_extra,
         }
         (self.path / "plugins-enabled.json").write_text(json.dumps(enabled, indent=2))
         (self.path / "llm-models.json").write_text(json.dumps({"models": self.models}, indent=2))

@@ -72,7 +72,8 @@ async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, 
 async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
                   gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None,
                   agents: dict[str, Any] | None = None, plugins: tuple[str, ...] = (),
-                  store: stores.SessionStore | None = None) -> AsyncIterator[state.Runtime]:
+                  store: stores.SessionStore | None = None, approvals: dict[str, Any] | None = None
+                  ) -> AsyncIterator[state.Runtime]:
     """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions
     (or `store`'s).
 
@@ -86,9 +87,11 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
     cfg.agents = agents
     cfg.write()
     shutil.copytree(DEFAULTS_DIR / ".system_prompt", path / ".system_prompt", dirs_exist_ok=True)
-    if rate_limits is not None:
+    extra = {"rate_limits": rate_limits, "approvals": approvals}
+    if any(v is not None for v in extra.values()):
         enabled = json.loads((path / "plugins-enabled.json").read_text())
-        (path / "plugins-enabled.json").write_text(json.dumps({**enabled, "rate_limits": rate_limits}))
+        enabled.update({k: v for k, v in extra.items() if v is not None})
+        (path / "plugins-enabled.json").write_text(json.dumps(enabled))
     rt = await build.build_runtime(load_config(path), store=store or stores.MemoryStore())
     rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
     state.set_current(rt)

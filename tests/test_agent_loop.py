@@ -15,7 +15,7 @@ from pydantic import BaseModel
 import agents
 from config import MAX_TOOL_ITERATIONS
 from shell_client import ShellClient
-from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
+from tests.conftest import AgentServer, ConfigDir, free_port, gemini_model, openai_model
 from tests.fakes.backend import RecordedRequest, broken_call, error, fenced_call, repeat, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn
 
@@ -323,3 +323,17 @@ async def test_a_call_without_its_tool_name_is_corrected_with_the_call_written_o
     told = fake_openai.requests[1].json["messages"][-1]["content"]
     assert "a call without a tool name (of get_weather? write its name)" in told
     assert 'write exactly:\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in told
+
+
+@pytest.mark.parametrize("temperature", [None, 0.2])
+async def test_a_model_entrys_temperature_is_sent_and_none_leaves_the_backends_default(
+        tmp_path, fake_openai, fake_gemini, temperature) -> None:
+    models = {"o": openai_model(fake_openai, temperature=temperature),
+              "g": gemini_model(fake_gemini, temperature=temperature)}
+    async with runtime(tmp_path, models, env={"FAKE_GEMINI_KEY": "k"}) as rt:
+        for key, backend in (("o", fake_openai), ("g", fake_gemini)):
+            backend.script(text("hi"))
+            await turn(rt, "hello", client_id=f"c-{key}", payload={"model": key})
+        assert fake_openai.requests[-1].json.get("temperature") == temperature  # unset: not sent at all
+        if temperature is not None:  # unset: langchain-google-genai's own default
+            assert fake_gemini.requests[-1].json["generationConfig"]["temperature"] == temperature

@@ -83,6 +83,8 @@ WELL_FORMED = [
     # chat-template artefacts and encodings
     ('<tool_call>{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}</tool_call>', [PARIS]),
     ('{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}', [PARIS]),  # a whole reply, doubled
+    # Qwen 1.5B echoing the tag its chat template lists tools in
+    ('To read it:\n\n<tools>\n    {"name": "get_weather", "arguments": {"city": "Paris"}}\n</tools>', [PARIS]),
     ('{{"name": "get_weather", "arguments": {"city": "Paris"}}}}', [PARIS]),  # doubled unevenly (Qwen 1.5B)
     ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>', [PARIS]),
     ('<tool_call>{"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}</tool_call>', [PARIS]),

@@ -3,9 +3,11 @@
 The real slack-sdk talks to it unchanged through `AsyncWebClient(base_url=fake.base_url)`:
 `apps.connections.open` hands out a `ws://` URL of this server, whose `/link/` WebSocket sends
 `hello`, then the envelopes a test pushes, and records every frame the client sends back (the
-acks). `auth.test`, `chat.postMessage` and `chat.update` behave like Slack's (same bodies, same
-error codes); every call is recorded. Test controls: `push_event`, `send_disconnect`,
-`drop_socket`, `fail_next`; `wait_for` / `until` wait for a condition instead of sleeping.
+acks). `auth.test`, `chat.postMessage`, `chat.update` (both with Block Kit `blocks`) and
+`chat.postEphemeral` behave like Slack's (same bodies, same error codes); every call is recorded.
+Test controls: `push_event`, `click` (a button press: an `interactive` envelope of type
+`block_actions`, as Slack sends it), `send_disconnect`, `drop_socket`, `fail_next`; `wait_for` /
+`until` wait for a condition instead of sleeping.
 
 The server (Starlette on uvicorn, like the fake LLM backends) runs on its own event loop in a
 background thread, so it serves a plugin in the test's process as well as a server subprocess.
@@ -53,6 +55,8 @@ class ApiCall:
     method: str
     args: dict[str, Any]
     token: str | None
+    #: When it arrived (time.time(): comparable with a server's timestamps on this machine).
+    at: float = 0.0
 
 
 @dataclass
@@ -63,10 +67,43 @@ class Message:
     ts: str
     thread_ts: str | None
     texts: list[str]
+    #: The Block Kit blocks of each version (None for a version without blocks).
+    versions: list[list[dict[str, Any]] | None] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return self.texts[-1]
+
+    @property
+    def blocks(self) -> list[dict[str, Any]]:
+        return self.blocks_of(-1)
+
+    def blocks_of(self, version: int) -> list[dict[str, Any]]:
+        return (self.versions[version] if self.versions else None) or []
+
+    def buttons(self, version: int = -1) -> dict[str, dict[str, Any]]:
+        """The buttons of the current version (or of `version`: 0 is as first posted), by action_id."""
+        return {e["action_id"]: e for b in self.blocks_of(version) if b.get("type") == "actions"
+                for e in b.get("elements", []) if e.get("type") == "button"}
+
+    def block_text(self) -> str:
+        """Every mrkdwn/plain text of the current blocks, one per line."""
+        out = []
+        for b in self.blocks:
+            for part in [b.get("text") or {}, *(b.get("elements") or [])]:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    out.append(part["text"])
+        return "\n".join(out)
+
+
+@dataclass
+class Ephemeral:
+    """A chat.postEphemeral: shown only to `user`."""
+
+    channel: str
+    user: str
+    text: str
+    thread_ts: str | None
 
 
 @dataclass
@@ -101,6 +138,7 @@ class FakeSlack(ThreadedServer):
         self.calls: list[ApiCall] = []
         self.envelopes: list[Envelope] = []
         self.messages: dict[str, Message] = {}
+        self.ephemerals: list[Ephemeral] = []
         self.opens = 0
         self.connections = 0
         self.unknown_frames: list[str] = []
@@ -160,6 +198,32 @@ class FakeSlack(ThreadedServer):
         }
         return self._run(self._send_envelope(body, event_id, socket))
 
+    def click(self, message: Message, action_id: str, user: str, *, socket: int | None = None,
+              version: int = -1) -> Envelope:
+        """`user` presses the button `action_id` of `message` (as shown in `version`, e.g. 0 on a phone that
+        has not refreshed): a Socket Mode `interactive` envelope with a `block_actions` payload, as Slack sends it."""
+        button = message.buttons(version)[action_id]
+        block_id = next(b.get("block_id", "") for b in message.blocks_of(version) if button in b.get("elements", []))
+        container = {"type": "message", "message_ts": message.ts, "channel_id": message.channel, "is_ephemeral": False,
+                     **({"thread_ts": message.thread_ts} if message.thread_ts else {})}
+        payload = {
+            "type": "block_actions", "team": {"id": TEAM_ID, "domain": "fake"},
+            "user": {"id": user, "username": user.lower(), "name": user.lower(), "team_id": TEAM_ID},
+            "api_app_id": APP_ID, "token": "verification-token-unused", "container": container,
+            "trigger_id": f"{uuid.uuid4().int % 10**12}.{uuid.uuid4().hex[:12]}",
+            "channel": {"id": message.channel, "name": message.channel.lower()},
+            "message": {"type": "message", "user": BOT_USER_ID, "bot_id": BOT_ID, "ts": message.ts,
+                        "text": message.texts[version], "blocks": message.blocks_of(version),
+                        **({"thread_ts": message.thread_ts} if message.thread_ts else {})},
+            "state": {"values": {}}, "response_url": f"http://127.0.0.1:{self.port}/actions/unused",
+            "actions": [{"type": "button", "action_id": action_id, "block_id": block_id, "value": button.get("value"),
+                         "text": button["text"], "action_ts": f"{time.time():.6f}",
+                         **({"style": button["style"]} if "style" in button else {})}],
+        }
+        body = {"envelope_id": str(uuid.uuid4()), "type": "interactive", "accepts_response_payload": False,
+                "payload": payload}
+        return self._run(self._send_envelope(body, "", socket))
+
     def send_raw(self, frame: dict[str, Any]) -> None:
         """Send any frame (e.g. a `slash_commands` envelope) on the newest socket."""
         self._run(self._send(frame))
@@ -183,6 +247,16 @@ class FakeSlack(ThreadedServer):
     def calls_of(self, method: str) -> list[ApiCall]:
         with self._cond:
             return [c for c in self.calls if c.method == method]
+
+    def in_channel(self, channel: str) -> list[Message]:
+        """The bot's messages in a channel (top level and in threads), oldest first."""
+        with self._cond:
+            return [m for m in self.messages.values() if m.channel == channel]
+
+    def told(self, user: str) -> list[Ephemeral]:
+        """The ephemeral messages shown to `user`."""
+        with self._cond:
+            return [e for e in self.ephemerals if e.user == user]
 
     def thread(self, channel: str, thread_ts: str) -> list[Message]:
         """The bot's messages in one thread, oldest first."""
@@ -231,7 +305,7 @@ class FakeSlack(ThreadedServer):
         auth = request.headers.get("Authorization", "")
         token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
         with self._cond:
-            self.calls.append(ApiCall(method, args, token))
+            self.calls.append(ApiCall(method, args, token, time.time()))
             failures = self._failures.get(method)
             failure = failures.pop(0) if failures else None
             self._cond.notify_all()
@@ -242,6 +316,7 @@ class FakeSlack(ThreadedServer):
             "auth.test": self._auth_test,
             "chat.postMessage": self._post_message,
             "chat.update": self._update,
+            "chat.postEphemeral": self._post_ephemeral,
         }.get(method)
         if handler is None:
             return _error("unknown_method", 404)
@@ -272,15 +347,21 @@ class FakeSlack(ThreadedServer):
 
     async def _post_message(self, args: dict[str, Any]) -> JSONResponse:
         channel, text, thread_ts = args.get("channel"), args.get("text"), args.get("thread_ts")
+        blocks = _blocks(args)
         if not channel:
             return _error("channel_not_found")
-        if not text:
+        if blocks is False:
+            return _error("invalid_blocks")
+        if not text and not blocks:
             return _error("no_text")
+        text = text or ""
         if len(text) > MAX_TEXT:
             return _error("msg_too_long")
+        if channel.startswith(("U", "W")):  # a user id: the app's DM with that user
+            channel = "D" + channel
         ts = self._next_ts()
         with self._cond:
-            self.messages[ts] = Message(channel, ts, thread_ts, [text])
+            self.messages[ts] = Message(channel, ts, thread_ts, [text], [blocks or None])
             self._cond.notify_all()
         message = {"type": "message", "text": text, "user": BOT_USER_ID, "bot_id": BOT_ID, "app_id": APP_ID, "ts": ts,
                    **({"thread_ts": thread_ts} if thread_ts else {})}
@@ -290,8 +371,12 @@ class FakeSlack(ThreadedServer):
 
     async def _update(self, args: dict[str, Any]) -> JSONResponse:
         channel, ts, text = args.get("channel"), args.get("ts"), args.get("text")
-        if not text:
+        blocks = _blocks(args)
+        if blocks is False:
+            return _error("invalid_blocks")
+        if not text and not blocks:
             return _error("no_text")
+        text = text or ""
         if len(text) > MAX_TEXT:
             return _error("msg_too_long")
         with self._cond:
@@ -299,12 +384,26 @@ class FakeSlack(ThreadedServer):
             if message is None or message.channel != channel:
                 return _error("message_not_found")
             message.texts.append(text)
+            message.versions.append(blocks or None)
             self._cond.notify_all()
         if self.echo_bot_messages:
             edited = {"type": "message", "text": text, "user": BOT_USER_ID, "bot_id": BOT_ID, "ts": ts}
             await self._echo({"type": "message", "subtype": "message_changed", "hidden": True, "channel": channel,
                               "channel_type": _channel_type(channel), "ts": self._next_ts(), "message": edited})
         return JSONResponse({"ok": True, "channel": channel, "ts": ts, "text": text})
+
+    async def _post_ephemeral(self, args: dict[str, Any]) -> JSONResponse:
+        channel, user, text = args.get("channel"), args.get("user"), args.get("text")
+        if not channel:
+            return _error("channel_not_found")
+        if not user:
+            return _error("user_not_in_channel")
+        if not text and not _blocks(args):
+            return _error("no_text")
+        with self._cond:
+            self.ephemerals.append(Ephemeral(channel, user, text or "", args.get("thread_ts")))
+            self._cond.notify_all()
+        return JSONResponse({"ok": True, "message_ts": self._next_ts()})
 
     async def _echo(self, event: dict[str, Any]) -> None:
         event_id = f"Ev{uuid.uuid4().hex[:10].upper()}"
@@ -383,6 +482,22 @@ class FakeSlack(ThreadedServer):
         with self._cond:
             self._sockets.remove(ws)
         await ws.close()
+
+
+def _blocks(args: dict[str, Any]) -> list[dict[str, Any]] | bool | None:
+    """The `blocks` argument (a JSON list, or a JSON string of one in a form body); False when malformed."""
+    blocks = args.get("blocks")
+    if isinstance(blocks, str):
+        try:
+            blocks = json.loads(blocks)
+        except ValueError:
+            return False
+    if blocks is None:
+        return None
+    if not isinstance(blocks, list) or len(blocks) > 50 or not all(isinstance(b, dict) and b.get("type")
+                                                                   for b in blocks):
+        return False
+    return blocks
 
 
 def _channel_type(channel: str) -> str:

@@ -1,0 +1,353 @@
+"""Slack buttons for gates routed to approvers (issue 29; docs/approvals.md "Slack").
+
+Runs only when plugins-enabled.json has an `approvals` section (`rt.gate.desk` is set). It follows the approver
+feed (`ApprovalDesk.watch`) and posts each routed gate that concerns Slack as a Block Kit message: what the
+tool will do, who may answer, the deadline, and one button per answer the gate offers. Where it goes:
+
+- a gate raised in a Slack thread: in that thread (its Slack approvers are @-mentioned, so their phones ring;
+  with only an approver channel elsewhere, the thread's message has no buttons and points there);
+- a route naming a `slack_channel`: a message in that channel (once: not again when the thread is in it);
+- a route naming `slack_users` but no channel, for a gate raised outside Slack: a DM to each of them.
+
+Button clicks arrive as Socket Mode `interactive` envelopes (`block_actions`), already acked by the plugin;
+a click answers with `GateKeeper.answer(..., Approver(SLACK, user))` through channel `slack-channel:<C…>` (a
+click in the approver channel) or `slack`. A refused or late click gets an ephemeral message and changes
+nothing. When the gate closes (an answer from any channel, a timeout, its turn ending) the feed's CLOSED
+event edits every message of the gate in place: who decided and when, buttons gone.
+
+With several instances on one Redis, the first instance to claim `slack-gate:<id>` (SET NX) posts the gate
+and edits its messages later; a click may reach any instance's connection, which answers through the desk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import approvals
+import grants
+from plugins._slack_events import PREFIX
+from plugins._slack_text import escape
+
+if TYPE_CHECKING:
+    from slack_sdk import WebClient
+
+    import state
+
+logger = logging.getLogger("agent_mcp.slack.approvals")
+
+#: action_id prefix of the gate buttons (the value of a button is its gate id).
+ACTION = "agent-gate:"
+#: Button labels, in the order they are shown; allow and reject are always offered.
+BUTTONS = {grants.ALLOW: "Allow once", grants.TIMED: f"Allow {grants.DEFAULT_MINUTES} min",
+           grants.SESSION: "Allow for the session", grants.PATTERN: "Allow this statement shape",
+           grants.REJECT: "Reject"}
+OUTCOMES = {grants.ALLOW: "✅ Allowed once", grants.SESSION: "✅ Allowed for the session",
+            grants.PATTERN: "✅ Allowed for this statement shape", grants.REJECT: "⛔ Rejected",
+            approvals.ABANDONED: "⏹ Closed: the request ended before anyone answered"}
+#: Longest SQL shape / argument text shown (a section's text may hold 3000 characters).
+SUMMARY_CHARS = 1500
+#: Gates whose messages this instance remembers for their closing edit.
+KEPT = 1024
+#: Seconds before the feed is read again after it failed.
+RETRY = 2.0
+#: Longest gate id taken from a click (ours are uuids).
+GATE_ID_CHARS = 64
+#: The claim on a gate's post outlives its deadline by this much (late feed replays do not post it again).
+CLAIM_MARGIN = 300.0
+
+
+@dataclass
+class _Posted:
+    """The messages of one gate this instance posted: (channel, ts) pairs, and the task posting them."""
+
+    gate: approvals.RoutedGate
+    messages: list[tuple[str, str]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+def thread_of(session: str) -> tuple[str, str] | None:
+    """(channel, thread_ts) of a Slack session id `slack-<channel>-<thread_ts>`, else None."""
+    if not session.startswith(PREFIX):
+        return None
+    channel, _, thread_ts = session[len(PREFIX):].partition("-")
+    return (channel, thread_ts) if channel and thread_ts else None
+
+
+def _approvers(gate: approvals.RoutedGate, kind: str) -> list[str]:
+    return [a.split(":", 1)[1] for a in gate.approvers if a.startswith(kind + ":")]
+
+
+def targets(gate: approvals.RoutedGate) -> list[tuple[str, str | None]]:
+    """Where a gate is posted: (channel, thread_ts or None). Empty: the gate does not concern Slack."""
+    users, channels = _approvers(gate, approvals.SLACK), _approvers(gate, approvals.SLACK_CHANNEL)
+    thread = thread_of(gate.session) if gate.client_class == "slack" else None
+    out: list[tuple[str, str | None]] = []
+    if thread is not None and (users or channels):
+        out.append(thread)
+    out += [(c, None) for c in channels if thread is None or c != thread[0]]
+    if users and not channels and thread is None:
+        out += [(u, None) for u in users]  # a DM to each approver (Slack opens it for a user id)
+    return out
+
+
+def _when(epoch: float) -> str:
+    """A time each reader sees in their own time zone (Slack's date token), with a UTC fallback."""
+    fallback = time.strftime("%H:%M:%S UTC", time.gmtime(epoch))
+    return f"<!date^{int(epoch)}^{{time_secs}}|{fallback}>"
+
+
+def _who(by: str) -> str:
+    """`slack:U1` → `<@U1>`; other answerers by their label."""
+    try:
+        return approvals.Approver.parse(by).label().removeprefix("Slack user ") if by else "nobody"
+    except approvals.ApprovalError:
+        return escape(by)
+
+
+def _origin(gate: approvals.RoutedGate, channel: str) -> str:
+    thread = thread_of(gate.session) if gate.client_class == "slack" else None
+    if thread is not None:
+        return "this thread" if thread[0] == channel else f"a thread in <#{thread[0]}>"
+    return f"{escape(gate.client_label)} session `{escape(gate.session[:80])}`"
+
+
+def describe(gate: approvals.RoutedGate, channel: str) -> list[dict[str, Any]]:
+    """The blocks saying what the gate is about (shared by the open and the closed message)."""
+    on = f" on *{escape(', '.join(gate.tables))}*" if gate.tables else ""
+    summary = gate.summary if len(gate.summary) <= SUMMARY_CHARS else gate.summary[:SUMMARY_CHARS] + "…"
+    summary = escape(summary.replace("```", "ˋˋˋ")) or "(no arguments)"
+    return [
+        {"type": "section", "text": {"type": "mrkdwn", "text": (
+            f"🔐 *Approval needed*: `{escape(gate.tool)}` wants to *{escape(gate.op)}*{on}, "
+            f"asked from {_origin(gate, channel)}")}},
+        {"type": "section", "text": {"type": "mrkdwn", "text": f"```{summary}```"}},
+    ]
+
+
+def answerable_in(gate: approvals.RoutedGate, channel: str) -> bool:
+    """Whether someone may answer `gate` with a click in `channel`: a listed Slack user (anywhere they see
+    it), or anyone in an approver channel."""
+    return bool(_approvers(gate, approvals.SLACK)) or channel in _approvers(gate, approvals.SLACK_CHANNEL)
+
+
+def open_blocks(gate: approvals.RoutedGate, channel: str) -> list[dict[str, Any]]:
+    """The message of an open gate: what, who may answer, until when, and the buttons it offers (none where
+    nobody may click them: a thread whose gate goes to an approver channel elsewhere)."""
+    words = [w for w in BUTTONS if w in (grants.ALLOW, grants.REJECT) or w in gate.scopes]
+    buttons = []
+    for word in words:
+        button: dict[str, Any] = {"type": "button", "text": {"type": "plain_text", "text": BUTTONS[word]},
+                                  "action_id": ACTION + word, "value": gate.gate_id}
+        if word in (grants.ALLOW, grants.REJECT):
+            button["style"] = "primary" if word == grants.ALLOW else "danger"
+        buttons.append(button)
+    context = f"May answer: {gate.who} · unanswered by {_when(gate.deadline)} it is rejected"
+    blocks = [*describe(gate, channel), {"type": "context", "elements": [{"type": "mrkdwn", "text": context}]}]
+    if answerable_in(gate, channel):
+        blocks.append({"type": "actions", "block_id": ACTION + gate.gate_id, "elements": buttons})
+    return blocks
+
+
+def outcome(gate: approvals.RoutedGate | None, closing: approvals.Closing) -> str:
+    """`✅ Allowed once by <@U1> at …`, `⌛ No answer within 300 s: rejected`."""
+    if closing.decision == approvals.TIMEOUT:
+        within = f"within {gate.deadline - gate.raised_at:g} s" if gate is not None else "in time"
+        return f"⌛ No answer {within}: rejected ({_when(closing.at)})"
+    if closing.decision == grants.TIMED:
+        head = f"✅ Allowed for {closing.minutes or grants.DEFAULT_MINUTES} min"
+    else:
+        head = OUTCOMES.get(closing.decision, escape(closing.decision))
+    if closing.decision == approvals.ABANDONED:
+        return f"{head} ({_when(closing.at)})"
+    return f"{head} by {_who(closing.by)} at {_when(closing.at)}"
+
+
+def closed_blocks(gate: approvals.RoutedGate, closing: approvals.Closing, channel: str) -> list[dict[str, Any]]:
+    return [*describe(gate, channel), {"type": "context", "elements": [{"type": "mrkdwn",
+                                                                         "text": outcome(gate, closing)}]}]
+
+
+def fallback(gate: approvals.RoutedGate) -> str:
+    """The notification text (phones and screen readers show it, not the blocks)."""
+    return f"🔐 Approval needed: {escape(gate.headline())}"[:300]
+
+
+def notify(gate: approvals.RoutedGate) -> str:
+    """The text of a new gate message: the headline and the Slack approvers @-mentioned (their phones ring)."""
+    users = " ".join(f"<@{u}>" for u in _approvers(gate, approvals.SLACK)[:20])
+    return f"{fallback(gate)}" + (f" · {users}" if users else "")
+
+
+class SlackApprovals:
+    """Posts routed gates to Slack and turns button clicks into answers (one per plugin instance)."""
+
+    def __init__(self, rt: state.Runtime, web: WebClient):
+        self.rt, self.web = rt, web
+        desk = rt.gate.desk
+        assert desk is not None
+        self.desk = desk
+        self.feed = desk.watch()  # from now on: gates raised while the plugin starts are not missed
+        self.posted: OrderedDict[str, _Posted] = OrderedDict()
+        self.clicks: set[asyncio.Task[None]] = set()
+        self.stats: dict[str, int] = {"posted": 0, "clicks": 0, "refused": 0, "late": 0, "answered": 0}
+
+    # ── the feed ──
+
+    async def run(self) -> None:
+        """Follow the approver feed until the server stops (if reading it fails, it is read again: the open
+        gates come first, and those already posted are not posted again)."""
+        while True:
+            try:
+                async for ev in self.feed:
+                    await self._handle(ev)
+                return
+            except Exception as exc:  # e.g. Redis unreachable: serve again once it is back
+                logger.warning("slack: the approver feed failed (%s); reading it again in %g s", _why(exc), RETRY)
+            await asyncio.sleep(RETRY)
+            self.feed = self.desk.watch()
+
+    async def _handle(self, ev: approvals.FeedEvent) -> None:
+        try:
+            if ev.name == approvals.OPENED and ev.gate is not None:
+                await self._opened(ev.gate)
+            elif ev.name == approvals.CLOSED and ev.closing is not None:
+                self._closed(ev.closing)
+        except Exception:  # one gate's trouble never stops the feed
+            logger.exception("slack: handling an approval event failed")
+
+    async def _opened(self, gate: approvals.RoutedGate) -> None:
+        where = targets(gate)
+        if not where or gate.gate_id in self.posted:
+            return
+        if self.rt.values is not None and not await self.rt.values.put(
+                f"slack-gate:{gate.gate_id}", "1", max(1.0, gate.deadline - time.time()) + CLAIM_MARGIN,
+                only_new=True):
+            return  # another instance posts it
+        entry = _Posted(gate)
+        entry.task = asyncio.create_task(self._post_all(entry, where), name=f"slack-gate:{gate.gate_id[:8]}")
+        self.posted[gate.gate_id] = entry
+        while len(self.posted) > KEPT:
+            self.posted.popitem(last=False)
+
+    async def _post_all(self, entry: _Posted, where: list[tuple[str, str | None]]) -> None:
+        gate = entry.gate
+        for channel, thread_ts in where:
+            try:
+                resp = await asyncio.to_thread(
+                    self.web.chat_postMessage, channel=channel, text=notify(gate),
+                    blocks=open_blocks(gate, channel), unfurl_links=False, unfurl_media=False,
+                    **({"thread_ts": thread_ts} if thread_ts else {}))
+            except Exception as exc:
+                logger.warning("slack: posting gate %s in %s failed: %s", gate.gate_id[:8], channel, _why(exc))
+                continue
+            entry.messages.append((str(resp.get("channel") or channel), str(resp.get("ts") or "")))
+            self.stats["posted"] += 1
+
+    def _closed(self, closing: approvals.Closing) -> None:
+        entry = self.posted.get(closing.gate_id)
+        if entry is not None:
+            task = asyncio.create_task(self._edit_closed(entry, closing), name=f"slack-gate-done:{closing.gate_id[:8]}")
+            self.clicks.add(task)
+            task.add_done_callback(self.clicks.discard)
+
+    async def _edit_closed(self, entry: _Posted, closing: approvals.Closing) -> None:
+        if entry.task is not None:
+            await asyncio.wait([entry.task])  # the posts first, then their edits
+        for channel, ts in entry.messages:
+            text = f"{fallback(entry.gate)}: {outcome(entry.gate, closing)}"[:300]
+            try:
+                await asyncio.to_thread(self.web.chat_update, channel=channel, ts=ts, text=text,
+                                        blocks=closed_blocks(entry.gate, closing, channel))
+            except Exception as exc:
+                logger.warning("slack: updating gate %s in %s failed: %s", closing.gate_id[:8], channel, _why(exc))
+
+    # ── clicks ──
+
+    def on_interactive(self, payload: dict[str, Any]) -> bool:
+        """An acked `interactive` envelope: True when it was a gate button (handled in a task)."""
+        actions = payload.get("actions") if isinstance(payload, dict) else None
+        if payload.get("type") != "block_actions" or not isinstance(actions, list) or not actions:
+            return False
+        action = actions[0]
+        if not isinstance(action, dict) or not str(action.get("action_id", "")).startswith(ACTION):
+            return False
+        task = asyncio.create_task(self._click(payload, action), name="slack-gate-click")
+        self.clicks.add(task)
+        task.add_done_callback(self.clicks.discard)
+        return True
+
+    async def _click(self, payload: dict[str, Any], action: dict[str, Any]) -> None:
+        self.stats["clicks"] += 1
+        try:
+            await self._answer(payload, action)
+        except Exception:  # a malformed payload or an unreachable store: logged, the gate unchanged
+            logger.exception("slack: a gate button click was not handled")
+
+    async def _answer(self, payload: dict[str, Any], action: dict[str, Any]) -> None:
+        def part(name: str) -> dict[str, Any]:
+            value = payload.get(name)
+            return value if isinstance(value, dict) else {}
+
+        word = str(action["action_id"])[len(ACTION):]
+        gate_id, user = str(action.get("value") or ""), str(part("user").get("id") or "")
+        channel = str(part("channel").get("id") or part("container").get("channel_id") or "")
+        thread_ts = part("message").get("thread_ts") or part("container").get("thread_ts")
+        thread_ts = str(thread_ts) if isinstance(thread_ts, str | int | float) else None
+        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS or word not in grants.DECISIONS:
+            return
+        gate, _ = await self.desk.get(gate_id)
+        if gate is None and gate_id in self.posted:  # closed already: what it was is still known here
+            gate = self.posted[gate_id].gate
+        through = "slack"
+        if gate is not None and channel in _approvers(gate, approvals.SLACK_CHANNEL):
+            through = f"{approvals.SLACK_CHANNEL}:{channel}"
+        try:
+            result = await self.rt.gate.answer(
+                gate_id, word, answerer=approvals.Approver(approvals.SLACK, user), channel=through,
+                minutes=grants.DEFAULT_MINUTES if word == grants.TIMED else None)
+        except (ValueError, approvals.ApprovalError) as exc:
+            await self._tell(channel, user, thread_ts, f"Not answered: {exc}")
+            return
+        if result.answered:
+            self.stats["answered"] += 1
+            return  # the CLOSED event edits the message
+        if result.outcome == approvals.NOT_APPROVER:
+            self.stats["refused"] += 1
+            may = ", ".join(_who(a) for a in result.approvers if not a.startswith(approvals.SLACK_CHANNEL)) or \
+                "members of the approver channel"
+            text = f"⛔ You are not an approver of this gate; nothing was changed. It may be answered by: {may}."
+        elif result.outcome == approvals.DECIDED and result.first is not None:
+            self.stats["late"] += 1
+            text = f"Already answered: {outcome(gate, result.first)}."
+        else:
+            self.stats["late"] += 1
+            text = escape(approvals.explain(result))
+        await self._tell(channel, user, thread_ts, text)
+
+    async def _tell(self, channel: str, user: str, thread_ts: str | None, text: str) -> None:
+        """An ephemeral message: only the clicking user sees it."""
+        if not channel:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.web.chat_postEphemeral, channel=channel, user=user, text=text,
+                                    **({"thread_ts": thread_ts} if thread_ts else {}))
+
+    async def stop(self) -> None:
+        tasks = [t for t in (*self.clicks, *(e.task for e in self.posted.values())) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=3)
+
+
+def _why(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if response is not None and hasattr(response, "get"):
+        return f"Slack answered {response.get('error', 'an error')!r}"
+    return f"{type(exc).__name__}: {exc}"
