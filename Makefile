@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-local bench-metrics dashboard metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-growth bench-local bench-metrics dashboard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ dashboard: $(STAMP)
 # Needs the machine's Redis at 127.0.0.1:6379 (keys under a prefix of its own, removed after).
 bench-scale: $(STAMP)
 	$(PY) bench/scale.py
+
+# Costs as work grows (history, stored sessions, SSE subscribers, concurrency, memory): ~30 min here.
+bench-growth: $(STAMP)
+	$(PY) bench/growth.py $(ARGS)
 
 # A real local model behind any OpenAI-compatible URL (default: the shared local model on 127.0.0.1:8081);
 # skips with a message when nothing answers there. Slow (minutes): not part of `make test`.

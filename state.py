@@ -334,6 +334,10 @@ class SessionManager:
     def all(self) -> list[Session]:
         return sorted(self._sessions.values(), key=lambda s: s.shorthand)
 
+    def count(self) -> int:
+        """How many sessions this instance knows (what `len(all())` says, without sorting them all)."""
+        return len(self._sessions)
+
     def get_or_add(self, client_id: str, model: str, client_class: str | None = None) -> tuple[Session, bool]:
         """The client's session, added in memory if new (then True), marked active now; the caller saves it.
 

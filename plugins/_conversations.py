@@ -74,6 +74,9 @@ class ConversationIndex:
         self.prefix = prefix
         self.values = values
         self._by_print: dict[str, str] | None = None
+        #: client id → its mark in `_by_print`, so forgetting a session is one lookup, not a scan of the index
+        #: (every evicted proxy session is forgotten: with 10,000 sessions a scan was 10,000 steps each).
+        self._mark_of: dict[str, str] = {}
 
     def _index(self) -> dict[str, str]:
         if self._by_print is None:
@@ -81,7 +84,7 @@ class ConversationIndex:
             for session in self.sessions.all():
                 mark = session.settings.get(FINGERPRINT)
                 if session.client_id.startswith(self.prefix) and isinstance(mark, str):
-                    self._by_print[mark] = session.client_id
+                    self._link(mark, session.client_id)
             self.sessions.forgotten.append(self.forget)
         return self._by_print
 
@@ -91,7 +94,7 @@ class ConversationIndex:
         if self.values is not None:
             taken = await self.values.take(f"fingerprint:{mark}")
             return taken if taken and await self.sessions.exists(taken) else None
-        client_id = self._index().pop(mark, None)
+        client_id = self._unlink(mark)
         session = self.sessions.get(client_id) if client_id else None
         if session is None or session.settings.get(FINGERPRINT) != mark:
             return None
@@ -113,7 +116,7 @@ class ConversationIndex:
         other = index.get(mark)
         if other is not None and other != client_id:
             # Two conversations with one transcript: which one comes next cannot be told apart.
-            del index[mark]
+            self._unlink(mark)
             rival = self.sessions.get(other)
             if rival is not None:
                 rival.settings.pop(FINGERPRINT, None)
@@ -122,8 +125,8 @@ class ConversationIndex:
         else:
             stale = session.settings.get(FINGERPRINT)
             if isinstance(stale, str) and index.get(stale) == client_id:
-                del index[stale]
-            index[mark] = client_id
+                self._unlink(stale)
+            self._link(mark, client_id)
             session.settings[FINGERPRINT] = mark
         await self.sessions.save(session)
 
@@ -131,5 +134,24 @@ class ConversationIndex:
         """A session is gone (deleted, expired, evicted): its fingerprint with it."""
         if self._by_print is None or not client_id.startswith(self.prefix):
             return
-        for mark in [m for m, c in self._by_print.items() if c == client_id]:
-            del self._by_print[mark]
+        mark = self._mark_of.get(client_id)
+        if mark is not None:
+            self._unlink(mark)
+
+    def _link(self, mark: str, client_id: str) -> None:
+        index = self._index() if self._by_print is None else self._by_print
+        old = self._mark_of.get(client_id)
+        if old is not None and old != mark and index.get(old) == client_id:
+            del index[old]
+        replaced = index.get(mark)
+        if replaced is not None and replaced != client_id and self._mark_of.get(replaced) == mark:
+            del self._mark_of[replaced]
+        index[mark] = client_id
+        self._mark_of[client_id] = mark
+
+    def _unlink(self, mark: str) -> str | None:
+        """Take `mark` out of the index; the client id it pointed at, or None."""
+        client_id = self._index().pop(mark, None)
+        if client_id is not None and self._mark_of.get(client_id) == mark:
+            del self._mark_of[client_id]
+        return client_id

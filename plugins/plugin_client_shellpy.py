@@ -242,7 +242,7 @@ class ShellpyPlugin(BasePlugin):
             "status": "healthy",
             "models": list(rt.config.models),
             "default_model": rt.config.default_model,
-            "sessions": len(rt.sessions.all()),
+            "sessions": rt.sessions.count(),
             "instances": await rt.sessions.store.instances(),  # several on one Redis: how many are alive
             "plugins": plugins,
         })
