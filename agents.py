@@ -64,6 +64,10 @@ class LLMError(Exception):
     """A model call failed; the message names the model, the cause and what to do."""
 
 
+class ContextFull(LLMError):
+    """The next request does not fit the model's context window, even with the history trimmed."""
+
+
 #: HTTP statuses of a backend that may answer a second attempt (overloaded, restarting, rate-limited).
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 #: Seconds before retry n (1, 2, …) of a model call that failed before any output: 0.5, 1, 2, … at most 8.
@@ -544,7 +548,7 @@ class Request:
             return budget.fit(trim_history(history, self.cfg.max_context), self.fixed_tokens, self.window,
                               self.cfg.answer_share, self.count, tighter)
         except budget.DoesNotFit as exc:
-            raise LLMError(f"the request does not fit the model's context window: {exc}") from None
+            raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
     async def send(self, rt: state.Runtime, llm: Any, session: state.Session, hold: TextCallFilter | None,
                    final: _Final | None = None) -> AIMessageChunk:
@@ -553,12 +557,13 @@ class Request:
         calls, no tool messages) followed by the request for the final answer."""
         tighter = 1.0
         while True:
-            fitted = self.fit(session.history, tighter)
+            # The final request is fitted as sent: its question and results, not the turn's calls it replaces.
+            fitted = self.fit(session.history if final is None else final.conversation(session.history), tighter)
             note = fitted.note()
             if note and note not in self.notes:  # each new shortening once per turn
                 self.notes.add(note)
                 rt.hub.status(session.client_id, note)
-            history = fitted.history if final is None else final.conversation(fitted.history)
+            history = fitted.history
             context = [SystemMessage(self.system), *to_lc_messages(history)]
             try:
                 return await _stream_once(rt, llm, self.cfg, context, session.client_id, hold)
@@ -594,6 +599,8 @@ REPEAT_NOTE = ("You already have this result of {name} (you called it with these
 #: Closes the results of text calls (a user message): a small model tends to call again instead of answering.
 AFTER_RESULTS = ("If you now have everything my question asks for, answer it in plain words; if it also needs "
                  "another tool, call that tool.")
+#: How much of each tool result the final request without tools carries.
+FINAL_RESULT_CHARS = 4000
 #: Repeats of a call in one turn before the loop stops offering tools and asks for the final answer.
 REPEATS_BEFORE_FINAL = 2
 #: Closes the final call, which carries no tools: the turn's question with what its tools returned.
@@ -822,15 +829,19 @@ async def _final_answer(loop: _Loop) -> str:
     request = await Request.build(rt, loop.key, [])
     request.notes = loop.request.notes
     hold = TextCallFilter()
-    final = _Final(loop.results, loop.by_name)
-    reply = await request.send(rt, chat_model(rt, loop.key), loop.session, hold, final)
+    final = _Final([(name, _preview(result, FINAL_RESULT_CHARS)) for name, result in loop.results], loop.by_name)
+    why = "the model wrote no answer"
+    try:
+        reply = await request.send(rt, chat_model(rt, loop.key), loop.session, hold, final)
+    except ContextFull:
+        reply, why = AIMessageChunk(content=""), "even the question and the tool results do not fit the window"
     text = content_text(reply.content)
     found = find_text_calls(text, loop.by_name) if loop.by_name else TextCalls()
     spans = found.spans + found.bad_spans if found.calls or found.problems else []
     rt.hub.tok(client_id, hold.finish(spans))
     answer = _without_spans(text, spans).strip()
     if not answer:
-        rt.hub.status(client_id, "[final answer] the model wrote no answer; showing what the tools returned")
+        rt.hub.status(client_id, f"[final answer] {why}; showing what the tools returned")
         answer = _last_resort(loop)
         rt.hub.tok(client_id, answer)
     loop.session.history.append({"role": "assistant", "content": answer})
@@ -850,7 +861,15 @@ async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
     assert turn.session is not None
     loop = await _prepare(rt, turn, turn.session, key)
     for _ in range(MAX_TOOL_ITERATIONS):
-        answer = await _round(loop)
+        try:
+            answer = await _round(loop)
+        except ContextFull:
+            if not loop.results:
+                raise
+            # This turn's own calls and results filled the window (a runaway reply, a huge result): the final
+            # request carries only the question and what the tools returned.
+            loop.finish = "this turn's tool calls no longer fit the model's context window"
+            break
         if answer is not None:
             return answer
         if loop.finish:

@@ -337,3 +337,40 @@ async def test_a_model_entrys_temperature_is_sent_and_none_leaves_the_backends_d
         assert fake_openai.requests[-1].json.get("temperature") == temperature  # unset: not sent at all
         if temperature is not None:  # unset: langchain-google-genai's own default
             assert fake_gemini.requests[-1].json["generationConfig"]["temperature"] == temperature
+
+
+async def test_a_turn_whose_own_tool_traffic_overflows_the_window_ends_with_a_final_answer(tmp_path, fake_openai
+                                                                                           ) -> None:
+    """Qwen 0.5B ran away (a reply of thousands of tokens around its call): the next round did not fit the
+    window, and the turn ended with an error. Now the final request carries the question and the results."""
+    small = openai_model(fake_openai, context_tokens=2048, llm_tools=["get_weather"])
+    async with runtime(tmp_path, {"m": small}, gates=ALL_OPEN) as rt:
+        recorder = Recorder()
+        add_plugin_tools(rt, "plugin_test_weather", [recorder.tool("get_weather", _City, reply="sunny, 21 C")],
+                         {"get_weather": {"type": "search"}})
+        runaway = "I will look it up. " + "The weather depends on many things. " * 400
+        fake_openai.script(fenced_call("get_weather", {"city": "Oslo"}, before=runaway), text("Sunny, 21 C."))
+        out, events = await turn(rt, "weather in Oslo?")
+    assert recorder.calls == [("get_weather", {"city": "Oslo"})] and out.endswith("Sunny, 21 C.")
+    assert len(fake_openai.requests) == 2 and "tools" not in fake_openai.requests[1].json  # straight to the final
+    assert "sunny, 21 C" in fake_openai.requests[1].json["messages"][-1]["content"]
+    assert any("no longer fit the model's context window" in s for s in _statuses(events))
+    assert not [e for e in events if e.name == "error"]
+
+
+async def test_when_not_even_the_results_fit_the_answer_is_what_the_tools_returned(tmp_path, fake_openai) -> None:
+    async with runtime(tmp_path, {"m": openai_model(fake_openai, context_tokens=2048, llm_tools=["get_weather"])},
+                       gates=ALL_OPEN) as rt:
+        recorder = Recorder()
+        add_plugin_tools(rt, "plugin_test_weather", [recorder.tool("get_weather", _City, reply="row " * 3000)],
+                         {"get_weather": {"type": "search"}})
+        runaway = "Checking. " + "The weather depends on many things. " * 400
+        calls = "".join(f'<tool_call>{{"name": "get_weather", "arguments": {{"city": "{c}"}}}}</tool_call>'
+                        for c in ("Oslo", "Rome", "Lima"))
+        fake_openai.script(text(runaway + calls), text("unused"))
+        out, events = await turn(rt, "weather in Oslo, Rome and Lima?")
+    # Three results of 4,000 characters each are more than the window: nothing more is asked of the model.
+    assert len(recorder.calls) == 3 and len(fake_openai.requests) == 1
+    assert not [e for e in events if e.name == "error"]
+    assert "here is what the tools returned" in out and "- get_weather: row row" in out
+    assert any("do not fit the window; showing what the tools returned" in s for s in _statuses(events))
