@@ -17,7 +17,6 @@ in the feed event, `raised_at`; same machine, same clock):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import tempfile
@@ -29,17 +28,13 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._latency import main, report  # noqa: E402
 from shell import ShellClient  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 
 DB_PLUGIN = one_tool_plugin("plugin_test_db", "db_query", "sql", r'"1 row changed"', {"type": "db"}, "Run SQL.")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def one_gate(server: AgentServer, proxy: str, backend: FakeOpenAI, shell: ShellClient, feed,
@@ -92,18 +87,10 @@ async def run(gates: int) -> None:
             await shell.aclose()
         finally:
             server.stop()
-    print(f"{gates} gates routed to a shell approver, openai SDK streaming through the proxy (ms):")
-    for i, name in enumerate(("gate raised → approver's feed", "gate raised → wait line in the stream",
-                              "answer sent → stream goes on")):
-        values = [r[i] * 1000 for r in rows]
-        print(f"  {name:<40} p50 {pct(values, 0.5):7.1f}   p99 {pct(values, 0.99):7.1f}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gates", type=int, default=100)
-    asyncio.run(run(parser.parse_args().gates))
+    report(f"{gates} gates routed to a shell approver, openai SDK streaming through the proxy (ms):",
+           ("gate raised → approver's feed", "gate raised → wait line in the stream",
+                              "answer sent → stream goes on"), rows)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, 100)

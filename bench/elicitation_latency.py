@@ -16,7 +16,6 @@ client (2025-11-25, elicitation declared) calls `send_message`; the model calls 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -33,7 +32,8 @@ from mcp.client.streamable_http import streamable_http_client
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.approvals_latency import DB_PLUGIN, pct  # noqa: E402
+from bench._latency import main, report  # noqa: E402
+from bench.approvals_latency import DB_PLUGIN  # noqa: E402
 from shell import ShellClient  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
@@ -97,17 +97,9 @@ async def run(gates: int) -> None:
             await shell.aclose()
         finally:
             server.stop()
-    print(f"{gates} gates of an MCP client's turns asked as elicitation forms (mcp SDK, 2025-11-25) (ms):")
-    for i, name in enumerate(("gate raised → elicitation received", "form answered → send_message result")):
-        values = [r[i] * 1000 for r in rows]
-        print(f"  {name:<40} p50 {pct(values, 0.5):7.1f}   p99 {pct(values, 0.99):7.1f}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gates", type=int, default=50)
-    asyncio.run(run(parser.parse_args().gates))
+    report(f"{gates} gates of an MCP client's turns asked as elicitation forms (mcp SDK, 2025-11-25) (ms):",
+           ("gate raised → elicitation received", "form answered → send_message result"), rows)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, 50)

@@ -17,8 +17,6 @@ new thread; the model calls a gated db_query; the gate is posted; the approver c
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
 import sys
 import tempfile
@@ -28,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._latency import main, report  # noqa: E402
 from shell import ShellClient  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
@@ -36,11 +35,6 @@ from tests.fakes.slack import APP_TOKEN, BOT_TOKEN, BOT_USER_ID, FakeSlack  # no
 
 DB_PLUGIN = one_tool_plugin("plugin_test_db", "db_query", "sql", r'"1 row changed"', {"type": "db"}, "Run SQL.")
 LEAD = "U0LEAD"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def one_gate(slack: FakeSlack, backend: FakeOpenAI, feed, n: int) -> tuple[float, float, float]:
@@ -91,18 +85,10 @@ async def run(gates: int) -> None:
             await shell.aclose()
         finally:
             server.stop()
-    print(f"{gates} gates raised in Slack threads, posted with buttons, allowed with a click (ms):")
-    for i, name in enumerate(("gate raised → Slack message posted", "click → message edited in place",
-                              "click → the turn's answer posted")):
-        values = [r[i] * 1000 for r in rows]
-        print(f"  {name:<40} p50 {pct(values, 0.5):7.1f}   p99 {pct(values, 0.99):7.1f}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gates", type=int, default=100)
-    asyncio.run(run(parser.parse_args().gates))
+    report(f"{gates} gates raised in Slack threads, posted with buttons, allowed with a click (ms):",
+           ("gate raised → Slack message posted", "click → message edited in place",
+                              "click → the turn's answer posted"), rows)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, run, 100)
