@@ -194,7 +194,7 @@ def _json_calls(values: list[Any], tools: dict[str, StructuredTool], tagged: boo
 
 
 def _arguments_of(flat: list[Any], tools: dict[str, StructuredTool]) -> str | None:
-    """The one bound tool whose parameters are exactly the keys of a lone JSON object, if there is one."""
+    """The one bound tool that has a parameter for every key of a lone JSON object, if exactly one has."""
     if len(flat) != 1 or not isinstance(flat[0], dict) or not flat[0]:
         return None
     owners = [name for name, tool in tools.items()
