@@ -28,13 +28,11 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._latency import main, report  # noqa: E402
+from bench._latency import gated_config, main, report  # noqa: E402
 from shell import ShellClient  # noqa: E402
-from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model  # noqa: E402
+from tests.conftest import AgentServer, free_port  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
-
-DB_PLUGIN = one_tool_plugin("plugin_test_db", "db_query", "sql", r'"1 row changed"', {"type": "db"}, "Run SQL.")
 
 
 async def one_gate(server: AgentServer, proxy: str, backend: FakeOpenAI, shell: ShellClient, feed,
@@ -69,14 +67,8 @@ async def one_gate(server: AgentServer, proxy: str, backend: FakeOpenAI, shell: 
 
 async def run(gates: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, FakeOpenAI() as backend:
-        cfg = ConfigDir(Path(tmp))
-        cfg.models = {"fake": openai_model(backend)}
-        cfg.gates = {"db": {}, "tools": {}}
-        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
         port = free_port()
-        cfg.plugins.append("plugin_proxy_llama")
-        cfg.plugin_config["plugin_proxy_llama"] = {"port": port}
-        cfg.enabled_extra = {"approvals": {"classes": {"proxy": {"shell": True}}}}
+        cfg = gated_config(tmp, backend, "plugin_proxy_llama", {"port": port}, {"proxy": {"shell": True}})
         server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
         try:
             shell = ShellClient(server.url, "bench-approver", token=server.token)

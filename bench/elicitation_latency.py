@@ -32,10 +32,9 @@ from mcp.client.streamable_http import streamable_http_client
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._latency import main, report  # noqa: E402
-from bench.approvals_latency import DB_PLUGIN  # noqa: E402
+from bench._latency import gated_config, main, report  # noqa: E402
 from shell import ShellClient  # noqa: E402
-from tests.conftest import AgentServer, ConfigDir, free_port, openai_model  # noqa: E402
+from tests.conftest import AgentServer, free_port  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 
@@ -45,14 +44,9 @@ TOKEN = "bench-elicitation-human-token-01"
 async def run(gates: int) -> None:
     rows: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory() as tmp, FakeOpenAI() as backend:
-        cfg = ConfigDir(Path(tmp))
-        cfg.models = {"fake": openai_model(backend)}
-        cfg.gates = {"db": {}, "tools": {}}
-        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
         port = free_port()
-        cfg.plugins.append("plugin_client_mcp")
-        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
-        cfg.enabled_extra = {"approvals": {"classes": {"mcp": {"mcp_tokens": ["alice"], "shell": True}}}}
+        cfg = gated_config(tmp, backend, "plugin_client_mcp", {"port": port},
+                           {"mcp": {"mcp_tokens": ["alice"], "shell": True}})
         (Path(tmp) / "mcp-tokens.json").write_text(json.dumps({"tokens": {"alice": {"role": "human",
                                                                                     "token": TOKEN}}}))
         (Path(tmp) / "mcp-tokens.json").chmod(0o600)

@@ -26,14 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._latency import main, report  # noqa: E402
+from bench._latency import gated_config, main, report  # noqa: E402
 from shell import ShellClient  # noqa: E402
-from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model  # noqa: E402
+from tests.conftest import AgentServer, free_port  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 from tests.fakes.slack import APP_TOKEN, BOT_TOKEN, BOT_USER_ID, FakeSlack  # noqa: E402
 
-DB_PLUGIN = one_tool_plugin("plugin_test_db", "db_query", "sql", r'"1 row changed"', {"type": "db"}, "Run SQL.")
 LEAD = "U0LEAD"
 
 
@@ -65,15 +64,10 @@ async def run(gates: int) -> None:
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         os.environ.pop(var, None)
     with tempfile.TemporaryDirectory() as tmp, FakeOpenAI() as backend, FakeSlack() as slack:
-        cfg = ConfigDir(Path(tmp))
-        cfg.models = {"fake": openai_model(backend)}
-        cfg.gates = {"db": {}, "tools": {}}
-        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
-        cfg.plugins.append("plugin_client_slack")
-        cfg.plugin_config["plugin_client_slack"] = {"api_base_url": slack.base_url, "port": free_port(),
-                                                    "update_interval": 0.05}
+        cfg = gated_config(tmp, backend, "plugin_client_slack",
+                           {"api_base_url": slack.base_url, "port": free_port(), "update_interval": 0.05},
+                           {"slack": {"slack_users": [LEAD], "shell": True}})
         cfg.env = {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
-        cfg.enabled_extra = {"approvals": {"classes": {"slack": {"slack_users": [LEAD], "shell": True}}}}
         server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
         try:
             await slack.until(lambda: slack.connections >= 1, 30)
