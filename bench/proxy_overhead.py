@@ -14,11 +14,15 @@ open-webui's new chats and SDK programs send them: each agent-mcp request starts
 For each path: the first request after the server said it was ready (cold), then, after a
 warm-up, the median and p95 time to the first and to the last token at concurrency 1 (sequential,
 interleaved round by round) and at `--concurrency` clients at once, the added time over direct
-at each, and streams per second at each. Only 127.0.0.1 is used. With two or more cores both
-servers are pinned to core 1 (the same one core) and the client and fake to core 0.
+at each, and streams per second at each. Only 127.0.0.1 is used. With two or more cores it runs in
+two placements, one after the other, each with servers of its own:
+
+  split:  both servers pinned to core 1 (the same one core), the client and the fake to core 0;
+  shared: the client and the fake on core 1 too (`taskset`-style affinity), so every path's client,
+          server and backend share one core and no path gains from a second one.
 
     python bench/proxy_overhead.py [--requests 200] [--rounds 10] [--tokens 32] [--concurrency 16]
-                                   [--litellm .venv/litellm/bin/litellm]
+                                   [--placements split,shared] [--litellm .venv/litellm/bin/litellm]
 """
 
 from __future__ import annotations
@@ -135,10 +139,16 @@ def cells(values: list[float], direct: list[float]) -> str:
     return f"{p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {extra}"
 
 
-async def run(args: argparse.Namespace) -> None:
+PLACEMENTS = {
+    "split": "both servers on core 1, client and fake on core 0",
+    "shared": "client, fake and both servers all on core 1",
+}
+
+
+async def run(args: argparse.Namespace, placement: str) -> None:
     pinned = (os.cpu_count() or 1) >= 2
     if pinned:
-        os.sched_setaffinity(0, {0})
+        os.sched_setaffinity(0, {0} if placement == "split" else {1})
     exe = args.litellm_exe
     with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
         cfg = ConfigDir(Path(tmp))
@@ -192,7 +202,8 @@ async def run(args: argparse.Namespace) -> None:
     c = args.concurrency
     print(f"\n{len(direct.first)} sequential streams per path in {args.rounds} interleaved rounds, then {c} "
           f"concurrent clients × {args.per_client} streams; {args.tokens} tokens per answer; every request a new "
-          f"conversation; {'both servers on core 1, client and fake on core 0' if pinned else 'no pinning (1 core)'}\n")
+          f"conversation; {PLACEMENTS[placement] if pinned else 'no pinning (1 core)'}; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| path | concurrency | first token p50 (ms) | p95 | added p50 | last token p50 (ms) | p95 | added p50 "
           "| streams/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -202,13 +213,14 @@ async def run(args: argparse.Namespace) -> None:
         print(f"| {p.name} | {c} | {cells(p.busy_first, direct.busy_first)} | {cells(p.busy_last, direct.busy_last)} "
               f"| {p.busy_streams_per_second:.0f} |")
     print(
-        "\n| path | first request after start, whole answer (ms) | warm p50 (ms) | ratio | server CPU per stream (ms) |"
+        "\n| path | first request after start, whole answer (ms) | warm p50 (ms) | ratio | server CPU per stream (ms) "
+        "| per token (µs) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for p in paths[1:]:
         warm = statistics.median(p.last)
         print(f"| {p.name} | {p.cold * 1e3:.1f} | {warm * 1e3:.1f} | {p.cold / warm:.2f}× "
-              f"| {p.cpu / len(p.first) * 1e3:.1f} |")
+              f"| {p.cpu / len(p.first) * 1e3:.1f} | {p.cpu / len(p.first) / args.tokens * 1e6:.0f} |")
     if len(paths) == 3:
         ours, theirs = paths[1], paths[2]
         first = added(ours.first, direct.first) / added(theirs.first, direct.first)
@@ -217,6 +229,8 @@ async def run(args: argparse.Namespace) -> None:
             f"at 1, {added(ours.busy_first, direct.busy_first) / added(theirs.busy_first, direct.busy_first):.2f}× "
             f"at {c}; streams/s {ours.busy_streams_per_second / theirs.busy_streams_per_second:.2f}× at {c}"
         )
+    print(f"agent-mcp / direct: streams/s {paths[1].busy_streams_per_second / direct.busy_streams_per_second:.2f}× "
+          f"at {c}")
 
 
 def main() -> None:
@@ -227,11 +241,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--per-client", type=int, default=25, help="streams per concurrent client")
+    p.add_argument("--placements", default="split,shared",
+                   help=f"comma-separated, run in this order: {', '.join(PLACEMENTS)} (see above)")
     p.add_argument("--litellm", default=str(ROOT / ".venv" / "litellm" / "bin" / "litellm"),
                    help="the litellm executable (default: the one 'make bench-proxy' installs)")
     args = p.parse_args()
     args.litellm_exe = args.litellm if args.litellm and Path(args.litellm).exists() else None
-    asyncio.run(run(args))
+    placements = [name.strip() for name in args.placements.split(",") if name.strip()]
+    unknown = set(placements) - set(PLACEMENTS)
+    if unknown:
+        p.error(f"unknown placement(s) {', '.join(sorted(unknown))}; choose from {', '.join(PLACEMENTS)}")
+    for placement in placements:
+        print(f"\n## placement: {placement}")
+        asyncio.run(run(args, placement))
 
 
 if __name__ == "__main__":

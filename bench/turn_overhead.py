@@ -10,9 +10,11 @@ OpenAI backend (32 tokens per answer):
 It reports median and p95 of time to first token and of the whole turn (submit → done) for both,
 the added time (server − direct) and the ratio, plus the server's CPU time per turn. Only
 127.0.0.1 is used. When the machine has two or more cores, the server is pinned to core 1 and the
-client and fake to core 0 so that they do not steal each other's time.
+client and fake to core 0 so that they do not steal each other's time. With `--baseline DIR`
+(another tree of agent-mcp, e.g. `git archive main | tar -x -C DIR`), that tree's server runs too,
+interleaved in the same rounds, on the same core: a change's before and after in one run.
 
-    python bench/turn_overhead.py [--turns 200] [--rounds 10] [--tokens 32]
+    python bench/turn_overhead.py [--turns 200] [--rounds 10] [--tokens 32] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -106,47 +108,75 @@ def row(name: str, direct: list[float], server: list[float]) -> str:
             f"| {d95 * 1e3:.2f} | {s95 * 1e3:.2f} | **+{(s95 - d95) * 1e3:.2f}** |")
 
 
+class Server:
+    """One agent-mcp under test (this tree's, or `--baseline`'s), its bench client, its results."""
+
+    def __init__(self, name: str, server: AgentServer):
+        self.name, self.server = name, server
+        assert server.proc is not None
+        self.pid = server.proc.pid
+        self.path = ServerPath(server.url, server.token)
+        self.turns: list[tuple[float, float]] = []
+        self.cpu = 0.0
+
+    async def measure(self, first: int, count: int) -> None:
+        before = cpu_seconds(self.pid)
+        for i in range(count):
+            self.turns.append(await self.path.turn(first + i))
+        self.cpu += cpu_seconds(self.pid) - before
+
+
 async def run(args: argparse.Namespace) -> None:
     pinned = (os.cpu_count() or 1) >= 2
     if pinned:
         os.sched_setaffinity(0, {0})
+    trees = [("server", None)] + ([("baseline", args.baseline)] if args.baseline else [])
     with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
-        cfg = ConfigDir(Path(tmp))
-        cfg.models = {"fake": openai_model(backend, max_context=2)}
-        cfg.env = {"SESSION_STORE": "sqlite"}
-        server = AgentServer(cfg.write()).start()
-        assert server.proc is not None
-        if pinned:
-            os.sched_setaffinity(server.proc.pid, {1})
-        llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
-        system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
-        path = ServerPath(server.url, server.token)
-        await path.open()
-        per_round = max(1, args.turns // args.rounds)
-        for i in range(args.warmup):  # connections, imports, caches
-            await direct_turn(llm, system, i)
-            await path.turn(i)
-        direct: list[tuple[float, float]] = []
-        through: list[tuple[float, float]] = []
-        cpu = 0.0
-        for r in range(args.rounds):
-            for i in range(per_round):
-                direct.append(await direct_turn(llm, system, r * per_round + i))
-            before = cpu_seconds(server.proc.pid)
-            for i in range(per_round):
-                through.append(await path.turn(r * per_round + i))
-            cpu += cpu_seconds(server.proc.pid) - before
-        await path.close()
-        server.stop()
-    n = len(through)
+        servers: list[Server] = []
+        try:
+            for name, code in trees:
+                (Path(tmp) / name).mkdir()
+                cfg = ConfigDir(Path(tmp) / name)
+                cfg.models = {"fake": openai_model(backend, max_context=2)}
+                cfg.env = {"SESSION_STORE": "sqlite"}
+                servers.append(Server(name, AgentServer(cfg.write(), code=code).start()))
+                if pinned:
+                    os.sched_setaffinity(servers[-1].pid, {1})
+            llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
+            system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
+            for s in servers:
+                await s.path.open()
+            per_round = max(1, args.turns // args.rounds)
+            for i in range(args.warmup):  # connections, imports, caches
+                await direct_turn(llm, system, i)
+                for s in servers:
+                    await s.path.turn(i)
+            direct: list[tuple[float, float]] = []
+            for r in range(args.rounds):
+                for i in range(per_round):
+                    direct.append(await direct_turn(llm, system, r * per_round + i))
+                for s in servers:
+                    await s.measure(r * per_round, per_round)
+        finally:
+            for s in servers:
+                await s.path.close()
+                s.server.stop()
+    n = len(direct)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\n{n} turns per path, {args.rounds} interleaved rounds, {args.tokens} tokens per answer, "
-          f"{'server pinned to core 1, client and fake to core 0' if pinned else 'no pinning (1 core)'}\n")
+          f"{'server pinned to core 1, client and fake to core 0' if pinned else 'no pinning (1 core)'}; "
+          f"load average {load}\n")
     print("| metric (ms) | direct p50 | server p50 | added p50 | ratio p50 | direct p95 | server p95 | added p95 |")
     print("|---|---|---|---|---|---|---|---|")
-    print(row("time to first token", [d[0] for d in direct], [s[0] for s in through]))
-    print(row("whole turn (submit → done)", [d[1] for d in direct], [s[1] for s in through]))
-    print(f"\nserver CPU per turn: {cpu / n * 1e3:.2f} ms ({cpu / n / args.tokens * 1e6:.0f} µs per token)")
-    print(json.dumps({"turns": n, "tokens": args.tokens, "cpu_ms_per_turn": round(cpu / n * 1e3, 3)}))
+    for s in servers:
+        label = "" if s.name == "server" else f" ({s.name})"
+        print(row(f"time to first token{label}", [d[0] for d in direct], [t[0] for t in s.turns]))
+        print(row(f"whole turn (submit → done){label}", [d[1] for d in direct], [t[1] for t in s.turns]))
+    print()
+    for s in servers:
+        print(f"{s.name} CPU per turn: {s.cpu / n * 1e3:.2f} ms ({s.cpu / n / args.tokens * 1e6:.0f} µs per token)")
+    print(json.dumps({"turns": n, "tokens": args.tokens, "load": load,
+                      **{f"{s.name}_cpu_ms_per_turn": round(s.cpu / n * 1e3, 3) for s in servers}}))
 
 
 def main() -> None:
@@ -155,7 +185,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--warmup", type=int, default=20)
-    asyncio.run(run(p.parse_args()))
+    p.add_argument("--baseline", help="another agent-mcp tree whose server runs in the same rounds (before/after)")
+    args = p.parse_args()
+    args.baseline = Path(args.baseline).resolve() if args.baseline else None
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

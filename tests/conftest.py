@@ -174,19 +174,22 @@ class ConfigDir:
 class AgentServer:
     """agent-mcp.py as a subprocess on free ports; `url` is its shell.py endpoint."""
 
-    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None, checkout: Path | None = None):
+    def __init__(self, cfg: ConfigDir, env: dict[str, str] | None = None, checkout: Path | None = None,
+                 code: Path | None = None):
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.port}"
         self.env = env or {}
         #: Run that checkout's agent-mcp.py as `make run` does, without --config-dir (cfg.path is the checkout).
         self.checkout = checkout
+        #: Run another tree's agent-mcp.py with this config (benchmarks compare a baseline in the same run).
+        self.code = code
         self.proc: subprocess.Popen[str] | None = None
         self.output = ""
 
     def start(self, wait: bool = True) -> AgentServer:
         env = {k: v for k, v in os.environ.items() if not k.endswith("_PROXY") and not k.endswith("_proxy")}
         env.update({"PYTHONUNBUFFERED": "1", **self.env})
-        where = self.checkout or ROOT
+        where = self.checkout or self.code or ROOT
         args = [] if self.checkout else ["--config-dir", str(self.cfg.path)]
         self.proc = subprocess.Popen(
             [sys.executable, str(where / "agent-mcp.py"), *args],
