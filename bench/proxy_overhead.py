@@ -151,16 +151,19 @@ async def run(args: argparse.Namespace, placement: str) -> None:
         os.sched_setaffinity(0, {0} if placement == "split" else {1})
     exe = args.litellm_exe
     with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
-        cfg = ConfigDir(Path(tmp))
-        cfg.models = {"fake": openai_model(backend, max_context=2)}
-        port = free_port()
-        cfg.plugins.append("plugin_proxy_llama")
-        cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
-        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
-        procs = [server.proc]
-        paths = [Target("direct", backend.base_url, "fake-model"),
-                 Target("agent-mcp proxy", f"http://127.0.0.1:{port}/v1", "agent-mcp:latest")]
-        paths[1].pid = server.proc.pid if server.proc else None
+        paths = [Target("direct", backend.base_url, "fake-model")]
+        servers, procs = [], []
+        for name, code in [("agent-mcp proxy", None)] + ([("agent-mcp proxy (baseline)", args.baseline)]
+                                                           if args.baseline else []):
+            cfg = ConfigDir(Path(tempfile.mkdtemp(dir=tmp)))
+            cfg.models = {"fake": openai_model(backend, max_context=2)}
+            port = free_port()
+            cfg.plugins.append("plugin_proxy_llama")
+            cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
+            servers.append(AgentServer(cfg.write(), {"SESSION_STORE": "memory"}, code=code).start())
+            procs.append(servers[-1].proc)
+            paths.append(Target(name, f"http://127.0.0.1:{port}/v1", "agent-mcp:latest"))
+            paths[-1].pid = servers[-1].proc.pid if servers[-1].proc else None
         litellm = None
         if exe:
             key = f"sk-{secrets.token_hex(16)}"
@@ -197,7 +200,8 @@ async def run(args: argparse.Namespace, placement: str) -> None:
             if litellm is not None:
                 litellm.terminate()
                 litellm.wait(15)
-            server.stop()
+            for server in servers:
+                server.stop()
     direct = paths[0]
     c = args.concurrency
     print(f"\n{len(direct.first)} sequential streams per path in {args.rounds} interleaved rounds, then {c} "
@@ -221,17 +225,17 @@ async def run(args: argparse.Namespace, placement: str) -> None:
         warm = statistics.median(p.last)
         print(f"| {p.name} | {p.cold * 1e3:.1f} | {warm * 1e3:.1f} | {p.cold / warm:.2f}× "
               f"| {p.cpu / len(p.first) * 1e3:.1f} | {p.cpu / len(p.first) / args.tokens * 1e6:.0f} |")
-    if len(paths) == 3:
-        ours, theirs = paths[1], paths[2]
-        first = added(ours.first, direct.first) / added(theirs.first, direct.first)
-        print(
-            f"\nagent-mcp / LiteLLM: added first token {first:.2f}× "
-            f"at 1, {added(ours.busy_first, direct.busy_first) / added(theirs.busy_first, direct.busy_first):.2f}× "
-            f"at {c}; streams/s {ours.busy_streams_per_second / theirs.busy_streams_per_second:.2f}× at {c}"
-        )
-    print(f"agent-mcp / direct: streams/s {paths[1].busy_streams_per_second / direct.busy_streams_per_second:.2f}× "
-          f"at {c}")
-
+    theirs = next((p for p in paths if p.name == "LiteLLM proxy"), None)
+    for ours in paths[1:]:
+        if ours is theirs:
+            continue
+        if theirs is not None:
+            first = added(ours.first, direct.first) / added(theirs.first, direct.first)
+            busy = added(ours.busy_first, direct.busy_first) / added(theirs.busy_first, direct.busy_first)
+            print(f"\n{ours.name} / LiteLLM: added first token {first:.2f}× at 1, {busy:.2f}× at {c}; "
+                  f"streams/s {ours.busy_streams_per_second / theirs.busy_streams_per_second:.2f}× at {c}")
+        print(f"{ours.name} / direct: streams/s {ours.busy_streams_per_second / direct.busy_streams_per_second:.2f}× "
+              f"at {c}")
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,11 +245,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--per-client", type=int, default=25, help="streams per concurrent client")
+    p.add_argument("--baseline", help="another agent-mcp tree whose proxy is measured too, in the same rounds")
     p.add_argument("--placements", default="split,shared",
                    help=f"comma-separated, run in this order: {', '.join(PLACEMENTS)} (see above)")
     p.add_argument("--litellm", default=str(ROOT / ".venv" / "litellm" / "bin" / "litellm"),
                    help="the litellm executable (default: the one 'make bench-proxy' installs)")
     args = p.parse_args()
+    args.baseline = Path(args.baseline).resolve() if args.baseline else None
     args.litellm_exe = args.litellm if args.litellm and Path(args.litellm).exists() else None
     placements = [name.strip() for name in args.placements.split(",") if name.strip()]
     unknown = set(placements) - set(PLACEMENTS)
