@@ -1,0 +1,89 @@
+"""chat_openai.AgentChatOpenAI: the SDK's raw path sends what `create()` would and streams the same answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+
+from chat_openai import AgentChatOpenAI, RawCompletions
+from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
+from tests.fakes.openai_backend import FakeOpenAI
+
+
+@pytest.fixture
+def backend() -> Iterator[FakeOpenAI]:
+    with FakeOpenAI() as fake:
+        yield fake
+
+
+@tool
+def lookup(city: str, days: int = 1) -> str:
+    """The weather of a city."""
+    return city
+
+
+MESSAGES = [SystemMessage("you are terse"), HumanMessage("hi ü 😀"), AIMessage("", tool_calls=[
+    {"name": "lookup", "args": {"city": "Oslo"}, "id": "c1"}]), ToolMessage("sunny", tool_call_id="c1"),
+            HumanMessage("and tomorrow?")]
+
+
+def models(backend: FakeOpenAI, **extra: Any) -> tuple[ChatOpenAI, AgentChatOpenAI]:
+    common: dict[str, Any] = {"model": "fake-model", "base_url": backend.base_url, "api_key": "k", "streaming": True,
+                              "max_retries": 0, "stream_usage": True, **extra}
+    return ChatOpenAI(**common), AgentChatOpenAI(**common)
+
+
+async def collect(llm: Any, messages: list[Any] = MESSAGES) -> Any:
+    full = None
+    async for chunk in llm.astream(messages):
+        full = chunk if full is None else full + chunk
+    return full
+
+
+async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None:
+    stock, raw = models(backend, temperature=0.2, extra_body={"top_k": 5}, default_headers={"X-Team": "a"})
+    assert isinstance(raw.async_client, RawCompletions)
+    answers = []
+    for llm in (stock.bind_tools([lookup]), raw.bind_tools([lookup])):
+        backend.script(TextReply(("It ", "will ", "rain.")))
+        answers.append(await collect(llm))
+    sent_stock, sent_raw = backend.requests[-2:]
+    assert sent_raw.json == sent_stock.json  # the same body without the SDK's transform
+    assert sent_raw.json["top_k"] == 5 and sent_raw.json["stream_options"] == {"include_usage": True}
+    assert sent_raw.headers["authorization"] == "Bearer k" and sent_raw.headers["x-team"] == "a"
+    assert sent_raw.path == sent_stock.path
+    assert answers[1].content == answers[0].content == "It will rain."
+    assert answers[1].usage_metadata == answers[0].usage_metadata
+    assert answers[1].response_metadata["finish_reason"] == "stop"
+
+
+async def test_tool_calls_stream_as_with_the_sdks_models(backend: FakeOpenAI) -> None:
+    stock, raw = models(backend)
+    calls = []
+    for llm in (stock, raw):
+        backend.script(ToolCallsReply((ToolCall("lookup", {"city": "Oslo", "days": 2}, "call_1"),), "Checking."))
+        calls.append(await collect(llm.bind_tools([lookup])))
+    assert calls[1].tool_calls == calls[0].tool_calls == [
+        {"name": "lookup", "args": {"city": "Oslo", "days": 2}, "id": "call_1", "type": "tool_call"}]
+    assert calls[1].content == calls[0].content
+
+
+async def test_http_errors_raise_the_sdks_exceptions(backend: FakeOpenAI) -> None:
+    _, raw = models(backend)
+    backend.script(ErrorReply(503, "overloaded"))
+    with pytest.raises(openai.InternalServerError) as caught:
+        await collect(raw)
+    assert caught.value.status_code == 503 and "overloaded" in str(caught.value)
+
+
+async def test_calls_it_does_not_stream_go_through_create(backend: FakeOpenAI) -> None:
+    _, raw = models(backend, streaming=False)
+    backend.script(TextReply(("whole",)))
+    reply = await raw.ainvoke(MESSAGES)
+    assert reply.content == "whole" and backend.requests[-1].json.get("stream") is not True
