@@ -1,4 +1,4 @@
-"""The OpenAI-type chat model the agent streams from: LangChain's ChatOpenAI on the `openai` SDK's own raw path.
+"""The OpenAI-type chat model's streams: LangChain's ChatOpenAI on the `openai` SDK's own raw path.
 
 LangChain's `ChatOpenAI._astream` calls `chat.completions.create(stream=True)`, and the SDK then
 (1) walks the whole request body against the params' TypedDicts (`async_maybe_transform`, which
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from langchain_openai import ChatOpenAI
 from openai import AsyncStream
-from pydantic import model_validator
 
 #: `create()` keyword arguments that are request options, not body fields, and the option each becomes
 #: (as the SDK's `make_request_options` maps them).
@@ -49,11 +47,11 @@ class RawCompletions:
                                        stream=True, stream_cls=AsyncStream[object])
 
 
-class AgentChatOpenAI(ChatOpenAI):
-    """ChatOpenAI whose streamed Chat Completions calls go through `RawCompletions`."""
+def raw_streams(llm: Any) -> Any:
+    """`llm` (a ChatOpenAI) with its streamed Chat Completions calls going through `RawCompletions`.
 
-    @model_validator(mode="after")
-    def _raw_streams(self) -> AgentChatOpenAI:
-        if self.async_client is not None and not isinstance(self.async_client, RawCompletions):
-            self.async_client = RawCompletions(self.async_client, self.root_async_client)
-        return self
+    A function, not a subclass: langchain_openai stays imported only where an OpenAI-type model is
+    built (the warm-up does it before serving)."""
+    if not isinstance(llm.async_client, RawCompletions):
+        llm.async_client = RawCompletions(llm.async_client, llm.root_async_client)
+    return llm

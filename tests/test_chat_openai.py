@@ -1,4 +1,4 @@
-"""chat_openai.AgentChatOpenAI: the SDK's raw path sends what `create()` would and streams the same answer."""
+"""chat_openai.raw_streams: the SDK's raw path sends what `create()` would and streams the same answer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from chat_openai import AgentChatOpenAI, RawCompletions
+from chat_openai import RawCompletions, raw_streams
 from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -33,10 +33,10 @@ MESSAGES = [SystemMessage("you are terse"), HumanMessage("hi ü 😀"), AIMessag
             HumanMessage("and tomorrow?")]
 
 
-def models(backend: FakeOpenAI, **extra: Any) -> tuple[ChatOpenAI, AgentChatOpenAI]:
+def models(backend: FakeOpenAI, **extra: Any) -> tuple[ChatOpenAI, ChatOpenAI]:
     common: dict[str, Any] = {"model": "fake-model", "base_url": backend.base_url, "api_key": "k", "streaming": True,
                               "max_retries": 0, "stream_usage": True, **extra}
-    return ChatOpenAI(**common), AgentChatOpenAI(**common)
+    return ChatOpenAI(**common), raw_streams(ChatOpenAI(**common))
 
 
 async def collect(llm: Any, messages: list[Any] = MESSAGES) -> Any:
