@@ -10,7 +10,9 @@ OpenAI backend (32 tokens per answer):
 It reports median and p95 of time to first token and of the whole turn (submit → done) for both,
 the added time (server − direct) and the ratio, plus the server's CPU time per turn. Only
 127.0.0.1 is used. When the machine has two or more cores, the server is pinned to core 1 and the
-client and fake to core 0 so that they do not steal each other's time. With `--baseline DIR`
+client and fake to core 0 so that they do not steal each other's time. Each round also runs as
+many turns whose answer is one token: their CPU against the full turns' gives the cost of each
+further streamed token apart from the turn's own. With `--baseline DIR`
 (another tree of agent-mcp, e.g. `git archive main | tar -x -C DIR`), that tree's server runs too,
 interleaved in the same rounds, on the same core: a change's before and after in one run.
 
@@ -39,8 +41,11 @@ sys.path.insert(0, str(ROOT))
 from config import DEFAULTS_DIR  # noqa: E402
 from prompt import PromptTree  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, openai_model  # noqa: E402
-from tests.fakes.backend import tokens  # noqa: E402
+from tests.fakes.backend import RecordedRequest, TextReply, tokens  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
+
+#: The question whose answer is one token: the same turn without its stream, for the cost per streamed token.
+SHORT = "one word"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -84,10 +89,10 @@ class ServerPath:
         self.reader = asyncio.create_task(pump())
         await ready.wait()
 
-    async def turn(self, i: int) -> tuple[float, float]:
+    async def turn(self, i: int, text: str = "question") -> tuple[float, float]:
         start = time.perf_counter()
         first = None
-        resp = await self.http.post(f"{self.url}/submit", json={"client_id": self.client_id, "text": f"question {i}"})
+        resp = await self.http.post(f"{self.url}/submit", json={"client_id": self.client_id, "text": f"{text} {i}"})
         resp.raise_for_status()
         while True:
             event = await self.lines.get()
@@ -118,12 +123,17 @@ class Server:
         self.path = ServerPath(server.url, server.token)
         self.turns: list[tuple[float, float]] = []
         self.cpu = 0.0
+        self.short_cpu = 0.0  # of the turns whose answer is one token: the cost of a turn without its stream
 
     async def measure(self, first: int, count: int) -> None:
         before = cpu_seconds(self.pid)
         for i in range(count):
             self.turns.append(await self.path.turn(first + i))
         self.cpu += cpu_seconds(self.pid) - before
+        before = cpu_seconds(self.pid)
+        for i in range(count):
+            await self.path.turn(first + i, SHORT)
+        self.short_cpu += cpu_seconds(self.pid) - before
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -131,7 +141,10 @@ async def run(args: argparse.Namespace) -> None:
     if pinned:
         os.sched_setaffinity(0, {0})
     trees = [("server", None)] + ([("baseline", args.baseline)] if args.baseline else [])
-    with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
+    def reply(req: RecordedRequest) -> TextReply:
+        return tokens(1 if req.last_user_text.startswith(SHORT) else args.tokens)
+
+    with FakeOpenAI(default_reply=reply) as backend, tempfile.TemporaryDirectory() as tmp:
         servers: list[Server] = []
         try:
             for name, code in trees:
@@ -174,9 +187,12 @@ async def run(args: argparse.Namespace) -> None:
         print(row(f"whole turn (submit → done){label}", [d[1] for d in direct], [t[1] for t in s.turns]))
     print()
     for s in servers:
-        print(f"{s.name} CPU per turn: {s.cpu / n * 1e3:.2f} ms ({s.cpu / n / args.tokens * 1e6:.0f} µs per token)")
+        stream = (s.cpu - s.short_cpu) / n / (args.tokens - 1)
+        print(f"{s.name} CPU per turn: {s.cpu / n * 1e3:.2f} ms ({s.cpu / n / args.tokens * 1e6:.0f} µs per token); "
+              f"a one-token turn {s.short_cpu / n * 1e3:.2f} ms, so each further streamed token {stream * 1e6:.0f} µs")
     print(json.dumps({"turns": n, "tokens": args.tokens, "load": load,
-                      **{f"{s.name}_cpu_ms_per_turn": round(s.cpu / n * 1e3, 3) for s in servers}}))
+                      **{f"{s.name}_cpu_ms_per_turn": round(s.cpu / n * 1e3, 3) for s in servers},
+                      **{f"{s.name}_cpu_ms_one_token_turn": round(s.short_cpu / n * 1e3, 3) for s in servers}}))
 
 
 def main() -> None:
