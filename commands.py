@@ -11,6 +11,7 @@ from typing import Any
 
 import agents
 import gate
+import models
 import state
 from config import ConfigError, save_model_fields
 from gate import parse_bool
@@ -168,7 +169,7 @@ async def _set_model_field(rt: state.Runtime, keys: list[str], field: str, value
     for key in keys:
         rt.config.models[key] = rt.config.models[key].model_copy(update={field: value})
     if field == "llm_call_timeout":
-        await agents.close_models(rt, keys)  # rebuilt with the new timeout at its next call
+        await models.close_models(rt.llms, keys)  # rebuilt with the new timeout at its next call
     try:
         path = save_model_fields(rt.config.config_dir, {k: {field: value} for k in keys})
     except (ConfigError, OSError) as exc:

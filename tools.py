@@ -17,12 +17,15 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-import agents
 import gate
+import models
 import state
+import tool_calls
 from api_client import AgentClient, AgentClientError, AgentTimeout
 from config import SECRET_NAME, AgentTarget
+from llm_errors import describe_llm_error
 from prompt import PromptError
+from text_calls import try_force_tool_calls
 
 if TYPE_CHECKING:
     from config import ModelConfig
@@ -174,7 +177,7 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
 
 
 def _this_turn(rt: state.Runtime) -> state.Turn:
-    """The turn a core tool runs in (agents.execute_tool sets it); outside one, nobody's (least privilege)."""
+    """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
     return state.current_turn() or gate.new_turn(rt, "")
 
 
@@ -246,14 +249,14 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         if cfg is None:
             return error
         try:
-            llm = agents.chat_model(rt, model)
+            llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
             async with asyncio.timeout(cfg.llm_call_timeout):
                 reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return f"ERROR: llm_clean_text: {agents.describe_llm_error(exc, model, cfg)}"
-        return agents.content_text(reply.content)
+            return f"ERROR: llm_clean_text: {describe_llm_error(exc, model, cfg)}"
+        return models.content_text(reply.content)
 
     def tool_instructions(tool: StructuredTool) -> str:
         for ident in (f"tool-{tool.name.replace('_', '-')}", f"tool_{tool.name}"):
@@ -272,7 +275,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"ERROR: unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}"
         if tool in NOT_DELEGABLE:
             return f"ERROR: {tool} cannot be delegated; call it yourself."
-        llm = agents.chat_model(rt, model)
+        llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
             async with asyncio.timeout(cfg.llm_call_timeout):
@@ -280,15 +283,15 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return f"ERROR: llm_clean_tool: {agents.describe_llm_error(exc, model, cfg)}"
-        said = agents.content_text(first.content)
+            return f"ERROR: llm_clean_tool: {describe_llm_error(exc, model, cfg)}"
+        said = models.content_text(first.content)
         native = [c for c in first.tool_calls if c["name"] == tool]
-        calls = native or agents.try_force_tool_calls(said, {tool: target})[0]
+        calls = native or try_force_tool_calls(said, {tool: target})[0]
         if not calls:
             return f"{model} did not call {tool}; it answered: {said}"
         call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": calls[0]["args"]}
         # The call goes through the normal pipeline: rate limit, gate, executor (outside the timeout).
-        result = (await agents.execute_tool(rt, _this_turn(rt), tool, call["args"])).text
+        result = (await tool_calls.execute_tool(rt, _this_turn(rt), tool, call["args"])).text
         if native:
             messages += [AIMessage(said, tool_calls=[{**call, "type": "tool_call"}]),
                          ToolMessage(result, tool_call_id=call["id"], name=tool)]
@@ -301,9 +304,9 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             raise
         except Exception as exc:
             return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}) but could not summarise "
-                    f"({agents.describe_llm_error(exc, model, cfg)}). Raw result:\n{result}")
+                    f"({describe_llm_error(exc, model, cfg)}). Raw result:\n{result}")
         return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}).\n"
-                f"{agents.content_text(final.content)}")
+                f"{models.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
         return await call_agent(rt, _this_turn(rt).client_id, agent_url, message, target_client_id)
