@@ -21,7 +21,7 @@ from pydantic import ValidationError
 import gate
 import state
 from config import field_problems
-from registry import RegisteredTool, ToolRegistry
+from registry import RegisteredTool, ToolError, ToolRegistry
 
 logger = logging.getLogger("agent_mcp.tool_calls")
 
@@ -106,17 +106,19 @@ async def _run_tool(turn: state.Turn, tool: StructuredTool, args: dict[str, Any]
     `status` tells the session what runs and what came back; `hide` takes locations out of a failure's text."""
     name, client_id = tool.name, turn.client_id
     status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
-    failed = False
+    failed = True
     try:
         result = await tool.coroutine(**args)
+        failed = False
     except asyncio.CancelledError:
         raise
+    except ToolError as exc:  # a failure the tool reports itself (STYLE 5)
+        result = f"ERROR: {exc}"
     except Exception as exc:
         logger.exception("tool %s failed for %s", name, client_id)
-        result, failed = f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}", True
+        result = f"ERROR: tool {name} failed: {type(exc).__name__}: {exc}"
     text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    if text.startswith("ERROR"):  # a tool reports its own failures as results (STYLE 5)
-        failed = True
+    if failed:
         # The model (and whoever reads its answers) learns what failed, never where: the log keeps it.
         hidden = hide(text)
         if hidden != text:

@@ -25,6 +25,7 @@ from api_client import AgentClient, AgentClientError, AgentTimeout
 from config import SECRET_NAME, AgentTarget
 from llm_errors import describe_llm_error
 from prompt import PromptError
+from registry import ToolError
 from text_calls import try_force_tool_calls
 
 if TYPE_CHECKING:
@@ -127,20 +128,21 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
 
 
 async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, target_client_id: str = "") -> str:
-    """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`."""
+    """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`.
+    A refused or failed call raises ToolError."""
     if gate.client_class(caller) == gate.SWARM:
-        return ("ERROR: agent_call refused: this conversation is itself an agent_call from another agent, and agents "
-                "call each other at most 1 hop deep. Answer with what you know instead.")
+        raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
+                        "call each other at most 1 hop deep. Answer with what you know instead.")
     found = find_agent(rt.config.agents, ref)
     if found is None:
-        return (f"ERROR: agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
-                f"called. Configured: {_agents_listing(rt.config.agents)}.")
+        raise ToolError(f"agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
+                        f"called. Configured: {_agents_listing(rt.config.agents)}.")
     name, target = found
     token, problem = target_token(rt, name, target)
     if problem:
-        return f"ERROR: agent_call refused: {problem}."
+        raise ToolError(f"agent_call refused: {problem}.")
     if target_client_id and not _REMOTE_ID.match(target_client_id):
-        return "ERROR: target_client_id may use 1-100 letters, digits and . _ : @ - only; leave it empty normally."
+        raise ToolError("target_client_id may use 1-100 letters, digits and . _ : @ - only; leave it empty normally.")
     remote = swarm_client_id(caller, target.url, target_client_id)
     session = rt.sessions.get(caller)
     relay = session is None or session.settings.get(AGENT_CALL_STREAM, True) is not False
@@ -172,7 +174,7 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
     if ended not in (None, "done"):
         error = "the remote turn was cancelled (a newer message replaced it)"
     if error is not None:
-        return f"ERROR: agent_call to '{name}' failed: {error}" + (f"\nPartial answer:\n{answer}" if answer else "")
+        raise ToolError(f"agent_call to '{name}' failed: {error}" + (f"\nPartial answer:\n{answer}" if answer else ""))
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
@@ -210,7 +212,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         try:
             return tree.render(section)
         except PromptError as exc:
-            return f"ERROR: {exc}"
+            raise ToolError(str(exc)) from None
 
     async def update_system_prompt(
         section: str, operation: str, content: str = "", target: str = "", confirm_overwrite: bool = False
@@ -235,19 +237,17 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         return ("Models (llm_clean_text / llm_clean_tool accept only those with delegation YES):\n"
                 + "\n".join(rows))
 
-    def delegate(model: str) -> tuple[ModelConfig | None, str]:
+    def delegate(model: str) -> ModelConfig:
         cfg = rt.config.models.get(model)
         if cfg is None:
-            return None, f"ERROR: unknown model '{model}'. Models: {', '.join(rt.config.models)} (llm_list)."
+            raise ToolError(f"unknown model '{model}'. Models: {', '.join(rt.config.models)} (llm_list).")
         if not cfg.tool_call_available:
-            return None, (f"ERROR: model '{model}' does not accept delegation (tool_call_available is false). "
-                          f"Pick another model from llm_list, or the user can enable it with !llm_call {model} true.")
-        return cfg, ""
+            raise ToolError(f"model '{model}' does not accept delegation (tool_call_available is false). "
+                            f"Pick another model from llm_list, or the user can enable it with !llm_call {model} true.")
+        return cfg
 
     async def llm_clean_text(model: str, prompt: str) -> str:
-        cfg, error = delegate(model)
-        if cfg is None:
-            return error
+        cfg = delegate(model)
         try:
             llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
             async with asyncio.timeout(cfg.llm_call_timeout):
@@ -255,7 +255,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return f"ERROR: llm_clean_text: {describe_llm_error(exc, model, cfg)}"
+            raise ToolError(f"llm_clean_text: {describe_llm_error(exc, model, cfg)}") from None
         return models.content_text(reply.content)
 
     def tool_instructions(tool: StructuredTool) -> str:
@@ -267,14 +267,12 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         return f"Call the tool {tool.name} once to do what the user asks. {tool.description}"
 
     async def llm_clean_tool(model: str, tool: str, arguments: str) -> str:
-        cfg, error = delegate(model)
-        if cfg is None:
-            return error
+        cfg = delegate(model)
         target = rt.tools.get(tool)
         if target is None:
-            return f"ERROR: unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}"
+            raise ToolError(f"unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}")
         if tool in NOT_DELEGABLE:
-            return f"ERROR: {tool} cannot be delegated; call it yourself."
+            raise ToolError(f"{tool} cannot be delegated; call it yourself.")
         llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
@@ -283,7 +281,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return f"ERROR: llm_clean_tool: {describe_llm_error(exc, model, cfg)}"
+            raise ToolError(f"llm_clean_tool: {describe_llm_error(exc, model, cfg)}") from None
         said = models.content_text(first.content)
         native = [c for c in first.tool_calls if c["name"] == tool]
         calls = native or try_force_tool_calls(said, {tool: target})[0]
