@@ -10,21 +10,22 @@ The chat models and their calls are `models.py`; what a failure means, `llm_erro
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from langchain_core.messages import AIMessageChunk, SystemMessage
+from langchain_core.messages import AIMessageChunk, BaseMessage, SystemMessage
 from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 import budget
 import gate
 import state
-from config import MAX_TOOL_ITERATIONS, ModelConfig
+from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
 from models import chat_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
 from state import trim_history
@@ -39,9 +40,21 @@ from text_calls import (
     tool_manifest,
     without_spans,
 )
-from tool_calls import execute_tool, preview
+from tool_calls import ToolOutcome, execute_tool, preview
+
+if TYPE_CHECKING:
+    from prompt import PromptTree
+    from registry import ToolRegistry
 
 logger = logging.getLogger("agent_mcp.agents")
+
+#: One streamed model call with the session's stream and the telemetry bound (models.stream_once):
+#: (model, its config, the messages, the session's client id, the text-call filter) → the reply.
+ModelCall = Callable[[Any, ModelConfig, list[BaseMessage], str, TextCallFilter | None], Awaitable[AIMessageChunk]]
+#: One tool call through the pipeline (tool_calls.execute_tool): (turn, tool name, arguments) → its outcome.
+ToolCall = Callable[[state.Turn, str, dict[str, Any]], Awaitable[ToolOutcome]]
+#: A line for a session's status stream: (client id, text).
+Status = Callable[[str, str], None]
 
 
 # ── The loop ────────────────────────────────────────────────────────────────────────────────
@@ -66,16 +79,14 @@ class Request:
     notes: set[str] = field(default_factory=set)
 
     @classmethod
-    async def build(cls, rt: state.Runtime, key: str, tools: list[StructuredTool]) -> Request:
+    def build(cls, cfg: ModelConfig, prompt: PromptTree, tools: list[StructuredTool], window: int) -> Request:
         """The system prompt for these tools (in `text` tool mode with their manifest; in `native` mode
-        their schemas travel beside it) and its size."""
-        cfg = rt.config.models[key]
+        their schemas travel beside it) and its size, for a model with this context `window`."""
         native = cfg.tool_mode == "native"
-        system = rt.prompt.assemble(t.name for t in tools) + (
+        system = prompt.assemble(t.name for t in tools) + (
             "\n" + tool_manifest(tools) if tools and not native else ""
         )
         count, _ = budget.counter_for(cfg)
-        window, _ = await model_window(rt.windows, key, cfg)
         schemas = sum(count(json.dumps(convert_to_openai_tool(t), ensure_ascii=False)) for t in tools) if native else 0
         return cls(cfg, system, budget.MESSAGE_OVERHEAD + count(system) + schemas, window, count)
 
@@ -87,11 +98,11 @@ class Request:
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, rt: state.Runtime, llm: Any, session: state.Session, hold: TextCallFilter | None,
-                   final: _Final | None = None) -> AIMessageChunk:
-        """One model call with the fitted history; when the backend still says the context was exceeded,
-        once more with a tighter budget. With `final`, the history goes as plain conversation (no tool
-        calls, no tool messages) followed by the request for the final answer."""
+    async def send(self, call: ModelCall, status: Status, llm: Any, session: state.Session,
+                   hold: TextCallFilter | None, final: _Final | None = None) -> AIMessageChunk:
+        """One model call (`call`) with the fitted history, any shortening told by `status`; when the backend
+        still says the context was exceeded, once more with a tighter budget. With `final`, the history goes
+        as plain conversation (no tool calls, no tool messages) followed by the request for the final answer."""
         tighter = 1.0
         while True:
             # The final request is fitted as sent: its question and results, not the turn's calls it replaces.
@@ -99,26 +110,26 @@ class Request:
             note = fitted.note()
             if note and note not in self.notes:  # each new shortening once per turn
                 self.notes.add(note)
-                rt.hub.status(session.client_id, note)
+                status(session.client_id, note)
             history = fitted.history
             context = [SystemMessage(self.system), *to_lc_messages(history)]
             try:
-                return await stream_once(llm, self.cfg, context, session.client_id, rt.hub.tok, rt.metrics,
-                                         rt.tracing, hold)
+                return await call(llm, self.cfg, context, session.client_id, hold)
             except Exception as exc:
                 if tighter < 1 or not overflowed(exc):
                     raise
                 tighter = budget.RETRY_SHARE
-                rt.hub.status(session.client_id, "[context] the backend said the request exceeds its context window: "
-                                                 "sending it again with less history (the stored history is unchanged)")
+                status(session.client_id, "[context] the backend said the request exceeds its context window: "
+                                          "sending it again with less history (the stored history is unchanged)")
 
 
-async def context_report(rt: state.Runtime, session: state.Session) -> str:
+async def context_report(session: state.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
+                         windows: dict[str, tuple[int, str]]) -> str:
     """For `!model`: the session model's window, where it comes from, and the size of its next request."""
-    key = session.model if session.model in rt.config.models else rt.config.default_model
-    cfg = rt.config.models[key]
-    window, source = await model_window(rt.windows, key, cfg)
-    request = await Request.build(rt, key, rt.tools.for_model(cfg))
+    key = session.model if session.model in config.models else config.default_model
+    cfg = config.models[key]
+    window, source = await model_window(windows, key, cfg)
+    request = Request.build(cfg, prompt, tools.for_model(cfg), window)
     line = f"Context of '{key}': {window:,}-token window ({source}), {cfg.answer_share:.0%} kept for the answer"
     try:
         fitted = request.fit(session.history)
@@ -190,11 +201,14 @@ class _Loop:
     """What every round of one LLM turn shares: the model with its tools, the calls made so far, and
     why the turn must end with a final answer without tools (`finish`), once that is so."""
 
-    rt: state.Runtime
     turn: state.Turn
     session: state.Session
-    key: str
-    bound: Any
+    hub: state.EventHub  # the session's stream: answer tokens and status lines
+    model_call: ModelCall
+    run_tool: ToolCall
+    prompt: PromptTree
+    llm: Any  # the model without tools, for the final answer
+    bound: Any  # the model with the turn's tools bound (native tool mode)
     tools: list[StructuredTool]
     request: Request
     #: Signature of each tool call made in this turn → its result (an identical call is not run again).
@@ -215,13 +229,13 @@ class _Loop:
         signature = call_signature(name, args)
         if signature in self.done:
             self.repeats += 1
-            self.rt.hub.status(
+            self.hub.status(
                 self.turn.client_id, f"[{name} ↺] identical call already made in this turn; not run again"
             )
             if self.repeats >= REPEATS_BEFORE_FINAL:
                 self.finish = f"the model repeated its call of {name}"
             return REPEAT_NOTE.format(name=name, result=preview(self.done[signature], 2000)), True
-        outcome = await execute_tool(self.rt, self.turn, name, args)
+        outcome = await self.run_tool(self.turn, name, args)
         if outcome.status == "invalid":
             return outcome.text, False
         self.done[signature] = outcome.text
@@ -235,19 +249,27 @@ class _Loop:
             self.finish = f"{what} again after being told how to call"
             return False
         self.corrected = True
-        self.rt.hub.status(self.turn.client_id, f"[tools] {what}; told the model once how to call")
+        self.hub.status(self.turn.client_id, f"[tools] {what}; told the model once how to call")
         return True
 
 
 async def _prepare(rt: state.Runtime, turn: state.Turn, session: state.Session, key: str) -> _Loop:
-    """The model of a turn with the tools it may call bound (none when its router says no)."""
+    """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
+    says no), and the pieces of the runtime the rounds use."""
     cfg = rt.config.models[key]
     llm = chat_model(rt.llms, rt.config, key, rt.metrics.on or rt.tracing.on)
     tools = rt.tools.for_model(cfg)
     if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
         tools = []
     bound = llm.bind_tools(tools) if tools and cfg.tool_mode == "native" else llm
-    return _Loop(rt, turn, session, key, bound, tools, await Request.build(rt, key, tools))
+    window, _ = await model_window(rt.windows, key, cfg)
+
+    async def model_call(llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
+                         hold: TextCallFilter | None) -> AIMessageChunk:
+        return await stream_once(llm, cfg, context, client_id, rt.hub.tok, rt.metrics, rt.tracing, hold)
+
+    return _Loop(turn, session, rt.hub, model_call, functools.partial(execute_tool, rt), rt.prompt, llm, bound,
+                 tools, Request.build(cfg, rt.prompt, tools, window))
 
 
 def _new_call_id() -> str:
@@ -282,15 +304,15 @@ def _is_json(text: str) -> bool:
 
 async def _round(loop: _Loop) -> str | None:
     """One model call and the tool calls it asks for; the answer text when it asked for none."""
-    rt, history, client_id = loop.rt, loop.session.history, loop.turn.client_id
+    hub, history, client_id = loop.hub, loop.session.history, loop.turn.client_id
     by_name = loop.by_name
     hold = TextCallFilter() if by_name else None
-    reply = await loop.request.send(rt, loop.bound, loop.session, hold)
+    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, hold)
     text = content_text(reply.content)
     calls, broken = _native_calls(reply)
     if hold is not None:
         found = find_text_calls(text, by_name) if not calls and not broken else TextCalls()
-        rt.hub.tok(client_id, hold.finish(found.spans + found.bad_spans if found.calls or found.problems else []))
+        hub.tok(client_id, hold.finish(found.spans + found.bad_spans if found.calls or found.problems else []))
         if found.calls or found.problems:
             return await _text_round(loop, text, found)
     if not calls and not broken:
@@ -299,7 +321,7 @@ async def _round(loop: _Loop) -> str | None:
             return None
         named = described_tool(text, by_name) if by_name and not loop.done and not loop.corrected else None
         if named and loop.strike(f"the model named {named} instead of calling it"):
-            rt.hub.tok(client_id, "\n\n")  # what it said stays on screen; the answer follows apart
+            hub.tok(client_id, "\n\n")  # what it said stays on screen; the answer follows apart
             history.append({"role": "assistant", "content": text})
             history.append({"role": "user", "tool_results": True, "content": correction(
                 [f"you named {named} but did not call it"], loop.tools, loop.request.cfg.tool_mode == "text",
@@ -353,34 +375,33 @@ def _last_resort(loop: _Loop) -> str:
 async def _final_answer(loop: _Loop) -> str:
     """One more model call, without tools and without the text-call instructions, for the final answer
     from what the tools returned; it becomes the turn's assistant message."""
-    rt, client_id = loop.rt, loop.turn.client_id
-    rt.hub.status(client_id, f"[final answer] {loop.finish}: asked it once more, without tools, "
-                             "for the answer from the tool results")
-    request = await Request.build(rt, loop.key, [])
+    hub, client_id = loop.hub, loop.turn.client_id
+    hub.status(client_id, f"[final answer] {loop.finish}: asked it once more, without tools, "
+                          "for the answer from the tool results")
+    request = Request.build(loop.request.cfg, loop.prompt, [], loop.request.window)
     request.notes = loop.request.notes
     hold = TextCallFilter()
     final = _Final([(name, preview(result, FINAL_RESULT_CHARS)) for name, result in loop.results], loop.by_name)
     why = "the model wrote no answer"
     try:
-        llm = chat_model(rt.llms, rt.config, loop.key, rt.metrics.on or rt.tracing.on)
-        reply = await request.send(rt, llm, loop.session, hold, final)
+        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, hold, final)
     except ContextFull:
         reply, why = AIMessageChunk(content=""), "even the question and the tool results do not fit the window"
     text = content_text(reply.content)
     found = find_text_calls(text, loop.by_name) if loop.by_name else TextCalls()
     spans = found.spans + found.bad_spans if found.calls or found.problems else []
-    rt.hub.tok(client_id, hold.finish(spans))
+    hub.tok(client_id, hold.finish(spans))
     answer = without_spans(text, spans).strip()
     if not answer:
-        rt.hub.status(client_id, f"[final answer] {why}; showing what the tools returned")
+        hub.status(client_id, f"[final answer] {why}; showing what the tools returned")
         answer = _last_resort(loop)
-        rt.hub.tok(client_id, answer)
+        hub.tok(client_id, answer)
     loop.session.history.append({"role": "assistant", "content": answer})
     return answer
 
 
-async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
-    """Run the tool-calling loop of `turn` on model `key`; return the final answer text.
+async def agentic_lc(loop: _Loop) -> str:
+    """Run the tool-calling loop of a turn (`_prepare`); return the final answer text.
 
     Messages of the turn (assistant tool calls, tool results, the answer) are appended to the
     session's history as they happen; the caller rolls them back if the turn fails. With the
@@ -389,8 +410,6 @@ async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
     `MAX_TOOL_ITERATIONS` rounds is asked once more without tools: every turn ends with an answer
     unless the model fails outright.
     """
-    assert turn.session is not None
-    loop = await _prepare(rt, turn, turn.session, key)
     for _ in range(MAX_TOOL_ITERATIONS):
         try:
             answer = await _round(loop)
@@ -428,7 +447,7 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     try:
         with rt.metrics.turn(turn.kind, key), rt.tracing.span("invoke_agent agent-mcp", attributes) as span:
             rt.tracing.text(span, "gen_ai.input.messages", text)
-            rt.tracing.text(span, "gen_ai.output.messages", await agentic_lc(rt, turn, key))
+            rt.tracing.text(span, "gen_ai.output.messages", await agentic_lc(await _prepare(rt, turn, session, key)))
     except asyncio.CancelledError:
         # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
         del session.history[mark + 1 if rt.closing else mark:]

@@ -71,7 +71,8 @@ async def cmd_model(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     """!model [key] — list models / switch this session's model"""
     session = turn.session
     if not args:
-        return _models_list(rt, session.model) + "\n\n" + await agents.context_report(rt, session)
+        report = await agents.context_report(session, rt.config, rt.prompt, rt.tools, rt.windows)
+        return _models_list(rt, session.model) + "\n\n" + report
     if args not in rt.config.models:
         return (f"ERROR: Unknown model '{args}'\nAvailable models: {', '.join(rt.config.models)}\n"
                 "Use !model to list all models")

@@ -68,7 +68,8 @@ async def run(repeat: int) -> None:
             print("|---|---|---|---|---|---|---|---|---|")
             for key in ("local", "gpt"):
                 cfg = rt.config.models[key]
-                request = await agents.Request.build(rt, key, rt.tools.for_model(cfg))
+                window, _ = await models.model_window(rt.windows, key, cfg)
+                request = agents.Request.build(cfg, rt.prompt, rt.tools.for_model(cfg), window)
                 past = history(50)
                 start = time.perf_counter()
                 fitted = request.fit(past)  # first count of every message
