@@ -19,10 +19,12 @@ import httpx2
 import openai
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.ai import add_ai_message_chunks
 from langchain_core.tools import StructuredTool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 import budget
+import chat_openai
 import tracing
 from config import AppConfig, ModelConfig, resolve_api_key
 from llm_errors import LLMError, describe_llm_error, failure_kind, llm_error_kind, retryable
@@ -58,22 +60,24 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
     if cfg.type == "OPENAI":
         from langchain_openai import ChatOpenAI
 
-        llm = ChatOpenAI(
+        # Streamed through the SDK's raw path: no pydantic object per chunk, no request transform (chat_openai).
+        llm = chat_openai.raw_streams(ChatOpenAI(
             model=cfg.model_id,
             base_url=cfg.host,
             api_key=api_key,
             streaming=True,
             timeout=cfg.llm_call_timeout,
-            # LangChain's own clock between streamed chunks (120 s by default) would cut a slow local
-            # model's prompt processing short of llm_call_timeout; stream_once keeps the same clock.
-            stream_chunk_timeout=cfg.llm_call_timeout,
+            # No LangChain clock between streamed chunks: its default of 120 s would cut a slow local model's
+            # prompt processing short of llm_call_timeout, and any value wraps every chunk in a task of its
+            # own (asyncio.wait_for). stream_once keeps that clock, llm_call_timeout per chunk.
+            stream_chunk_timeout=None,
             max_retries=0,  # stream_once retries, and never after a timeout (see there)
             # Token counts in the stream (stream_options.include_usage) only when metrics or traces want them.
             **({"stream_usage": True} if usage else {}),
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
             http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
             **sampling,
-        )
+        ))
     else:
         from langchain_google_genai import ChatGoogleGenerativeAI
 
@@ -148,8 +152,9 @@ async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: l
         return httpx.Response(200, content=_DRY_ANSWER, headers={"content-type": "text/event-stream"})
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-        dry = ChatOpenAI(model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry", streaming=True,
-                         max_retries=0, http_async_client=http)
+        dry = chat_openai.raw_streams(ChatOpenAI(model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry",
+                                                 streaming=True, max_retries=0, stream_chunk_timeout=None,
+                                                 http_async_client=http))
         async for _ in (dry.bind_tools(tools) if tools else dry).astream(messages):
             pass
 
@@ -252,7 +257,7 @@ async def stream_once(
     async def attempt() -> AIMessageChunk:
         nonlocal streamed
         streamed_text = False
-        full: AIMessageChunk | None = None
+        chunks: list[AIMessageChunk] = []
         # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
         # without ever producing a token is cut off too.
         async with asyncio.timeout(cfg.llm_call_timeout) as limit:
@@ -265,10 +270,11 @@ async def stream_once(
                         streamed_text = True
                         metrics.first_answer_token()
                     tok(client_id, hold.feed(text) if hold else text)
-                full = chunk if full is None else full + chunk
-        if full is None:
+                chunks.append(chunk)
+        if not chunks:
             raise LLMError("the backend closed the stream without sending anything")
-        return full
+        # One merge at the end (LangChain's own n-way merge), not a new merged message per chunk.
+        return add_ai_message_chunks(chunks[0], *chunks[1:]) if len(chunks) > 1 else chunks[0]
 
     def log_retry(state_: RetryCallState) -> None:
         exc = state_.outcome.exception() if state_.outcome else None

@@ -8,7 +8,7 @@ OpenAI backend (tests/fakes, 32 tokens per answer) and reads the server's CPU ti
 1. history: turns on sessions holding 10 / 100 / 1,000 messages (seeded into the SQLite store),
    the model's context window large enough that the fit keeps all of them (so the fit counts every
    message each turn); server CPU per turn, and the whole turn against the same request (same
-   history) sent to the fake backend directly with ChatOpenAI.
+   history) sent to the fake backend directly with ChatOpenAI set up as the server sets it up.
 2. sessions: 100 / 10,000 / 100,000 sessions seeded into the SQLite store with SQL (a few
    messages each; the shell class's cap raised so that none is evicted); start-up time, RSS, a new
    session's first turn, a turn on an existing session, and `!session` (the list of all).
@@ -110,6 +110,7 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
     from langchain_openai import ChatOpenAI
 
+    from chat_openai import raw_streams
     from config import DEFAULTS_DIR
     from prompt import PromptTree
 
@@ -119,7 +120,8 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
     seed(cfg.path / "data" / "sessions.sqlite3", [(f"hist{n}", history(n)) for n in sizes])
     server, _ = start(cfg)
     pid = server.proc.pid  # type: ignore[union-attr]
-    llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
+    llm = raw_streams(ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
+                                 max_retries=0, stream_chunk_timeout=None))
     system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
     paths = {n: ServerPath(server.url, TOKEN, f"hist{n}") for n in sizes}
     msgs = {n: [SystemMessage(system)] + [(HumanMessage if m["role"] == "user" else AIMessage)(m["content"])
@@ -175,15 +177,13 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
 
 async def library_cost(llm: Any, messages: list[Any], rounds: int = 20) -> float:
     """CPU seconds the libraries the server uses spend building one request with these messages
-    (LangChain's payload, the openai SDK's request transform, the JSON body), in this process."""
-    from openai._utils import async_maybe_transform
-    from openai.types.chat import completion_create_params
+    (LangChain's payload and the JSON body; the openai SDK's request transform is skipped since
+    chat_openai.raw_streams), in this process."""
+    from openai._utils._json import openapi_dumps
 
     began = time.process_time()
     for _ in range(rounds):
-        payload = llm._get_request_payload(messages)
-        body = await async_maybe_transform(payload, completion_create_params.CompletionCreateParamsStreaming)
-        json.dumps(body)
+        openapi_dumps(llm._get_request_payload(messages))
     return (time.process_time() - began) / rounds
 
 

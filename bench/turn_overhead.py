@@ -4,7 +4,8 @@
 Both paths run in the same process run, interleaved round by round, against one instant fake
 OpenAI backend (32 tokens per answer):
 
-  direct: `ChatOpenAI.astream` (the same LangChain client the server uses) → fake backend
+  direct: `ChatOpenAI.astream`, set up as the server sets it up (chat_openai.raw_streams, no
+          per-chunk clock of LangChain's) → fake backend
   server: POST /submit → agent-mcp (subprocess) → ChatOpenAI.astream → fake → SSE `tok` … `done`
 
 It reports median and p95 of time to first token and of the whole turn (submit → done) for both,
@@ -38,6 +39,7 @@ from langchain_openai import ChatOpenAI
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from chat_openai import raw_streams  # noqa: E402
 from config import DEFAULTS_DIR  # noqa: E402
 from prompt import PromptTree  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, openai_model  # noqa: E402
@@ -155,7 +157,8 @@ async def run(args: argparse.Namespace) -> None:
                 servers.append(Server(name, AgentServer(cfg.write(), code=code).start()))
                 if pinned:
                     os.sched_setaffinity(servers[-1].pid, {1})
-            llm = ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True, max_retries=0)
+            llm = raw_streams(ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
+                                         max_retries=0, stream_chunk_timeout=None))
             system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
             for s in servers:
                 await s.path.open()
