@@ -81,12 +81,12 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         rt.gate.grants.link = link
         rt.signals = shared.Signals(link)
         for what in ("cancel", "stop"):
-            rt.signals.on(what, functools.partial(routes.signalled, rt, what))
+            rt.signals.on(what, functools.partial(routes.signalled, rt.active_tasks, rt.hub, what))
         rt.signals.start()
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
-    sessions.interrupted = functools.partial(routes.interrupted, rt)
+    sessions.interrupted = functools.partial(routes.interrupted, rt.hub)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
