@@ -90,10 +90,25 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
-    for name, handler in {**commands.COMMANDS, **gate.COMMANDS}.items():
-        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     rt.plugins = PluginLoader(rt)
+    ctx = command_context(rt)
+    for name, handler in commands.COMMANDS.items():
+        rt.commands[name] = state.Command(functools.partial(handler, ctx), usage=state.usage_of(handler))
+    for name, handler in gate.COMMANDS.items():
+        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     return rt
+
+
+def command_context(rt: state.Runtime) -> commands.Context:
+    """The pieces of the runtime the server's own `!commands` use (looked up at each call where a test or a
+    reload may replace them: the rate limiter; routes.delete_session, which tests watch)."""
+    return commands.Context(
+        config=rt.config, sessions=rt.sessions, prompt=rt.prompt, tools=rt.tools, commands=rt.commands,
+        plugins=rt.plugins, gate=rt.gate,
+        delete_session=lambda client_id: routes.delete_session(rt, client_id),
+        context_report=functools.partial(agents.context_report, rt),
+        close_models=functools.partial(agents.close_models, rt),
+        reenable=lambda client_id, tool_type: rt.rate_limiter.reenable(client_id, tool_type))
 
 
 #: The plugin that serves /metrics; metrics are collected only while it is enabled.

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -361,51 +361,63 @@ def interrupted(hub: state.EventHub, client_id: str, turn_id: str, message: str 
 
 
 async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+    """Answer the request: its `!command` lines, and its other text with an LLM turn. The one step past
+    `process_request` that keeps the runtime, which the agent loop (agents.dispatch_llm) takes."""
+
+    async def command(line: str) -> None:
+        out = await run_command(rt.commands, turn, line)
+        rt.hub.tok(turn.client_id, out if turn.may_administer else gate.without_locations(rt, out))
+
+    async def llm(words: str) -> None:
+        asked = _at_model(rt.config.models, turn, words)
+        if isinstance(asked, str):
+            rt.hub.tok(turn.client_id, asked)
+        else:
+            await agents.dispatch_llm(rt, *asked)
+
     stripped = text.strip()
     lines = text.split("\n")
     command_lines = [line.strip() for line in lines if line.lstrip().startswith("!")]
     if len(command_lines) > 1:
         # A batch: every `!` line runs in order, the remaining lines (if any) go to the model.
         for line in command_lines:
-            await run_command(rt, turn, line)
+            await command(line)
             rt.hub.tok(turn.client_id, "\n")
         rest = "\n".join(line for line in lines if not line.lstrip().startswith("!")).strip()
         if rest:
-            await _llm_turn(rt, turn, rest)
+            await llm(rest)
         return
     if stripped.startswith("!"):
-        await run_command(rt, turn, stripped)
+        await command(stripped)
         return
     if not stripped:
         rt.hub.error(turn.client_id, "empty message: type a question or !help")
         return
-    await _llm_turn(rt, turn, stripped)
+    await llm(stripped)
 
 
-async def _llm_turn(rt: state.Runtime, turn: state.Turn, text: str) -> None:
-    """An LLM turn on the turn's model (default: the session's), or on a leading `@model` for this
-    turn only: then, from the interactive shell, its tool calls also skip the human gate."""
+def _at_model(models: Collection[str], turn: state.Turn, text: str) -> tuple[state.Turn, str] | str:
+    """The turn and text of an LLM turn on the turn's model (default: the session's), or on a leading
+    `@model` for this turn only: then, from the interactive shell, its tool calls also skip the human
+    gate. An unknown `@model`: what the client is told instead."""
     if not text.startswith("@"):
-        await agents.dispatch_llm(rt, turn, text)
-        return
+        return turn, text
     first, _, rest = text.partition(" ")
     key = first[1:]
-    if key not in rt.config.models:
+    if key not in models:
         # Paragraphs, not lines: chat apps and shell.py render an answer as Markdown, which joins single lines.
-        rt.hub.tok(turn.client_id, f"ERROR: Unknown model '@{key}'.\n\nAvailable models: {', '.join(rt.config.models)}"
-                                   f"\n\nFor example: @{next(iter(rt.config.models))} {rest.strip() or 'hello'}")
-        return
-    await agents.dispatch_llm(rt, dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip())
+        return (f"ERROR: Unknown model '@{key}'.\n\nAvailable models: {', '.join(models)}"
+                f"\n\nFor example: @{next(iter(models))} {rest.strip() or 'hello'}")
+    return dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip()
 
 
-async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
-    """Run one `!command` line and send its output; unknown commands never reach the model."""
+async def run_command(commands: Mapping[str, state.Command], turn: state.Turn, line: str) -> str:
+    """Run one `!command` line of `turn`: the text its client is shown (unknown commands never reach the model)."""
     name, _, args = line.lstrip("!").partition(" ")
     name = name.strip().lower()
-    command = rt.commands.get(name)
+    command = commands.get(name)
     if command is None:
-        rt.hub.tok(turn.client_id, f"Unknown command: !{name}\nUse !help to see available commands.\n")
-        return
+        return f"Unknown command: !{name}\nUse !help to see available commands.\n"
     try:
         out = await command.handler(turn, args.strip())
     except asyncio.CancelledError:
@@ -413,5 +425,4 @@ async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
     except Exception as exc:
         logger.exception("command !%s failed", name)
         out = f"ERROR: !{name} failed: {type(exc).__name__}: {exc}"
-    text = str(out) if out is not None else ""
-    rt.hub.tok(turn.client_id, text if turn.may_administer else gate.without_locations(rt, text))
+    return str(out) if out is not None else ""
