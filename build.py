@@ -15,6 +15,7 @@ import commands
 import gate
 import grants
 import metrics
+import models
 import routes
 import shared
 import state
@@ -106,8 +107,8 @@ def command_context(rt: state.Runtime) -> commands.Context:
         config=rt.config, sessions=rt.sessions, prompt=rt.prompt, tools=rt.tools, commands=rt.commands,
         plugins=rt.plugins, gate=rt.gate,
         delete_session=lambda client_id: routes.delete_session(rt, client_id),
-        context_report=functools.partial(agents.context_report, rt),
-        close_models=functools.partial(agents.close_models, rt),
+        context_report=lambda session: agents.context_report(session, rt.config, rt.prompt, rt.tools, rt.windows),
+        close_models=functools.partial(models.close_models, rt.llms),
         reenable=lambda client_id, tool_type: rt.rate_limiter.reenable(client_id, tool_type))
 
 
@@ -182,6 +183,6 @@ async def close_runtime(rt: state.Runtime) -> None:
     if rt.gate.grants is not None:
         await rt.gate.grants.close()
     await rt.sessions.close()  # last: with a shared store it closes the Redis connection the others use
-    await agents.close_models(rt)
+    await models.close_models(rt.llms)
     if rt.tracing.on:
         await asyncio.to_thread(rt.tracing.close)

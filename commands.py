@@ -39,7 +39,7 @@ class Context:
     delete_session: Callable[[str], Awaitable[state.Session | None]]
     #: agents.context_report: the session model's window and the size of its next request (`!model`).
     context_report: Callable[[state.Session], Awaitable[str]]
-    #: agents.close_models: drop the chat clients of these models (rebuilt at their next call).
+    #: models.close_models: drop the chat clients of these models (rebuilt at their next call).
     close_models: Callable[[list[str]], Awaitable[None]]
     #: The rate limiter's `reenable(client id, tool type)`.
     reenable: Callable[[str, str], Awaitable[bool]]

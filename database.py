@@ -466,14 +466,18 @@ class Database:
             logger.warning("could not kill MySQL thread %s: %s", thread_id, exc)
 
 
-async def query_text(db: Database, sql: str, access: state.DbAccess | None = None,
-                     observed: metrics.Metrics = metrics.OFF) -> str:
-    """Run `sql` with what `access` covers and return the text for the user or the model (results, or an
-    ERROR line first); the call is counted and timed in `observed`."""
+async def run_query(db: Database, sql: str, access: state.DbAccess | None = None,
+                    observed: metrics.Metrics = metrics.OFF) -> Outcome:
+    """Run `sql` with what `access` covers; the call is counted and timed in `observed`."""
     started = time.perf_counter()
     outcome = await db.run(sql, access)
     observed.db_query(outcome.error is None, time.perf_counter() - started)
-    return format_outcome(outcome)
+    return outcome
+
+
+async def query_text(db: Database, sql: str, access: state.DbAccess | None = None) -> str:
+    """Run `sql` with what `access` covers and return the text for the user (results, or an ERROR line first)."""
+    return format_outcome(await run_query(db, sql, access))
 
 
 def read_accounts(path: Path) -> dict[str, str]:

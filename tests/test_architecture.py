@@ -21,7 +21,8 @@ from tests.conftest import ROOT
 #: only modules before it.
 CORE = ("config", "secret_files", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt",
         "registry", "state", "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client",
-        "agents", "tools", "db_roles", "db_results", "database", "routes", "commands", "build")
+        "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
+        "commands", "build")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:
