@@ -108,7 +108,7 @@ def command_context(rt: state.Runtime) -> commands.Context:
         plugins=rt.plugins, gate=rt.gate,
         delete_session=lambda client_id: routes.delete_session(rt, client_id),
         context_report=lambda session: agents.context_report(session, rt.config, rt.prompt, rt.tools, rt.windows),
-        close_models=functools.partial(models.close_models, rt.llms),
+        close_models=lambda keys: models.close_models(rt.llms, keys),
         reenable=lambda client_id, tool_type: rt.rate_limiter.reenable(client_id, tool_type))
 
 
