@@ -832,7 +832,7 @@ class Runtime:
     llms: dict[str, Any] = field(default_factory=dict)
     #: client id → its requests that are running or waiting for the session.
     active_tasks: dict[str, set[asyncio.Task[None]]] = field(default_factory=dict)
-    #: Checks run by agents.execute_tool, in order, on validated arguments before the executor
+    #: Checks run by tool_calls.execute_tool, in order, on validated arguments before the executor
     #: (rate limit, then gate); see gate.ToolCheck.
     tool_checks: list[ToolCheck] = field(default_factory=list)
     started: float = field(default_factory=time.time)
