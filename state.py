@@ -42,6 +42,8 @@ EVENT_BUFFER = 2000
 LOST = "lost"
 #: Channels without subscribers kept for replay; beyond this the least recently used go.
 MAX_IDLE_CHANNELS = 1000
+#: The longest text unread `tok` events are joined into (EventHub.tok); a longer answer goes on in a new event.
+MAX_MERGED_TOK = 4096
 #: Seconds between two looks for turns whose instance died (shared stores; see SessionManager.recover).
 RECOVER_SECONDS = 1.0
 #: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
@@ -652,6 +654,24 @@ class _Channel:
         wake.set()
         return event
 
+    def extend_tok(self, text: str) -> Event | None:
+        """Append `text` to the newest event if it is a `tok` of the current turn that no subscriber has
+        been handed yet (and stays under MAX_MERGED_TOK): the merged event, else None.
+
+        Tokens published in one burst (the model's chunks that arrived together) then reach the
+        subscribers as one event: one JSON encoding, one SSE frame, one write per burst instead of
+        per token; a token nobody waits for is never held back (the first of a burst goes alone)."""
+        if not self.events:
+            return None
+        last = self.events[-1]
+        turn = _turn.get()
+        if (last.name != "tok" or last.id <= self.seen or last.turn != (turn.id if turn is not None else None)
+                or len(last.data["text"]) + len(text) > MAX_MERGED_TOK):
+            return None
+        event = self.events[-1] = Event(last.id, "tok", {"text": last.data["text"] + text}, last.turn)
+        self.touched = time.monotonic()
+        return event
+
     def after(self, cursor: int) -> Event | None:
         """The first buffered event with an id above `cursor` (skipping what fell out of the buffer)."""
         if cursor >= self.last_id or not self.events:
@@ -776,8 +796,16 @@ class EventHub:
 
     # Typed helpers, one per event kind of the wire contract.
     def tok(self, client_id: str, text: str) -> None:
-        if text:
+        """Answer text; joins the session's newest `tok` event while no subscriber has it yet (_Channel.extend_tok)."""
+        if not text:
+            return
+        # (A hub that publishes elsewhere, such as shared.RedisEventHub, keeps no channels here: nothing to join.)
+        ch = self._channels.get(client_id)
+        event = ch.extend_tok(text) if ch is not None else None
+        if event is None:
             self.publish(client_id, "tok", {"text": text})
+        elif self._observers:
+            self._notify(client_id, event)
 
     def status(self, client_id: str, text: str) -> None:
         self.publish(client_id, "status", {"text": text})

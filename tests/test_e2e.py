@@ -37,7 +37,8 @@ def test_shell_client_streams_openai_tokens_live_and_in_order(config_dir, fake_o
     hold = threading.Event()
     fake_openai.script(text("Once ", "upon ", "a ", "time.", hold=hold))
     events = asyncio.run(_first_token_before_backend_finishes(server, fake_openai, hold))
-    assert [e.text for e in events if e.name == "tok"] == ["Once ", "upon ", "a ", "time."]
+    # In order, the first live; the rest may come as fewer events (tokens no window had yet are joined).
+    assert "".join(e.text for e in events if e.name == "tok") == "Once upon a time." and events[0].text == "Once "
     assert [e.name for e in events][-1] == "done" and [e.name for e in events].count("done") == 1
     ids = [e.id for e in events]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
@@ -104,7 +105,7 @@ async def _two_windows_and_a_reconnect(server: AgentServer, hold: threading.Even
         await one.submit("count to four")
         hold.set()
         first, second = await asyncio.wait_for(asyncio.gather(*waiters), 20)
-        assert [e.text for e in first if e.name == "tok"] == ["one ", "two ", "three ", "four"]
+        assert "".join(e.text for e in first if e.name == "tok") == "one two three four"
         assert [(e.id, e.name, e.data) for e in first] == [(e.id, e.name, e.data) for e in second]
 
     # A client that reconnects with Last-Event-ID receives exactly the events it missed.

@@ -18,10 +18,36 @@ async def test_every_subscriber_gets_every_event():
     a, b = hub.subscribe("s"), hub.subscribe("s")
     first_a, first_b = asyncio.ensure_future(take(a, 3)), asyncio.ensure_future(take(b, 3))
     await asyncio.sleep(0)
-    hub.tok("s", "x"), hub.tok("s", "y"), hub.done("s")
+    hub.tok("s", "x"), hub.status("s", "working"), hub.tok("s", "y"), hub.done("s")
     ea, eb = await first_a, await first_b
-    assert [e.name for e in ea] == ["tok", "tok", "done"] and ea == eb
+    assert [e.name for e in ea] == ["tok", "status", "tok"] and ea == eb
     assert ea[0].id < ea[1].id < ea[2].id
+
+
+async def test_tokens_no_subscriber_has_yet_are_one_event():
+    """A burst of tokens reaches the subscribers as one event; a token some subscriber already has is never
+    changed, and nothing is held back: the first token of a burst is there at once."""
+    hub = state.EventHub()
+    sub = hub.subscribe("s")
+    reader = asyncio.ensure_future(anext(sub))
+    await asyncio.sleep(0)
+    hub.tok("s", "Once ")  # the reader waits: it is woken for this one
+    hub.tok("s", "upon ")
+    hub.tok("s", "a time.")
+    first = await reader
+    assert (first.name, first.data) == ("tok", {"text": "Once upon a time."})
+    hub.tok("s", " The")  # the reader has the last event: a new one
+    hub.tok("s", " end.")
+    with state.running(state.Turn("s", "t2", "shell")):  # another request's text: its own event
+        hub.tok("s", "!")
+    hub.done("s")
+    rest = await take(sub, 3)
+    assert [(e.name, e.data.get("text"), e.turn) for e in rest] == [("tok", " The end.", None), ("tok", "!", "t2"),
+                                                                    ("done", None, None)]
+    assert [e.id for e in [first, *rest]] == list(range(first.id, first.id + 4))  # ids stay consecutive
+    long = "x" * state.MAX_MERGED_TOK
+    hub.tok("s", long), hub.tok("s", "y")
+    assert [e.data["text"] for e in await take(sub, 2)] == [long, "y"]
 
 
 async def test_replay_after_last_event_id_is_exact():
@@ -45,7 +71,7 @@ async def test_without_last_event_id_unseen_events_are_delivered_once():
 async def test_buffer_is_bounded():
     hub = state.EventHub()
     for i in range(state.EVENT_BUFFER + 50):
-        hub.tok("s", str(i))
+        hub.status("s", str(i))
     got = await anext(hub.subscribe("s", 0))
     assert got.data["text"] == "50"
 
