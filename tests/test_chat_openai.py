@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx2
 import openai
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from chat_openai import RawCompletions, raw_streams
+from chat_openai import ChunkStream, RawCompletions, raw_streams
 from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -87,3 +89,44 @@ async def test_calls_it_does_not_stream_go_through_create(backend: FakeOpenAI) -
     backend.script(TextReply(("whole",)))
     reply = await raw.ainvoke(MESSAGES)
     assert reply.content == "whole" and backend.requests[-1].json.get("stream") is not True
+
+
+class _Body(httpx2.AsyncByteStream):
+    def __init__(self, pieces: list[bytes]):
+        self.pieces, self.read = pieces, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self.pieces:
+            self.read += 1
+            yield piece
+
+
+async def _chunks(pieces: list[bytes]) -> tuple[list[Any], _Body]:
+    body = _Body(pieces)
+    response = httpx2.Response(200, stream=body, request=httpx2.Request("POST", "http://x/v1/chat/completions"))
+    stream = ChunkStream(cast_to=object, response=response, client=openai.AsyncOpenAI(api_key="k"))
+    return [chunk async for chunk in stream], body
+
+
+def _event(content: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content}}]}).encode() + b"\n\n"
+
+
+async def test_the_stream_reads_what_the_sdks_decoder_reads() -> None:
+    """Events split anywhere, CRLF and CR line ends, comments, fields other than data, data over several lines."""
+    wire = (_event("a") + b": keepalive\n\n" + _event("b").replace(b"\n", b"\r\n") + b"event: message\nid: 7\n"
+            + b'data: {"choices": [{"index": 0,\ndata:  "delta": {"content": "c"}}]}\n\n'
+            + _event("d").replace(b"\n", b"\r") + b"data: [DONE]\n\n")
+    for size in (1, 2, 7, len(wire)):
+        got, _ = await _chunks([wire[i:i + size] for i in range(0, len(wire), size)])
+        assert [c["choices"][0]["delta"]["content"] for c in got] == ["a", "b", "c", "d"], size
+
+
+async def test_done_ends_the_stream_after_the_body_is_read() -> None:
+    got, body = await _chunks([_event("a"), b"data: [DONE]\n\n", _event("after"), b"trailing"])
+    assert [c["choices"][0]["delta"]["content"] for c in got] == ["a"] and body.read == 4  # drained: reusable
+
+
+async def test_an_error_object_in_the_stream_is_an_api_error() -> None:
+    with pytest.raises(openai.APIError, match="the model crashed"):
+        await _chunks([_event("a"), b'data: {"error": {"message": "the model crashed", "code": 500}}\n\n'])
