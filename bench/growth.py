@@ -121,7 +121,7 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
     server, _ = start(cfg)
     pid = server.proc.pid  # type: ignore[union-attr]
     llm = raw_streams(ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
-                                 max_retries=0, stream_chunk_timeout=None))
+                                 max_retries=1, stream_chunk_timeout=None))  # a stale pooled connection
     system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
     paths = {n: ServerPath(server.url, TOKEN, f"hist{n}") for n in sizes}
     msgs = {n: [SystemMessage(system)] + [(HumanMessage if m["role"] == "user" else AIMessage)(m["content"])

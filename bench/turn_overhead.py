@@ -158,7 +158,7 @@ async def run(args: argparse.Namespace) -> None:
                 if pinned:
                     os.sched_setaffinity(servers[-1].pid, {1})
             llm = raw_streams(ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
-                                         max_retries=0, stream_chunk_timeout=None))
+                                         max_retries=1, stream_chunk_timeout=None))  # a stale pooled connection
             system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
             for s in servers:
                 await s.path.open()
