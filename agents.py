@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 import budget
+import client_classes
 import failures
 import gate
 import state
@@ -389,7 +390,7 @@ async def _run_tool(rt: state.Runtime, turn: state.Turn, tool: StructuredTool, a
     if text.startswith("ERROR"):  # a tool reports its own failures as results (STYLE 5)
         failed = True
         # The model (and whoever reads its answers) learns what failed, never where: the log keeps it.
-        hidden = gate.without_locations(rt, text)
+        hidden = client_classes.without_locations(rt, text)
         if hidden != text:
             logger.warning("tool %s for %s: %s", name, client_id, text)
         text = hidden
@@ -908,9 +909,9 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
         del session.history[mark:]
         message = describe_llm_error(exc, key, cfg)
         logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
-        if not gate.may_administer(turn):
+        if not client_classes.may_administer(turn):
             # Proxy, Slack and API users learn what failed, not where the backends live.
-            message = gate.without_locations(rt, message)
+            message = client_classes.without_locations(rt, message)
         rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import audit_log
 import grants
 import shared
 import state
@@ -291,8 +292,8 @@ class FeedEvent:
 
 
 def audit_detail(gate: RoutedGate, closing: Closing) -> str:
-    """The audit record's `detail` of a routed gate's decision (grants.routed_detail)."""
-    return grants.routed_detail(gate.approvers, gate.client_class, closing.by, closing.channel, closing.waited)
+    """The audit record's `detail` of a routed gate's decision (audit_log.routed_detail)."""
+    return audit_log.routed_detail(gate.approvers, gate.client_class, closing.by, closing.channel, closing.waited)
 
 
 # ── The desk ────────────────────────────────────────────────────────────────────────────────

@@ -11,10 +11,13 @@ from collections.abc import Mapping
 import agents
 import approvals
 import audit_chain
+import client_classes
 import commands
 import gate
+import gate_commands
 import grants
 import metrics
+import rate_limits
 import routes
 import shared
 import state
@@ -44,7 +47,8 @@ def event_buffer(env: Mapping[str, str]) -> int:
 async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
-    rules = approvals.ApprovalRules(config.enabled.approvals, gate.CLASSES, [gate.SHELL])  # before anything opens
+    # Before anything opens:
+    rules = approvals.ApprovalRules(config.enabled.approvals, client_classes.CLASSES, [client_classes.SHELL])
     sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                                     session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
@@ -69,7 +73,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     except BaseException:
         await sessions.close()
         raise
-    rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    rt.rate_limiter = rate_limits.RateLimiter(config.enabled.rate_limits)
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
         rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
@@ -89,8 +93,8 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.interrupted = functools.partial(routes.interrupted, rt)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
-    rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
-    for name, handler in {**commands.COMMANDS, **gate.COMMANDS}.items():
+    rt.tool_checks += [rt.rate_limiter.check, gate.check_human_gate]  # rate limit first, then the human
+    for name, handler in {**commands.COMMANDS, **gate_commands.COMMANDS}.items():
         rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     rt.plugins = PluginLoader(rt)
     return rt
@@ -137,20 +141,20 @@ def observability(rt: state.Runtime) -> tuple[metrics.Metrics, tracing.Tracing]:
 
 def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
                    ) -> state.SessionPolicy:
-    """The session bounds of plugins-enabled.json `sessions`, per client class (`gate.session_class`,
+    """The session bounds of plugins-enabled.json `sessions`, per client class (`client_classes.session_class`,
     with the client-id `namespaces` the runtime's plugins declare)."""
-    unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
+    unknown = sorted(set(bounds.classes) - set(client_classes.CLIENT_LABELS))
     if unknown:
         logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
-                       "session; the classes are %s", ", ".join(unknown), ", ".join(gate.CLIENT_LABELS))
+                       "session; the classes are %s", ", ".join(unknown), ", ".join(client_classes.CLIENT_LABELS))
 
     def limits(kind: str) -> state.SessionLimits:
-        limit = bounds.limit(kind, interactive=kind == gate.SHELL)
+        limit = bounds.limit(kind, interactive=kind == client_classes.SHELL)
         idle = None if limit.idle_days is None else limit.idle_days * 86400
         return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
 
     def classify(session: state.Session) -> str:
-        return gate.session_class(namespaces or {}, session)
+        return client_classes.session_class(namespaces or {}, session)
 
     return state.SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
                                max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)

@@ -1,4 +1,4 @@
-"""The server's own `!commands` (the gate commands live beside the gate keeper, in gate.py).
+"""The server's own `!commands` (the gate commands live in gate_commands.py).
 
 Each handler takes (rt, turn, args) and returns the text the client is shown; the first line of
 its docstring (`!name [args] — what it does`) is its line in `!help`.
@@ -10,10 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import agents
+import client_classes
 import gate
 import state
 from config import ConfigError, save_model_fields
-from gate import parse_bool
+from gate_commands import parse_bool
 from prompt import PromptError
 from routes import delete_session
 from tools import AGENT_CALL_STREAM
@@ -96,7 +97,7 @@ async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     """
     session = turn.session
     parts = args.split()
-    everyone = gate.may_administer(turn)
+    everyone = client_classes.may_administer(turn)
     await rt.sessions.refresh()  # with several instances: theirs too, as they are now
     if not parts:
         rows = [
@@ -197,8 +198,8 @@ async def _change_models(
     value = parse(parts[-1]) if len(parts) in (1, 2) else None
     if value is None:
         return f"ERROR: Invalid arguments\nUsage: {usage}", None
-    if not gate.may_administer(turn):
-        return gate.refusal(command, turn), None
+    if not client_classes.may_administer(turn):
+        return client_classes.refusal(command, turn), None
     keys = list(rt.config.models) if len(parts) == 1 else [parts[0]]
     note = await _set_model_field(rt, keys, field, value)
     who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
@@ -246,7 +247,7 @@ async def cmd_stream(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return "agent_call streaming disabled — only the final result of agent_call is shown (as a tool result)."
 
 
-#: The server's own `!commands` besides the gate commands (gate.COMMANDS): name → handler (rt, turn, args).
+#: The server's own `!commands` besides the gate commands (gate_commands.COMMANDS): name → handler (rt, turn, args).
 COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
     "help": cmd_help, "model": cmd_model, "reset": cmd_reset, "session": cmd_session,
     "tool_preview_length": cmd_tool_preview_length, "sysprompt": cmd_sysprompt,

@@ -2,7 +2,7 @@
 
 Every front door (shell.py, the API, the proxy, Slack, swarm calls) hands its text to
 `submit()` / `process_request()`, which builds the request's `state.Turn` once and passes it down;
-commands are answered here (handlers in commands.py and gate.py), everything else becomes an LLM
+commands are answered here (handlers in commands.py and gate_commands.py), everything else becomes an LLM
 turn (agents.py). The runtime is assembled in build.py; HTTP helpers of the client plugins are in
 plugins/_http.py.
 Each request ends with exactly one `done` event on the session's stream, except a request
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import agents
-import gate
+import client_classes
 import state
 
 logger = logging.getLogger("agent_mcp.routes")
@@ -113,7 +113,8 @@ async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     await _cancel_here(rt, client_id, STOPPED)
     for task in tasks:
         kind, _, turn_id = task.get_name().rpartition(":")
-        with state.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
+        turn = client_classes.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None
+        with state.running(turn):
             rt.hub.done(client_id)
     return bool(tasks)
 
@@ -251,10 +252,10 @@ async def process_request(
     Requests on one session run one at a time, in the order they were submitted. Payload keys:
     `default_model` (the model of a session created now), `model` (answer this request's LLM
     turn with that registry model; the session keeps its own model), `admin` (True only when the
-    client plugin authenticated an administrator; see `gate.may_administer`), `interactive` (True
+    client plugin authenticated an administrator; see `client_classes.may_administer`), `interactive` (True
     only from the token-authenticated shell endpoint: ★ commands and the `@model` gate bypass).
     The request's client class is the shell's when vouched interactive, else that of the plugin
-    namespace owning `client_id` (`gate.request_class`; an id no plugin owns gets the least
+    namespace owning `client_id` (`client_classes.request_class`; an id no plugin owns gets the least
     privilege). A plugin may call this directly (the spec's path): the request is then tracked
     in `rt.active_tasks` like a submitted one, so a newer request or a delete cancels it.
     """
@@ -262,7 +263,7 @@ async def process_request(
     payload = payload or {}
     wanted = payload.get("default_model")
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
-    turn = gate.new_turn(rt, client_id, payload, turn_id)
+    turn = client_classes.new_turn(rt, client_id, payload, turn_id)
     untrack = _track(rt, client_id)
     cancelled = started = done = False
 
@@ -329,7 +330,7 @@ NOT_STARTED = "the server stopped before this message's turn began (the session 
 
 def interrupted(rt: state.Runtime, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
     """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
-    with state.running(gate.new_turn(rt, client_id, turn_id=turn_id)):
+    with state.running(client_classes.new_turn(rt, client_id, turn_id=turn_id)):
         rt.hub.error(client_id, message, "interrupted")
         rt.hub.done(client_id)
 
@@ -404,4 +405,4 @@ async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
         logger.exception("command !%s failed", name)
         out = f"ERROR: !{name} failed: {type(exc).__name__}: {exc}"
     text = str(out) if out is not None else ""
-    rt.hub.tok(turn.client_id, text if turn.may_administer else gate.without_locations(rt, text))
+    rt.hub.tok(turn.client_id, text if turn.may_administer else client_classes.without_locations(rt, text))

@@ -26,8 +26,9 @@ from pydantic import BaseModel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import agents
+import audit_log
 import build
-import gate
+import client_classes
 import grants
 import state
 import stores
@@ -78,7 +79,8 @@ async def run(args: argparse.Namespace) -> None:
                                                  [f"table_{n}"], "write"))
             store.add(grants.new_grant("s", grants.Decision("allow_session", "bench"), "db_query", "db",
                                              ["users"], "write"))
-            calls = {"baseline": (base, gate.new_turn(base, "s")), "grant": (granted, gate.new_turn(granted, "s"))}
+            calls = {"baseline": (base, client_classes.new_turn(base, "s")),
+                     "grant": (granted, client_classes.new_turn(granted, "s"))}
             for rt, turn in calls.values():
                 turn.session = rt.sessions.get("s")
             times: dict[str, list[float]] = {name: [] for name in calls}
@@ -92,7 +94,7 @@ async def run(args: argparse.Namespace) -> None:
                     if i >= 100:  # warm-up
                         times[name].append(elapsed)
             await store.flush()
-            records = grants.verify_file(granted.config.data_dir() / grants.AUDIT_FILE).head.count
+            records = audit_log.verify_file(granted.config.data_dir() / grants.AUDIT_FILE).head.count
             assert records == args.calls + 100
         finally:
             await build.close_runtime(base)

@@ -29,6 +29,7 @@ from typing import Any
 import mcp_types as types
 
 import approvals
+import client_classes
 import gate
 import grants
 import state
@@ -151,17 +152,17 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
         return types.ElicitResult(action="decline")
     keeper = rt.gate
     message = params.message[:MESSAGE_CHARS]
-    wait = gate.CLASSES[turn.kind].gate_wait
+    wait = client_classes.CLASSES[turn.kind].gate_wait
     route = keeper.desk.route(turn.kind, exposed, "tools", [exposed]) if keeper.desk is not None else None
     audit = {"session": client_id, "tool": exposed, "op": OPERATION, "tables": (),
              "args": {"server": server, "message": message}}
-    if wait == gate.NO_WAIT and route is None:
-        label = gate.CLIENT_LABELS[turn.kind]
+    if wait == client_classes.NO_WAIT and route is None:
+        label = client_classes.CLIENT_LABELS[turn.kind]
         keeper.audit("decision", actor=f"{turn.kind}:{client_id}", outcome="declined (no one can answer)", **audit)
         _status(rt, client_id, f"[ask ✗] {what} asked “{message[:120]}” during {exposed}, which {label} "
                                "cannot answer — declined")
         return types.ElicitResult(action="decline")
-    timeout = route.timeout if route else keeper.timeout if wait == gate.HUMAN_WAIT else keeper.api_timeout
+    timeout = route.timeout if route else keeper.timeout if wait == client_classes.HUMAN_WAIT else keeper.api_timeout
     timeout = min(timeout, max_wait)
     asked = {"server": server, "message": message, "fields": fields, "summary": _describe(fields),
              "schema": params.requested_schema}
@@ -169,7 +170,7 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
     payload = {"tool_name": exposed, "tool_args": {**args, "operation_type": OPERATION}, "tables": [],
                "timeout_seconds": timeout, "grants": [], "elicitation": asked}
     routed = None if route is None else approvals.RoutedGate(
-        "", client_id, turn.kind, gate.CLIENT_LABELS[turn.kind], exposed, OPERATION, [],
+        "", client_id, turn.kind, client_classes.CLIENT_LABELS[turn.kind], exposed, OPERATION, [],
         f"{what} asks: {message[:approvals.ARG_CHARS]}", approvals.trimmed(args), [], 0.0, 0.0,
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:

@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import approvals
-import gate
+import client_classes
 import guard
 import routes
 import state
@@ -134,7 +134,7 @@ class ApiPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_api"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.API, "api-swarm-": gate.SWARM}
+    CLIENT_NAMESPACES = {PREFIX: client_classes.API, "api-swarm-": client_classes.SWARM}
     DESCRIPTION = "JSON/SSE API for programs and swarm calls between agents"
     DEPENDENCIES = ["sse-starlette"]
 
@@ -215,7 +215,7 @@ class ApiPlugin(BasePlugin):
     @staticmethod
     def _visible(client_id: str, admin: bool) -> bool:
         """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
-        return admin or gate.client_class(client_id) in (gate.API, gate.SWARM)
+        return admin or client_classes.client_class(client_id) in (client_classes.API, client_classes.SWARM)
 
     async def _remember(self, turn_id: str, client_id: str, after: int) -> None:
         self._turns[turn_id] = (client_id, after)
@@ -285,7 +285,8 @@ class ApiPlugin(BasePlugin):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
-            answered = owner is not None and gate.client_class(owner) == gate.API and await self.rt.gate.resolve(
+            answered = owner is not None and client_classes.client_class(owner) == client_classes.API \
+                and await self.rt.gate.resolve(
                 gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
                 may_grant=admin)
         except ValueError as exc:

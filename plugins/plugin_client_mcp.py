@@ -51,6 +51,7 @@ from starlette.routing import Mount
 
 import agents
 import approvals
+import client_classes
 import gate
 import grants
 import guard
@@ -129,7 +130,7 @@ class McpServerPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_mcp"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.MCP}
+    CLIENT_NAMESPACES = {PREFIX: client_classes.MCP}
     DESCRIPTION = "MCP server: sessions, approvals and the agent's tools over Streamable HTTP at /mcp"
     DEPENDENCIES = ["mcp", "aiosqlite"]
 
@@ -305,7 +306,8 @@ class McpServerPlugin(BasePlugin):
         by = self._deciders.pop(gate_id, None)
         if by is None:
             by = "timeout" if decision == "timeout" else (
-                "gate closed" if decision == "cancelled" else f"{gate.client_class(client_id)} client ({client_id})")
+                "gate closed" if decision == "cancelled"
+                else f"{client_classes.client_class(client_id)} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
                                 (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
                                  *self._session_uris(client_id, "approvals/history"))))
@@ -486,7 +488,7 @@ class McpServerPlugin(BasePlugin):
 
     def _session_row(self, s: state.Session) -> dict[str, Any]:
         return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-                "client": gate.client_class(s.client_id)}
+                "client": client_classes.client_class(s.client_id)}
 
     def _policy(self) -> dict[str, Any]:
         return self.rt.gate.defaults.model_dump(mode="json")
@@ -741,7 +743,7 @@ class McpServerPlugin(BasePlugin):
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        turn = gate.new_turn(rt, client_id)
+        turn = client_classes.new_turn(rt, client_id)
         turn.session = session
         try:
             outcome = await agents.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})

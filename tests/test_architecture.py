@@ -20,7 +20,8 @@ from tests.conftest import ROOT
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
 CORE = ("config", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry", "state",
-        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client", "agents", "tools",
+        "stores", "shared", "grants", "audit_log", "approvals", "budget", "client_classes",
+        "gate", "rate_limits", "gate_commands", "plugin_loader", "api_client", "agents", "tools",
         "db_roles", "database", "routes", "commands", "build")
 
 

@@ -25,6 +25,7 @@ import pytest
 
 import agentctl
 import audit_chain
+import audit_log
 import grants
 from tests.conftest import ROOT, ConfigDir
 
@@ -421,7 +422,7 @@ def test_a_log_written_before_the_key_is_taken_over_and_then_protected(tmp_path,
         await store.close()
 
     asyncio.run(run())
-    records = list(grants.read_audit(old))
+    records = list(audit_log.read_audit(old))
     assert [r["event"] for r in records] == ["decision"] * 3 + ["audit_migrated"]
     assert "records 1-3 were written before the audit key" in records[-1]["detail"]
     code, out, err = _verify(cfg.path, capsys)
@@ -520,7 +521,7 @@ def test_a_revoked_grants_row_put_back_is_not_honoured_again(real_log, tmp_path,
     path = cfg / "data" / grants.AUDIT_FILE
     with _db(cfg) as db:
         saved = db.execute("SELECT id, session, record, mac FROM grants").fetchone()
-    assert [g.id for g in grants.revoke_offline(path, "all", actor="agentctl")] == [saved[0]]
+    assert [g.id for g in audit_log.revoke_offline(path, "all", actor="agentctl")] == [saved[0]]
     with _db(cfg) as db:
         db.execute("INSERT INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)", saved)
 

@@ -21,6 +21,7 @@ import pymysql
 import pytest
 from pydantic import BaseModel
 
+import audit_log
 import build
 import grants
 import shared
@@ -396,8 +397,8 @@ def test_the_server_posts_a_db_query_gate_in_the_thread_and_an_approvers_click_r
         assert cur.fetchone() == ("ada",)
     out = server.stop()
     assert BOT_TOKEN not in out and APP_TOKEN not in out and "Traceback" not in out
-    records = [r for r in grants.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "decision"]
+    records = [r for r in audit_log.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "decision"]
     assert records and records[-1]["actor"] == f"slack:{LEAD}"
     assert json.loads(records[-1]["detail"])["channel"] == "slack"
     assert any(r["event"] == "approval_refused" and r["actor"] == f"slack:{NOBODY}"
-               for r in grants.read_audit(server.data_dir / grants.AUDIT_FILE))
+               for r in audit_log.read_audit(server.data_dir / grants.AUDIT_FILE))
