@@ -368,7 +368,7 @@ async def _checked_tool(rt: state.Runtime, turn: state.Turn, name: str, args: di
     with state.running(turn):
         turn.db_access = None  # what the gate decides for this call, and nothing an earlier call left
         for check in rt.tool_checks:
-            refused = await check(rt, turn, entry, args)
+            refused = await check(turn, entry, args)
             if refused is not None:
                 return ToolOutcome(refused.text, "refused", refused)
         return await _run_tool(rt, turn, entry.tool, args)
@@ -390,7 +390,7 @@ async def _run_tool(rt: state.Runtime, turn: state.Turn, tool: StructuredTool, a
     if text.startswith("ERROR"):  # a tool reports its own failures as results (STYLE 5)
         failed = True
         # The model (and whoever reads its answers) learns what failed, never where: the log keeps it.
-        hidden = client_classes.without_locations(rt, text)
+        hidden = client_classes.without_locations(rt.config, text)
         if hidden != text:
             logger.warning("tool %s for %s: %s", name, client_id, text)
         text = hidden
@@ -911,7 +911,7 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
         logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
         if not client_classes.may_administer(turn):
             # Proxy, Slack and API users learn what failed, not where the backends live.
-            message = client_classes.without_locations(rt, message)
+            message = client_classes.without_locations(rt.config, message)
         rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

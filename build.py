@@ -65,7 +65,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     )
     for tool in make_core_tools(rt):
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
-    rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
+    rt.gate = gate.GateKeeper.from_env(config.gates, rt.hub, config.env, config.config_dir)
     rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
                                        key_file=audit_chain.key_path(config.data_dir(), config.env))
     try:
@@ -73,17 +73,19 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     except BaseException:
         await sessions.close()
         raise
-    rt.rate_limiter = rate_limits.RateLimiter(config.enabled.rate_limits)
+    rt.rate_limiter = rate_limits.RateLimiter(config.enabled.rate_limits, rt.hub)
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
         rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
+    rt.gate.metrics, rt.gate.tracing = rt.metrics, rt.tracing
     if link is not None:
         link.metrics = rt.metrics
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
             shared.SharedValues(link)
         rt.gate.grants.link = link
-        rt.signals = shared.Signals(link)
+        rt.signals = rt.gate.signals = shared.Signals(link)
+        rt.signals.on(gate.POLICY_SIGNAL, rt.gate.policy_changed_elsewhere)
         for what in ("cancel", "stop"):
             rt.signals.on(what, functools.partial(routes.signalled, rt, what))
         rt.signals.start()
@@ -93,7 +95,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.interrupted = functools.partial(routes.interrupted, rt)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
-    rt.tool_checks += [rt.rate_limiter.check, gate.check_human_gate]  # rate limit first, then the human
+    rt.tool_checks += [rt.rate_limiter.check, rt.gate.check]  # rate limit first, then the human
     for name, handler in {**commands.COMMANDS, **gate_commands.COMMANDS}.items():
         rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     rt.plugins = PluginLoader(rt)

@@ -15,7 +15,7 @@ from typing import Any
 
 import guard
 import state
-from config import CODE_DIR, secret_values
+from config import CODE_DIR, AppConfig, secret_values
 
 SHELL, API, SWARM, PROXY, SLACK, MCP, UNKNOWN = "shell", "api", "swarm", "proxy", "slack", "mcp", "unknown"
 #: How a gate of a client class is answered: a person waits for it ("human", GATE_TIMEOUT), a program
@@ -46,10 +46,13 @@ CLASSES = {c.name: c for c in (
 CLIENT_LABELS = {name: c.label for name, c in CLASSES.items()}
 
 
-def client_class(client_id: str | None, rt: state.Runtime | None = None) -> str:
-    """The class of the loaded plugin's namespace that owns `client_id` (the longest prefix), else UNKNOWN."""
-    rt = rt or state.installed()
-    return _owner_class(rt.client_namespaces if rt else {}, client_id or "")
+def client_class(client_id: str | None, namespaces: dict[str, tuple[str, str]] | None = None) -> str:
+    """The class of the loaded plugin's namespace that owns `client_id` (the longest prefix), else UNKNOWN.
+    `namespaces`: prefix → (class, plugin) of the loaded client plugins; default the installed runtime's."""
+    if namespaces is None:
+        rt = state.installed()
+        namespaces = rt.client_namespaces if rt else {}
+    return _owner_class(namespaces, client_id or "")
 
 
 def _owner_class(namespaces: dict[str, tuple[str, str]], client_id: str) -> str:
@@ -60,9 +63,9 @@ def _owner_class(namespaces: dict[str, tuple[str, str]], client_id: str) -> str:
     return kind
 
 
-def request_class(rt: state.Runtime, client_id: str, payload: dict[str, Any]) -> str:
+def request_class(namespaces: dict[str, tuple[str, str]], client_id: str, payload: dict[str, Any]) -> str:
     """The class of a request: the shell's when its endpoint vouched for it, else its id's namespace's."""
-    return SHELL if payload.get("interactive") is True else client_class(client_id, rt)
+    return SHELL if payload.get("interactive") is True else client_class(client_id, namespaces)
 
 
 def session_class(namespaces: dict[str, tuple[str, str]], session: state.Session) -> str:
@@ -78,12 +81,12 @@ def session_class(namespaces: dict[str, tuple[str, str]], session: state.Session
     return SHELL if kind == UNKNOWN and state.CLIENT_CLASS not in session.settings else kind
 
 
-def new_turn(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None = None,
+def new_turn(namespaces: dict[str, tuple[str, str]], client_id: str, payload: dict[str, Any] | None = None,
              turn_id: str | None = None) -> state.Turn:
     """The turn of a request that enters now: its class and privileges from `payload` (see
     `routes.process_request`), never from the client id; `model` is this turn's model, if any."""
     payload = payload or {}
-    return state.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(rt, client_id, payload),
+    return state.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(namespaces, client_id, payload),
                       admin=payload.get("admin") is True, interactive=payload.get("interactive") is True,
                       model=payload.get("model") or None,
                       identity=identity if isinstance(identity := payload.get("identity"), str) and identity else None)
@@ -100,13 +103,13 @@ def may_administer(turn: state.Turn | None) -> bool:
     return turn is not None and turn.may_administer
 
 
-def without_locations(rt: state.Runtime, text: str) -> str:
+def without_locations(config: AppConfig, text: str) -> str:
     """`text` with no secret, file path, hostname, address, URL (userinfo included) or DSN in it: the one
     redaction of every surface a non-admin reads (command output, errors, the model's tool results).
     Configured secrets become `***`, known directories their name, any other location `<hidden>`."""
-    for secret in secret_values(rt.config.env, rt.config.enabled.plugin_config):
+    for secret in secret_values(config.env, config.enabled.plugin_config):
         text = text.replace(secret, "***")
-    return guard.hide_locations(text, {"<config dir>": rt.config.config_dir, "<data dir>": rt.config.data_dir(),
+    return guard.hide_locations(text, {"<config dir>": config.config_dir, "<data dir>": config.data_dir(),
                                        "<install dir>": CODE_DIR, "~": Path.home()})
 
 

@@ -14,6 +14,7 @@ import client_classes
 import gate
 import state
 from config import ConfigError, save_model_fields
+from decisions import DEFAULT_MINUTES
 from gate_commands import parse_bool
 from prompt import PromptError
 from routes import delete_session
@@ -42,7 +43,7 @@ async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         "(in the shell, that turn's tool calls run without gates).",
         "In shell.py also: !session <ID> attach, !gate_preview_length [n], !exit",
         "",
-        "Gates: risky tool calls wait for a human. In the shell: a allow once, t allow for 15 min,",
+        f"Gates: risky tool calls wait for a human. In the shell: a allow once, t allow for {DEFAULT_MINUTES} min,",
         "s allow for this session, p allow calls of this shape, r reject. No answer within",
         f"{rt.gate.timeout:g} s rejects; API clients have {rt.gate.api_timeout:g} s; the chat proxy, Slack and swarm",
         "calls are rejected. Types: db (per table: read/write/ddl; ddl = CREATE/DROP/ALTER/RENAME/TRUNCATE,",

@@ -24,14 +24,20 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import approvals
+import decisions
+import gate_policy
 import grants
+import metrics
 import sql
 import state
+import tracing
+from audit_chain import AuditRecord
 from client_classes import CLASSES, CLIENT_LABELS, HUMAN_WAIT, NO_WAIT, actor
-from config import ConfigError, GateDefaults, GatePermission, ToolPermission
+from config import GATE_DEFAULTS_FILE, ConfigError, GateDefaults, GatePermission, ToolPermission, save_gate_defaults
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
     from registry import RegisteredTool
@@ -48,6 +54,8 @@ META, ANY_TABLE = sql.META, sql.ANY_TABLE
 DEFAULT_TYPE = "system"
 DEFAULT_GATE_TIMEOUT = 120.0
 DEFAULT_API_GATE_TIMEOUT = 2.0
+#: The signal (state.Runtime.signals) that carries a change of the gate defaults to the other instances.
+POLICY_SIGNAL = "gate-default"
 
 
 @dataclass(frozen=True)
@@ -61,9 +69,9 @@ class Refusal:
 
 if TYPE_CHECKING:
     import shared
-    #: A tool check: async (rt, turn, registered tool, validated args) → None to go on, or a Refusal.
+    #: A tool check: async (turn, registered tool, validated args) → None to go on, or a Refusal.
     #: A check that refuses tells the user itself (a status event).
-    ToolCheck = Callable[[state.Runtime, state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
+    ToolCheck = Callable[[state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
 
 # ── Gate state ──────────────────────────────────────────────────────────────────────────────
 
@@ -120,11 +128,20 @@ def _env_seconds(env: dict[str, str], name: str, default: float) -> float:
 class GateKeeper:
     """Decides, asks and records approvals of tool calls for one server instance."""
 
-    def __init__(self, defaults: GateDefaults, *, timeout: float = DEFAULT_GATE_TIMEOUT,
-                 api_timeout: float = DEFAULT_API_GATE_TIMEOUT):
+    def __init__(self, defaults: GateDefaults, hub: state.EventHub, *, config_dir: Path | None = None,
+                 timeout: float = DEFAULT_GATE_TIMEOUT, api_timeout: float = DEFAULT_API_GATE_TIMEOUT):
         self.defaults = defaults
+        #: Where the sessions hear of their gates (gate events, status lines).
+        self.hub = hub
+        #: Where `set_policy` saves gate-defaults.json; None: changes stay in memory (unit tests).
+        self.config_dir = config_dir
         self.timeout = timeout
         self.api_timeout = api_timeout
+        #: The runtime's metrics and tracing (set by build.build_runtime once they exist).
+        self.metrics: Any = metrics.OFF
+        self.tracing: Any = tracing.OFF
+        #: With a shared store: tells the other instances of a change of the gate defaults.
+        self.signals: shared.Signals | None = None
         #: Gates waiting for a human: gate id → (the session's client id, future of the decision).
         self.pending: dict[str, tuple[str, asyncio.Future[grants.Decision]]] = {}
         #: Grants and the audit log (opened by build.build_runtime; None: neither, as in unit tests).
@@ -135,9 +152,11 @@ class GateKeeper:
         self.desk: approvals.ApprovalDesk | None = None
 
     @classmethod
-    def from_env(cls, defaults: GateDefaults, env: dict[str, str]) -> GateKeeper:
+    def from_env(cls, defaults: GateDefaults, hub: state.EventHub, env: dict[str, str],
+                 config_dir: Path | None = None) -> GateKeeper:
         """A keeper with `GATE_TIMEOUT` (interactive wait) and `API_GATE_TIMEOUT` (API window) from env."""
-        return cls(defaults, timeout=_env_seconds(env, "GATE_TIMEOUT", DEFAULT_GATE_TIMEOUT),
+        return cls(defaults, hub, config_dir=config_dir,
+                   timeout=_env_seconds(env, "GATE_TIMEOUT", DEFAULT_GATE_TIMEOUT),
                    api_timeout=_env_seconds(env, "API_GATE_TIMEOUT", DEFAULT_API_GATE_TIMEOUT))
 
     # ── lookups ──
@@ -190,28 +209,79 @@ class GateKeeper:
         found = set(self._defaults(section)) | set(_overrides(session, section))
         return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
 
-    def set_default(self, section: str, key: str, ops: Iterable[str], allowed: bool) -> ToolPermission:
-        """Change `gate-defaults.json`'s entry for `key` in memory (every session); returns the new entry.
-        The caller saves `self.defaults` (config.save_gate_defaults) and says whether that worked."""
-        entries = self.defaults.db if section == "db" else self.defaults.tools
-        blank = GatePermission() if section == "db" else ToolPermission()
-        entries[key] = (entries.get(key) or blank).model_copy(update=dict.fromkeys(ops, allowed))
-        return entries[key]
+    # ── policy: the keeper is its only writer ──
+
+    async def set_policy(self, change: gate_policy.PolicyChange) -> tuple[GatePermission | ToolPermission, str]:
+        """Change one gate default for every session (MCP `set_gate_default`): applied here, saved in
+        gate-defaults.json, audited, and sent to the other instances on one Redis. Returns the new entry and
+        a note saying where it is in force and whether it was saved."""
+        entry, note = self._change_default(change)
+        if self.signals is not None:
+            try:
+                await self.signals.send(POLICY_SIGNAL, change.to_json())
+                note += "; in force on every instance on this Redis"
+            except state.SessionError:
+                note += "; NOT in force on the other instances (the session store is unreachable): set it again"
+        return entry, note
+
+    async def policy_changed_elsewhere(self, subject: str) -> None:
+        """Another instance changed a gate default (`set_policy`): the same change here."""
+        change = gate_policy.PolicyChange.from_json(subject)
+        self._change_default(replace(change, by=f"{change.by} on another instance"))
+
+    def _change_default(self, change: gate_policy.PolicyChange) -> tuple[GatePermission | ToolPermission, str]:
+        entry = gate_policy.apply(self.defaults, change)
+        note = (gate_policy.save(self.config_dir, self.defaults) if self.config_dir is not None
+                else "in force, not saved (no config dir)")
+        if "NOT saved" in note:
+            logger.error("saving gate defaults failed: %s", note)
+        logger.info("gate default %s.%s %s=%s set by %s", change.section, change.key, "+".join(change.ops),
+                    change.allowed, change.by)
+        self.audit(AuditRecord.policy(change.by, change.section, [change.key], change.ops, change.outcome(note)))
+        return entry, note
+
+    def replace_policy(self, new: GateDefaults, by: str) -> Path | None:
+        """Replace the whole gate defaults (agentctl saving gate-defaults.json through the server): saved
+        first (config.ConfigError or OSError: nothing changed), then in force for every session, each changed
+        permission audited. Returns where it was saved."""
+        path = save_gate_defaults(self.config_dir, new) if self.config_dir is not None else None
+        old, self.defaults = self.defaults, new
+        for section in gate_policy.SECTIONS:
+            before, after = getattr(old, section), getattr(new, section)
+            for key in sorted(set(before) | set(after)):
+                for op in DB_OPERATIONS:  # ddl: database keys only (absent on tools: None both ways)
+                    was = getattr(before[key], op, None) if key in before else None
+                    now = getattr(after[key], op, None) if key in after else None
+                    if was != now:
+                        word = "removed" if now is None else "auto-allow" if now else "gated"
+                        self.audit(AuditRecord.policy(by, section, [key], [op], f"{GATE_DEFAULTS_FILE}: {word}"))
+        return path
+
+    def override(self, session: state.Session, section: str, keys: Iterable[str], ops: Iterable[str],
+                 allowed: bool, by: str) -> None:
+        """Change this session's own gates (the gate commands; persisted with the session, which the caller
+        saves), audited as `by`."""
+        keys, ops = list(keys), list(ops)
+        for key in keys:
+            for op in ops:
+                self.set_override(session, section, key, op, allowed)
+        self.audit(AuditRecord.policy(by, section, keys, ops, f"this session: {'auto-allow' if allowed else 'gated'}",
+                                      session=session.client_id))
 
     @staticmethod
     def set_override(session: state.Session, section: str, key: str, op: str, value: bool) -> None:
-        """Record a per-session permission (persisted with the session)."""
+        """Record a per-session permission, not audited (tests; the gate commands go through `override`)."""
         gates = session.settings.setdefault("gates", {})
         gates.setdefault(section, {}).setdefault(key, {})[op] = bool(value)
 
     # ── the check ──
 
-    def audit(self, event: str, **fields: Any) -> None:
+    def audit(self, record: AuditRecord) -> None:
         """Append to the audit log, when there is one (see grants.GrantStore.audit)."""
         if self.grants is not None:
-            self.grants.audit(event, **fields)
+            self.grants.audit(record)
 
-    async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+    async def check(self, turn: state.Turn, entry: RegisteredTool,
                     args: dict[str, Any]) -> Refusal | None:
         """The gate of one tool call: None to run it, or the refusal the model receives.
 
@@ -227,7 +297,7 @@ class GateKeeper:
         else:
             op, section, keys, tables = resolve_operation(entry.gate, args), "tools", [tool_name], []
         if all(self.allowed(session, section, k, op, case_sensitive=case) for k in keys):
-            rt.metrics.gate_allowed("policy")
+            self.metrics.gate_allowed("policy")
             _covers(turn, section, "policy", allows=functools.partial(self.allowed, session, "db", case_sensitive=case))
             return None
 
@@ -236,31 +306,31 @@ class GateKeeper:
             shape = _call_shape(entry, args)
             return shape, grants.digest([tool_name, shape]) if shape else ""
 
-        audit = {"session": client_id, "tool": tool_name, "op": op, "tables": tables, "args": args}
+        call = AuditRecord.call(client_id, tool_name, op, tables, args)
         if self.grants is not None:
             await self.grants.refresh(client_id)  # with several instances: granted or revoked on another one
         grant = self.grants.find(client_id, tool_name, section, keys, op, lambda: shaped()[1]) if self.grants else None
         if grant is not None:
             assert self.grants is not None
             self.grants.used(grant)
-            rt.metrics.gate_allowed("grant")
-            self.audit("grant_used", actor=actor(turn), outcome="allowed", grant_id=grant.id, **audit)
-            rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
+            self.metrics.gate_allowed("grant")
+            self.audit(call.grant_used(actor(turn), grant.id))
+            self.hub.status(client_id, f"[gate ✓] {tool_name}: allowed by grant {grant.id} ({grant.scope})")
             _covers(turn, section, "grant", grant.keys, grant.op)
             return None
         _covers(turn, section, "approval", keys, op)  # what a person approves below (or an @model turn)
         if turn.bypass_gates:
-            rt.metrics.gate_allowed("model_prefix")
-            self.audit("decision", actor=actor(turn), outcome="allowed (@model turn)", **audit)
-            rt.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
+            self.metrics.gate_allowed("model_prefix")
+            self.audit(call.decision(actor(turn), "allowed (@model turn)"))
+            self.hub.status(client_id, f"[gate ✓] {tool_name}: allowed without asking (@model turn)")
             return None
         what = f"{op} on {', '.join(tables)}" if tables else op
         wait = CLASSES[turn.kind].gate_wait
         route = self.desk.route(turn.kind, tool_name, section, keys) if self.desk is not None else None
         if wait == NO_WAIT and route is None:
             label = CLIENT_LABELS[turn.kind]
-            self.audit("decision", actor=actor(turn), outcome="denied (no one can approve)", **audit)
-            rt.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {label} "
+            self.audit(call.decision(actor(turn), "denied (no one can approve)"))
+            self.hub.status(client_id, f"[gate ✗] {tool_name} ({what}) needs approval, which {label} "
                                      "cannot give — rejected")
             return Refusal("denied", f"TOOL CALL REJECTED: {tool_name} ({what}) needs human approval, and this "
                                      f"client ({label}) cannot give it, so it was not run. Do not retry it; tell "
@@ -269,7 +339,7 @@ class GateKeeper:
         timeout = route.timeout if route else self.timeout if wait == HUMAN_WAIT else self.api_timeout
         shape, pattern = shaped()
         grantable = ANY_TABLE not in keys and self.grants is not None
-        offers = [s for s in grants.GRANT_SCOPES if grantable and (s != grants.PATTERN or pattern)]
+        offers = [s for s in decisions.GRANT_SCOPES if grantable and (s != decisions.PATTERN or pattern)]
         payload = {"tool_name": tool_name, "tool_args": {**args, "operation_type": op}, "tables": tables,
                    "timeout_seconds": timeout, "grants": offers, **({"shape": shape} if pattern else {})}
         routed = None if route is None else approvals.RoutedGate(
@@ -279,51 +349,50 @@ class GateKeeper:
             [str(a) for a in route.approvers], route.who(), turn.id)
         if routed is not None:
             payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
-        decision, gate_id = await self.ask(rt, client_id, payload, timeout, routed)
-        rt.metrics.gate_answered(decision.word)
+        decision, gate_id = await self.ask(client_id, payload, timeout, routed)
+        self.metrics.gate_answered(decision.word)
         resolved = {"gate_id": gate_id, "decision": decision.word}
         if routed is not None:  # who answered, through which channel, after how long: for the client and the audit
             closing = (await self.desk.get(gate_id))[1] if self.desk else None
             closing = closing or approvals.Closing(gate_id, decision.word, decision.by)
             resolved.update(by=closing.by, channel=closing.channel)
-            audit["detail"] = approvals.audit_detail(routed, closing)
+            call = call.with_detail(approvals.audit_detail(routed, closing))
         if decision.word in offers:
             assert self.grants is not None
             grant = grants.new_grant(client_id, decision, tool_name, section, keys, op, pattern, shape)
             # Its record first: the grant is bound to it (honoured only while that record is in the chain).
-            grant.audit_seq = self.grants.audit("grant", actor=decision.by, outcome=grant.describe(grant.created),
-                                                grant_id=grant.id, **audit)
+            grant.audit_seq = self.grants.audit(call.grant(decision.by, grant.describe(grant.created), grant.id))
             self.grants.add(grant)
-            rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
+            self.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {grant.describe(grant.created)}",
                                                  "grant": grant.id, **resolved})
             return None
-        return self._answered(rt, client_id, tool_name, what, timeout, decision, resolved, audit)
+        return self._answered(client_id, tool_name, what, timeout, decision, resolved, call)
 
-    def _answered(self, rt: state.Runtime, client_id: str, tool_name: str, what: str, timeout: float,
-                  decision: grants.Decision, resolved: dict[str, Any], audit: dict[str, Any]) -> Refusal | None:
+    def _answered(self, client_id: str, tool_name: str, what: str, timeout: float,
+                  decision: grants.Decision, resolved: dict[str, Any], call: AuditRecord) -> Refusal | None:
         """A gate answered without a grant (allow once, reject, no answer): told, audited, and the refusal if any."""
-        if decision.word in grants.GRANT_SCOPES:  # not offered for this call: it becomes a yes for this call only
+        if decision.word in decisions.GRANT_SCOPES:  # not offered for this call: it becomes a yes for this call only
             decision = grants.Decision("allow", decision.by)
             note = "allowed once (a statement that could not be analysed is never granted beyond this call)"
         else:
             note = {"allow": "allowed once", "reject": "rejected", "timeout": "no answer: rejected"}[decision.word]
-        self.audit("decision", actor=decision.by or "timeout", outcome=note, **audit)
+        self.audit(call.decision(decision.by or "timeout", note))
         if decision.word == "allow":
             note += f" by {resolved['by']}" if resolved.get("by") else ""
-            rt.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})
+            self.hub.publish(client_id, "status", {"text": f"[gate ✓] {tool_name}: {note}", **resolved})
             return None
         if decision.word == "timeout":
-            rt.hub.publish(client_id, "status", {
+            self.hub.publish(client_id, "status", {
                 "text": f"[gate ✗] {tool_name}: no answer within {timeout:g} s — rejected", **resolved})
             return Refusal("timeout", f"TOOL CALL REJECTED: nobody approved your {tool_name} request ({what}) "
                                       f"within {timeout:g} s, so it was not run. Do not retry it now; tell the user "
                                       "it is waiting for their approval.")
         whom = f"{resolved['by']} (an approver)" if resolved.get("by") else "the user"
-        rt.hub.publish(client_id, "status", {"text": f"[gate ✗] {tool_name}: rejected by {whom}", **resolved})
+        self.hub.publish(client_id, "status", {"text": f"[gate ✗] {tool_name}: rejected by {whom}", **resolved})
         return Refusal("reject", f"TOOL CALL REJECTED: the user rejected your {tool_name} request ({what}). Do not "
                                  "retry it; tell the user it was not run and ask how they want to proceed.")
 
-    async def ask(self, rt: state.Runtime, client_id: str, payload: dict[str, Any], wait_seconds: float,
+    async def ask(self, client_id: str, payload: dict[str, Any], wait_seconds: float,
                   routed: approvals.RoutedGate | None = None) -> tuple[grants.Decision, str]:
         """Send a gate event and wait for its decision (word `timeout` when none came), with the gate id.
 
@@ -339,12 +408,12 @@ class GateKeeper:
                    if self.relay is not None else contextlib.nullcontext())
         desk = self.desk if routed is not None else None
         try:
-            async with relayed, rt.tracing.waiting(f"gate {payload.get('tool_name')}") as span:
-                rt.metrics.gate_raised()
+            async with relayed, self.tracing.waiting(f"gate {payload.get('tool_name')}") as span:
+                self.metrics.gate_raised()
                 if desk is not None and routed is not None:
-                    rt.metrics.gate_routed()
-                    await approvals.opening(desk, rt.hub, routed, gate_id, wait_seconds)
-                rt.hub.gate(client_id, {"gate_id": gate_id, **payload})
+                    self.metrics.gate_routed()
+                    await approvals.opening(desk, self.hub, routed, gate_id, wait_seconds)
+                self.hub.gate(client_id, {"gate_id": gate_id, **payload})
                 try:
                     async with asyncio.timeout(wait_seconds):
                         decision = await future
@@ -352,15 +421,15 @@ class GateKeeper:
                     decision = grants.Decision("timeout")
                     if desk is not None and routed is not None:  # an answer may have been claimed just before
                         decision = await approvals.timed_out(desk, routed) or decision
-                rt.tracing.note(span, agent_mcp__gate__decision=decision.word)
+                self.tracing.note(span, agent_mcp__gate__decision=decision.word)
         finally:
             self.pending.pop(gate_id, None)
             if desk is not None and routed is not None:
                 final = await approvals.closing(desk, routed)
                 if final.decision == approvals.ABANDONED:  # the turn was cancelled while the gate waited
-                    self.audit("decision", session=client_id, actor="abandoned", tool=routed.tool, op=routed.op,
-                               tables=routed.tables, outcome="not run: the turn ended before an answer",
-                               detail=approvals.audit_detail(routed, final))
+                    self.audit(AuditRecord.call(client_id, routed.tool, routed.op, routed.tables)
+                               .with_detail(approvals.audit_detail(routed, final))
+                               .decision("abandoned", "not run: the turn ended before an answer"))
         return decision, gate_id
 
     async def answer(self, gate_id: str, decision: str, *, answerer: approvals.Approver | None = None,
@@ -381,9 +450,9 @@ class GateKeeper:
         if first is not None or routed is None:
             return approvals.AnswerResult(approvals.DECIDED, gate_id, first)
         if not await self.desk.admits(routed, answerer, channel):
-            self.audit("approval_refused", session=routed.session, actor=str(answerer or by or "anonymous"),
-                       tool=routed.tool, op=routed.op, tables=routed.tables, outcome="not an approver of this gate",
-                       detail=json.dumps({"channel": channel, "asked": routed.approvers}))
+            self.audit(AuditRecord.approval_refused(routed.session, str(answerer or by or "anonymous"), routed.tool,
+                                                    routed.op, routed.tables,
+                                                    json.dumps({"channel": channel, "asked": routed.approvers})))
             return approvals.AnswerResult(approvals.NOT_APPROVER, gate_id, approvers=tuple(routed.approvers))
         checked = replace(grants.Decision.parse(decision, str(answerer), minutes, may_grant=may_grant),
                                       content=content)
@@ -445,10 +514,3 @@ def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
     defining = entry.gate.get("defining")
     chosen = {k: args.get(k) for k in defining} if isinstance(defining, list | tuple) else args
     return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)
-
-
-
-async def check_human_gate(rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
-                           args: dict[str, Any]) -> Refusal | None:
-    """The gate tool check (see `GateKeeper.check`) of the runtime's current gate keeper."""
-    return await rt.gate.check(rt, turn, entry, args)

@@ -7,12 +7,16 @@ a gate goes to the audit log as a "policy" record.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import state
 from client_classes import actor, may_administer, refusal
-from gate import ANY_TABLE, DB_OPERATIONS, META, OPERATIONS, gate_type
+from gate import ANY_TABLE, DB_OPERATIONS, META, OPERATIONS, GateKeeper, gate_type
 from rate_limits import whom
+
+if TYPE_CHECKING:  # annotations only: the registry imports langchain
+    from registry import ToolRegistry
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -27,11 +31,11 @@ def _state_word(allowed: bool) -> str:
     return "auto-allow (gate OFF)" if allowed else "gated (gate ON)"
 
 
-def _perm_line(rt: state.Runtime, session: state.Session, section: str, key: str) -> str:
+def _perm_line(keeper: GateKeeper, session: state.Session, section: str, key: str) -> str:
     parts = []
     for op in DB_OPERATIONS if section == "db" else OPERATIONS:
         own = op in session.settings.get("gates", {}).get(section, {}).get(key, {})
-        parts.append(f"{op}={'auto-allow' if rt.gate.allowed(session, section, key, op) else 'gated'}"
+        parts.append(f"{op}={'auto-allow' if keeper.allowed(session, section, key, op) else 'gated'}"
                      + (" (this session)" if own else ""))
     return ", ".join(parts)
 
@@ -56,7 +60,8 @@ async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     parts = [w if i == 0 and len(words) > 1 and w.lower() not in DB_OPERATIONS else w.lower()
              for i, w in enumerate(words)]
     if not parts or parts == ["status"]:
-        rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(rt, session, 'db', k)}" for k in rt.gate.keys("db", session)]
+        rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(rt.gate, session, 'db', k)}"
+                for k in rt.gate.keys("db", session)]
         return ("Database gates of this session (gate-defaults.json, then this session's changes):\n"
                 + "\n".join(rows or ["  (no entries: every table is gated)"]))
     if not may_administer(turn):
@@ -72,11 +77,8 @@ async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         keys, ops = [parts[0]], list(OPERATIONS)
     else:
         return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
-    for key in keys:
-        for op in ops:
-            rt.gate.set_override(session, "db", key, op, value)
+    rt.gate.override(session, "db", keys, ops, value, actor(turn))
     await rt.sessions.save(session)
-    _audit_policy(rt, turn, "db", keys, ops, value)
     what = "every table (* and __meta__)" if len(keys) > 1 else keys[0]
     return f"autoAIdb {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
@@ -90,20 +92,20 @@ _AUTOGATE_USAGE = (
 )
 
 
-def _tool_groups(rt: state.Runtime) -> dict[str, list[str]]:
+def _tool_groups(tools: ToolRegistry) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
-    for entry in rt.tools.entries():
+    for entry in tools.entries():
         groups.setdefault(gate_type(entry), []).append(entry.tool.name)
     return groups
 
 
-def _autogate_status(rt: state.Runtime, session: state.Session, groups: dict[str, list[str]]) -> str:
+def _autogate_status(keeper: GateKeeper, session: state.Session, groups: dict[str, list[str]]) -> str:
     lines = ["Tool gates of this session (gate-defaults.json, then this session's changes):",
-             f"  DEFAULT (*): {_perm_line(rt, session, 'tools', ANY_TABLE)}"]
+             f"  DEFAULT (*): {_perm_line(keeper, session, 'tools', ANY_TABLE)}"]
     for kind in sorted(groups):
         lines.append(f"  {kind}:" + ("  (gated per table: see !autoAIdb)" if kind == "db" else ""))
         if kind != "db":
-            lines += [f"    {name}: {_perm_line(rt, session, 'tools', name)}" for name in sorted(groups[kind])]
+            lines += [f"    {name}: {_perm_line(keeper, session, 'tools', name)}" for name in sorted(groups[kind])]
     return "\n".join(lines)
 
 
@@ -111,15 +113,15 @@ async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     """!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>] — tool gates"""
     session = turn.session
     parts = args.split()
-    groups = _tool_groups(rt)
+    groups = _tool_groups(rt.tools)
     if not parts or parts == ["status"]:
-        return _autogate_status(rt, session, groups)
+        return _autogate_status(rt.gate, session, groups)
     name = parts[0]
     if len(parts) == 1:
         if name.lower() in groups:
-            return _autogate_status(rt, session, {name.lower(): groups[name.lower()]})
+            return _autogate_status(rt.gate, session, {name.lower(): groups[name.lower()]})
         if name in rt.tools.names():
-            return f"{name}: {_perm_line(rt, session, 'tools', name)}"
+            return f"{name}: {_perm_line(rt.gate, session, 'tools', name)}"
     if not may_administer(turn):
         return refusal("!autogate", turn)
     value = parse_bool(parts[-1])
@@ -138,11 +140,8 @@ async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
                     f"Tools: {', '.join(rt.tools.names())}")
         if gate_type(rt.tools.entry(names[0])) == "db":
             return "ERROR: database tools are gated per table: use !autoAIdb"
-    for key in names:
-        for op in ops:
-            rt.gate.set_override(session, "tools", key, op, value)
+    rt.gate.override(session, "tools", names, ops, value, actor(turn))
     await rt.sessions.save(session)
-    _audit_policy(rt, turn, "tools", names, ops, value)
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
@@ -164,9 +163,8 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
         return "ERROR: Invalid arguments\nUsage: !autoAISysPrompt [read|write] <true|false>"
     if not may_administer(turn):
         return refusal("!autoAISysPrompt", turn)
-    rt.gate.set_override(session, "tools", targets[op], op, value)
+    rt.gate.override(session, "tools", [targets[op]], [op], value, actor(turn))
     await rt.sessions.save(session)
-    _audit_policy(rt, turn, "tools", [targets[op]], [op], value)
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
@@ -187,13 +185,6 @@ async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
             return f"{parts[1]} tools are enabled again for {caller}."
         return f"{parts[1]} tools are not disabled for {caller}."
     return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type> [<caller>]"
-
-
-def _audit_policy(rt: state.Runtime, turn: state.Turn, section: str, keys: Iterable[str], ops: Iterable[str],
-                        allowed: bool) -> None:
-    rt.gate.audit("policy", session=turn.client_id, actor=actor(turn), op="+".join(ops),
-                        tables=keys if section == "db" else (), tool="" if section == "db" else ",".join(keys),
-                        outcome=f"this session: {'auto-allow' if allowed else 'gated'}")
 
 
 async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:

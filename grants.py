@@ -33,17 +33,11 @@ from typing import Any
 
 import audit_chain
 import stores
-from audit_chain import AUDIT_FIELDS, GENESIS, AuditError, Head
+from audit_chain import AUDIT_FIELDS, GENESIS, AuditError, AuditRecord, Head
+from decisions import DECISIONS, DEFAULT_MINUTES, GRANT_SCOPES, MAX_MINUTES, PATTERN, TIMED
 
 logger = logging.getLogger("agent_mcp.grants")
 
-#: Decisions a gate accepts: once, a grant of one of the scopes below, or no.
-ALLOW, REJECT = "allow", "reject"
-TIMED, SESSION, PATTERN = "allow_for", "allow_session", "allow_pattern"
-GRANT_SCOPES = (TIMED, SESSION, PATTERN)
-DECISIONS = (ALLOW, *GRANT_SCOPES, REJECT)
-DEFAULT_MINUTES = 15
-MAX_MINUTES = 24 * 60
 #: The gate key of a statement that could not be analysed (sql.ANY_TABLE): never covered by a grant.
 ANY = "*"
 AUDIT_FILE = "audit.sqlite3"
@@ -261,9 +255,7 @@ class GrantStore(stores.SqliteFile):
         await db.commit()
         self._checkpoint(Head(self._log_id, *self._last))
         if migrated is not None:
-            self.audit("audit_migrated", actor="agent-mcp", outcome="keyed",
-                       detail=f"records 1-{migrated} were written before the audit key (plain SHA-256 chain, intact "
-                              "when taken over); from here on every record carries a keyed MAC")
+            self.audit(AuditRecord.migrated(migrated))
 
     async def _start_chain(self, db: Any, rows: int) -> int | None:
         """Give a new log (or one written before the key) its id and keyed-chain header; returns how many
@@ -532,9 +524,8 @@ class GrantStore(stores.SqliteFile):
             grant.revoked = now
             self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,), None))
             self._share("del", grant)
-            self.audit("revoke", session=session, actor=actor, tool=grant.tool, op=grant.op,
-                       tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked",
-                       detail=detail)
+            self.audit(AuditRecord.revoke(session, actor, grant.tool, grant.op,
+                                          grant.keys if grant.section == "db" else (), grant.id, detail))
         kept = [g for g in self.grants.get(session, ()) if g not in ended and g.active(now)]
         if kept:
             self.grants[session] = kept
@@ -549,7 +540,7 @@ class GrantStore(stores.SqliteFile):
         if self.grants.pop(session, None) is not None:
             self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,), None))
             # In the chain, so a row of this session put back by hand is not honoured again.
-            self.audit(audit_chain.GRANTS_DROPPED, session=session, outcome="the session ended")
+            self.audit(AuditRecord.grants_dropped(session))
         self._share("drop", session)
 
     def _save(self, grant: Grant) -> None:
@@ -558,13 +549,12 @@ class GrantStore(stores.SqliteFile):
 
     # ── the audit chain ──
 
-    def audit(self, event: str, *, session: str = "", actor: str = "", tool: str = "", op: str = "",
-              tables: Iterable[str] = (), args: Any = None, outcome: str = "", grant_id: str = "",
-              detail: str = "") -> int:
+    def audit(self, record: AuditRecord) -> int:
         """Append one record (its MAC covers the one before); returns its sequence number."""
         seq, prev = self._last[0] + 1, self._last[1]
-        fields = [seq, self.clock(), event, session, actor, tool, op, json.dumps(sorted(tables)),
-                  digest(args) if args is not None else "", outcome, grant_id, detail]
+        fields = [seq, self.clock(), record.event, record.session, record.actor, record.tool, record.op,
+                  json.dumps(sorted(record.tables)), digest(record.args) if record.args is not None else "",
+                  record.outcome, record.grant_id, record.detail]
         mac = audit_chain.record_mac(self._key, prev, fields)
         self._last = (seq, mac)
         self._queue.put_nowait((self._INSERT, (*fields, prev, mac), (seq, mac)))

@@ -44,8 +44,11 @@ class RateLimiter:
     recently active callers.
     """
 
-    def __init__(self, limits: dict[str, RateLimit], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limits: dict[str, RateLimit], hub: state.EventHub,
+                 clock: Callable[[], float] = time.monotonic):
         self.limits = limits
+        #: Where a refused call's session is told.
+        self.hub = hub
         self.clock = clock
         self.windows: dict[tuple[str, str], deque[float]] = {}
         self.disabled: dict[str, set[str]] = {}
@@ -111,8 +114,7 @@ class RateLimiter:
         for key in [k for k in self.windows if k[0] == client_id]:
             del self.windows[key]
 
-    async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
-                    args: dict[str, Any]) -> Refusal | None:
+    async def check(self, turn: state.Turn, entry: RegisteredTool, args: dict[str, Any]) -> Refusal | None:
         """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
         client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)
         why = await self.count(turn.rate_key, tool_type)
@@ -120,13 +122,13 @@ class RateLimiter:
             return None
         again = f"the operator can re-enable them with !ratelimit enable {tool_type}"
         if why == "disabled":
-            rt.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for {whom(turn)}")
+            self.hub.status(client_id, f"[RATE LIMITED] {tool_name}: {tool_type} tools are disabled for {whom(turn)}")
             return Refusal("rate_limited", f"TOOL DISABLED: {tool_type} tools were disabled for {whom(turn)} after "
                                            f"the rate limit was exceeded; {again}. Do not call them again.")
         logger.info("rate limit: %s (%s) refused for %s (%s)", tool_name, tool_type, turn.rate_key, why)
         limit = self.limits[tool_type]
         rule = f"limit is {limit.calls} calls in {limit.window_seconds:g} s for {whom(turn)}"
-        rt.hub.status(client_id, f"[RATE LIMITED] {tool_name} ({tool_type}): {rule}")
+        self.hub.status(client_id, f"[RATE LIMITED] {tool_name} ({tool_type}): {rule}")
         message = f"RATE LIMIT EXCEEDED: {tool_name} ({tool_type}) — {rule}."
         if limit.auto_disable:
             return Refusal("rate_limited", f"{message} All {tool_type} tools are now disabled for {whom(turn)}; "

@@ -113,7 +113,8 @@ async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     await _cancel_here(rt, client_id, STOPPED)
     for task in tasks:
         kind, _, turn_id = task.get_name().rpartition(":")
-        turn = client_classes.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None
+        turn = (client_classes.new_turn(rt.client_namespaces, client_id, turn_id=turn_id)
+                if kind.startswith("request:") else None)
         with state.running(turn):
             rt.hub.done(client_id)
     return bool(tasks)
@@ -263,7 +264,7 @@ async def process_request(
     payload = payload or {}
     wanted = payload.get("default_model")
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
-    turn = client_classes.new_turn(rt, client_id, payload, turn_id)
+    turn = client_classes.new_turn(rt.client_namespaces, client_id, payload, turn_id)
     untrack = _track(rt, client_id)
     cancelled = started = done = False
 
@@ -330,7 +331,7 @@ NOT_STARTED = "the server stopped before this message's turn began (the session 
 
 def interrupted(rt: state.Runtime, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
     """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
-    with state.running(client_classes.new_turn(rt, client_id, turn_id=turn_id)):
+    with state.running(client_classes.new_turn(rt.client_namespaces, client_id, turn_id=turn_id)):
         rt.hub.error(client_id, message, "interrupted")
         rt.hub.done(client_id)
 
@@ -405,4 +406,4 @@ async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
         logger.exception("command !%s failed", name)
         out = f"ERROR: !{name} failed: {type(exc).__name__}: {exc}"
     text = str(out) if out is not None else ""
-    rt.hub.tok(turn.client_id, text if turn.may_administer else client_classes.without_locations(rt, text))
+    rt.hub.tok(turn.client_id, text if turn.may_administer else client_classes.without_locations(rt.config, text))

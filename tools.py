@@ -175,7 +175,7 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
 
 def _this_turn(rt: state.Runtime) -> state.Turn:
     """The turn a core tool runs in (agents.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or client_classes.new_turn(rt, "")
+    return state.current_turn() or client_classes.new_turn(rt.client_namespaces, "")
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:

@@ -79,8 +79,8 @@ async def run(args: argparse.Namespace) -> None:
                                                  [f"table_{n}"], "write"))
             store.add(grants.new_grant("s", grants.Decision("allow_session", "bench"), "db_query", "db",
                                              ["users"], "write"))
-            calls = {"baseline": (base, client_classes.new_turn(base, "s")),
-                     "grant": (granted, client_classes.new_turn(granted, "s"))}
+            calls = {"baseline": (base, client_classes.new_turn(base.client_namespaces, "s")),
+                     "grant": (granted, client_classes.new_turn(granted.client_namespaces, "s"))}
             for rt, turn in calls.values():
                 turn.session = rt.sessions.get("s")
             times: dict[str, list[float]] = {name: [] for name in calls}

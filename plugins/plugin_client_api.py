@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 import approvals
 import client_classes
+import decisions
 import guard
 import routes
 import state
@@ -82,7 +83,7 @@ class _SubmitBody(_Body):
 
 _ADMIN_APPROVER = f"{approvals.API}:{approvals.ADMIN}"
 #: The gate decision of each `scope` of an approving answer.
-_SCOPES = {"once": "allow", "minutes": "allow_for", "session": "allow_session", "pattern": "allow_pattern"}
+_SCOPES = {name: word for word, name in decisions.SCOPE_NAMES.items()}
 
 
 class _GateBody(_Body):
@@ -280,7 +281,7 @@ class ApiPlugin(BasePlugin):
         body = await _http.read_json(request, _GateBody)
         owner = await self.rt.gate.owner(gate_id)
         admin = self._is_admin(request)
-        decision = _SCOPES[body.scope] if body.approve else "reject"
+        decision = _SCOPES[body.scope] if body.approve else decisions.REJECT
         if self.rt.gate.desk is not None and (await self.rt.gate.desk.get(gate_id)) != (None, None):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:

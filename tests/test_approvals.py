@@ -18,6 +18,7 @@ from pydantic import BaseModel
 import approvals
 import audit_log
 import client_classes
+import decisions
 import grants
 import metrics
 import shared
@@ -125,7 +126,7 @@ async def next_feed(feed: Any) -> approvals.FeedEvent:
 
 
 async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art) -> None:
-    art.metrics = metrics.Metrics("test")  # counted like every gate, and as routed
+    art.metrics = art.gate.metrics = metrics.Metrics("test")  # counted like every gate, and as routed
     await art.sessions.get_or_create(PROXY_ID, "fake")
     feed = art.gate.desk.watch()
     session = art.hub.subscribe(PROXY_ID, art.hub.last_id(PROXY_ID))
@@ -137,7 +138,7 @@ async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art
     assert opened.name == approvals.OPENED and gate is not None
     assert (gate.session, gate.client_class, gate.client_label, gate.tool, gate.op, gate.tables) == (
         PROXY_ID, "proxy", "the chat proxy", "db_query", "write", ["users"])
-    assert gate.summary.startswith("UPDATE users SET name = ?") and gate.scopes == list(grants.GRANT_SCOPES)
+    assert gate.summary.startswith("UPDATE users SET name = ?") and gate.scopes == list(decisions.GRANT_SCOPES)
     assert gate.approvers == ["api:admin", "mcp:lead", "shell:*"] and gate.deadline - gate.raised_at == 5
     async with asyncio.timeout(10):  # the requester is told whom it waits for
         async for ev in session:

@@ -27,6 +27,7 @@ import agentctl
 import audit_chain
 import audit_log
 import grants
+from audit_chain import AuditRecord
 from tests.conftest import ROOT, ConfigDir
 
 MODEL = {"type": "OPENAI", "model_id": "m", "host": "http://127.0.0.1:9/v1"}
@@ -42,15 +43,14 @@ def _write_log(data_dir: Path, records: int = 8, key_file: Path | None = None) -
         try:
             decision = grants.Decision("allow_session", "shell")
             grant = grants.new_grant("c1", decision, "db_query", "db", ["users"], "write")
-            grant.audit_seq = store.audit("grant", session="c1", actor="shell", tool="db_query", op="write",
-                                          tables=["users"], grant_id=grant.id, outcome="granted")
+            call = AuditRecord.call("c1", "db_query", "write", ["users"])
+            grant.audit_seq = store.audit(call.grant("shell", "granted", grant.id))
             store.add(grant)
             for i in range(records - 2):
                 store.used(grant)
-                store.audit("grant_used", session="c1", actor="shell:c1", tool="db_query", op="write",
-                            tables=["users"], args={"sql": f"UPDATE users SET n = {i}"}, grant_id=grant.id,
-                            outcome="allowed")
-            store.audit("policy", actor="shell", op="read", tool="web_search", outcome="auto-allow")
+                used = AuditRecord.call("c1", "db_query", "write", ["users"], {"sql": f"UPDATE users SET n = {i}"})
+                store.audit(used.grant_used("shell:c1", grant.id))
+            store.audit(AuditRecord.policy("shell", "tools", ["web_search"], ["read"], "auto-allow"))
             return grant
         finally:
             await store.close()
@@ -332,7 +332,7 @@ def test_records_written_after_the_last_checkpoint_are_accepted(real_log, tmp_pa
 
     async def run() -> None:
         await _write_more.open()
-        _write_more.audit("decision", session="c1", actor="shell", outcome="rejected")
+        _write_more.audit(AuditRecord.call("c1", "", "").decision("shell", "rejected"))
         await _write_more.close()
 
     asyncio.run(run())
@@ -466,7 +466,7 @@ async def test_a_grant_written_into_redis_by_hand_is_ignored(tmp_path, fake_open
         store, link = rt.gate.grants, rt.link
         assert store is not None and link is not None
         real = grants.new_grant("c1", grants.Decision("allow_session", "shell"), "db_query", "db", ["users"], "write")
-        real.audit_seq = store.audit("grant", session="c1", grant_id=real.id)
+        real.audit_seq = store.audit(AuditRecord.call("c1", "", "").grant("", "", real.id))
         store.add(real)
         await store.flush()
         await store.refresh("c1")
@@ -500,7 +500,7 @@ def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp
         store.link = shared.Link(redis_store)
         await store.open()
         for _ in range(records):
-            store.audit("decision", session="c1", actor="shell", outcome="rejected")
+            store.audit(AuditRecord.call("c1", "", "").decision("shell", "rejected"))
         await store.close()
         await store.link.client.aclose()
 

@@ -96,8 +96,8 @@ async def _ask(rt: state.Runtime, plugin: Any, client_id: str, message: str) -> 
 async def test_a_declared_namespace_gets_its_class_and_a_foreign_one_is_refused(acme) -> None:
     rt, _ = acme
     assert rt.client_namespaces["acme-"] == (client_classes.API, "plugin_client_acme")
-    assert client_classes.client_class("acme-7", rt) == client_classes.API
-    assert client_classes.client_class("stranger", rt) == client_classes.UNKNOWN
+    assert client_classes.client_class("acme-7", rt.client_namespaces) == client_classes.API
+    assert client_classes.client_class("stranger", rt.client_namespaces) == client_classes.UNKNOWN
     with pytest.raises(ValueError, match="overlaps 'acme-' of plugin_client_acme"):
         rt.plugins._declare_namespaces("plugin_other", type("P", (), {"CLIENT_NAMESPACES": {"acme-x": "api"}})())
     await rt.plugins.shutdown_all()

@@ -200,7 +200,7 @@ async def test_values_answered_on_another_instance_reach_the_waiting_question(tm
         client_id = "shell-two"
         await a.sessions.get_or_create(client_id, "fake")
         sub = a.hub.subscribe(client_id, a.hub.last_id(client_id))
-        asking = asyncio.ensure_future(a.gate.ask(a, client_id, {"tool_name": "x_book", "grants": []}, WAIT))
+        asking = asyncio.ensure_future(a.gate.ask(client_id, {"tool_name": "x_book", "grants": []}, WAIT))
         gate_id = ""
         async with asyncio.timeout(WAIT):
             async for ev in sub:

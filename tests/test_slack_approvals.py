@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 import audit_log
 import build
+import decisions
 import grants
 import shared
 import state
@@ -46,7 +47,7 @@ APPROVALS = {"timeout_seconds": 60, "classes": {
     "proxy": {"slack_channel": APPROVE_CHANNEL,
               "tools": {"web_search": {"slack_users": [LEAD, OTHER]},
                         "file_edit": {"slack_channel": APPROVE_CHANNEL, "mcp_tokens": ["owner"]}}}}}
-ALLOW, ALLOW_FOR, SESSION, PATTERN, REJECT = (f"agent-gate:{w}" for w in grants.DECISIONS)
+ALLOW, ALLOW_FOR, SESSION, PATTERN, REJECT = (f"agent-gate:{w}" for w in decisions.DECISIONS)
 
 
 class _Args(BaseModel):
