@@ -84,13 +84,14 @@ class _SubmitBody(_Body):
 _ADMIN_APPROVER = f"{approvals.API}:{approvals.ADMIN}"
 #: The gate decision of each `scope` of an approving answer.
 _SCOPES = {name: word for word, name in decisions.SCOPE_NAMES.items()}
+ApiScope = Literal[tuple(_SCOPES)]  # type: ignore[valid-type]
 
 
 class _GateBody(_Body):
     approve: bool
     #: How far a yes reaches (admin key only beyond `once`): this call, N `minutes` of this tool or these
     #: tables, the rest of the session, or calls of the same shape.
-    scope: Literal["once", "minutes", "session", "pattern"] = "once"
+    scope: ApiScope = "once"
     minutes: int | None = None
 
 

@@ -95,6 +95,8 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "get_gate_policy": (HUMAN,),
     "set_gate_default": (HUMAN,),
 }
+#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
+McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
 #: The signal to the other instances on one Redis (state.Runtime.signals): notify your subscribers of these URIs.
 NOTIFY_SIGNAL = "mcp-notify"
 
@@ -596,7 +598,7 @@ class McpServerPlugin(BasePlugin):
         @mcp.tool()
         async def answer_approval(
             gate_id: str,
-            decision: Literal["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"],
+            decision: McpDecision,
             minutes: int = decisions.DEFAULT_MINUTES,
             content: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
