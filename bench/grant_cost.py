@@ -29,6 +29,7 @@ import agents
 import audit_log
 import build
 import client_classes
+import decisions
 import grants
 import state
 import stores
@@ -75,9 +76,9 @@ async def run(args: argparse.Namespace) -> None:
             store = granted.gate.grants
             assert store is not None
             for n in range(args.grants):  # other grants of the session the lookup passes over
-                store.add(grants.new_grant("s", grants.Decision("allow_for", "bench", 60), "db_query", "db",
+                store.add(grants.new_grant("s", grants.Decision(decisions.TIMED, "bench", 60), "db_query", "db",
                                                  [f"table_{n}"], "write"))
-            store.add(grants.new_grant("s", grants.Decision("allow_session", "bench"), "db_query", "db",
+            store.add(grants.new_grant("s", grants.Decision(decisions.SESSION, "bench"), "db_query", "db",
                                              ["users"], "write"))
             calls = {"baseline": (base, client_classes.new_turn(base.client_namespaces, "s")),
                      "grant": (granted, client_classes.new_turn(granted.client_namespaces, "s"))}
