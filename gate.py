@@ -2,7 +2,8 @@
 
 Every tool call passes the rate limiter (`rate_limits.RateLimiter.check`) and then the gate
 (`GateKeeper.check`; both installed in `Runtime.tool_checks`, in that order) before its executor
-runs. The keeper is also the only writer of gate policy (`set_policy`, `replace_policy`, `override`). Client classes live in `client_classes.py`, the gate `!commands` in `gate_commands.py`.
+runs. The keeper is also the only writer of gate policy (`set_policy`, `replace_policy`, `override`).
+Client classes live in `client_classes.py`, the gate `!commands` in `gate_commands.py`.
 
 A tool's gate comes from its declaration (`get_gate_tools()` of its plugin, or the core tools'
 own): `{"type": <gate type>, "operation": "read" | "write" | callable(args) -> "read" | "write"}`.

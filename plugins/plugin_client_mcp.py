@@ -49,7 +49,6 @@ from mcp_types import (
 from pydantic import Field
 from starlette.routing import Mount
 
-import agents
 import approvals
 import client_classes
 import decisions
@@ -57,6 +56,7 @@ import gate_policy
 import guard
 import routes
 import state
+import tool_calls
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore, SharedApprovals
@@ -714,7 +714,7 @@ class McpServerPlugin(BasePlugin):
         turn = client_classes.new_turn(rt.client_namespaces, client_id)
         turn.session = session
         try:
-            outcome = await agents.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
+            outcome = await tool_calls.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
         finally:
             if turn.id in self._gated_turns:
                 self._gated_turns.discard(turn.id)
