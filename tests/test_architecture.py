@@ -19,10 +19,11 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("decisions", "config", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry",
-        "state", "stores", "shared", "grants", "audit_log", "approvals", "budget", "client_classes", "gate_policy",
-        "gate", "rate_limits", "gate_commands", "plugin_loader", "api_client", "llm_errors", "models", "tool_calls",
-        "agents", "tools", "db_roles", "database", "routes", "commands", "build")
+CORE = ("decisions", "config", "secret_files", "sql", "guard", "failures", "metrics", "tracing", "text_calls",
+        "prompt", "registry", "state", "stores", "shared", "grants", "audit_log", "approvals", "budget",
+        "client_classes", "gate_policy", "gate", "rate_limits", "gate_commands", "plugin_loader", "api_client",
+        "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
+        "commands", "build")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:
