@@ -6,10 +6,13 @@ The fake backend plays the habits of small local models (tests/fakes/backend.py:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
 import pytest
+from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel
 
 import agents
@@ -131,6 +134,25 @@ async def test_the_chat_model_waits_for_a_slow_model_as_long_as_llm_call_timeout
     # its clock is off, models.stream_once's (llm_call_timeout per chunk) is the only one.
     async with runtime(tmp_path, {"slow": openai_model(fake_openai, llm_call_timeout=900)}, gates=ALL_OPEN) as rt:
         assert models.chat_model(rt.llms, rt.config, "slow").stream_chunk_timeout is None
+
+
+def test_a_tools_schema_is_converted_once_and_is_langchains() -> None:
+    @tool
+    def lookup(city: str, days: int = 1) -> str:
+        """The weather of a city."""
+        return city
+
+    schema, text_ = agents._schema(lookup)
+    assert schema == convert_to_openai_tool(lookup) and json.loads(text_) == schema
+    assert agents._schema(lookup)[0] is schema  # the next turn's is the same, not converted again
+
+
+async def test_every_turn_sends_the_same_tool_schemas(nrt, fake_openai) -> None:
+    fake_openai.script(text("one"), text("two"))
+    await turn(nrt, "first")
+    await turn(nrt, "second")
+    first, second = (r.json["tools"] for r in fake_openai.requests[-2:])
+    assert first == second and "get_weather" in {t["function"]["name"] for t in first}
 
 
 # ── Text calls ─────────────────────────────────────────────────────────────────────────────
