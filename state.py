@@ -627,6 +627,8 @@ class Event:
     name: str
     data: dict[str, Any]
     turn: str | None = None
+    #: The model's pieces a `tok` event holds (EventHub.tok joins those no subscriber has yet); never sent.
+    pieces: int = 1
 
 
 class _Channel:
@@ -669,7 +671,7 @@ class _Channel:
         if (last.name != "tok" or last.id <= self.seen or last.turn != (turn.id if turn is not None else None)
                 or len(last.data["text"]) + len(text) > MAX_MERGED_TOK):
             return None
-        event = self.events[-1] = Event(last.id, "tok", {"text": last.data["text"] + text}, last.turn)
+        event = self.events[-1] = Event(last.id, "tok", {"text": last.data["text"] + text}, last.turn, last.pieces + 1)
         self.touched = time.monotonic()
         return event
 

@@ -139,7 +139,7 @@ class Output:
         self.first: int | None = None
         self.ended: int | None = None
         # The turn does not report the backend's token usage, so the counts are estimates:
-        # about 4 characters per prompt token, one token per streamed piece.
+        # about 4 characters per prompt token, one token per piece the model streamed (state.Event.pieces).
         self.prompt_tokens = max(1, len(prompt) // 4)
         self.pieces = 0
         self.text: list[str] = []
@@ -162,7 +162,7 @@ class Output:
         content = thinking = ""
         if ev.name == "tok":
             content = str(ev.data.get("text", ""))
-            self.pieces += 1
+            self.pieces += ev.pieces
             if self.first is None:
                 self.first = time.monotonic_ns()
         elif ev.name == "status" and ev.data.get("cancelled"):

@@ -35,7 +35,7 @@ async def test_tokens_no_subscriber_has_yet_are_one_event():
     hub.tok("s", "upon ")
     hub.tok("s", "a time.")
     first = await reader
-    assert (first.name, first.data) == ("tok", {"text": "Once upon a time."})
+    assert (first.name, first.data, first.pieces) == ("tok", {"text": "Once upon a time."}, 3)
     hub.tok("s", " The")  # the reader has the last event: a new one
     hub.tok("s", " end.")
     with state.running(state.Turn("s", "t2", "shell")):  # another request's text: its own event
