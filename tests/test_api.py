@@ -195,7 +195,7 @@ async def test_send_returns_the_whole_turn_not_the_first_round(api) -> None:
     api.gpt.script(text("fresh ", "answer"))
     assert await client.send("next") == "fresh answer"
     pieces = []
-    api.gpt.script(text("one ", "two ", "three"))
+    api.gpt.script(text("one ", "two ", "three", delay=0.05))  # paced: tokens that arrive together come joined
     async for piece in client.stream("count"):
         pieces.append(piece)
     assert "".join(pieces) == "one two three" and len(pieces) >= 2
@@ -318,7 +318,7 @@ async def test_client_ids_sessions_health_and_delete(api) -> None:
 
 
 def test_sync_client_for_scripts(api) -> None:
-    api.gpt.script(text("sync ", "answer"), text("a", "b", "c"))
+    api.gpt.script(text("sync ", "answer"), text("a", "b", "c", delay=0.05))  # paced, as in the test above
     with SyncAgentClient(api.url, api_key=KEY) as client:
         assert client.send("hi") == "sync answer"
         assert list(client.stream("letters")) == ["a", "b", "c"]
