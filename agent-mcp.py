@@ -35,8 +35,10 @@ from starlette.types import ASGIApp
 import agents
 import build
 import routes
-import shared
+import sessions
+import shared_link
 import state
+import stores
 from audit_chain import AuditError
 from config import CODE_DIR, AppConfig, ConfigError, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
@@ -187,8 +189,8 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
 
     `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins, token_hint.
     """
-    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _unavailable,
-                                                                        state.Stopping: _unavailable})
+    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared_link.StoreUnavailable: _unavailable,
+                                                                        sessions.Stopping: _unavailable})
     app.state.runtime = rt
     app.state.plugin = plugin
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
@@ -432,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         if created:
             logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
         return _run(serve(config))
-    except (StartupError, ConfigError, state.SessionError, AuditError) as exc:
+    except (StartupError, ConfigError, stores.SessionError, AuditError) as exc:
         # One line on stderr, not a log record as well: the log handler writes to stderr too.
         print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)
         return 1

@@ -42,9 +42,11 @@ import budget
 import failures
 import gate
 import state
+import stores
 import tracing
+import turns
 from config import MAX_TOOL_ITERATIONS, ModelConfig, field_problems, resolve_api_key
-from state import trim_history
+from sessions import trim_history
 from text_calls import (  # noqa: F401  (try_force_tool_calls: tools.py reads text calls through agents)
     TextCallFilter,
     TextCalls,
@@ -331,7 +333,7 @@ class ToolOutcome:
     problem: str = ""
 
 
-async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
+async def execute_tool(rt: state.Runtime, turn: turns.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
     """Run one tool call of `turn`: validate the arguments → the runtime's checks (rate limit, gate)
     → the executor. The one pipeline of the agent loop and the MCP server alike.
 
@@ -352,7 +354,7 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
         return outcome
 
 
-async def _checked_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
+async def _checked_tool(rt: state.Runtime, turn: turns.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
     entry = rt.tools.entry(name)
     if entry is None:
         problem = f"unknown tool '{name}'"
@@ -364,7 +366,7 @@ async def _checked_tool(rt: state.Runtime, turn: state.Turn, name: str, args: di
         problem = f"invalid arguments for {name}: {field_problems(exc, 'arguments')}"
         return ToolOutcome(f"ERROR: {problem}. Fix them and call again.", "invalid", problem=problem)
     args = parsed.model_dump()
-    with state.running(turn):
+    with turns.running(turn):
         turn.db_access = None  # what the gate decides for this call, and nothing an earlier call left
         for check in rt.tool_checks:
             refused = await check(rt, turn, entry, args)
@@ -373,7 +375,7 @@ async def _checked_tool(rt: state.Runtime, turn: state.Turn, name: str, args: di
         return await _run_tool(rt, turn, entry.tool, args)
 
 
-async def _run_tool(rt: state.Runtime, turn: state.Turn, tool: StructuredTool, args: dict[str, Any]) -> ToolOutcome:
+async def _run_tool(rt: state.Runtime, turn: turns.Turn, tool: StructuredTool, args: dict[str, Any]) -> ToolOutcome:
     """Run a tool whose arguments are validated and whose checks passed; a failure becomes an error outcome."""
     name, client_id = tool.name, turn.client_id
     rt.hub.status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
@@ -393,7 +395,7 @@ async def _run_tool(rt: state.Runtime, turn: state.Turn, tool: StructuredTool, a
         if hidden != text:
             logger.warning("tool %s for %s: %s", name, client_id, text)
         text = hidden
-    limit = turn.session.tool_preview_length if turn.session else state.DEFAULT_TOOL_PREVIEW
+    limit = turn.session.tool_preview_length if turn.session else stores.DEFAULT_TOOL_PREVIEW
     rt.hub.status(client_id, f"[{name} ◀] {_preview(text, limit)}")
     return ToolOutcome(text, "error" if failed else "ok")
 
@@ -550,7 +552,7 @@ class Request:
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, rt: state.Runtime, llm: Any, session: state.Session, hold: TextCallFilter | None,
+    async def send(self, rt: state.Runtime, llm: Any, session: stores.Session, hold: TextCallFilter | None,
                    final: _Final | None = None) -> AIMessageChunk:
         """One model call with the fitted history; when the backend still says the context was exceeded,
         once more with a tighter budget. With `final`, the history goes as plain conversation (no tool
@@ -575,7 +577,7 @@ class Request:
                                                  "sending it again with less history (the stored history is unchanged)")
 
 
-async def context_report(rt: state.Runtime, session: state.Session) -> str:
+async def context_report(rt: state.Runtime, session: stores.Session) -> str:
     """For `!model`: the session model's window, where it comes from, and the size of its next request."""
     key = session.model if session.model in rt.config.models else rt.config.default_model
     cfg = rt.config.models[key]
@@ -661,8 +663,8 @@ class _Loop:
     why the turn must end with a final answer without tools (`finish`), once that is so."""
 
     rt: state.Runtime
-    turn: state.Turn
-    session: state.Session
+    turn: turns.Turn
+    session: stores.Session
     key: str
     bound: Any
     tools: list[StructuredTool]
@@ -709,7 +711,7 @@ class _Loop:
         return True
 
 
-async def _prepare(rt: state.Runtime, turn: state.Turn, session: state.Session, key: str) -> _Loop:
+async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
     """The model of a turn with the tools it may call bound (none when its router says no)."""
     cfg = rt.config.models[key]
     llm = chat_model(rt, key)
@@ -848,7 +850,7 @@ async def _final_answer(loop: _Loop) -> str:
     return answer
 
 
-async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
+async def agentic_lc(rt: state.Runtime, turn: turns.Turn, key: str) -> str:
     """Run the tool-calling loop of `turn` on model `key`; return the final answer text.
 
     Messages of the turn (assistant tool calls, tool results, the answer) are appended to the
@@ -879,7 +881,7 @@ async def agentic_lc(rt: state.Runtime, turn: state.Turn, key: str) -> str:
     return await _final_answer(loop)
 
 
-async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+async def dispatch_llm(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     """Run one LLM turn of `text` on the turn's model (default: the session's).
 
     On failure the history is rolled back to how it was before the turn (the user message

@@ -12,18 +12,25 @@ import agents
 import approvals
 import audit_chain
 import commands
+import events
 import gate
 import grants
 import metrics
 import routes
-import shared
+import shared_events
+import shared_gates
+import shared_link
+import shared_store
+import shared_values
 import state
 import stores
 import tracing
+import turns
 from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
 from plugin_loader import PluginLoader, is_enabled
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
+from sessions import SessionLimits, SessionManager, SessionPolicy
 from tools import make_core_tools
 
 logger = logging.getLogger("agent_mcp.build")
@@ -31,13 +38,13 @@ logger = logging.getLogger("agent_mcp.build")
 
 def event_buffer(env: Mapping[str, str]) -> int:
     """AGENT_EVENT_BUFFER: how many events each session keeps for readers that fall behind or reconnect
-    (default state.EVENT_BUFFER); a reader further behind gets an error instead of an answer with a gap."""
+    (default events.EVENT_BUFFER); a reader further behind gets an error instead of an answer with a gap."""
     raw = env.get("AGENT_EVENT_BUFFER", "").strip()
     if not raw:
-        return state.EVENT_BUFFER
+        return events.EVENT_BUFFER
     if not raw.isdigit() or not 10 <= int(raw) <= 1_000_000:
         raise ConfigError(f"environment variable AGENT_EVENT_BUFFER={raw[:40]!r}: must be a whole number of events "
-                          f"from 10 to 1000000 (default {state.EVENT_BUFFER})")
+                          f"from 10 to 1000000 (default {events.EVENT_BUFFER})")
     return int(raw)
 
 
@@ -45,16 +52,16 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     rules = approvals.ApprovalRules(config.enabled.approvals, gate.CLASSES, [gate.SHELL])  # before anything opens
-    sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
+    sessions = SessionManager(store or shared_store.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                                     session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
-    link = sessions.store.link if isinstance(sessions.store, shared.RedisStore) else None
+    link = sessions.store.link if isinstance(sessions.store, shared_store.RedisStore) else None
     buffer = event_buffer(config.env)
     rt = state.Runtime(
         config=config,
         sessions=sessions,
         client_namespaces=namespaces,
-        hub=shared.RedisEventHub(link, buffer) if link else state.EventHub(buffer=buffer),
+        hub=shared_events.RedisEventHub(link, buffer) if link else events.EventHub(buffer=buffer),
         link=link,
         tools=ToolRegistry(),
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),
@@ -71,15 +78,15 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         raise
     rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
-        rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared.SharedApprovals(link) if link else None)
+        rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared_gates.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
     if link is not None:
         link.metrics = rt.metrics
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
-        rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
-            shared.SharedValues(link)
+        rt.gate.relay, rt.rate_limiter.shared = shared_gates.GateRelay(link), shared_values.SharedLimits(link)
+        rt.values = shared_values.SharedValues(link)
         rt.gate.grants.link = link
-        rt.signals = shared.Signals(link)
+        rt.signals = shared_link.Signals(link)
         for what in ("cancel", "stop"):
             rt.signals.on(what, functools.partial(routes.signalled, rt, what))
         rt.signals.start()
@@ -91,7 +98,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
     for name, handler in {**commands.COMMANDS, **gate.COMMANDS}.items():
-        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
+        rt.commands[name] = turns.Command(functools.partial(handler, rt), usage=turns.usage_of(handler))
     rt.plugins = PluginLoader(rt)
     return rt
 
@@ -136,7 +143,7 @@ def observability(rt: state.Runtime) -> tuple[metrics.Metrics, tracing.Tracing]:
 
 
 def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
-                   ) -> state.SessionPolicy:
+                   ) -> SessionPolicy:
     """The session bounds of plugins-enabled.json `sessions`, per client class (`gate.session_class`,
     with the client-id `namespaces` the runtime's plugins declare)."""
     unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
@@ -144,15 +151,15 @@ def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]
         logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
                        "session; the classes are %s", ", ".join(unknown), ", ".join(gate.CLIENT_LABELS))
 
-    def limits(kind: str) -> state.SessionLimits:
+    def limits(kind: str) -> SessionLimits:
         limit = bounds.limit(kind, interactive=kind == gate.SHELL)
         idle = None if limit.idle_days is None else limit.idle_days * 86400
-        return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
+        return SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
 
-    def classify(session: state.Session) -> str:
+    def classify(session: stores.Session) -> str:
         return gate.session_class(namespaces or {}, session)
 
-    return state.SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
+    return SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
                                max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import agents
 import gate
 import state
+import turns
 from config import ConfigError, save_model_fields
 from gate import parse_bool
 from prompt import PromptError
@@ -28,7 +29,7 @@ def _models_list(rt: state.Runtime, current: str | None) -> str:
     return "Available models:\n" + "\n".join(rows)
 
 
-async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_help(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!help — this help"""
     lines = ["Commands:"]
     for name, cmd in sorted(rt.commands.items()):
@@ -66,7 +67,7 @@ async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def cmd_model(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_model(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!model [key] — list models / switch this session's model"""
     session = turn.session
     if not args:
@@ -79,7 +80,7 @@ async def cmd_model(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return f"Model set to '{args}'."
 
 
-async def cmd_reset(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_reset(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!reset — clear this session's history"""
     session = turn.session
     count = len(session.history)
@@ -88,7 +89,7 @@ async def cmd_reset(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return f"Conversation history cleared ({count} messages removed)."
 
 
-async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_session(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!session [<ID> [delete]] — list sessions / show or delete one (full or shorthand id)
 
     Other people's sessions are visible only to the shell and admin requests: a proxy, Slack or
@@ -125,7 +126,7 @@ async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
             f"  tool_preview_length: {s.tool_preview_length or 'unlimited'}")
 
 
-async def cmd_tool_preview_length(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_tool_preview_length(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!tool_preview_length [n] — characters of tool results shown (0/off = all)"""
     session = turn.session
     def show(n: int) -> str:
@@ -141,7 +142,7 @@ async def cmd_tool_preview_length(rt: state.Runtime, turn: state.Turn, args: str
     return f"Tool preview length set to {show(value)}."
 
 
-async def cmd_sysprompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_sysprompt(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!sysprompt [reload] — show the system prompt / re-read it from disk"""
     if not args:
         return "--- Current system prompt ---\n" + rt.prompt.assemble()
@@ -152,7 +153,7 @@ async def cmd_sysprompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return "ERROR: Invalid arguments\nUsage: !sysprompt  |  !sysprompt reload"
 
 
-async def cmd_read_system_prompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_read_system_prompt(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!read_system_prompt [section] — the cached prompt, or one section (name or index)"""
     if not args:
         return "--- Cached system prompt ---\n" + rt.prompt.assemble()
@@ -185,7 +186,7 @@ def _positive_seconds(word: str) -> float | None:
 
 
 async def _change_models(
-    rt: state.Runtime, turn: state.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
+    rt: state.Runtime, turn: turns.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
 ) -> tuple[str, Any]:
     """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
     parts = args.split()
@@ -205,7 +206,7 @@ async def _change_models(
     return f"{field}={shown(value)} set for {who}\n{note}", value
 
 
-async def cmd_llm_call(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_llm_call(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!llm_call [model] [bool] — which models accept delegation (llm_clean_text/tool)"""
     session = turn.session
     if not args:
@@ -219,7 +220,7 @@ async def cmd_llm_call(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return reply
 
 
-async def cmd_llm_timeout(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_llm_timeout(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!llm_timeout [model] [secs] — delegation timeouts (llm_call_timeout)"""
     if not args:
         return "LLM delegation timeouts:\n" + "\n".join(
@@ -230,7 +231,7 @@ async def cmd_llm_timeout(rt: state.Runtime, turn: state.Turn, args: str) -> str
     return reply
 
 
-async def cmd_stream(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_stream(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!stream [on|off] — agent_call: relay the other agent's answer live"""
     session = turn.session
     if not args:
@@ -247,7 +248,7 @@ async def cmd_stream(rt: state.Runtime, turn: state.Turn, args: str) -> str:
 
 
 #: The server's own `!commands` besides the gate commands (gate.COMMANDS): name → handler (rt, turn, args).
-COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
+COMMANDS: dict[str, Callable[[state.Runtime, turns.Turn, str], Awaitable[str]]] = {
     "help": cmd_help, "model": cmd_model, "reset": cmd_reset, "session": cmd_session,
     "tool_preview_length": cmd_tool_preview_length, "sysprompt": cmd_sysprompt,
     "read_system_prompt": cmd_read_system_prompt, "llm_call": cmd_llm_call, "llm_timeout": cmd_llm_timeout,

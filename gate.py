@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 import approvals
 import grants
 import guard
+import sessions
 import sql
 import state
+import stores
+import turns
 from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, ToolPermission, secret_values
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain, which agentctl does not need
@@ -61,10 +64,11 @@ class Refusal:
 
 
 if TYPE_CHECKING:
-    import shared
+    import shared_gates
+    import shared_values
     #: A tool check: async (rt, turn, registered tool, validated args) → None to go on, or a Refusal.
     #: A check that refuses tells the user itself (a status event).
-    ToolCheck = Callable[[state.Runtime, state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
+    ToolCheck = Callable[[state.Runtime, turns.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
 
 # ── Clients ─────────────────────────────────────────────────────────────────────────────────
 
@@ -116,31 +120,31 @@ def request_class(rt: state.Runtime, client_id: str, payload: dict[str, Any]) ->
     return SHELL if payload.get("interactive") is True else client_class(client_id, rt)
 
 
-def session_class(namespaces: dict[str, tuple[str, str]], session: state.Session) -> str:
+def session_class(namespaces: dict[str, tuple[str, str]], session: stores.Session) -> str:
     """The class a session is bounded and listed as: the class of the client that created it.
 
     Sessions stored before classes were recorded: their id's namespace, and bare ids are the
     shell's (the only client that created them). Never a source of privilege.
     """
-    recorded = session.settings.get(state.CLIENT_CLASS)
+    recorded = session.settings.get(sessions.CLIENT_CLASS)
     if recorded in CLASSES:
         return str(recorded)
     kind = _owner_class(namespaces, session.client_id)
-    return SHELL if kind == UNKNOWN and state.CLIENT_CLASS not in session.settings else kind
+    return SHELL if kind == UNKNOWN and sessions.CLIENT_CLASS not in session.settings else kind
 
 
 def new_turn(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None = None,
-             turn_id: str | None = None) -> state.Turn:
+             turn_id: str | None = None) -> turns.Turn:
     """The turn of a request that enters now: its class and privileges from `payload` (see
     `routes.process_request`), never from the client id; `model` is this turn's model, if any."""
     payload = payload or {}
-    return state.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(rt, client_id, payload),
+    return turns.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(rt, client_id, payload),
                       admin=payload.get("admin") is True, interactive=payload.get("interactive") is True,
                       model=payload.get("model") or None,
                       identity=identity if isinstance(identity := payload.get("identity"), str) and identity else None)
 
 
-def may_administer(turn: state.Turn | None) -> bool:
+def may_administer(turn: turns.Turn | None) -> bool:
     """Whether `turn` may change gates or run privileged (★) commands such as `!db`.
 
     Accepted: a request the token-authenticated shell endpoint vouched for (payload
@@ -161,7 +165,7 @@ def without_locations(rt: state.Runtime, text: str) -> str:
                                        "<install dir>": CODE_DIR, "~": Path.home()})
 
 
-def refusal(command: str, turn: state.Turn | None) -> str:
+def refusal(command: str, turn: turns.Turn | None) -> str:
     """The message a client gets for a privileged command it may not run."""
     kind = turn.kind if turn is not None else UNKNOWN
     return (f"ERROR: {command} is accepted only from the interactive shell (shell.py) or an API client "
@@ -201,7 +205,7 @@ def gate_type(entry: RegisteredTool | None) -> str:
     return str((entry.gate if entry else {}).get("type") or DEFAULT_TYPE)
 
 
-def _overrides(session: state.Session | None, section: str) -> dict[str, dict[str, bool]]:
+def _overrides(session: stores.Session | None, section: str) -> dict[str, dict[str, bool]]:
     if session is None:
         return {}
     return session.settings.get("gates", {}).get(section, {})
@@ -232,8 +236,8 @@ class GateKeeper:
         self.pending: dict[str, tuple[str, asyncio.Future[grants.Decision]]] = {}
         #: Grants and the audit log (opened by build.build_runtime; None: neither, as in unit tests).
         self.grants: grants.GrantStore | None = None
-        #: With a shared store: gates of every instance (shared.GateRelay), so any may answer them.
-        self.relay: shared.GateRelay | None = None
+        #: With a shared store: gates of every instance (shared_gates.GateRelay), so any may answer them.
+        self.relay: shared_gates.GateRelay | None = None
         #: Gates routed to approvers (plugins-enabled.json `approvals`); None: none are, as the spec says.
         self.desk: approvals.ApprovalDesk | None = None
 
@@ -248,7 +252,7 @@ class GateKeeper:
     def _defaults(self, section: str) -> dict[str, Any]:
         return self.defaults.db if section == "db" else self.defaults.tools
 
-    def explicit(self, session: state.Session | None, section: str, key: str, op: str, *,
+    def explicit(self, session: stores.Session | None, section: str, key: str, op: str, *,
                  case_sensitive: bool = True) -> bool | None:
         """The permission set for `key` (session first, then defaults), or None. Database keys on a server
         that ignores the case of names (`case_sensitive=False`) match entries in any case, and then one
@@ -266,7 +270,7 @@ class GateKeeper:
         found = [bool(getattr(v, op, False)) for v in matching(self._defaults(section))]
         return all(found) if found else None
 
-    def allowed(self, session: state.Session | None, section: str, key: str, op: str, *,
+    def allowed(self, session: stores.Session | None, section: str, key: str, op: str, *,
                 case_sensitive: bool | None = True) -> bool:
         """True when `op` on `key` ("db": a table, `__meta__` or `*`; "tools": a tool) runs unasked.
 
@@ -288,7 +292,7 @@ class GateKeeper:
             return own is True  # the server's own schemas (accounts, grants): never through `*`
         return own if own is not None else wildcard
 
-    def keys(self, section: str, session: state.Session | None) -> list[str]:
+    def keys(self, section: str, session: stores.Session | None) -> list[str]:
         """Every key with an entry in the defaults or this session's overrides, `*` first."""
         found = set(self._defaults(section)) | set(_overrides(session, section))
         return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
@@ -302,7 +306,7 @@ class GateKeeper:
         return entries[key]
 
     @staticmethod
-    def set_override(session: state.Session, section: str, key: str, op: str, value: bool) -> None:
+    def set_override(session: stores.Session, section: str, key: str, op: str, value: bool) -> None:
         """Record a per-session permission (persisted with the session)."""
         gates = session.settings.setdefault("gates", {})
         gates.setdefault(section, {}).setdefault(key, {})[op] = bool(value)
@@ -314,7 +318,7 @@ class GateKeeper:
         if self.grants is not None:
             self.grants.audit(event, **fields)
 
-    async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+    async def check(self, rt: state.Runtime, turn: turns.Turn, entry: RegisteredTool,
                     args: dict[str, Any]) -> Refusal | None:
         """The gate of one tool call: None to run it, or the refusal the model receives.
 
@@ -532,15 +536,15 @@ class GateKeeper:
         return True
 
 
-def _covers(turn: state.Turn, section: str, source: str, keys: Iterable[str] = (), op: str = "",
+def _covers(turn: turns.Turn, section: str, source: str, keys: Iterable[str] = (), op: str = "",
             allows: Callable[[str, str], bool] | None = None) -> None:
     """Record on the turn what a `db` call's decision covers, for the database to enforce (db_roles.py);
     a refusal after this leaves it unused, and execute_tool clears it before the next call."""
     if section == "db":
-        turn.db_access = state.DbAccess(source, frozenset((k, op) for k in keys), allows)
+        turn.db_access = turns.DbAccess(source, frozenset((k, op) for k in keys), allows)
 
 
-def _actor(turn: state.Turn) -> str:
+def _actor(turn: turns.Turn) -> str:
     """Who a request is, for the audit log: its client class and id."""
     return f"{turn.kind}:{turn.client_id}"
 
@@ -555,13 +559,13 @@ def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
     return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)
 
 
-async def check_rate_limit(rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+async def check_rate_limit(rt: state.Runtime, turn: turns.Turn, entry: RegisteredTool,
                            args: dict[str, Any]) -> Refusal | None:
     """The rate-limit tool check (see `RateLimiter.check`) of the runtime's current rate limiter."""
     return await rt.rate_limiter.check(rt, turn, entry, args)
 
 
-async def check_human_gate(rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+async def check_human_gate(rt: state.Runtime, turn: turns.Turn, entry: RegisteredTool,
                            args: dict[str, Any]) -> Refusal | None:
     """The gate tool check (see `GateKeeper.check`) of the runtime's current gate keeper."""
     return await rt.gate.check(rt, turn, entry, args)
@@ -582,7 +586,7 @@ def _state_word(allowed: bool) -> str:
     return "auto-allow (gate OFF)" if allowed else "gated (gate ON)"
 
 
-def _perm_line(rt: state.Runtime, session: state.Session, section: str, key: str) -> str:
+def _perm_line(rt: state.Runtime, session: stores.Session, section: str, key: str) -> str:
     parts = []
     for op in DB_OPERATIONS if section == "db" else OPERATIONS:
         own = op in session.settings.get("gates", {}).get(section, {}).get(key, {})
@@ -603,7 +607,7 @@ _AUTOAIDB_USAGE = (
 )
 
 
-async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_autoaidb(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!autoAIdb [status | <table> [read|write|ddl] <bool> | <read|write|ddl> <bool>] — database gates"""
     session = turn.session
     words = args.split()
@@ -652,7 +656,7 @@ def _tool_groups(rt: state.Runtime) -> dict[str, list[str]]:
     return groups
 
 
-def _autogate_status(rt: state.Runtime, session: state.Session, groups: dict[str, list[str]]) -> str:
+def _autogate_status(rt: state.Runtime, session: stores.Session, groups: dict[str, list[str]]) -> str:
     lines = ["Tool gates of this session (gate-defaults.json, then this session's changes):",
              f"  DEFAULT (*): {_perm_line(rt, session, 'tools', ANY_TABLE)}"]
     for kind in sorted(groups):
@@ -662,7 +666,7 @@ def _autogate_status(rt: state.Runtime, session: state.Session, groups: dict[str
     return "\n".join(lines)
 
 
-async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_autogate(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>] — tool gates"""
     session = turn.session
     parts = args.split()
@@ -701,7 +705,7 @@ async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
-async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_autoaisysprompt(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!autoAISysPrompt [read|write] [bool] — gates of reading / editing the system prompt"""
     session = turn.session
     parts = args.lower().split()
@@ -725,7 +729,7 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
-async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_ratelimit(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for you (★ enable)"""
     parts = args.lower().split()
     whom = _whom(turn)
@@ -745,14 +749,14 @@ async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
 
 
 #: The gate commands: name → handler (rt, turn, args).
-def _audit_policy(rt: state.Runtime, turn: state.Turn, section: str, keys: Iterable[str], ops: Iterable[str],
+def _audit_policy(rt: state.Runtime, turn: turns.Turn, section: str, keys: Iterable[str], ops: Iterable[str],
                         allowed: bool) -> None:
     rt.gate.audit("policy", session=turn.client_id, actor=_actor(turn), op="+".join(ops),
                         tables=keys if section == "db" else (), tool="" if section == "db" else ",".join(keys),
                         outcome=f"this session: {'auto-allow' if allowed else 'gated'}")
 
 
-async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_grants(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!grants [revoke <id>|all] — this session's grants (who, scope, expiry, uses), or end them now
 
     The shell and admin API clients may revoke a grant of any session by its id (from another
@@ -779,7 +783,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return f"Revoked {', '.join(g.id for g in ended)}: the next such call asks again."
 
 
-COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
+COMMANDS: dict[str, Callable[[state.Runtime, turns.Turn, str], Awaitable[str]]] = {
     "autoaidb": cmd_autoaidb, "autogate": cmd_autogate, "autoaisysprompt": cmd_autoaisysprompt,
     "ratelimit": cmd_ratelimit, "grants": cmd_grants,
 }
@@ -790,7 +794,7 @@ COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] 
 SWEEP_EVERY = 256
 
 
-def _whom(turn: state.Turn) -> str:
+def _whom(turn: turns.Turn) -> str:
     """Who a rate limit counts for, as the model and the user are told."""
     return "this caller (all its sessions)" if turn.identity else "this session"
 
@@ -814,7 +818,7 @@ class RateLimiter:
         self.disabled: dict[str, set[str]] = {}
         self._checks = 0
         #: With a shared store: the windows and disabled types live in Redis for every instance.
-        self.shared: shared.SharedLimits | None = None
+        self.shared: shared_values.SharedLimits | None = None
 
     def hit(self, client_id: str, tool_type: str) -> str | None:
         """Count one call; None if allowed, else why not ("limit" or "disabled") as a short reason."""
@@ -874,7 +878,7 @@ class RateLimiter:
         for key in [k for k in self.windows if k[0] == client_id]:
             del self.windows[key]
 
-    async def check(self, rt: state.Runtime, turn: state.Turn, entry: RegisteredTool,
+    async def check(self, rt: state.Runtime, turn: turns.Turn, entry: RegisteredTool,
                     args: dict[str, Any]) -> Refusal | None:
         """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
         client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)

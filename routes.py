@@ -1,7 +1,7 @@
 """The request pipeline: `process_request()` for every client, `!command` dispatch, the `@model` prefix.
 
 Every front door (shell.py, the API, the proxy, Slack, swarm calls) hands its text to
-`submit()` / `process_request()`, which builds the request's `state.Turn` once and passes it down;
+`submit()` / `process_request()`, which builds the request's `turns.Turn` once and passes it down;
 commands are answered here (handlers in commands.py and gate.py), everything else becomes an LLM
 turn (agents.py). The runtime is assembled in build.py; HTTP helpers of the client plugins are in
 plugins/_http.py.
@@ -22,7 +22,11 @@ from typing import Any
 
 import agents
 import gate
+import sessions
 import state
+import stores
+import turns
+from events import LOST, Event
 
 logger = logging.getLogger("agent_mcp.routes")
 
@@ -78,7 +82,7 @@ async def submit(
     if cancel_running:
         await cancel_active_task(rt, client_id)
     if rt.closing:  # checked after the last await: end_all either refuses this request or sees its task
-        raise state.Stopping(STOPPING)
+        raise sessions.Stopping(STOPPING)
     turn_id = uuid.uuid4().hex[:16]
     task = asyncio.create_task(
         process_request(client_id, text, payload, rt=rt, turn_id=turn_id), name=f"request:{client_id}:{turn_id}"
@@ -113,7 +117,7 @@ async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
     await _cancel_here(rt, client_id, STOPPED)
     for task in tasks:
         kind, _, turn_id = task.get_name().rpartition(":")
-        with state.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
+        with turns.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
             rt.hub.done(client_id)
     return bool(tasks)
 
@@ -139,19 +143,19 @@ async def signalled(rt: state.Runtime, what: str, client_id: str) -> None:
     await (_stop_here(rt, client_id) if what == "stop" else _cancel_here(rt, client_id))
 
 
-def ends_turn(ev: state.Event) -> bool:
+def ends_turn(ev: Event) -> bool:
     """Whether `ev` is the last event of its request: its `done`, or the status of its cancellation."""
     return ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
 
 
-async def delete_session(rt: state.Runtime, client_id: str, remember: bool = True) -> state.Session:
+async def delete_session(rt: state.Runtime, client_id: str, remember: bool = True) -> stores.Session:
     """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows,
     grants; with `remember`, a client that comes back is told (see SessionManager.delete)."""
     await cancel_active_task(rt, client_id)
     session = await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
     # Every window still following the id is told now, not only with its next message: the event opens the
     # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).
-    with state.running(None):
+    with turns.running(None):
         rt.hub.publish(client_id, "status", {"text": f"[session] this session ({session.shorthand}) was deleted; "
                                                      "the next message here starts a new, empty one",
                                              "session_deleted": True})
@@ -170,7 +174,7 @@ async def run_turn(
     payload: dict[str, Any] | None = None,
     *,
     cancel_running: bool = False,
-) -> AsyncIterator[state.Event]:
+) -> AsyncIterator[Event]:
     """Submit `text` and yield the events of this request only, ending with its `done`.
 
     For client plugins that answer one request per HTTP call or message (proxy, Slack, API
@@ -183,12 +187,12 @@ async def run_turn(
     finished = False
     try:
         async for ev in events:
-            if ev.name == state.LOST:
+            if ev.name == LOST:
                 # The reader fell behind the event buffer: what it would answer has a hole. An error (and
                 # no end) instead, and the turn is cancelled below: no client takes a gapped answer as whole.
                 logger.warning("a reader of %s fell more than %d events behind; its request ends with an error",
                                client_id, rt.hub.buffer)
-                yield state.Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
+                yield Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
                                   turn.id)
                 return
             if ev.turn != turn.id:
@@ -205,7 +209,7 @@ async def run_turn(
 
 async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None, seconds: float,
                     *, cancel_running: bool = False,
-                    on_event: Callable[[state.Event], None] | None = None) -> dict[str, Any]:
+                    on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
     """Run one request to its end (or for `seconds`, then cancel it): `{"status", "text"}` with status
     complete, error, timeout or cancelled, and `"error"` when the agent reported one. `on_event` sees each
     event of the request as it comes (the MCP server asks its gates as elicitation forms)."""
@@ -271,7 +275,7 @@ async def process_request(
         rt.hub.done(client_id)
         done = True
 
-    with state.running(turn):
+    with turns.running(turn):
         try:
             # Added without awaiting, so requests take the session in the order they arrived.
             session, _ = rt.sessions.get_or_add(client_id, model, turn.kind)
@@ -290,7 +294,7 @@ async def process_request(
                     await _process(rt, turn, text)
         except asyncio.CancelledError as exc:
             cancelled = True
-            if exc.args == (state.LEASE_LOST,):  # another instance ended this turn already, and said so
+            if exc.args == (sessions.LEASE_LOST,):  # another instance ended this turn already, and said so
                 raise
             if rt.closing:  # the server stops: as if it had been killed, but said at once
                 interrupted(rt, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
@@ -303,12 +307,12 @@ async def process_request(
             rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
             raise
         except Exception as exc:
-            if isinstance(exc, state.SessionError):  # a dependency outage, not a bug: one line, no traceback
+            if isinstance(exc, stores.SessionError):  # a dependency outage, not a bug: one line, no traceback
                 logger.warning("request of %s failed: %s", client_id, exc)
             else:
                 logger.exception("request of %s failed", client_id)
             detail = f": {type(exc).__name__}: {exc}" if turn.may_administer else " (details are in the server log)"
-            if isinstance(exc, state.SessionError):  # the store is unreachable: say so, whoever asks
+            if isinstance(exc, stores.SessionError):  # the store is unreachable: say so, whoever asks
                 detail = f": {exc}"
             rt.hub.error(client_id, f"internal error{detail}")
         finally:
@@ -329,7 +333,7 @@ NOT_STARTED = "the server stopped before this message's turn began (the session 
 
 def interrupted(rt: state.Runtime, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
     """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
-    with state.running(gate.new_turn(rt, client_id, turn_id=turn_id)):
+    with turns.running(gate.new_turn(rt, client_id, turn_id=turn_id)):
         rt.hub.error(client_id, message, "interrupted")
         rt.hub.done(client_id)
 
@@ -350,7 +354,7 @@ def _track(rt: state.Runtime, client_id: str) -> Any:
     return untrack
 
 
-async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+async def _process(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     stripped = text.strip()
     lines = text.split("\n")
     command_lines = [line.strip() for line in lines if line.lstrip().startswith("!")]
@@ -372,7 +376,7 @@ async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     await _llm_turn(rt, turn, stripped)
 
 
-async def _llm_turn(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+async def _llm_turn(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     """An LLM turn on the turn's model (default: the session's), or on a leading `@model` for this
     turn only: then, from the interactive shell, its tool calls also skip the human gate."""
     if not text.startswith("@"):
@@ -388,7 +392,7 @@ async def _llm_turn(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     await agents.dispatch_llm(rt, dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip())
 
 
-async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
+async def run_command(rt: state.Runtime, turn: turns.Turn, line: str) -> None:
     """Run one `!command` line and send its output; unknown commands never reach the model."""
     name, _, args = line.lstrip("!").partition(" ")
     name = name.strip().lower()

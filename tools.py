@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 import agents
 import gate
 import state
+import turns
 from api_client import AgentClient, AgentClientError, AgentTimeout
 from config import SECRET_NAME, AgentTarget
 from prompt import PromptError
@@ -173,16 +174,16 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
-def _this_turn(rt: state.Runtime) -> state.Turn:
+def _this_turn(rt: state.Runtime) -> turns.Turn:
     """The turn a core tool runs in (agents.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or gate.new_turn(rt, "")
+    return turns.current_turn() or gate.new_turn(rt, "")
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
 
     async def get_system_info() -> str:
-        turn = state.current_turn()
+        turn = turns.current_turn()
         client_id, session = (turn.client_id, turn.session) if turn else (None, None)
         # The host's name and kernel only for a turn an admin started (shell, admin API): not the others' business.
         host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if gate.may_administer(turn)
@@ -218,7 +219,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"Prompt update rejected: {exc}"
 
     async def llm_list() -> str:
-        turn = state.current_turn()
+        turn = turns.current_turn()
         session = turn.session if turn else None
         rows = []
         for key, m in rt.config.models.items():

@@ -39,7 +39,7 @@ import approvals
 import gate
 import guard
 import routes
-import state
+import stores
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 
@@ -109,7 +109,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _session_row(s: state.Session) -> dict[str, Any]:
+def _session_row(s: stores.Session) -> dict[str, Any]:
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history)}
 
 

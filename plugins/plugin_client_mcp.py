@@ -51,11 +51,12 @@ from starlette.routing import Mount
 
 import agents
 import approvals
+import events
 import gate
 import grants
 import guard
 import routes
-import state
+import stores
 from config import save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
@@ -244,7 +245,7 @@ class McpServerPlugin(BasePlugin):
         if self.rt.signals is not None and unique:
             try:
                 await self.rt.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
-            except state.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
+            except stores.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
                 pass
 
     async def _notified(self, subject: str) -> None:
@@ -262,7 +263,7 @@ class McpServerPlugin(BasePlugin):
     def _session_uris(self, client_id: str, *parts: str) -> list[str]:
         return [f"{SCHEME}sessions/{client_id}/{p}" for p in parts]
 
-    def _observe(self, client_id: str, event: state.Event | None) -> None:
+    def _observe(self, client_id: str, event: events.Event | None) -> None:
         """Event hub observer: gates opening and closing, turns ending, sessions appearing and going."""
         if event is None:  # session deleted
             self._known_sessions.discard(client_id)
@@ -470,7 +471,7 @@ class McpServerPlugin(BasePlugin):
 
     # ── resources ──
 
-    async def _session(self, who: Principal, ident: str) -> state.Session:
+    async def _session(self, who: Principal, ident: str) -> stores.Session:
         await self.rt.sessions.refresh()  # with several instances: as it is now
         client_id = self.rt.sessions.resolve(ident)
         session = self.rt.sessions.get(client_id) if client_id else None
@@ -484,7 +485,7 @@ class McpServerPlugin(BasePlugin):
         rows = [r for r in await self.store.open_rows() if client_id is None or r["session"] == client_id]
         return sorted(rows, key=lambda r: r["opened_at"])
 
-    def _session_row(self, s: state.Session) -> dict[str, Any]:
+    def _session_row(self, s: stores.Session) -> dict[str, Any]:
         return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
                 "client": gate.client_class(s.client_id)}
 
@@ -654,7 +655,7 @@ class McpServerPlugin(BasePlugin):
 
     async def _send(
         self, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
-        on_event: Callable[[state.Event], None] | None = None,
+        on_event: Callable[[events.Event], None] | None = None,
     ) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:
@@ -706,7 +707,7 @@ class McpServerPlugin(BasePlugin):
             try:
                 await self.rt.signals.send(DEFAULT_SIGNAL, json.dumps(change))
                 note += "; in force on every instance on this Redis"
-            except state.SessionError:
+            except stores.SessionError:
                 note += "; NOT in force on the other instances (the session store is unreachable): set it again"
         await self.notify(f"{SCHEME}policy")
         return {"section": section, "key": key, **entry.model_dump(), "note": note}

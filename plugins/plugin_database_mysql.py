@@ -24,7 +24,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 import gate
-import state
+import turns
 from config import ConfigError
 from database import ACCOUNT_VARS, ACCOUNTS_FILE, Database, DatabaseSettings, query_text, read_accounts
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
@@ -41,7 +41,7 @@ db_query mode: {mode}"""
 
 
 #: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
-ADMIN_ACCESS = state.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
+ADMIN_ACCESS = turns.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
 
 
 class MySQLSettings(PluginSettings):
@@ -109,7 +109,7 @@ class MySQLPlugin(BasePlugin):
 
     async def db_query(self, sql: str) -> str:
         """Run SQL; a result table with its row count, `OK — rows affected: N`, or an ERROR line."""
-        turn = state.current_turn()
+        turn = turns.current_turn()
         return await query_text(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
 
     def get_tools(self) -> dict[str, Any]:
@@ -136,7 +136,7 @@ class MySQLPlugin(BasePlugin):
         return (f"Database (plugin_database_mysql, {where}):\n"
                 "  !db <sql>                   run SQL directly, without the model or a gate (shell / admin API only)")
 
-    async def cmd_db(self, turn: state.Turn, args: str) -> str:
+    async def cmd_db(self, turn: turns.Turn, args: str) -> str:
         """!db <sql> — run SQL directly (privileged: no gate)."""
         if not gate.may_administer(turn):
             return gate.refusal("!db", turn)

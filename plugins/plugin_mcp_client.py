@@ -22,7 +22,7 @@ from typing import Any
 import mcp_types as types
 
 import gate
-import state
+import turns
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
 from plugins import _mcp_asks
 from plugins._mcp_connection import (
@@ -82,11 +82,11 @@ class McpClientPlugin(BasePlugin):
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))
 
-    async def _elicitation(self, conn: Connection, exposed: str, turn: state.Turn | None,
+    async def _elicitation(self, conn: Connection, exposed: str, turn: turns.Turn | None,
                            params: types.ElicitRequestParams) -> types.ElicitResult:
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
         assert self.runtime is not None
-        with state.running(turn):  # what it tells the session belongs to the turn (its client's stream)
+        with turns.running(turn):  # what it tells the session belongs to the turn (its client's stream)
             return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
                                        max(1.0, conn.spec.call_timeout - 5))
 
@@ -168,7 +168,7 @@ class McpClientPlugin(BasePlugin):
                 "  !mcp                        list MCP servers, their status and tools\n"
                 "  !mcp reconnect <server>     restart one server's connection")
 
-    async def cmd_mcp(self, turn: state.Turn, args: str) -> str:
+    async def cmd_mcp(self, turn: turns.Turn, args: str) -> str:
         """!mcp [reconnect <server>] — the MCP servers, their status and their tools."""
         words = args.split()
         admin = gate.may_administer(turn)

@@ -10,7 +10,8 @@ from pydantic import BaseModel
 
 import gate
 import routes
-import state
+import stores
+import turns
 from config import GateDefaults, RateLimit
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
@@ -45,9 +46,9 @@ async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path,
 
 async def test_may_administer_follows_the_request_not_the_client_id() -> None:
     assert not gate.may_administer(None)  # outside a request: nobody
-    assert not gate.may_administer(state.Turn("c1", "t1", gate.SHELL))  # the class alone gives nothing
+    assert not gate.may_administer(turns.Turn("c1", "t1", gate.SHELL))  # the class alone gives nothing
     for vouched in ({"interactive": True}, {"admin": True}):
-        assert gate.may_administer(state.Turn("api-x", "t1", gate.UNKNOWN, **vouched))
+        assert gate.may_administer(turns.Turn("api-x", "t1", gate.UNKNOWN, **vouched))
 
 
 # ── The matrix: gate type × client × gate on/off ────────────────────────────────────────────
@@ -192,7 +193,7 @@ def test_layering_specific_beats_wildcard_and_session_beats_defaults() -> None:
         "db": {"*": {"read": True, "write": True}, "payroll": {"read": True, "write": False}},
         "tools": {"*": {"read": False}, "web_search": {"read": True}},
     }))
-    session = state.Session("c1", 101, "fake")
+    session = stores.Session("c1", 101, "fake")
     assert keeper.allowed(session, "db", "orders", "write")  # wildcard
     assert not keeper.allowed(session, "db", "payroll", "write")  # specific entry beats the wildcard
     # Unknown tables ("*"): allowed only if the explicitly gated tables would be too.
@@ -314,10 +315,10 @@ async def test_admin_api_client_may_change_gates(grt) -> None:
 async def test_plugin_commands_use_the_same_check(grt) -> None:
     """A privileged plugin command (the coming `!db`) refuses non-interactive clients with gate.may_administer."""
 
-    async def db(turn: state.Turn, args: str) -> str:
+    async def db(turn: turns.Turn, args: str) -> str:
         return "ran " + args if gate.may_administer(turn) else gate.refusal("!db", turn)
 
-    grt.commands["db"] = state.Command(db, owner="plugin_test_db")
+    grt.commands["db"] = turns.Command(db, owner="plugin_test_db")
     out, _ = await turn(grt, "!db SELECT 1")
     assert out == "ran SELECT 1"
     for client_id in ("slack-C1-1.2", "llama-10.0.0.1", "api-12345678"):
@@ -442,7 +443,7 @@ def test_system_schemas_are_allowed_only_by_their_own_keys() -> None:
     assert keeper.allowed(None, "db", "users", "read") and keeper.allowed(None, "db", "shop.users", "write")
     for key in ("mysql.user", "information_schema.tables", "performance_schema.threads", "sys.session"):
         assert not keeper.allowed(None, "db", key, "read"), key  # `*` never reaches the server's own schemas
-    session = state.Session("c1", 101, "fake")
+    session = stores.Session("c1", 101, "fake")
     keeper.set_override(session, "db", "mysql.user", "read", True)  # what `!autoAIdb mysql.user read true` does
     assert keeper.allowed(session, "db", "mysql.user", "read") and not keeper.allowed(
         session, "db", "mysql.user", "write"

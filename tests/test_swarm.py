@@ -17,8 +17,8 @@ from starlette.routing import BaseRoute, Route
 
 import build
 import gate
-import state
 import stores
+import turns
 from api_client import AgentClient
 from config import ConfigError, load_config
 from tests.conftest import ConfigDir, free_port, openai_model
@@ -229,7 +229,7 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         # A swarm session may not call further, whatever the target.
         result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # no session: not a swarm
         assert "failed" in result and "cannot reach" in result
-        with state.running(gate.new_turn(rt, "api-swarm-12345678")):
+        with turns.running(gate.new_turn(rt, "api-swarm-12345678")):
             result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
         assert result.startswith("ERROR: agent_call refused: this conversation is itself an agent_call")
 
