@@ -24,7 +24,6 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import uvicorn
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
@@ -190,9 +189,7 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
     `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins, token_hint.
     """
     app = Starlette(routes=plugin.get_routes(), exception_handlers={shared_link.StoreUnavailable: _unavailable,
-                                                                        sessions.Stopping: _unavailable})
-    app.state.runtime = rt
-    app.state.plugin = plugin
+                                                                            sessions.Stopping: _unavailable})
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
                  token=cfg.get("token"), token_hint=cfg.get("token_hint"), allowed_hosts=cfg.get("allowed_hosts", ()),
                  allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
@@ -315,8 +312,7 @@ async def serve(config: AppConfig) -> int:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(STREAMS_GRACE_SECONDS):
                         await rt.streams_done.wait()
-            if rt.stopping is not None:
-                rt.stopping.set()
+            rt.stopping.set()
             AppStatus.should_exit = True
 
         ending: list[asyncio.Task[None]] = []
@@ -329,7 +325,6 @@ async def serve(config: AppConfig) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop, True)
-        rt.stopping = anyio.Event()
         tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock, _ in prepared]
         for _, _, where in prepared:
             logger.info("listening: %s", where)

@@ -53,7 +53,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     rules = approvals.ApprovalRules(config.enabled.approvals, gate.CLASSES, [gate.SHELL])  # before anything opens
     sessions = SessionManager(store or shared_store.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
-                                    session_policy(config.enabled.sessions, namespaces))
+                              session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
     link = sessions.store.link if isinstance(sessions.store, shared_store.RedisStore) else None
     buffer = event_buffer(config.env)
@@ -65,10 +65,11 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         link=link,
         tools=ToolRegistry(),
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),
+        gate=gate.GateKeeper.from_env(config.gates, config.env),
+        rate_limiter=gate.RateLimiter(config.enabled.rate_limits),
     )
     for tool in make_core_tools(rt):
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
-    rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
     rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
                                        key_file=audit_chain.key_path(config.data_dir(), config.env))
     try:
@@ -76,7 +77,6 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     except BaseException:
         await sessions.close()
         raise
-    rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
         rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared_gates.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
@@ -160,7 +160,7 @@ def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]
         return gate.session_class(namespaces or {}, session)
 
     return SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
-                               max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
+                         max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
 
 
 async def close_runtime(rt: state.Runtime) -> None:

@@ -34,7 +34,6 @@ from config import CODE_DIR, AppConfig, EnabledConfig, field_problems
 
 logger = logging.getLogger("agent_mcp.plugins")
 
-PLUGIN_TYPES = ("data_tool", "client_interface")
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -193,7 +193,7 @@ async def run_turn(
                 logger.warning("a reader of %s fell more than %d events behind; its request ends with an error",
                                client_id, rt.hub.buffer)
                 yield Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
-                                  turn.id)
+                            turn.id)
                 return
             if ev.turn != turn.id:
                 continue

@@ -105,7 +105,7 @@ class RedisStore(stores.SessionStore):
             return None
         try:
             return stores.Session.from_record(client_id, int(fields["shorthand"]), json.loads(fields["record"]),
-                                             float(fields["updated"]))
+                                              float(fields["updated"]))
         except (ValueError, KeyError, TypeError) as exc:
             logger.error("session %s in Redis is damaged and was skipped: %s", client_id, exc)
             return None

@@ -10,9 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import anyio
+
+from metrics import OFF as NO_METRICS
+from metrics import Metrics
+from tracing import OFF as NO_TRACING
+from tracing import Tracing
 
 if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) would slow every CLI start
+    from langchain_core.language_models import BaseChatModel
+
     from config import AppConfig
     from events import EventHub
     from gate import GateKeeper, RateLimiter, ToolCheck
@@ -20,6 +29,8 @@ if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) woul
     from prompt import PromptTree
     from registry import ToolRegistry
     from sessions import SessionManager
+    from shared_link import Link, Signals
+    from shared_values import SharedValues
     from turns import Command
 
 
@@ -32,11 +43,14 @@ class Runtime:
     hub: EventHub
     tools: ToolRegistry
     prompt: PromptTree
+    #: The gate keeper (pending gates included) and the rate limiter.
+    gate: GateKeeper
+    rate_limiter: RateLimiter
     plugins: PluginLoader | None = None
     #: `!command` name (lower case, no `!`) → Command.
     commands: dict[str, Command] = field(default_factory=dict)
     #: model key → LangChain chat model, built once and reused.
-    llms: dict[str, Any] = field(default_factory=dict)
+    llms: dict[str, BaseChatModel] = field(default_factory=dict)
     #: client id → its requests that are running or waiting for the session.
     active_tasks: dict[str, set[asyncio.Task[None]]] = field(default_factory=dict)
     #: Checks run by agents.execute_tool, in order, on validated arguments before the executor
@@ -47,27 +61,23 @@ class Runtime:
     windows: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: Client-id namespaces declared by the loaded client plugins: prefix → (client class, plugin).
     client_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
-    #: The gate keeper (pending gates included) and the rate limiter, set by build_runtime.
-    gate: GateKeeper = None  # type: ignore[assignment]
-    rate_limiter: RateLimiter = None  # type: ignore[assignment]
-    #: Set when the server stops, so endless event streams end (an anyio.Event).
-    stopping: Any = None
+    #: Set when the server stops, so endless event streams end (sse-starlette's shutdown event).
+    stopping: anyio.Event = field(default_factory=anyio.Event)
     #: Event-stream responses not yet complete, and the event a stopping server waits on until none is left.
     open_streams: int = 0
     streams_done: asyncio.Event | None = None
     #: Set when the server starts to stop (routes.end_all): requests cancelled from then on end as
     #: interrupted (error + done, the user's message kept), not as replaced by a newer one.
     closing: bool = False
-    #: With a shared store (several instances on one Redis): the connection (shared.Link), and the
-    #: small values plugins share through it (shared.SharedValues); None on one instance.
-    link: Any = None
-    values: Any = None
-    #: With a shared store: requests to the other instances (shared.Signals: cancel, stop).
-    signals: Any = None
-    #: Prometheus metrics (metrics.Metrics, metrics.OFF without a metrics listener) and OpenTelemetry spans
-    #: (tracing.Tracing), set by build_runtime.
-    metrics: Any = None
-    tracing: Any = None
+    #: With a shared store (several instances on one Redis): the connection, and the small values plugins
+    #: share through it; None on one instance.
+    link: Link | None = None
+    values: SharedValues | None = None
+    #: With a shared store: requests to the other instances (cancel, stop).
+    signals: Signals | None = None
+    #: Prometheus metrics (OFF without a metrics listener) and OpenTelemetry spans (OFF without an endpoint).
+    metrics: Metrics = NO_METRICS
+    tracing: Tracing = NO_TRACING
 
     def unavailable(self) -> str | None:
         """Why this instance cannot serve requests now (its shared store is unreachable), or None."""

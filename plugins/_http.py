@@ -10,7 +10,6 @@ import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-import anyio
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
@@ -58,8 +57,6 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
             yield ServerSentEvent(data=json.dumps({"message": f"the event stream was cut short: {exc}"},
                                                   ensure_ascii=False), event="error")
 
-    if rt.stopping is None:
-        rt.stopping = anyio.Event()
     return _Stream(
         rt,
         events(),
@@ -83,8 +80,6 @@ def feed_stream(rt: state.Runtime, feed: AsyncIterator[tuple[str, dict[str, Any]
             logger.warning("feed stream ended early: %s", exc)
             yield ServerSentEvent(data=json.dumps({"message": f"the stream was cut short: {exc}"}), event="error")
 
-    if rt.stopping is None:
-        rt.stopping = anyio.Event()
     return _Stream(rt, events(), ping=SSE_PING_SECONDS, sep="\n",
                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, shutdown_event=rt.stopping)
 

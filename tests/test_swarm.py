@@ -227,10 +227,12 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
         assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
-        result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # no session: not a swarm
+        call = entry.tool.coroutine
+        assert call is not None
+        result = await call(agent_url="b", message="x")  # no session: not a swarm
         assert "failed" in result and "cannot reach" in result
         with turns.running(gate.new_turn(rt, "api-swarm-12345678")):
-            result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
+            result = await call(agent_url="b", message="x")
         assert result.startswith("ERROR: agent_call refused: this conversation is itself an agent_call")
 
 
