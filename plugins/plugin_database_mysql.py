@@ -31,11 +31,11 @@ from database import (
     ACCOUNTS_FILE,
     Database,
     DatabaseSettings,
-    format_outcome,
     query_text,
     read_accounts,
     run_query,
 )
+from db_results import format_outcome
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from registry import ToolError
 
