@@ -23,8 +23,8 @@ from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 import budget
+import client_classes
 import events
-import gate
 import state
 import stores
 import turns
@@ -461,9 +461,9 @@ async def dispatch_llm(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
         del session.history[mark:]
         message = describe_llm_error(exc, key, cfg)
         logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
-        if not gate.may_administer(turn):
+        if not client_classes.may_administer(turn):
             # Proxy, Slack and API users learn what failed, not where the backends live.
-            message = gate.without_locations(rt, message)
+            message = client_classes.without_locations(rt.config, message)
         rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

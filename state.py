@@ -24,9 +24,10 @@ if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) woul
 
     from config import AppConfig
     from events import EventHub
-    from gate import GateKeeper, RateLimiter, ToolCheck
+    from gate import GateKeeper, ToolCheck
     from plugin_loader import PluginLoader
     from prompt import PromptTree
+    from rate_limits import RateLimiter
     from registry import ToolRegistry
     from sessions import SessionManager
     from shared_link import Link, Signals

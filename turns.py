@@ -29,7 +29,7 @@ class Turn:
     client_id: str
     #: Every event published while this turn runs carries this id.
     id: str
-    #: The client class (gate.CLASSES) the request is treated as.
+    #: The client class (client_classes.CLASSES) the request is treated as.
     kind: str
     #: The client plugin authenticated an administrator (the API's admin token).
     admin: bool = False

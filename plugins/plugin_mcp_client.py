@@ -21,7 +21,7 @@ from typing import Any
 
 import mcp_types as types
 
-import gate
+import client_classes
 import turns
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
 from plugins import _mcp_asks
@@ -171,9 +171,9 @@ class McpClientPlugin(BasePlugin):
     async def cmd_mcp(self, turn: turns.Turn, args: str) -> str:
         """!mcp [reconnect <server>] — the MCP servers, their status and their tools."""
         words = args.split()
-        admin = gate.may_administer(turn)
+        admin = client_classes.may_administer(turn)
         if words and words[0] == "reconnect" and not admin:
-            return gate.refusal("!mcp reconnect", turn)
+            return client_classes.refusal("!mcp reconnect", turn)
         if words and words[0] == "reconnect":
             if len(words) != 2 or words[1] not in self.servers:
                 return f"Use: !mcp reconnect <server>  (servers: {', '.join(self.servers) or 'none'})"

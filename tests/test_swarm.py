@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 import build
-import gate
+import client_classes
 import stores
 import turns
 from api_client import AgentClient
@@ -232,7 +232,7 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert call is not None
         with pytest.raises(ToolError, match="failed: cannot reach"):  # no session: not a swarm, so it tries
             await call(agent_url="b", message="x")
-        with turns.running(gate.new_turn(rt, "api-swarm-12345678")), \
+        with turns.running(client_classes.new_turn(rt.client_namespaces, "api-swarm-12345678")), \
                 pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
             await call(agent_url="b", message="x")
 
