@@ -15,7 +15,6 @@ from typing import Any
 
 import guard
 import sessions
-import state
 import stores
 import turns
 from config import CODE_DIR, AppConfig, secret_values
@@ -49,12 +48,9 @@ CLASSES = {c.name: c for c in (
 CLIENT_LABELS = {name: c.label for name, c in CLASSES.items()}
 
 
-def client_class(client_id: str | None, namespaces: dict[str, tuple[str, str]] | None = None) -> str:
+def client_class(client_id: str | None, namespaces: dict[str, tuple[str, str]]) -> str:
     """The class of the loaded plugin's namespace that owns `client_id` (the longest prefix), else UNKNOWN.
-    `namespaces`: prefix → (class, plugin) of the loaded client plugins; default the installed runtime's."""
-    if namespaces is None:
-        rt = state.installed()
-        namespaces = rt.client_namespaces if rt else {}
+    `namespaces`: prefix → (class, plugin) of the loaded client plugins (the runtime's client_namespaces)."""
     return _owner_class(namespaces, client_id or "")
 
 

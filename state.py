@@ -2,7 +2,7 @@
 
 One `Runtime` per server instance owns every mutable object; it is built once (see
 `build.build_runtime`) and passed in. `set_current()` installs it for the code that still reaches
-it through `current()` / `installed()`.
+it through `current()` (routes.process_request called without one).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ _current: Runtime | None = None
 
 
 def set_current(rt: Runtime | None) -> None:
-    """Install the runtime the facade functions below act on."""
+    """Install the runtime `current()` returns."""
     global _current
     _current = rt
 
@@ -102,9 +102,4 @@ def set_current(rt: Runtime | None) -> None:
 def current() -> Runtime:
     if _current is None:
         raise RuntimeError("no agent-mcp runtime is running")
-    return _current
-
-
-def installed() -> Runtime | None:
-    """The runtime `set_current()` installed, or None."""
     return _current

@@ -131,7 +131,7 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
 async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, target_client_id: str = "") -> str:
     """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`.
     A refused or failed call raises ToolError."""
-    if client_classes.client_class(caller) == client_classes.SWARM:
+    if client_classes.client_class(caller, rt.client_namespaces) == client_classes.SWARM:
         raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
                         "call each other at most 1 hop deep. Answer with what you know instead.")
     found = find_agent(rt.config.agents, ref)

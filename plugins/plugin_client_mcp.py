@@ -304,7 +304,7 @@ class McpServerPlugin(BasePlugin):
         if by is None:
             by = "timeout" if decision == "timeout" else (
                 "gate closed" if decision == "cancelled"
-                else f"{client_classes.client_class(client_id)} client ({client_id})")
+                else f"{client_classes.client_class(client_id, self.rt.client_namespaces)} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
                                 (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
                                  *self._session_uris(client_id, "approvals/history"))))
@@ -485,7 +485,7 @@ class McpServerPlugin(BasePlugin):
 
     def _session_row(self, s: stores.Session) -> dict[str, Any]:
         return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-                "client": client_classes.client_class(s.client_id)}
+                "client": client_classes.client_class(s.client_id, self.rt.client_namespaces)}
 
     def _policy(self) -> dict[str, Any]:
         return self.rt.gate.defaults.model_dump(mode="json")
