@@ -37,13 +37,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 import metrics
 import state
 import stores
@@ -68,9 +61,6 @@ COALESCE_SECONDS = 0.005
 STREAMING_SECONDS = 0.05
 #: Events an instance keeps queued for Redis while it is unreachable; beyond this the oldest go.
 MAX_QUEUED_EVENTS = 20_000
-
-_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
-
 
 class StoreUnavailable(state.SessionError):
     """Redis cannot be reached; the message names it and says what to do."""
@@ -123,11 +113,23 @@ class Link:
     def __init__(self, url: str):
         self.url, self.prefix = split_prefix(url)
         self.where = where(self.url)
+        # redis-py (about 8 MiB of code) is imported with the first Link: a server whose sessions are in
+        # SQLite or in memory never loads it. Everything else here talks to Redis through a Link.
+        import redis.asyncio as aioredis
+        from redis import exceptions
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+
+        #: What a command raises when Redis cannot be reached; `failed` adds every other Redis error.
+        self.lost: tuple[type[BaseException], ...] = (exceptions.ConnectionError, exceptions.TimeoutError, OSError)
+        self.failed = (*self.lost, exceptions.RedisError)
+        #: A command Redis refused (in a pipeline's results: another instance wrote a stream further ahead).
+        self.refused = exceptions.ResponseError
         # A command on a pooled connection that died with a restarted Redis is sent again on a new one.
         self.client = aioredis.Redis.from_url(self.url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT,
                                               socket_connect_timeout=2.0,
                                               retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
-                                              retry_on_error=[RedisConnectionError, RedisTimeoutError])
+                                              retry_on_error=[exceptions.ConnectionError, exceptions.TimeoutError])
         self.down: str | None = None
         #: Counts round trips and failures (build_runtime gives it the runtime's metrics).
         self.metrics: metrics.Metrics = metrics.OFF
@@ -160,14 +162,14 @@ class Link:
         self.metrics.redis_round_trip()
         try:
             yield
-        except _DOWN as exc:
+        except self.lost as exc:
             self.metrics.redis_failed()
             raise self.unavailable(exc) from None
 
     async def _ping_until_back(self) -> None:
         while self.down is not None:
             await asyncio.sleep(0.5)
-            with contextlib.suppress(*_DOWN, RedisError):
+            with contextlib.suppress(*self.failed):
                 await self.client.ping()
                 logger.warning("Redis at %s answers again", self.where)
                 self.down = None
@@ -175,7 +177,7 @@ class Link:
     async def open(self) -> None:
         try:
             await self.client.ping()
-        except (*_DOWN, RedisError) as exc:
+        except self.failed as exc:
             why = str(exc).rstrip(".")
             raise StoreUnavailable(f"SESSION_STORE: cannot reach Redis at {self.where} ({why}); start it, or fix "
                                    "the URL (redis://host:port/db), or unset SESSION_STORE for the embedded "
@@ -231,7 +233,7 @@ class RedisStore(stores.SessionStore):
             self._beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beating
-            with contextlib.suppress(*_DOWN, RedisError):
+            with contextlib.suppress(*self.link.failed):
                 await self.r.zrem(self._key("instances"), self.link.instance)  # a stopped instance leaves at once
         await self.link.close()
 
@@ -248,7 +250,7 @@ class RedisStore(stores.SessionStore):
             await asyncio.sleep(LEASE_SECONDS / 3)
             try:
                 await self._beat()
-            except (*_DOWN, RedisError) as exc:
+            except self.link.failed as exc:
                 self.link.unavailable(exc)
 
     async def instances(self) -> int:
@@ -331,7 +333,7 @@ class RedisStore(stores.SessionStore):
             renewer.cancel()
             if self._held.get(client_id) == token:
                 del self._held[client_id]
-            with contextlib.suppress(*_DOWN, RedisError):  # unreachable: it lapses by itself
+            with contextlib.suppress(*self.link.failed):  # unreachable: it lapses by itself
                 await self.r.eval(_RELEASE, 1, key, token)
 
     async def _renew(self, key: str, token: str, ms: int, holder: asyncio.Task[Any] | None) -> None:
@@ -345,7 +347,7 @@ class RedisStore(stores.SessionStore):
                     if holder is not None:
                         holder.cancel(state.LEASE_LOST)
                     return
-            except (*_DOWN, RedisError) as exc:
+            except self.link.failed as exc:
                 logger.warning("could not renew the turn lease %s: %s", key, exc)
 
     async def orphans(self) -> list[str]:
@@ -452,7 +454,7 @@ class RedisEventHub(state.EventHub):
                 try:
                     await self._write(batch)
                     break
-                except (*_DOWN, RedisError) as exc:
+                except self.link.failed as exc:
                     self.link.unavailable(exc)
                     await asyncio.sleep(0.5)
             self._wrote = time.monotonic()
@@ -499,7 +501,7 @@ class RedisEventHub(state.EventHub):
             result = next(results)
             if events is None:
                 next(results)
-            elif isinstance(result, ResponseError):  # another instance wrote this stream further ahead
+            elif isinstance(result, self.link.refused):  # another instance wrote this stream further ahead
                 await self._append_after_top(client_id, events)
             elif isinstance(result, Exception):
                 raise result
@@ -524,7 +526,7 @@ class RedisEventHub(state.EventHub):
             pipe = self.r.pipeline(transaction=False)
             self._add(pipe, client_id, events)
             (result,) = await pipe.execute(raise_on_error=False)
-            if not isinstance(result, ResponseError):
+            if not isinstance(result, self.link.refused):
                 return
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
@@ -628,7 +630,7 @@ class GateRelay:
         while True:
             try:
                 popped = await self.r.blpop([key], timeout=BLOCK_MS / 1000)
-            except _DOWN as exc:
+            except self.link.lost as exc:
                 self.link.unavailable(exc)
                 await asyncio.sleep(0.5)
                 continue
@@ -636,7 +638,7 @@ class GateRelay:
                 return dict(json.loads(popped[1]))
 
     async def _closed(self, gate_id: str) -> None:
-        with contextlib.suppress(*_DOWN, RedisError):
+        with contextlib.suppress(*self.link.failed):
             await self.r.delete(self.link.key("gate", gate_id), self.link.key("answer", gate_id))
 
 
@@ -763,7 +765,7 @@ class SharedApprovals:
         return bool(won), first or None
 
     async def closed(self, gate_id: str) -> None:
-        with contextlib.suppress(*_DOWN, RedisError):
+        with contextlib.suppress(*self.link.failed):
             await self.r.zrem(self.link.key("approvals"), gate_id)
 
     async def open_ones(self) -> list[str]:
@@ -829,7 +831,7 @@ class Signals:
                             work = asyncio.ensure_future(handler(subject))
                             self._handling.add(work)
                             work.add_done_callback(self._handled)
-            except (*_DOWN, RedisError) as exc:
+            except self.link.failed as exc:
                 self.link.unavailable(exc)
                 await asyncio.sleep(0.5)
 
