@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 # server imports this module through the gate, and only one with a `db` tool ever classifies SQL.
 if TYPE_CHECKING:
     from sqlglot import exp
-    from sqlglot.tokens import Token
+    from sqlglot.tokens import Token, Tokenizer
 
 logger = logging.getLogger("agent_mcp.sql")
 
@@ -138,7 +138,7 @@ _OWN_ACCOUNT = frozenset({"CURRENT_USER", "CURRENT_ROLE"})
 
 
 @functools.cache
-def _word_tokenizer() -> type:
+def _word_tokenizer() -> type[Tokenizer]:
     from sqlglot.dialects.mysql import MySQL
 
     class WordTokenizer(MySQL.Tokenizer):
@@ -152,7 +152,7 @@ def _word_tokenizer() -> type:
 def _tokens(text: str) -> list[Token] | None:
     from sqlglot.errors import SqlglotError
     try:
-        return _word_tokenizer()().tokenize(text)  # type: ignore[no-any-return]
+        return _word_tokenizer()().tokenize(text)
     except (SqlglotError, RecursionError, ValueError):
         return None
 
