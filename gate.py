@@ -31,6 +31,7 @@ import approvals
 import grants
 import guard
 import sql
+import sql_shape
 import state
 from config import CODE_DIR, ConfigError, GateDefaults, GatePermission, RateLimit, ToolPermission, secret_values
 
@@ -549,7 +550,7 @@ def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
     """What a shape grant matches: a `db` statement with its values replaced by `?`; for other tools,
     the values of the arguments the tool declares as defining its effect (gate `defining`), else all."""
     if gate_type(entry) == "db":
-        return sql.sql_shape(args.get("sql"))
+        return sql_shape.sql_shape(args.get("sql"))
     defining = entry.gate.get("defining")
     chosen = {k: args.get(k) for k in defining} if isinstance(defining, list | tuple) else args
     return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)

@@ -19,9 +19,9 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("config", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry", "state",
-        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client", "agents", "tools",
-        "db_roles", "database", "routes", "commands", "build")
+CORE = ("config", "sql", "sql_shape", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry",
+        "state", "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client", "agents",
+        "tools", "db_roles", "database", "routes", "commands", "build")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:
