@@ -36,8 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-import agents
 import build
+import models
 import routes
 import shared
 import state
@@ -274,8 +274,10 @@ async def serve(config: AppConfig) -> int:
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens: no request waits for an import, no event loop stalls on one.
         started = time.monotonic()
-        cold = await asyncio.to_thread(agents.warm_up, rt)
-        windows = await asyncio.gather(*(agents.model_window(rt, key) for key in config.models))
+        cold = await asyncio.to_thread(models.warm_up, rt.llms, config, rt.tools, rt.prompt,
+                                       rt.metrics.on or rt.tracing.on)
+        windows = await asyncio.gather(*(models.model_window(rt.windows, key, cfg)
+                                         for key, cfg in config.models.items()))
         logger.info(
             "models ready in %.2f s%s; context windows: %s",
             time.monotonic() - started,
@@ -284,7 +286,7 @@ async def serve(config: AppConfig) -> int:
                 f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)
             ),
         )
-        problem = await agents.unreachable(rt, config.default_model)
+        problem = await models.unreachable(config.models[config.default_model], config.env)
         if problem:
             logger.warning("the default model '%s' cannot answer yet: %s. Or use another model: !model <name> in "
                            "shell.py, or default_model in plugins-enabled.json", config.default_model, problem)
@@ -300,12 +302,13 @@ async def serve(config: AppConfig) -> int:
         hurry = asyncio.Event()
 
         async def end() -> None:
-            if drain and routes.running(rt):
+            running = routes.running(rt.active_tasks)
+            if drain and running:
                 # Several instances: this one takes no new connections (the others do) while its turns finish.
                 for s in servers:
                     s.should_exit = True
                 logger.warning("stopping: waiting up to %g s for %d running request(s) to finish "
-                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, len(routes.running(rt)))
+                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, len(running))
                 await _drained(rt, drain, hurry)
             # Running turns end first, each telling its clients (error + done) while their streams are open.
             await routes.end_all(rt)
@@ -371,7 +374,7 @@ def drain_seconds(env: dict[str, str], shared: bool) -> float:
 async def _drained(rt: state.Runtime, seconds: float, hurry: asyncio.Event) -> None:
     """Return when no request runs, `seconds` passed, or `hurry` is set."""
     deadline = asyncio.get_running_loop().time() + seconds
-    while routes.running(rt) and not hurry.is_set():
+    while routes.running(rt.active_tasks) and not hurry.is_set():
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             return

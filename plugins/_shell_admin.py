@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-import agents
 import state
 from config import (
     GATE_DEFAULTS_FILE,
@@ -119,7 +118,7 @@ async def _save_models(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any
     changed = [k for k, m in enabled.items() if k in rt.config.models and rt.config.models[k] != m]
     for key in changed:
         rt.config.models[key] = enabled[key]
-    await agents.close_models(rt, changed)  # rebuilt with the new settings at their next call
+    await models.close_models(rt.llms, changed)  # rebuilt with the new settings at their next call
     later = sorted(set(enabled) ^ set(rt.config.models))
     rt.gate.audit("config", actor=ACTOR, tool=MODELS_FILE, outcome="saved",
                   detail=f"changed now: {', '.join(changed) or 'none'}; "

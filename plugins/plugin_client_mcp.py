@@ -49,13 +49,13 @@ from mcp_types import (
 from pydantic import Field
 from starlette.routing import Mount
 
-import agents
 import approvals
 import gate
 import grants
 import guard
 import routes
 import state
+import tool_calls
 from config import save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
@@ -744,7 +744,7 @@ class McpServerPlugin(BasePlugin):
         turn = gate.new_turn(rt, client_id)
         turn.session = session
         try:
-            outcome = await agents.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
+            outcome = await tool_calls.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
         finally:
             if turn.id in self._gated_turns:
                 self._gated_turns.discard(turn.id)

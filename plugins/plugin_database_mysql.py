@@ -26,8 +26,18 @@ from pydantic import BaseModel, Field
 import gate
 import state
 from config import ConfigError
-from database import ACCOUNT_VARS, ACCOUNTS_FILE, Database, DatabaseSettings, query_text, read_accounts
+from database import (
+    ACCOUNT_VARS,
+    ACCOUNTS_FILE,
+    Database,
+    DatabaseSettings,
+    query_text,
+    read_accounts,
+    run_query,
+)
+from db_results import format_outcome
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from registry import ToolError
 
 logger = logging.getLogger("agent_mcp.mysql")
 
@@ -108,9 +118,13 @@ class MySQLPlugin(BasePlugin):
         return self.db
 
     async def db_query(self, sql: str) -> str:
-        """Run SQL; a result table with its row count, `OK — rows affected: N`, or an ERROR line."""
+        """Run SQL; a result table with its row count or `OK — rows affected: N`; ToolError when a statement failed
+        (with the results of those that ran)."""
         turn = state.current_turn()
-        return await query_text(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
+        outcome = await run_query(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
+        if outcome.error is not None:
+            raise ToolError(format_outcome(outcome, marker=""))
+        return format_outcome(outcome)
 
     def get_tools(self) -> dict[str, Any]:
         tool = StructuredTool.from_function(

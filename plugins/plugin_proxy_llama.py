@@ -353,11 +353,8 @@ class LlamaProxyPlugin(BasePlugin):
                 yield ev
         finally:
             await events.aclose()
-            await routes.cancel_active_task(self.rt, client_id)  # a request cut short: wait for its cleanup
-            if self.rt.sessions.get(client_id) is not None:
-                await self.rt.sessions.delete(client_id, remember=False)  # which also drops its event channel
-            else:
-                self.rt.hub.drop(client_id)
+            # A request cut short is cancelled and cleaned up first; nobody else follows the id: no notice.
+            await routes.delete_session(self.rt, client_id, remember=False, announce=False)
 
     async def _answer(self, request: Request, fmt: Ollama | OpenAI, transcript: list[Turn], key: str | None,
                       stream: bool) -> Response:

@@ -19,9 +19,10 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("config", "sql", "sql_shape", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry",
-        "state", "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client", "agents",
-        "tools", "db_roles", "database", "routes", "commands", "build")
+CORE = ("config", "secret_files", "sql", "sql_shape", "guard", "failures", "metrics", "tracing", "text_calls", "prompt",
+        "registry", "state", "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client",
+        "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
+        "commands", "build")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:
