@@ -27,7 +27,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-import gate
+import client_classes
 import state
 from config import CODE_DIR, AppConfig, EnabledConfig, field_problems
 
@@ -107,7 +107,7 @@ class BasePlugin(ABC):
     DEPENDENCIES: list[str] = []
     ENV_VARS: list[str] = []
     #: client_interface: the client-id prefixes this plugin's sessions use, and their client class
-    #: (`gate.CLASSES`: "api", "proxy", …), e.g. `{"api-": "api", "api-swarm-": "swarm"}`. A request
+    #: (`client_classes.CLASSES`: "api", "proxy", …), e.g. `{"api-": "api", "api-swarm-": "swarm"}`. A request
     #: whose id no loaded plugin declared gets the least privilege ("unknown").
     CLIENT_NAMESPACES: dict[str, str] = {}
 
@@ -360,9 +360,9 @@ class PluginLoader:
         that overlaps another plugin's namespace is refused (it could take over that plugin's sessions)."""
         declared = dict(plugin.CLIENT_NAMESPACES or {})
         for prefix, kind in declared.items():
-            if kind not in gate.CLASSES or kind == gate.UNKNOWN:
+            if kind not in client_classes.CLASSES or kind == client_classes.UNKNOWN:
                 raise ValueError(f"CLIENT_NAMESPACES: '{prefix}' names class {kind!r}; use one of "
-                                 f"{', '.join(k for k in gate.CLASSES if k != gate.UNKNOWN)}")
+                                 f"{', '.join(k for k in client_classes.CLASSES if k != client_classes.UNKNOWN)}")
             if not prefix or not re.fullmatch(r"[A-Za-z0-9._:@-]+", prefix):
                 raise ValueError(
                     f"CLIENT_NAMESPACES: {prefix!r} is not a client-id prefix (letters, digits, . _ : @ -)"

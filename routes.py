@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import agents
-import gate
+import client_classes
 import state
 
 logger = logging.getLogger("agent_mcp.routes")
@@ -112,7 +112,7 @@ async def _stop_here(requests: state.Requests, hub: state.EventHub, client_id: s
 def _as_turn(client_id: str, turn_id: str) -> contextlib.AbstractContextManager[state.Turn | None]:
     """Publish as request `turn_id` from outside it (its events carry the id; nothing else of a turn is read
     there, so the least privileged class is as good as its own)."""
-    return state.running(state.Turn(client_id, turn_id, gate.UNKNOWN))
+    return state.running(state.Turn(client_id, turn_id, client_classes.UNKNOWN))
 
 
 def _track(requests: state.Requests, client_id: str, task: asyncio.Task[None], turn_id: str) -> Callable[[], None]:
@@ -274,10 +274,10 @@ async def process_request(
     Requests on one session run one at a time, in the order they were submitted. Payload keys:
     `default_model` (the model of a session created now), `model` (answer this request's LLM
     turn with that registry model; the session keeps its own model), `admin` (True only when the
-    client plugin authenticated an administrator; see `gate.may_administer`), `interactive` (True
+    client plugin authenticated an administrator; see `client_classes.may_administer`), `interactive` (True
     only from the token-authenticated shell endpoint: ★ commands and the `@model` gate bypass).
     The request's client class is the shell's when vouched interactive, else that of the plugin
-    namespace owning `client_id` (`gate.request_class`; an id no plugin owns gets the least
+    namespace owning `client_id` (`client_classes.request_class`; an id no plugin owns gets the least
     privilege). A plugin may call this directly (the spec's path): the request is then tracked
     in `rt.active_tasks` like a submitted one, so a newer request or a delete cancels it.
     """
@@ -285,7 +285,7 @@ async def process_request(
     payload = payload or {}
     wanted = payload.get("default_model")
     model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
-    turn = gate.new_turn(rt, client_id, payload, turn_id)
+    turn = client_classes.new_turn(rt.client_namespaces, client_id, payload, turn_id)
     task = asyncio.current_task()
     # A plugin may call this directly: then the request tracks itself (a submitted one is tracked already).
     untrack = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
@@ -366,7 +366,7 @@ async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
 
     async def command(line: str) -> None:
         out = await run_command(rt.commands, turn, line)
-        rt.hub.tok(turn.client_id, out if turn.may_administer else gate.without_locations(rt, out))
+        rt.hub.tok(turn.client_id, out if turn.may_administer else client_classes.without_locations(rt.config, out))
 
     async def llm(words: str) -> None:
         asked = _at_model(rt.config.models, turn, words)

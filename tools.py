@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-import gate
+import client_classes
 import models
 import state
 import tool_calls
@@ -130,7 +130,7 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
 async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, target_client_id: str = "") -> str:
     """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`.
     A refused or failed call raises ToolError."""
-    if gate.client_class(caller) == gate.SWARM:
+    if client_classes.client_class(caller) == client_classes.SWARM:
         raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
                         "call each other at most 1 hop deep. Answer with what you know instead.")
     found = find_agent(rt.config.agents, ref)
@@ -180,7 +180,7 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
 
 def _this_turn(rt: state.Runtime) -> state.Turn:
     """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or gate.new_turn(rt, "")
+    return state.current_turn() or client_classes.new_turn(rt.client_namespaces, "")
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
@@ -190,7 +190,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         turn = state.current_turn()
         client_id, session = (turn.client_id, turn.session) if turn else (None, None)
         # The host's name and kernel only for a turn an admin started (shell, admin API): not the others' business.
-        host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if gate.may_administer(turn)
+        host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if client_classes.may_administer(turn)
                 else "<hidden> (") + f"Python {platform.python_version()})"
         lines = [
             f"Local time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",

@@ -29,9 +29,12 @@ from typing import Any
 import mcp_types as types
 
 import approvals
+import client_classes
+import decisions
 import gate
 import grants
 import state
+from audit_chain import AuditRecord
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -151,17 +154,16 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
         return types.ElicitResult(action="decline")
     keeper = rt.gate
     message = params.message[:MESSAGE_CHARS]
-    wait = gate.CLASSES[turn.kind].gate_wait
+    wait = client_classes.CLASSES[turn.kind].gate_wait
     route = keeper.desk.route(turn.kind, exposed, "tools", [exposed]) if keeper.desk is not None else None
-    audit = {"session": client_id, "tool": exposed, "op": OPERATION, "tables": (),
-             "args": {"server": server, "message": message}}
-    if wait == gate.NO_WAIT and route is None:
-        label = gate.CLIENT_LABELS[turn.kind]
-        keeper.audit("decision", actor=f"{turn.kind}:{client_id}", outcome="declined (no one can answer)", **audit)
+    call = AuditRecord.call(client_id, exposed, OPERATION, args={"server": server, "message": message})
+    if wait == client_classes.NO_WAIT and route is None:
+        label = client_classes.CLIENT_LABELS[turn.kind]
+        keeper.audit(call.decision(client_classes.actor(turn), "declined (no one can answer)"))
         _status(rt, client_id, f"[ask ✗] {what} asked “{message[:120]}” during {exposed}, which {label} "
                                "cannot answer — declined")
         return types.ElicitResult(action="decline")
-    timeout = route.timeout if route else keeper.timeout if wait == gate.HUMAN_WAIT else keeper.api_timeout
+    timeout = route.timeout if route else keeper.timeout if wait == client_classes.HUMAN_WAIT else keeper.api_timeout
     timeout = min(timeout, max_wait)
     asked = {"server": server, "message": message, "fields": fields, "summary": _describe(fields),
              "schema": params.requested_schema}
@@ -169,40 +171,40 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
     payload = {"tool_name": exposed, "tool_args": {**args, "operation_type": OPERATION}, "tables": [],
                "timeout_seconds": timeout, "grants": [], "elicitation": asked}
     routed = None if route is None else approvals.RoutedGate(
-        "", client_id, turn.kind, gate.CLIENT_LABELS[turn.kind], exposed, OPERATION, [],
+        "", client_id, turn.kind, client_classes.CLIENT_LABELS[turn.kind], exposed, OPERATION, [],
         f"{what} asks: {message[:approvals.ARG_CHARS]}", approvals.trimmed(args), [], 0.0, 0.0,
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
     with state.running(turn):  # the callback may run outside the turn's task: its events carry the turn
-        decision, gate_id = await keeper.ask(rt, client_id, payload, timeout, routed)
-        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, audit, timeout)
+        decision, gate_id = await keeper.ask(client_id, payload, timeout, routed)
+        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
 
 
 async def _answered(rt: state.Runtime, keeper: gate.GateKeeper, client_id: str, exposed: str,
                     fields: list[dict[str, Any]], decision: grants.Decision, gate_id: str,
-                    routed: approvals.RoutedGate | None, audit: dict[str, Any], limit: float) -> types.ElicitResult:
+                    routed: approvals.RoutedGate | None, call: AuditRecord, limit: float) -> types.ElicitResult:
     """Close the question's gate (told to the session, audited) and say what goes back to the server."""
     closing = {"gate_id": gate_id, "decision": decision.word}
     if routed is not None and keeper.desk is not None:
         closed = (await keeper.desk.get(gate_id))[1]
         if closed is not None:
             closing.update(by=closed.by, channel=closed.channel)
-            audit["detail"] = approvals.audit_detail(routed, closed)
+            call = call.with_detail(approvals.audit_detail(routed, closed))
     if decision.word == "timeout":
-        keeper.audit("decision", actor="timeout", outcome="elicitation cancelled (no answer)", **audit)
+        keeper.audit(call.decision("timeout", "elicitation cancelled (no answer)"))
         _status(rt, client_id, f"[ask ✗] {exposed}: no answer within {limit:g} s — cancelled", **closing)
         return types.ElicitResult(action="cancel")
-    if decision.word == grants.REJECT:
-        keeper.audit("decision", actor=decision.by, outcome="elicitation declined", **audit)
+    if decision.word == decisions.REJECT:
+        keeper.audit(call.decision(decision.by, "elicitation declined"))
         _status(rt, client_id, f"[ask ✗] {exposed}: declined", **closing)
         return types.ElicitResult(action="decline")
     try:  # allow (a grant word counts as allow: nothing is granted for a question)
         content = content_for(fields, decision.content)
     except FormError as exc:
-        keeper.audit("decision", actor=decision.by, outcome=f"elicitation declined: {exc}", **audit)
+        keeper.audit(call.decision(decision.by, f"elicitation declined: {exc}"))
         _status(rt, client_id, f"[ask ✗] {exposed}: the answer did not fit the form ({exc}) — declined", **closing)
         return types.ElicitResult(action="decline")
-    keeper.audit("decision", actor=decision.by, outcome="elicitation accepted", **audit)
+    keeper.audit(call.decision(decision.by, "elicitation accepted"))
     _status(rt, client_id, f"[ask ✓] {exposed}: answered", **{**closing, "decision": "allow"})
     return types.ElicitResult(action="accept", content=content)

@@ -36,7 +36,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import approvals
-import gate
+import client_classes
+import decisions
 import guard
 import routes
 import state
@@ -82,14 +83,15 @@ class _SubmitBody(_Body):
 
 _ADMIN_APPROVER = f"{approvals.API}:{approvals.ADMIN}"
 #: The gate decision of each `scope` of an approving answer.
-_SCOPES = {"once": "allow", "minutes": "allow_for", "session": "allow_session", "pattern": "allow_pattern"}
+_SCOPES = {name: word for word, name in decisions.SCOPE_NAMES.items()}
+ApiScope = Literal[tuple(_SCOPES)]  # type: ignore[valid-type]
 
 
 class _GateBody(_Body):
     approve: bool
     #: How far a yes reaches (admin key only beyond `once`): this call, N `minutes` of this tool or these
     #: tables, the rest of the session, or calls of the same shape.
-    scope: Literal["once", "minutes", "session", "pattern"] = "once"
+    scope: ApiScope = "once"
     minutes: int | None = None
 
 
@@ -134,7 +136,7 @@ class ApiPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_api"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.API, "api-swarm-": gate.SWARM}
+    CLIENT_NAMESPACES = {PREFIX: client_classes.API, "api-swarm-": client_classes.SWARM}
     DESCRIPTION = "JSON/SSE API for programs and swarm calls between agents"
     DEPENDENCIES = ["sse-starlette"]
 
@@ -215,7 +217,7 @@ class ApiPlugin(BasePlugin):
     @staticmethod
     def _visible(client_id: str, admin: bool) -> bool:
         """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
-        return admin or gate.client_class(client_id) in (gate.API, gate.SWARM)
+        return admin or client_classes.client_class(client_id) in (client_classes.API, client_classes.SWARM)
 
     async def _remember(self, turn_id: str, client_id: str, after: int) -> None:
         self._turns[turn_id] = (client_id, after)
@@ -280,12 +282,13 @@ class ApiPlugin(BasePlugin):
         body = await _http.read_json(request, _GateBody)
         owner = await self.rt.gate.owner(gate_id)
         admin = self._is_admin(request)
-        decision = _SCOPES[body.scope] if body.approve else "reject"
+        decision = _SCOPES[body.scope] if body.approve else decisions.REJECT
         if self.rt.gate.desk is not None and (await self.rt.gate.desk.get(gate_id)) != (None, None):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
-            answered = owner is not None and gate.client_class(owner) == gate.API and await self.rt.gate.resolve(
+            answered = owner is not None and client_classes.client_class(owner) == client_classes.API \
+                and await self.rt.gate.resolve(
                 gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
                 may_grant=admin)
         except ValueError as exc:

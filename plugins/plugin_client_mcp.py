@@ -50,13 +50,13 @@ from pydantic import Field
 from starlette.routing import Mount
 
 import approvals
-import gate
-import grants
+import client_classes
+import decisions
+import gate_policy
 import guard
 import routes
 import state
 import tool_calls
-from config import save_gate_defaults
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore, SharedApprovals
@@ -95,12 +95,10 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "get_gate_policy": (HUMAN,),
     "set_gate_default": (HUMAN,),
 }
-#: Signals to the other instances on one Redis (state.Runtime.signals): notify your subscribers of these
-#: URIs; apply this change of the gate defaults.
+#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
+McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
+#: The signal to the other instances on one Redis (state.Runtime.signals): notify your subscribers of these URIs.
 NOTIFY_SIGNAL = "mcp-notify"
-DEFAULT_SIGNAL = "mcp-gate-default"
-DECISION_WORDS = {"allow_once": "allow", "allow_for": "allow_for", "allow_session": "allow_session",
-                  "allow_pattern": "allow_pattern", "reject": "reject"}
 
 
 # ── The server ──────────────────────────────────────────────────────────────────────────────
@@ -129,7 +127,7 @@ class McpServerPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_mcp"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.MCP}
+    CLIENT_NAMESPACES = {PREFIX: client_classes.MCP}
     DESCRIPTION = "MCP server: sessions, approvals and the agent's tools over Streamable HTTP at /mcp"
     DEPENDENCIES = ["mcp", "aiosqlite"]
 
@@ -180,8 +178,7 @@ class McpServerPlugin(BasePlugin):
         self._known_sessions = {s.client_id for s in rt.sessions.all()}
         self._unobserve = rt.hub.observe(self._observe)
         if rt.signals is not None:  # several instances: their subscribers hear of changes made here, and ours of theirs
-            self._unsignal = [rt.signals.on(NOTIFY_SIGNAL, self._notified),
-                              rt.signals.on(DEFAULT_SIGNAL, self._default_changed_elsewhere)]
+            self._unsignal = [rt.signals.on(NOTIFY_SIGNAL, self._notified)]
         if rt.gate.grants is not None:
             self._unobserve_grants = rt.gate.grants.observe(
                 lambda client_id: self._notes.put_nowait(tuple(self._session_uris(client_id, "grants"))))
@@ -305,7 +302,8 @@ class McpServerPlugin(BasePlugin):
         by = self._deciders.pop(gate_id, None)
         if by is None:
             by = "timeout" if decision == "timeout" else (
-                "gate closed" if decision == "cancelled" else f"{gate.client_class(client_id)} client ({client_id})")
+                "gate closed" if decision == "cancelled"
+                else f"{client_classes.client_class(client_id)} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
                                 (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
                                  *self._session_uris(client_id, "approvals/history"))))
@@ -486,7 +484,7 @@ class McpServerPlugin(BasePlugin):
 
     def _session_row(self, s: state.Session) -> dict[str, Any]:
         return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-                "client": gate.client_class(s.client_id)}
+                "client": client_classes.client_class(s.client_id)}
 
     def _policy(self) -> dict[str, Any]:
         return self.rt.gate.defaults.model_dump(mode="json")
@@ -600,8 +598,8 @@ class McpServerPlugin(BasePlugin):
         @mcp.tool()
         async def answer_approval(
             gate_id: str,
-            decision: Literal["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"],
-            minutes: int = grants.DEFAULT_MINUTES,
+            decision: McpDecision,
+            minutes: int = decisions.DEFAULT_MINUTES,
             content: dict[str, Any] | None = None,
         ) -> dict[str, Any]:
             """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
@@ -616,7 +614,8 @@ class McpServerPlugin(BasePlugin):
                                 "read agentmcp://approvals/pending")
             plugin._deciders[gate_id] = who.label
             try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
-                result = await plugin.rt.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
+                result = await plugin.rt.gate.answer(gate_id, decisions.MCP_WORDS[decision],
+                                                     by=f"mcp token '{who.name}'",
                                                      answerer=approvals.Approver(approvals.MCP, who.name),
                                                      channel="mcp", minutes=minutes, content=content)
             except ValueError as exc:
@@ -694,42 +693,13 @@ class McpServerPlugin(BasePlugin):
     async def _set_default(
         self, who: Principal, section: str, key: str, operation: str, allowed: bool
     ) -> dict[str, Any]:
-        key = key.strip()
-        if not key or len(key) > 128:
-            raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
-        if operation == gate.DDL and section != "db":
-            raise ToolError("ddl is a permission of database tables only (section db)")
-        ops = ["read", "write"] if operation == "both" else [operation]
-        change = {"section": section, "key": key, "ops": ops, "allowed": allowed, "by": f"mcp token '{who.name}'"}
-        entry, note = self._apply_default(change)
-        if self.rt.signals is not None:
-            try:
-                await self.rt.signals.send(DEFAULT_SIGNAL, json.dumps(change))
-                note += "; in force on every instance on this Redis"
-            except state.SessionError:
-                note += "; NOT in force on the other instances (the session store is unreachable): set it again"
+        try:  # the keeper checks, applies, saves, audits and tells the other instances
+            change = gate_policy.PolicyChange.parse(section, key, operation, allowed, f"mcp token '{who.name}'")
+        except gate_policy.PolicyError as exc:
+            raise ToolError(str(exc)) from None
+        entry, note = await self.rt.gate.set_policy(change)
         await self.notify(f"{SCHEME}policy")
-        return {"section": section, "key": key, **entry.model_dump(), "note": note}
-
-    def _apply_default(self, change: dict[str, Any]) -> tuple[Any, str]:
-        """Change one gate default here, save gate-defaults.json and audit it: (the new entry, what was saved)."""
-        section, key, ops, allowed = change["section"], change["key"], change["ops"], change["allowed"]
-        entry = self.rt.gate.set_default(section, key, ops, allowed)
-        try:
-            path = save_gate_defaults(self.rt.config.config_dir, self.rt.gate.defaults)
-            note = f"saved in {path}"
-        except Exception as exc:  # in force anyway; say it was not saved
-            logger.exception("saving gate defaults failed")
-            note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
-        logger.info("gate default %s.%s %s=%s set by %s", section, key, "+".join(ops), allowed, change["by"])
-        self.rt.gate.audit("policy", actor=change["by"], op="+".join(ops),
-                           tables=[key] if section == "db" else (), tool="" if section == "db" else key,
-                           outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
-        return entry, note
-
-    async def _default_changed_elsewhere(self, subject: str) -> None:
-        change = json.loads(subject)
-        self._apply_default({**change, "by": f"{change['by']} on another instance"})
+        return {"section": section, "key": change.key, **entry.model_dump(), "note": note}
 
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
         """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,
@@ -741,7 +711,7 @@ class McpServerPlugin(BasePlugin):
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        turn = gate.new_turn(rt, client_id)
+        turn = client_classes.new_turn(rt.client_namespaces, client_id)
         turn.session = session
         try:
             outcome = await tool_calls.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})

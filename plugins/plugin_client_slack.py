@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
-import gate
+import client_classes
 import guard
 import routes
 import state
@@ -306,7 +306,7 @@ class SlackPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_slack"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.SLACK}
+    CLIENT_NAMESPACES = {PREFIX: client_classes.SLACK}
     DESCRIPTION = "Slack thread bot: Socket Mode in, chat.postMessage out"
     DEPENDENCIES = ["slack-sdk>=3.30", "slackify-markdown>=0.2.4"]
     ENV_VARS = ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"]

@@ -23,6 +23,7 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
+import client_classes
 import gate
 import state
 from config import ConfigError
@@ -152,8 +153,8 @@ class MySQLPlugin(BasePlugin):
 
     async def cmd_db(self, turn: state.Turn, args: str) -> str:
         """!db <sql> — run SQL directly (privileged: no gate)."""
-        if not gate.may_administer(turn):
-            return gate.refusal("!db", turn)
+        if not client_classes.may_administer(turn):
+            return client_classes.refusal("!db", turn)
         db = self._database()
         if not args.strip():
             return DB_USAGE.format(where=db.settings.where(), mode=db.describe_mode())

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import gate
+import client_classes
 import state
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
 from plugins._mcp_servers import (
@@ -173,9 +173,9 @@ class McpClientPlugin(BasePlugin):
     async def cmd_mcp(self, turn: state.Turn, args: str) -> str:
         """!mcp [reconnect <server>] — the MCP servers, their status and their tools."""
         words = args.split()
-        admin = gate.may_administer(turn)
+        admin = client_classes.may_administer(turn)
         if words and words[0] == "reconnect" and not admin:
-            return gate.refusal("!mcp reconnect", turn)
+            return client_classes.refusal("!mcp reconnect", turn)
         if words and words[0] == "reconnect":
             if len(words) != 2 or words[1] not in self.servers:
                 return f"Use: !mcp reconnect <server>  (servers: {', '.join(self.servers) or 'none'})"

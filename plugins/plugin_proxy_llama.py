@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-import gate
+import client_classes
 import guard
 import routes
 import state
@@ -102,7 +102,7 @@ class LlamaProxyPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_proxy_llama"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.PROXY}
+    CLIENT_NAMESPACES = {PREFIX: client_classes.PROXY}
     DESCRIPTION = "Ollama- and OpenAI-compatible proxy (open-webui, Enchanted, LM Studio, SDKs)"
     DEPENDENCIES = ["sse-starlette"]
 
@@ -330,7 +330,7 @@ class LlamaProxyPlugin(BasePlugin):
         self.rt.metrics.proxy_conversation("new" if client_id is None else "matched")
         if client_id is None:
             client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
-            session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, gate.PROXY)
+            session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, client_classes.PROXY)
             session.history = seed(prior)
             await self.rt.sessions.save(session)
         return client_id, scope

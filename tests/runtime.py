@@ -18,7 +18,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel
 
 import build
-import gate
+import client_classes
 import routes
 import state
 import stores
@@ -33,21 +33,23 @@ ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True, "ddl": Tru
 
 
 #: The client-id namespaces the shipped client plugins declare (CLIENT_NAMESPACES), by owner.
-SHIPPED_NAMESPACES = {"api-": (gate.API, "plugin_client_api"), "api-swarm-": (gate.SWARM, "plugin_client_api"),
-                      "llama-": (gate.PROXY, "plugin_proxy_llama"), "slack-": (gate.SLACK, "plugin_client_slack"),
-                      "mcp-": (gate.MCP, "plugin_client_mcp")}
+SHIPPED_NAMESPACES = {"api-": (client_classes.API, "plugin_client_api"),
+                      "api-swarm-": (client_classes.SWARM, "plugin_client_api"),
+                      "llama-": (client_classes.PROXY, "plugin_proxy_llama"),
+                      "slack-": (client_classes.SLACK, "plugin_client_slack"),
+                      "mcp-": (client_classes.MCP, "plugin_client_mcp")}
 
 
 def shell_payload(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None) -> dict[str, Any] | None:
     """`payload`, vouched interactive as the shell endpoint does when `client_id` is a bare (shell.py) id."""
-    if payload is None and gate.client_class(client_id, rt) == gate.UNKNOWN:
+    if payload is None and client_classes.client_class(client_id, rt.client_namespaces) == client_classes.UNKNOWN:
         return {"interactive": True}
     return payload
 
 
 def request_turn(rt: state.Runtime, client_id: str) -> state.Turn:
     """The turn a request of `client_id` runs as (a bare id: a vouched shell.py request), with its session."""
-    turn = gate.new_turn(rt, client_id, shell_payload(rt, client_id, None))
+    turn = client_classes.new_turn(rt.client_namespaces, client_id, shell_payload(rt, client_id, None))
     turn.session = rt.sessions.get(client_id)
     return turn
 
@@ -63,7 +65,10 @@ async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, 
     """One tool call through tool_calls.execute_tool, as the request `as_request` set up for `client_id`, else
     as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
     current = state.current_turn()
-    turn = current if current is not None and current.client_id == client_id else gate.new_turn(rt, client_id)
+    if current is not None and current.client_id == client_id:
+        turn = current
+    else:
+        turn = client_classes.new_turn(rt.client_namespaces, client_id)
     turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
     return (await tool_calls.execute_tool(rt, turn, name, args)).text
 

@@ -24,6 +24,7 @@ import pymysql
 import pytest
 
 import agentctl
+import client_classes
 import database
 import db_roles
 import gate
@@ -440,7 +441,8 @@ async def test_start_up_says_in_one_line_why_an_account_cannot_be_limited(
         async with plugin_runtime(tmp_path / "classic", {PLUGIN: {}}, fx.env(enforced=False)) as rt:
             mysql = plugin(rt, PLUGIN)
             assert mysql.db.mode == database.CLASSIFIER_ONLY
-            status = await mysql.cmd_db(gate.new_turn(rt, "admin", {"interactive": True}), "")
+            admin = client_classes.new_turn(rt.client_namespaces, "admin", {"interactive": True})
+            status = await mysql.cmd_db(admin, "")
             assert "classifier only" in status and "agentctl db-setup" in status
             sql = "SELECT COUNT(*) FROM information_schema.tables"
             text = await execute(rt, PROXY_CLIENT, "db_query", {"sql": sql})

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-import gate
+import client_classes
+import gate_commands
 import shared
 import state
 import tool_calls
@@ -36,7 +37,7 @@ def _tools(rt: state.Runtime) -> Recorder:
 
 async def _call(rt: state.Runtime, client_id: str, identity: str | None, tool: str) -> str:
     """One tool call as a request of `client_id` from the proxy or API, proven to be `identity`."""
-    turn = gate.new_turn(rt, client_id, {"identity": identity} if identity else None)
+    turn = client_classes.new_turn(rt.client_namespaces, client_id, {"identity": identity} if identity else None)
     session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
     turn = dataclasses.replace(turn, session=session)
     with state.running(turn):
@@ -94,9 +95,9 @@ async def test_only_an_operator_lifts_an_auto_disable(tmp_path: Path, payload: d
         await _call(rt, "llama-alice-1", "proxy:alice", "probe_get")
         assert (await _call(rt, "llama-alice-2", "proxy:alice", "probe_get")).startswith("RATE LIMIT")
         client_id = "llama-alice-3" if not may else "me"
-        turn = gate.new_turn(rt, client_id, payload)
+        turn = client_classes.new_turn(rt.client_namespaces, client_id, payload)
         turn.session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
-        answer = await gate.cmd_ratelimit(rt, turn, "enable probe proxy|proxy:alice")
+        answer = await gate_commands.cmd_ratelimit(rt, turn, "enable probe proxy|proxy:alice")
         if may:
             assert answer == "probe tools are enabled again for 'proxy|proxy:alice'."
             assert (await _call(rt, "llama-alice-4", "proxy:alice", "probe_get")).startswith("RATE LIMIT EXCEEDED")

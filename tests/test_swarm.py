@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 import build
-import gate
+import client_classes
 import state
 import stores
 from api_client import AgentClient
@@ -230,7 +230,7 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         # A swarm session may not call further, whatever the target.
         with pytest.raises(ToolError, match="failed: cannot reach"):  # no session: not a swarm, so it tries
             await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        with state.running(gate.new_turn(rt, "api-swarm-12345678")), \
+        with state.running(client_classes.new_turn(rt.client_namespaces, "api-swarm-12345678")), \
                 pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
             await rt.tools.executor("agent_call")(agent_url="b", message="x")
 
