@@ -24,6 +24,10 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
+# httpx's package imports its command line (`httpx._main`: click, rich and pygments, about 5 MiB) when it
+# can; the server never runs it. A None entry makes that import fail, and httpx goes without its CLI.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
 import uvicorn
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
@@ -221,6 +225,8 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
                 # The client address is the TCP peer: uvicorn would take X-Forwarded-For from any local
                 # caller. Forwarded identity counts only from a configured forwarder (plugin_proxy_llama).
                 proxy_headers=False, forwarded_allow_ips="",
+                # No front door speaks WebSocket: uvicorn need not import a WebSocket library.
+                ws="none",
                 # Open requests (event streams of draining turns among them) may finish; then they are ended.
                 timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,
             )

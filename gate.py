@@ -35,6 +35,7 @@ import gate_policy
 import grants
 import metrics
 import sql
+import sql_shape
 import stores
 import tracing
 import turns
@@ -514,7 +515,7 @@ def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
     """What a shape grant matches: a `db` statement with its values replaced by `?`; for other tools,
     the values of the arguments the tool declares as defining its effect (gate `defining`), else all."""
     if gate_type(entry) == "db":
-        return sql.sql_shape(args.get("sql"))
+        return sql_shape.sql_shape(args.get("sql"))
     defining = entry.gate.get("defining")
     chosen = {k: args.get(k) for k in defining} if isinstance(defining, list | tuple) else args
     return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)

@@ -17,10 +17,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
-
 from events import EVENT_BUFFER, LOST, MAX_IDLE_CHANNELS, Event, EventHub
-from shared_link import BLOCK_MS, DOWN, Link
+from shared_link import BLOCK_MS, Link
 from turns import current_turn
 
 logger = logging.getLogger("agent_mcp.shared")
@@ -125,7 +123,7 @@ class RedisEventHub(EventHub):
                 try:
                     await self._write(batch)
                     break
-                except (*DOWN, RedisError) as exc:
+                except self.link.failed as exc:
                     self.link.unavailable(exc)
                     await asyncio.sleep(0.5)
             self._wrote = time.monotonic()
@@ -172,7 +170,7 @@ class RedisEventHub(EventHub):
             result = next(results)
             if events is None:
                 next(results)
-            elif isinstance(result, ResponseError):  # another instance wrote this stream further ahead
+            elif isinstance(result, self.link.refused):  # another instance wrote this stream further ahead
                 await self._append_after_top(client_id, events)
             elif isinstance(result, Exception):
                 raise result
@@ -197,7 +195,7 @@ class RedisEventHub(EventHub):
             pipe = self.r.pipeline(transaction=False)
             self._add(pipe, client_id, events)
             (result,) = await pipe.execute(raise_on_error=False)
-            if not isinstance(result, ResponseError):
+            if not isinstance(result, self.link.refused):
                 return
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False

@@ -10,9 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from shared_link import BLOCK_MS, DOWN, Link
+from shared_link import BLOCK_MS, Link
 
 logger = logging.getLogger("agent_mcp.shared")
 
@@ -75,7 +73,7 @@ class GateRelay:
         while True:
             try:
                 popped = await self.r.blpop([key], timeout=BLOCK_MS / 1000)
-            except DOWN as exc:
+            except self.link.lost as exc:
                 self.link.unavailable(exc)
                 await asyncio.sleep(0.5)
                 continue
@@ -83,7 +81,7 @@ class GateRelay:
                 return dict(json.loads(popped[1]))
 
     async def _closed(self, gate_id: str) -> None:
-        with contextlib.suppress(*DOWN, RedisError):
+        with contextlib.suppress(*self.link.failed):
             await self.r.delete(self.link.key("gate", gate_id), self.link.key("answer", gate_id))
 
 
@@ -130,7 +128,7 @@ class SharedApprovals:
         return bool(won), first or None
 
     async def closed(self, gate_id: str) -> None:
-        with contextlib.suppress(*DOWN, RedisError):
+        with contextlib.suppress(*self.link.failed):
             await self.r.zrem(self.link.key("approvals"), gate_id)
 
     async def open_ones(self) -> list[str]:

@@ -33,13 +33,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 import metrics
 import stores
 
@@ -49,8 +42,6 @@ DEFAULT_PREFIX = "agent-mcp:"
 #: Longest wait of one blocking read (below the socket timeout, so a dead server is noticed).
 BLOCK_MS = 1000
 SOCKET_TIMEOUT = 5.0
-#: What a lost connection to Redis raises (redis-py's own errors, and the socket's).
-DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class StoreUnavailable(stores.SessionError):
@@ -104,11 +95,23 @@ class Link:
     def __init__(self, url: str):
         self.url, self.prefix = split_prefix(url)
         self.where = where(self.url)
+        # redis-py (about 8 MiB of code) is imported with the first Link: a server whose sessions are in
+        # SQLite or in memory never loads it. Everything else here talks to Redis through a Link.
+        import redis.asyncio as aioredis
+        from redis import exceptions
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+
+        #: What a command raises when Redis cannot be reached; `failed` adds every other Redis error.
+        self.lost: tuple[type[BaseException], ...] = (exceptions.ConnectionError, exceptions.TimeoutError, OSError)
+        self.failed = (*self.lost, exceptions.RedisError)
+        #: A command Redis refused (in a pipeline's results: another instance wrote a stream further ahead).
+        self.refused = exceptions.ResponseError
         # A command on a pooled connection that died with a restarted Redis is sent again on a new one.
         self.client = aioredis.Redis.from_url(self.url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT,
                                               socket_connect_timeout=2.0,
                                               retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
-                                              retry_on_error=[RedisConnectionError, RedisTimeoutError])
+                                              retry_on_error=[exceptions.ConnectionError, exceptions.TimeoutError])
         self.down: str | None = None
         #: Counts round trips and failures (build_runtime gives it the runtime's metrics).
         self.metrics: metrics.Metrics = metrics.OFF
@@ -141,14 +144,14 @@ class Link:
         self.metrics.redis_round_trip()
         try:
             yield
-        except DOWN as exc:
+        except self.lost as exc:
             self.metrics.redis_failed()
             raise self.unavailable(exc) from None
 
     async def _ping_until_back(self) -> None:
         while self.down is not None:
             await asyncio.sleep(0.5)
-            with contextlib.suppress(*DOWN, RedisError):
+            with contextlib.suppress(*self.failed):
                 await self.client.ping()
                 logger.warning("Redis at %s answers again", self.where)
                 self.down = None
@@ -156,7 +159,7 @@ class Link:
     async def open(self) -> None:
         try:
             await self.client.ping()
-        except (*DOWN, RedisError) as exc:
+        except self.failed as exc:
             why = str(exc).rstrip(".")
             raise StoreUnavailable(f"SESSION_STORE: cannot reach Redis at {self.where} ({why}); start it, or fix "
                                    "the URL (redis://host:port/db), or unset SESSION_STORE for the embedded "
@@ -207,7 +210,7 @@ class Signals:
                             work = asyncio.ensure_future(handler(subject))
                             self._handling.add(work)
                             work.add_done_callback(self._handled)
-            except (*DOWN, RedisError) as exc:
+            except self.link.failed as exc:
                 self.link.unavailable(exc)
                 await asyncio.sleep(0.5)
 

@@ -14,11 +14,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
-
 import sessions
 import stores
-from shared_link import DOWN, Link, is_redis_url
+from shared_link import Link, is_redis_url
 
 logger = logging.getLogger("agent_mcp.shared")
 
@@ -72,7 +70,7 @@ class RedisStore(stores.SessionStore):
             self._beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beating
-            with contextlib.suppress(*DOWN, RedisError):
+            with contextlib.suppress(*self.link.failed):
                 await self.r.zrem(self._key("instances"), self.link.instance)  # a stopped instance leaves at once
         await self.link.close()
 
@@ -89,7 +87,7 @@ class RedisStore(stores.SessionStore):
             await asyncio.sleep(LEASE_SECONDS / 3)
             try:
                 await self._beat()
-            except (*DOWN, RedisError) as exc:
+            except self.link.failed as exc:
                 self.link.unavailable(exc)
 
     async def instances(self) -> int:
@@ -172,7 +170,7 @@ class RedisStore(stores.SessionStore):
             renewer.cancel()
             if self._held.get(client_id) == token:
                 del self._held[client_id]
-            with contextlib.suppress(*DOWN, RedisError):  # unreachable: it lapses by itself
+            with contextlib.suppress(*self.link.failed):  # unreachable: it lapses by itself
                 await self.r.eval(_RELEASE, 1, key, token)
 
     async def _renew(self, key: str, token: str, ms: int, holder: asyncio.Task[Any] | None) -> None:
@@ -186,7 +184,7 @@ class RedisStore(stores.SessionStore):
                     if holder is not None:
                         holder.cancel(sessions.LEASE_LOST)
                     return
-            except (*DOWN, RedisError) as exc:
+            except self.link.failed as exc:
                 logger.warning("could not renew the turn lease %s: %s", key, exc)
 
     async def orphans(self) -> list[str]:

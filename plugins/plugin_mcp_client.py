@@ -17,17 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
-
-import mcp_types as types
+from typing import TYPE_CHECKING, Any
 
 import client_classes
 import turns
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
-from plugins import _mcp_asks
-from plugins._mcp_connection import (
-    Connection,
-)
 from plugins._mcp_servers import (
     McpTool,
     _args_model,
@@ -35,6 +29,12 @@ from plugins._mcp_servers import (
     exposed_name,
     load_servers,
 )
+
+# The MCP SDK (about 20 MiB of code) is imported when mcp-servers.json enables a server (init).
+if TYPE_CHECKING:
+    import mcp_types as types
+
+    from plugins._mcp_connection import Connection
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -74,6 +74,7 @@ class McpClientPlugin(BasePlugin):
         servers = load_servers(self.config_file)
         for name, spec in servers.servers.items():
             if spec.enabled:
+                from plugins._mcp_connection import Connection  # the MCP SDK, imported with a server to connect
                 self.servers[name] = Connection(name, spec, app.env, app.config_dir, self._server_changed,
                                                 self._elicitation)
         await asyncio.gather(*(c.connect() for c in self.servers.values()))
@@ -85,6 +86,7 @@ class McpClientPlugin(BasePlugin):
     async def _elicitation(self, conn: Connection, exposed: str, turn: turns.Turn | None,
                            params: types.ElicitRequestParams) -> types.ElicitResult:
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
+        from plugins import _mcp_asks
         assert self.runtime is not None
         with turns.running(turn):  # what it tells the session belongs to the turn (its client's stream)
             return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,

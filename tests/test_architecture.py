@@ -20,11 +20,12 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("decisions", "config", "secret_files", "sql", "guard", "failures", "metrics", "tracing", "text_calls",
-        "prompt", "registry", "stores", "sessions", "turns", "events", "shared_link", "shared_store", "shared_events",
-        "shared_gates", "shared_values", "grants", "audit_log", "approvals", "budget", "client_classes",
-        "gate_policy", "gate", "rate_limits", "state", "gate_commands", "plugin_loader", "api_client", "llm_errors",
-        "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes", "commands", "build")
+CORE = ("decisions", "config", "secret_files", "sql", "sql_shape", "guard", "failures", "metrics", "tracing",
+        "text_calls", "prompt", "registry", "stores", "sessions", "turns", "events", "shared_link", "shared_store",
+        "shared_events", "shared_gates", "shared_values", "grants", "audit_log", "approvals", "budget",
+        "client_classes", "gate_policy", "gate", "rate_limits", "state", "gate_commands", "plugin_loader", "api_client",
+        "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
+        "commands", "build")
 
 #: Imports for type annotations that still point up a layer, to be removed (issue 30 item 4): the runtime type
 #: (state.Runtime) is annotated with the plugin loader, which takes the whole runtime itself (plugins get it as
