@@ -21,6 +21,7 @@ import client_classes
 import models
 import state
 import tool_calls
+import turns
 from api_client import AgentClient, AgentClientError, AgentTimeout
 from config import SECRET_NAME, AgentTarget
 from llm_errors import describe_llm_error
@@ -130,7 +131,7 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
 async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, target_client_id: str = "") -> str:
     """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`.
     A refused or failed call raises ToolError."""
-    if client_classes.client_class(caller) == client_classes.SWARM:
+    if client_classes.client_class(caller, rt.client_namespaces) == client_classes.SWARM:
         raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
                         "call each other at most 1 hop deep. Answer with what you know instead.")
     found = find_agent(rt.config.agents, ref)
@@ -178,16 +179,16 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
-def _this_turn(rt: state.Runtime) -> state.Turn:
+def _this_turn(rt: state.Runtime) -> turns.Turn:
     """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or client_classes.new_turn(rt.client_namespaces, "")
+    return turns.current_turn() or client_classes.new_turn(rt.client_namespaces, "")
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
 
     async def get_system_info() -> str:
-        turn = state.current_turn()
+        turn = turns.current_turn()
         client_id, session = (turn.client_id, turn.session) if turn else (None, None)
         # The host's name and kernel only for a turn an admin started (shell, admin API): not the others' business.
         host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if client_classes.may_administer(turn)
@@ -223,7 +224,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"Prompt update rejected: {exc}"
 
     async def llm_list() -> str:
-        turn = state.current_turn()
+        turn = turns.current_turn()
         session = turn.session if turn else None
         rows = []
         for key, m in rt.config.models.items():

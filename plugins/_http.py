@@ -10,7 +10,6 @@ import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-import anyio
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
@@ -19,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import routes
 import state
+import stores
 from config import field_problems
 
 logger = logging.getLogger("agent_mcp.http")
@@ -52,13 +52,11 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
                     yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
                     if turn is not None and routes.ends_turn(ev):
                         return
-        except state.SessionError as exc:  # the shared store went away: an error event and one log line
+        except stores.SessionError as exc:  # the shared store went away: an error event and one log line
             logger.warning("event stream of %s ended early: %s", client_id, exc)
             yield ServerSentEvent(data=json.dumps({"message": f"the event stream was cut short: {exc}"},
                                                   ensure_ascii=False), event="error")
 
-    if rt.stopping is None:
-        rt.stopping = anyio.Event()
     return _Stream(
         rt,
         events(),
@@ -78,12 +76,10 @@ def feed_stream(rt: state.Runtime, feed: AsyncIterator[tuple[str, dict[str, Any]
             async with contextlib.aclosing(feed) as items:
                 async for name, data in items:
                     yield ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=name)
-        except state.SessionError as exc:
+        except stores.SessionError as exc:
             logger.warning("feed stream ended early: %s", exc)
             yield ServerSentEvent(data=json.dumps({"message": f"the stream was cut short: {exc}"}), event="error")
 
-    if rt.stopping is None:
-        rt.stopping = anyio.Event()
     return _Stream(rt, events(), ping=SSE_PING_SECONDS, sep="\n",
                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, shutdown_event=rt.stopping)
 

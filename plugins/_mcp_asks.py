@@ -34,6 +34,7 @@ import decisions
 import gate
 import grants
 import state
+import turns
 from audit_chain import AuditRecord
 
 logger = logging.getLogger("agent_mcp.mcp_client")
@@ -136,7 +137,7 @@ def _status(rt: state.Runtime, client_id: str, text: str, **more: Any) -> None:
     rt.hub.publish(client_id, "status", {"text": text, **more})
 
 
-async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | None,
+async def ask(rt: state.Runtime, server: str, exposed: str, turn: turns.Turn | None,
               params: types.ElicitRequestParams, max_wait: float) -> types.ElicitResult:
     """Ask the human of `turn` the server's question as a gate; the result to send back (never raises)."""
     if not isinstance(params, types.ElicitRequestFormParams):
@@ -176,7 +177,7 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: state.Turn | N
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
-    with state.running(turn):  # the callback may run outside the turn's task: its events carry the turn
+    with turns.running(turn):  # the callback may run outside the turn's task: its events carry the turn
         decision, gate_id = await keeper.ask(client_id, payload, timeout, routed)
         return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
 

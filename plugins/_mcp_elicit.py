@@ -24,6 +24,7 @@ import mcp_types as types
 
 import approvals
 import decisions
+import events
 import state
 from plugins._mcp_auth import HUMAN, Principal
 
@@ -113,7 +114,7 @@ class GateForms:
         rc = ctx.request_context
         return cls(rt, rc.session, rc.request_id, who, deciders) if can_elicit(rc.session) else None
 
-    def on_event(self, ev: state.Event) -> None:
+    def on_event(self, ev: events.Event) -> None:
         """Follow the turn's events (routes.wait_turn's `on_event`)."""
         data = ev.data
         gate_id = str(data.get("gate_id", ""))

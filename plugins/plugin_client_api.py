@@ -40,7 +40,7 @@ import client_classes
 import decisions
 import guard
 import routes
-import state
+import stores
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 
@@ -111,7 +111,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _session_row(s: state.Session) -> dict[str, Any]:
+def _session_row(s: stores.Session) -> dict[str, Any]:
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history)}
 
 
@@ -214,10 +214,10 @@ class ApiPlugin(BasePlugin):
         given = dict(request.scope["headers"]).get(b"x-admin-key")
         return admin is not None and given is not None and hmac.compare_digest(given, admin.encode())
 
-    @staticmethod
-    def _visible(client_id: str, admin: bool) -> bool:
+    def _visible(self, client_id: str, admin: bool) -> bool:
         """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
-        return admin or client_classes.client_class(client_id) in (client_classes.API, client_classes.SWARM)
+        return admin or client_classes.client_class(client_id, self.rt.client_namespaces) in (client_classes.API,
+                                                                                             client_classes.SWARM)
 
     async def _remember(self, turn_id: str, client_id: str, after: int) -> None:
         self._turns[turn_id] = (client_id, after)
@@ -287,7 +287,8 @@ class ApiPlugin(BasePlugin):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
-            answered = owner is not None and client_classes.client_class(owner) == client_classes.API \
+            answered = owner is not None and client_classes.client_class(owner, self.rt.client_namespaces) \
+                == client_classes.API \
                 and await self.rt.gate.resolve(
                 gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
                 may_grant=admin)

@@ -52,10 +52,11 @@ from starlette.routing import Mount
 import approvals
 import client_classes
 import decisions
+import events
 import gate_policy
 import guard
 import routes
-import state
+import stores
 import tool_calls
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
@@ -241,7 +242,7 @@ class McpServerPlugin(BasePlugin):
         if self.rt.signals is not None and unique:
             try:
                 await self.rt.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
-            except state.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
+            except stores.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
                 pass
 
     async def _notified(self, subject: str) -> None:
@@ -259,7 +260,7 @@ class McpServerPlugin(BasePlugin):
     def _session_uris(self, client_id: str, *parts: str) -> list[str]:
         return [f"{SCHEME}sessions/{client_id}/{p}" for p in parts]
 
-    def _observe(self, client_id: str, event: state.Event | None) -> None:
+    def _observe(self, client_id: str, event: events.Event | None) -> None:
         """Event hub observer: gates opening and closing, turns ending, sessions appearing and going."""
         if event is None:  # session deleted
             self._known_sessions.discard(client_id)
@@ -303,7 +304,7 @@ class McpServerPlugin(BasePlugin):
         if by is None:
             by = "timeout" if decision == "timeout" else (
                 "gate closed" if decision == "cancelled"
-                else f"{client_classes.client_class(client_id)} client ({client_id})")
+                else f"{client_classes.client_class(client_id, self.rt.client_namespaces)} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
                                 (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
                                  *self._session_uris(client_id, "approvals/history"))))
@@ -468,7 +469,7 @@ class McpServerPlugin(BasePlugin):
 
     # ── resources ──
 
-    async def _session(self, who: Principal, ident: str) -> state.Session:
+    async def _session(self, who: Principal, ident: str) -> stores.Session:
         await self.rt.sessions.refresh()  # with several instances: as it is now
         client_id = self.rt.sessions.resolve(ident)
         session = self.rt.sessions.get(client_id) if client_id else None
@@ -482,9 +483,9 @@ class McpServerPlugin(BasePlugin):
         rows = [r for r in await self.store.open_rows() if client_id is None or r["session"] == client_id]
         return sorted(rows, key=lambda r: r["opened_at"])
 
-    def _session_row(self, s: state.Session) -> dict[str, Any]:
+    def _session_row(self, s: stores.Session) -> dict[str, Any]:
         return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-                "client": client_classes.client_class(s.client_id)}
+                "client": client_classes.client_class(s.client_id, self.rt.client_namespaces)}
 
     def _policy(self) -> dict[str, Any]:
         return self.rt.gate.defaults.model_dump(mode="json")
@@ -653,7 +654,7 @@ class McpServerPlugin(BasePlugin):
 
     async def _send(
         self, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
-        on_event: Callable[[state.Event], None] | None = None,
+        on_event: Callable[[events.Event], None] | None = None,
     ) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:

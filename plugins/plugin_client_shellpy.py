@@ -25,6 +25,7 @@ import approvals
 import guard
 import routes
 import state
+import stores
 from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http, _shell_admin
 
@@ -79,7 +80,7 @@ async def _json_body(request: Request, model: type[BaseModel]) -> Any:
         return _error(exc.status, str(exc))
 
 
-def _session_row(rt: state.Runtime, s: state.Session) -> dict[str, Any]:
+def _session_row(rt: state.Runtime, s: stores.Session) -> dict[str, Any]:
     """A session for /sessions; `running`: a request of it runs or waits (a shell back online after a
     restart asks, to tell a turn that still runs from one the restart interrupted)."""
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),

@@ -43,9 +43,11 @@ from starlette.routing import Route
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 import client_classes
+import events
 import guard
 import routes
-import state
+import sessions
+import stores
 from plugin_loader import BasePlugin, parse_settings
 from plugins._slack_approvals import SlackApprovals
 from plugins._slack_events import PREFIX, SEEN_MEMORY, EventFilter, InboundMessage
@@ -119,7 +121,7 @@ class _Reply:
         self._changed = asyncio.Event()
         self._finished = asyncio.Event()
 
-    def feed(self, ev: state.Event) -> None:
+    def feed(self, ev: events.Event) -> None:
         """Take one event of the request."""
         if ev.name == "tok":
             self.parts.append(str(ev.data.get("text", "")))
@@ -538,7 +540,7 @@ class SlackPlugin(BasePlugin):
                     f"slack-message:{accepted.channel}:{accepted.ts}", "1", DEDUPE_SECONDS, only_new=True):
                 accepted = "message already handled (by another instance)"
             self._handle(accepted)
-        except state.SessionError as exc:
+        except stores.SessionError as exc:
             logger.error("slack: an event was not handled: %s", exc)
         finally:
             self._pending_events.discard(asyncio.current_task())  # type: ignore[arg-type]
@@ -586,7 +588,7 @@ class SlackPlugin(BasePlugin):
         except asyncio.CancelledError:
             poster.cancel()
             raise
-        except state.Stopping as exc:  # the server stopped before this message's turn could start
+        except sessions.Stopping as exc:  # the server stopped before this message's turn could start
             reply.errors.append(str(exc))
         except Exception as exc:
             logger.exception("slack: request of %s failed", msg.client_id)
@@ -601,7 +603,7 @@ class SlackPlugin(BasePlugin):
 
     # ── HTTP ──
 
-    def _sessions(self) -> list[state.Session]:
+    def _sessions(self) -> list[stores.Session]:
         return [s for s in self.rt.sessions.all() if s.client_id.startswith(PREFIX)]
 
     def _connected(self) -> bool:

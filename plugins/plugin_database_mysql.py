@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 import client_classes
 import gate
-import state
+import turns
 from config import ConfigError
 from database import (
     ACCOUNT_VARS,
@@ -52,7 +52,7 @@ db_query mode: {mode}"""
 
 
 #: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
-ADMIN_ACCESS = state.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
+ADMIN_ACCESS = turns.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
 
 
 class MySQLSettings(PluginSettings):
@@ -121,7 +121,7 @@ class MySQLPlugin(BasePlugin):
     async def db_query(self, sql: str) -> str:
         """Run SQL; a result table with its row count or `OK — rows affected: N`; ToolError when a statement failed
         (with the results of those that ran)."""
-        turn = state.current_turn()
+        turn = turns.current_turn()
         outcome = await run_query(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
         if outcome.error is not None:
             raise ToolError(format_outcome(outcome, marker=""))
@@ -151,7 +151,7 @@ class MySQLPlugin(BasePlugin):
         return (f"Database (plugin_database_mysql, {where}):\n"
                 "  !db <sql>                   run SQL directly, without the model or a gate (shell / admin API only)")
 
-    async def cmd_db(self, turn: state.Turn, args: str) -> str:
+    async def cmd_db(self, turn: turns.Turn, args: str) -> str:
         """!db <sql> — run SQL directly (privileged: no gate)."""
         if not client_classes.may_administer(turn):
             return client_classes.refusal("!db", turn)

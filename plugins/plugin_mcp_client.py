@@ -17,17 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
-
-import mcp_types as types
+from typing import TYPE_CHECKING, Any
 
 import client_classes
-import state
+import turns
 from plugin_loader import BasePlugin, PluginSettings, parse_settings
-from plugins import _mcp_asks
-from plugins._mcp_connection import (
-    Connection,
-)
 from plugins._mcp_servers import (
     McpTool,
     _args_model,
@@ -35,6 +29,12 @@ from plugins._mcp_servers import (
     exposed_name,
     load_servers,
 )
+
+# The MCP SDK (about 20 MiB of code) is imported when mcp-servers.json enables a server (init).
+if TYPE_CHECKING:
+    import mcp_types as types
+
+    from plugins._mcp_connection import Connection
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -74,6 +74,7 @@ class McpClientPlugin(BasePlugin):
         servers = load_servers(self.config_file)
         for name, spec in servers.servers.items():
             if spec.enabled:
+                from plugins._mcp_connection import Connection  # the MCP SDK, imported with a server to connect
                 self.servers[name] = Connection(name, spec, app.env, app.config_dir, self._server_changed,
                                                 self._elicitation)
         await asyncio.gather(*(c.connect() for c in self.servers.values()))
@@ -82,11 +83,12 @@ class McpClientPlugin(BasePlugin):
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))
 
-    async def _elicitation(self, conn: Connection, exposed: str, turn: state.Turn | None,
+    async def _elicitation(self, conn: Connection, exposed: str, turn: turns.Turn | None,
                            params: types.ElicitRequestParams) -> types.ElicitResult:
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
+        from plugins import _mcp_asks
         assert self.runtime is not None
-        with state.running(turn):  # what it tells the session belongs to the turn (its client's stream)
+        with turns.running(turn):  # what it tells the session belongs to the turn (its client's stream)
             return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
                                        max(1.0, conn.spec.call_timeout - 5))
 
@@ -168,7 +170,7 @@ class McpClientPlugin(BasePlugin):
                 "  !mcp                        list MCP servers, their status and tools\n"
                 "  !mcp reconnect <server>     restart one server's connection")
 
-    async def cmd_mcp(self, turn: state.Turn, args: str) -> str:
+    async def cmd_mcp(self, turn: turns.Turn, args: str) -> str:
         """!mcp [reconnect <server>] — the MCP servers, their status and their tools."""
         words = args.split()
         admin = client_classes.may_administer(turn)

@@ -34,7 +34,7 @@ from starlette.routing import Route
 import client_classes
 import guard
 import routes
-import state
+from events import Event
 from plugin_loader import BasePlugin, parse_settings
 from plugins import _http
 from plugins._conversations import ConversationIndex, Turn, fingerprint, seed
@@ -335,8 +335,8 @@ class LlamaProxyPlugin(BasePlugin):
             await self.rt.sessions.save(session)
         return client_id, scope
 
-    async def _then_remember(self, events: AsyncIterator[state.Event], out: Output, client_id: str, scope: str,
-                             transcript: list[Turn]) -> AsyncIterator[state.Event]:
+    async def _then_remember(self, events: AsyncIterator[Event], out: Output, client_id: str, scope: str,
+                             transcript: list[Turn]) -> AsyncIterator[Event]:
         """`events`, remembering the transcript the client will send back next when the turn ends well:
         before its `done` is passed on, so the client cannot send it before it is known (and stored)."""
         async with contextlib.aclosing(events):
@@ -346,7 +346,7 @@ class LlamaProxyPlugin(BasePlugin):
                     await self.conversations.remember(client_id, fingerprint(scope, [*transcript, answer]))
                 yield ev
 
-    async def _then_forget(self, events: AsyncIterator[state.Event], client_id: str) -> AsyncIterator[state.Event]:
+    async def _then_forget(self, events: AsyncIterator[Event], client_id: str) -> AsyncIterator[Event]:
         """`events`; then, once the request has ended, the throwaway session is deleted."""
         try:
             async for ev in events:

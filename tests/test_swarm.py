@@ -17,8 +17,8 @@ from starlette.routing import BaseRoute, Route
 
 import build
 import client_classes
-import state
 import stores
+import turns
 from api_client import AgentClient
 from config import ConfigError, load_config
 from registry import ToolError
@@ -228,11 +228,13 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
         assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
+        call = entry.tool.coroutine
+        assert call is not None
         with pytest.raises(ToolError, match="failed: cannot reach"):  # no session: not a swarm, so it tries
-            await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        with state.running(client_classes.new_turn(rt.client_namespaces, "api-swarm-12345678")), \
+            await call(agent_url="b", message="x")
+        with turns.running(client_classes.new_turn(rt.client_namespaces, "api-swarm-12345678")), \
                 pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
-            await rt.tools.executor("agent_call")(agent_url="b", message="x")
+            await call(agent_url="b", message="x")
 
 
 async def test_api_plugin_refuses_an_admin_key_equal_to_the_api_key(tmp_path, fake_openai) -> None:
