@@ -121,6 +121,12 @@ class BasePlugin(ABC):
         assert self.runtime is not None, f"{self.PLUGIN_NAME}: runtime used before the loader set it"
         return self.runtime
 
+    def client_class(self, client_id: str) -> str:
+        """The class this plugin states for a request of `client_id`: that of its own namespace owning the
+        id (the longest prefix in CLIENT_NAMESPACES); outside them, the least privilege."""
+        owning = [p for p in self.CLIENT_NAMESPACES if client_id.startswith(p)]
+        return self.CLIENT_NAMESPACES[max(owning, key=len)] if owning else gate.UNKNOWN
+
     @abstractmethod
     def init(self, config: dict[str, Any]) -> bool:
         """Start with this plugin's `plugin_config` block; return False to be skipped. May be async."""

@@ -85,9 +85,9 @@ async def pending(plugin: McpServerPlugin, client_id: str | None = None) -> list
     rows = [r for r in await plugin.store.open_rows() if client_id is None or r["session"] == client_id]
     return sorted(rows, key=lambda r: r["opened_at"])
 
-def session_row(s: state.Session) -> dict[str, Any]:
+def session_row(plugin: McpServerPlugin, s: state.Session) -> dict[str, Any]:
     return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-            "client": gate.client_class(s.client_id)}
+            "client": gate.client_class(s.client_id, plugin.rt)}
 
 def policy_of(plugin: McpServerPlugin) -> dict[str, Any]:
     return plugin.rt.gate.defaults.model_dump(mode="json")
@@ -98,7 +98,7 @@ def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     async def sessions() -> str:
         who = request_principal()
         await plugin.rt.sessions.refresh()
-        return json_text([session_row(s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
+        return json_text([session_row(plugin, s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
 
     @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
     async def pending_all() -> str:
@@ -119,7 +119,7 @@ def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     @mcp.resource(SCHEME + "sessions/{sid}/state", name="session state", mime_type="application/json")
     async def session_state(sid: str) -> str:
         s = await read_session(plugin, request_principal(), sid)
-        return json_text({**session_row(s), "history_length": len(s.history),
+        return json_text({**session_row(plugin, s), "history_length": len(s.history),
                       "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
                       "pending_approvals": len(await pending(plugin, s.client_id)),
                       "gate_overrides": s.settings.get("gates", {})})

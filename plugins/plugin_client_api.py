@@ -212,10 +212,9 @@ class ApiPlugin(BasePlugin):
         given = dict(request.scope["headers"]).get(b"x-admin-key")
         return admin is not None and given is not None and hmac.compare_digest(given, admin.encode())
 
-    @staticmethod
-    def _visible(client_id: str, admin: bool) -> bool:
-        """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
-        return admin or gate.client_class(client_id) in (gate.API, gate.SWARM)
+    def _visible(self, client_id: str, admin: bool) -> bool:
+        """API callers see this plugin's namespaces (their sessions and swarm sessions); an admin sees all."""
+        return admin or self.client_class(client_id) != gate.UNKNOWN
 
     async def _remember(self, turn_id: str, client_id: str, after: int) -> None:
         self._turns[turn_id] = (client_id, after)
@@ -242,13 +241,14 @@ class ApiPlugin(BasePlugin):
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
         admin = self._is_admin(request)
         # Rate limits follow the key, not the client id a caller picks.
-        payload = {"default_model": body.default_model, "admin": admin, "identity": "api:admin" if admin else "api:key"}
+        asked = routes.Request(client_id, self.client_class(client_id), body.text, default_model=body.default_model,
+                               admin=admin, identity="api:admin" if admin else "api:key")
         # A caller's W3C trace context (another agent's agent_call): this turn's spans join its trace.
         traced = self.rt.tracing.continuing(request.headers.get("traceparent"))
         if body.wait:
             with traced:
                 answer = await _http.unless_disconnected(
-                    request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))
+                    request, routes.wait_turn(self.rt, asked, timeout, cancel_running=True))
             if answer is None:
                 return Response(status_code=499)
             if answer["status"] == "error":  # the message in `text` too, as the original API answers
@@ -259,7 +259,7 @@ class ApiPlugin(BasePlugin):
             return JSONResponse({"client_id": client_id, **answer})
         after = self.rt.hub.last_id(client_id)
         with traced:
-            turn = await routes.submit(self.rt, client_id, body.text, payload)
+            turn = await routes.submit(self.rt, asked)
         await self._remember(turn.id, client_id, after)
         return JSONResponse({"client_id": client_id, "status": "accepted", "turn_id": turn.id, "after": after})
 
@@ -285,7 +285,7 @@ class ApiPlugin(BasePlugin):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
-            answered = owner is not None and gate.client_class(owner) == gate.API and await self.rt.gate.resolve(
+            answered = owner is not None and self.client_class(owner) == gate.API and await self.rt.gate.resolve(
                 gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
                 may_grant=admin)
         except ValueError as exc:

@@ -294,8 +294,9 @@ class McpServerPlugin(BasePlugin):
             return
         by = self._deciders.pop(gate_id, None)
         if by is None:
+            kind = gate.client_class(client_id, self.rt)
             by = "timeout" if decision == "timeout" else (
-                "gate closed" if decision == "cancelled" else f"{gate.client_class(client_id)} client ({client_id})")
+                "gate closed" if decision == "cancelled" else f"{kind} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
                                 (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
                                  *self._session_uris(client_id, "approvals/history"))))
@@ -436,10 +437,10 @@ class McpServerPlugin(BasePlugin):
             raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
         if model and model not in self.rt.config.models:
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None, "identity": f"mcp:{who.name}"}
+        request = routes.Request(client_id, gate.MCP, text, admin=who.role == HUMAN, model=model or None,
+                                 identity=f"mcp:{who.name}")
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
-        return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds,
-                                                               on_event=on_event)}
+        return {"session": client_id, **await routes.wait_turn(self.rt, request, seconds, on_event=on_event)}
 
     def _create(self, name: str, model: str) -> dict[str, Any]:
         try:
@@ -453,7 +454,7 @@ class McpServerPlugin(BasePlugin):
         session, _ = self.rt.sessions.get_or_add(client_id, model or self.rt.config.default_model)
         self._known_sessions.add(client_id)
         self._queue.put_nowait((self.rt.sessions.save(session), (f"{SCHEME}sessions",)))
-        return session_row(session)
+        return session_row(self, session)
 
     async def _set_default(
         self, who: Principal, section: str, key: str, operation: str, allowed: bool
@@ -505,7 +506,7 @@ class McpServerPlugin(BasePlugin):
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        turn = gate.new_turn(rt, client_id)
+        turn = routes.Request(client_id, gate.MCP).turn()
         turn.session = session
         try:
             outcome = await agents.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})

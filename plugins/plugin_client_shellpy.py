@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import approvals
+import gate
 import guard
 import routes
 import state
@@ -160,8 +161,8 @@ class ShellpyPlugin(BasePlugin):
         if isinstance(body, JSONResponse):
             return body
         # Every request here carried the endpoint's token (the guard checked it): a person at shell.py.
-        await routes.submit(self.rt, body.client_id, body.text,
-                            {"default_model": body.default_model, "interactive": True, "identity": "shell"})
+        await routes.submit(self.rt, routes.Request(body.client_id, gate.SHELL, body.text, interactive=True,
+                                                    default_model=body.default_model, identity="shell"))
         return JSONResponse({"status": "OK"})
 
     async def stop(self, request: Request) -> JSONResponse:

@@ -413,10 +413,10 @@ class SlackPlugin(BasePlugin):
             return
         reply = Reply(self.web, self.settings, msg.channel, msg.thread_ts)
         poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
-        payload = {"default_model": self.settings.default_model, "channel_id": msg.channel,
-                   "thread_ts": msg.thread_ts, "user_id": msg.user, "identity": f"slack:{msg.user}"}
+        asked = routes.Request(msg.client_id, gate.SLACK, msg.text, default_model=self.settings.default_model,
+                               identity=f"slack:{msg.user}")
         try:
-            async for ev in routes.run_turn(self.rt, msg.client_id, msg.text, payload, cancel_running=False):
+            async for ev in routes.run_turn(self.rt, asked, cancel_running=False):
                 reply.feed(ev)
         except asyncio.CancelledError:
             poster.cancel()

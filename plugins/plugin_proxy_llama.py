@@ -318,22 +318,21 @@ class LlamaProxyPlugin(BasePlugin):
                 return f"{PREFIX}{caller.slug}"
         return None
 
-    async def _session_of(self, request: Request, transcript: list[Turn]) -> tuple[str, str | None]:
-        """(client id, scope) of the session this request continues or starts; the scope is None when
-        the session is not told by the transcript (forwarded headers, `sessions_by: "address"`)."""
+    async def _session_of(self, request: Request, transcript: list[Turn]
+                          ) -> tuple[str, str | None, tuple[dict[str, Any], ...]]:
+        """(client id, scope, history) of the session this request continues or starts; the scope is None
+        when the session is not told by the transcript (forwarded headers, `sessions_by: "address"`); the
+        history is what a session started now begins with (the client's earlier turns)."""
         by_header = self._by_header(request)
         if by_header is not None or self.cfg.sessions_by == "address":
             self.rt.metrics.proxy_conversation("header" if by_header is not None else "address")
-            return by_header or self._address(request), None
+            return by_header or self._address(request), None, ()
         scope, prior = self._caller(request).scope, transcript[:-1]
         client_id = await self.conversations.claim(fingerprint(scope, prior)) if prior else None
         self.rt.metrics.proxy_conversation("new" if client_id is None else "matched")
-        if client_id is None:
-            client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
-            session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, gate.PROXY)
-            session.history = seed(prior)
-            await self.rt.sessions.save(session)
-        return client_id, scope
+        if client_id is None:  # the request creates the session, with the conversation so far
+            return f"{PREFIX}{uuid.uuid4().hex[:16]}", scope, tuple(seed(prior))
+        return client_id, scope, ()
 
     async def _then_remember(self, events: AsyncIterator[state.Event], out: Output, client_id: str, scope: str,
                              transcript: list[Turn]) -> AsyncIterator[state.Event]:
@@ -369,15 +368,15 @@ class LlamaProxyPlugin(BasePlugin):
             raise ProxyError(413, f"the message is {len(text)} characters; the limit is {MAX_PROMPT}")
         out = Output(self.cfg.status_lines, text)
         # Rate limits follow who is asking, proven, not the session (a new chat is a new session).
-        payload: dict[str, Any] = {"identity": f"proxy:{self._caller(request).identity}"}
-        if key:
-            payload["model"] = key
+        identity = f"proxy:{self._caller(request).identity}"
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
             client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
-            events = self._then_forget(routes.run_turn(self.rt, client_id, text, payload), client_id)
+            asked = routes.Request(client_id, gate.PROXY, text, model=key, identity=identity)
+            events = self._then_forget(routes.run_turn(self.rt, asked), client_id)
         else:
-            client_id, scope = await self._session_of(request, transcript)
-            events = routes.run_turn(self.rt, client_id, text, payload)
+            client_id, scope, history = await self._session_of(request, transcript)
+            asked = routes.Request(client_id, gate.PROXY, text, model=key, identity=identity, history=history)
+            events = routes.run_turn(self.rt, asked)
             if scope is not None:
                 events = self._then_remember(events, out, client_id, scope, transcript)
         events = TurnPump(events, out, self._pumps)  # a gate waiting for approvers outlives a client that left

@@ -45,6 +45,15 @@ def shell_payload(rt: state.Runtime, client_id: str, payload: dict[str, Any] | N
     return payload
 
 
+def ask(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None = None) -> routes.Request:
+    """The typed request a client plugin would build for `client_id`, the test standing in for the plugin that
+    owns the id's namespace (its class; the shell's when `payload` says `interactive`); `payload` keys are
+    the request's fields (model, default_model, admin, interactive, identity)."""
+    payload = payload or {}
+    kind = gate.SHELL if payload.get("interactive") is True else gate.client_class(client_id, rt)
+    return routes.Request(client_id, kind, text, **payload)
+
+
 def request_turn(rt: state.Runtime, client_id: str) -> state.Turn:
     """The turn a request of `client_id` runs as (a bare id: a vouched shell.py request), with its session."""
     turn = gate.new_turn(rt, client_id, shell_payload(rt, client_id, None))
@@ -131,7 +140,7 @@ async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dic
                answer: str | None = None) -> tuple[str, list[state.Event]]:
     """Submit and collect the events up to the turn's `done`, answering gates with `answer` if given."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    await routes.submit(rt, client_id, text, shell_payload(rt, client_id, payload))
+    await routes.submit(rt, ask(rt, client_id, text, shell_payload(rt, client_id, payload)))
     events = []
     async for ev in sub:
         events.append(ev)

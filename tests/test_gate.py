@@ -20,6 +20,7 @@ from tests.runtime import (
     Recorder,
     add_plugin_tools,
     as_request,
+    ask,
     execute,
     runtime,
     turn,
@@ -226,7 +227,7 @@ async def test_a_new_submit_cancels_a_waiting_gate_and_cleans_it(grt, fake_opena
     grt.gate.timeout = 30
     fake_openai.script(tool_call("web_search", {"query": "q"}))
     sub = grt.hub.subscribe("c1", grt.hub.last_id("c1"))
-    await routes.submit(grt, "c1", "search something", {"interactive": True})
+    await routes.submit(grt, ask(grt, "c1", "search something", {"interactive": True}))
     async for ev in sub:
         if ev.name == "gate":
             break

@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 
 import build
 import gate
+import routes
 import state
 import stores
 from api_client import AgentClient
@@ -227,9 +228,12 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
         assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
-        result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # no session: not a swarm
+        result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # outside a request: refused
+        assert result.startswith("ERROR: agent_call refused: it runs only as a tool call of a request")
+        with state.running(routes.Request("api-1", gate.API).turn()):  # an API client's request: not a swarm
+            result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
         assert "failed" in result and "cannot reach" in result
-        with state.running(gate.new_turn(rt, "api-swarm-12345678")):
+        with state.running(routes.Request("api-swarm-12345678", gate.SWARM).turn()):
             result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
         assert result.startswith("ERROR: agent_call refused: this conversation is itself an agent_call")
 
