@@ -66,7 +66,7 @@ from config import (
     shipped_path,
     validate_data,
 )
-from plugin_loader import check_plugin, is_enabled
+from plugin_checks import check_plugin, is_enabled
 
 #: Rate-limit types of the spec; plugins may add their own (the type of a tool is its gate type).
 RATE_TYPES = ("llm_call", "search", "extract", "drive", "db", "system", "agent_call", "mcp")

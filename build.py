@@ -21,7 +21,8 @@ import state
 import stores
 import tracing
 from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
-from plugin_loader import PluginLoader, is_enabled
+from plugin_checks import is_enabled
+from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
 from tools import make_core_tools

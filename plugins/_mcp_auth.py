@@ -20,7 +20,7 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from config import SecretFileError, field_problems, read_secret_file
-from plugin_loader import PluginConfigError
+from plugin_api import PluginConfigError
 from plugins import _http
 
 #: Client ids of the sessions MCP clients create start with this (the plugin's client-id namespace).

@@ -14,8 +14,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import INVALID_PARAMS, Resource
 
-import gate
-import state
+import plugin_api
 from plugins._mcp_auth import HUMAN, Principal, forbidden, request_principal
 
 if TYPE_CHECKING:
@@ -56,7 +55,7 @@ def resources_for(plugin: McpServerPlugin, who: Principal) -> list[Resource]:
             res(f"{SCHEME}approvals/history", "approval history", "Decided gates: decision, who, when"),
             res(f"{SCHEME}policy", "gate policy", "gate-defaults.json as in force"),
         ]
-    for s in plugin.rt.sessions.all():
+    for s in plugin.ctx.sessions.all():
         if who.may_read(s.client_id):
             for part, label in (
                 ("state", "state"),
@@ -71,10 +70,10 @@ def resources_for(plugin: McpServerPlugin, who: Principal) -> list[Resource]:
 
 
 
-async def read_session(plugin: McpServerPlugin, who: Principal, ident: str) -> state.Session:
-    await plugin.rt.sessions.refresh()  # with several instances: as it is now
-    client_id = plugin.rt.sessions.resolve(ident)
-    session = plugin.rt.sessions.get(client_id) if client_id else None
+async def read_session(plugin: McpServerPlugin, who: Principal, ident: str) -> plugin_api.Session:
+    await plugin.ctx.sessions.refresh()  # with several instances: as it is now
+    client_id = plugin.ctx.sessions.resolve(ident)
+    session = plugin.ctx.sessions.get(client_id) if client_id else None
     if session is None or not who.may_read(session.client_id):
         # Another session's existence is not confirmed to an agent token.
         raise MCPError(INVALID_PARAMS, f"no session '{ident[:140]}' readable with this token")
@@ -85,20 +84,20 @@ async def pending(plugin: McpServerPlugin, client_id: str | None = None) -> list
     rows = [r for r in await plugin.store.open_rows() if client_id is None or r["session"] == client_id]
     return sorted(rows, key=lambda r: r["opened_at"])
 
-def session_row(plugin: McpServerPlugin, s: state.Session) -> dict[str, Any]:
+def session_row(plugin: McpServerPlugin, s: plugin_api.Session) -> dict[str, Any]:
     return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-            "client": gate.client_class(s.client_id, plugin.rt)}
+            "client": plugin.ctx.client_class(s.client_id)}
 
 def policy_of(plugin: McpServerPlugin) -> dict[str, Any]:
-    return plugin.rt.gate.defaults.model_dump(mode="json")
+    return plugin.ctx.gate.defaults.model_dump(mode="json")
 
 def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     """Serve the agentmcp:// resources on `mcp`."""
     @mcp.resource(f"{SCHEME}sessions", name="sessions", mime_type="application/json")
     async def sessions() -> str:
         who = request_principal()
-        await plugin.rt.sessions.refresh()
-        return json_text([session_row(plugin, s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
+        await plugin.ctx.sessions.refresh()
+        return json_text([session_row(plugin, s) for s in plugin.ctx.sessions.all() if who.may_read(s.client_id)])
 
     @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
     async def pending_all() -> str:
@@ -120,7 +119,7 @@ def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     async def session_state(sid: str) -> str:
         s = await read_session(plugin, request_principal(), sid)
         return json_text({**session_row(plugin, s), "history_length": len(s.history),
-                      "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
+                      "busy": plugin.ctx.busy(s.client_id),
                       "pending_approvals": len(await pending(plugin, s.client_id)),
                       "gate_overrides": s.settings.get("gates", {})})
 
@@ -146,7 +145,7 @@ def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     async def session_grants(sid: str) -> str:
         """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
         s = await read_session(plugin, request_principal(), sid)
-        store = plugin.rt.gate.grants
+        store = plugin.ctx.gate.grants
         if store is not None:
             await store.refresh(s.client_id)
         return json_text([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])

@@ -13,7 +13,6 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 import approvals
 import grants
-import routes
 from plugins._mcp_auth import request_principal
 from plugins._mcp_elicit import GateForms
 from plugins._mcp_resources import pending, policy_of, read_session
@@ -38,7 +37,7 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         that declared the elicitation capability is asked each gate of the turn as a form.
         """
         who = request_principal()
-        forms = GateForms.for_request(plugin.rt, ctx, who, plugin._deciders)
+        forms = GateForms.for_request(plugin.ctx, ctx, who, plugin._deciders)
         try:
             return await plugin._send(who, text, session, model, timeout_seconds,
                                       forms.on_event if forms else None)
@@ -54,11 +53,11 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     @mcp.tool()
     async def delete_session(session: str) -> dict[str, Any]:
         """Delete a session (full id or shorthand id): its history, running turns and event stream."""
-        await plugin.rt.sessions.refresh()
-        client_id = plugin.rt.sessions.resolve(session)
+        await plugin.ctx.sessions.refresh()
+        client_id = plugin.ctx.sessions.resolve(session)
         if client_id is None:
             raise ToolError(f"no session '{session[:140]}'; read agentmcp://sessions for the list")
-        await routes.delete_session(plugin.rt, client_id)
+        await plugin.ctx.delete_session(client_id)
         return {"status": "deleted", "session": client_id}
 
     @mcp.tool()
@@ -82,13 +81,13 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         A question of an MCP server agent-mcp uses (the request has `elicitation`): allow_once with
         `content`, the values its `fields` ask for (without: the form's defaults); reject declines."""
         who = request_principal()
-        owner = await plugin.rt.gate.owner(gate_id)
+        owner = await plugin.ctx.gate.owner(gate_id)
         if owner is None:
             raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
                             "read agentmcp://approvals/pending")
         plugin._deciders[gate_id] = who.label
         try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
-            result = await plugin.rt.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
+            result = await plugin.ctx.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
                                                  answerer=approvals.Approver(approvals.MCP, who.name),
                                                  channel="mcp", minutes=minutes, content=content)
         except ValueError as exc:

@@ -14,8 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-import agents
-import state
+import plugin_api
 from config import (
     GATE_DEFAULTS_FILE,
     MODELS_FILE,
@@ -46,7 +45,7 @@ class AdminError(Exception):
     """An admin request that cannot be done; the message says why and what to do (HTTP 400)."""
 
 
-async def handle(rt: state.Runtime, body: AdminBody) -> dict[str, Any]:
+async def handle(rt: plugin_api.PluginContext, body: AdminBody) -> dict[str, Any]:
     """Do one admin action; AdminError for one that cannot be done."""
     store = rt.gate.grants
     if body.action in ("revoke", "grants") and store is None:
@@ -76,7 +75,7 @@ async def _revoke(store: Any, which: str) -> list[str]:
     return ended
 
 
-def _save_gates(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
+def _save_gates(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str, Any]:
     target = rt.config.config_dir / GATE_DEFAULTS_FILE
     try:
         new = validate_data(GateDefaults, data, target)
@@ -102,7 +101,7 @@ def _save_gates(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
     return {"saved": str(path), "note": "in force at once for every session"}
 
 
-async def _save_models(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
+async def _save_models(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str, Any]:
     target = rt.config.config_dir / MODELS_FILE
     try:
         models = validate_data(ModelsFile, data, target).models
@@ -119,7 +118,7 @@ async def _save_models(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any
     changed = [k for k, m in enabled.items() if k in rt.config.models and rt.config.models[k] != m]
     for key in changed:
         rt.config.models[key] = enabled[key]
-    await agents.close_models(rt, changed)  # rebuilt with the new settings at their next call
+    await rt.close_models(changed)  # rebuilt with the new settings at their next call
     later = sorted(set(enabled) ^ set(rt.config.models))
     rt.gate.audit("config", actor=ACTOR, tool=MODELS_FILE, outcome="saved",
                   detail=f"changed now: {', '.join(changed) or 'none'}; "

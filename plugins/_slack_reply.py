@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError
 
-import state
+import plugin_api
 from plugins._slack_text import escape, split_message, to_mrkdwn
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Reply:
         self._changed = asyncio.Event()
         self._finished = asyncio.Event()
 
-    def feed(self, ev: state.Event) -> None:
+    def feed(self, ev: plugin_api.Event) -> None:
         """Take one event of the request."""
         if ev.name == "tok":
             self.parts.append(str(ev.data.get("text", "")))

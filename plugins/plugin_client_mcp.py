@@ -47,13 +47,10 @@ from mcp_types import (
 from pydantic import Field
 from starlette.routing import Mount
 
-import agents
-import gate
 import guard
-import routes
-import state
+import plugin_api
 from config import save_gate_defaults
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore, SharedApprovals
 from plugins._mcp_auth import (
@@ -119,7 +116,7 @@ class McpServerPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_mcp"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.MCP}
+    CLIENT_NAMESPACES = {PREFIX: plugin_api.MCP}
     DESCRIPTION = "MCP server: sessions, approvals and the agent's tools over Streamable HTTP at /mcp"
     DEPENDENCIES = ["mcp", "aiosqlite"]
 
@@ -152,7 +149,7 @@ class McpServerPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         self.cfg = parse_settings(self.PLUGIN_NAME, McpServerConfig, config)
-        rt = self.rt
+        rt = self.ctx
         self.token_path = Path(rt.config.config_dir) / self.cfg.token_file
         if not self.token_path.exists():
             create_token_file(self.token_path)
@@ -231,10 +228,10 @@ class McpServerPlugin(BasePlugin):
         of this instance and (on one Redis) of the others."""
         unique = list(dict.fromkeys(uris))
         await self._notify_here(unique)
-        if self.rt.signals is not None and unique:
+        if self.ctx.signals is not None and unique:
             try:
-                await self.rt.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
-            except state.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
+                await self.ctx.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
+            except plugin_api.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss it
                 pass
 
     async def _notified(self, subject: str) -> None:
@@ -252,7 +249,7 @@ class McpServerPlugin(BasePlugin):
     def _session_uris(self, client_id: str, *parts: str) -> list[str]:
         return [f"{SCHEME}sessions/{client_id}/{p}" for p in parts]
 
-    def _observe(self, client_id: str, event: state.Event | None) -> None:
+    def _observe(self, client_id: str, event: plugin_api.Event | None) -> None:
         """Event hub observer: gates opening and closing, turns ending, sessions appearing and going."""
         if event is None:  # session deleted
             self._known_sessions.discard(client_id)
@@ -270,9 +267,9 @@ class McpServerPlugin(BasePlugin):
             self._queue.put_nowait((self.store.record_open(row), self._at_once(self._pending_uris(client_id))))
         elif event.name == "status" and "gate_id" in event.data and "decision" in event.data:
             self._close(client_id, str(event.data["gate_id"]), str(event.data["decision"]))
-        elif routes.ends_turn(event):
+        elif plugin_api.ends_turn(event):
             uris = self._session_uris(client_id, "state", "history")
-            if client_id not in self._known_sessions and self.rt.sessions.get(client_id) is not None:
+            if client_id not in self._known_sessions and self.ctx.sessions.get(client_id) is not None:
                 self._known_sessions.add(client_id)
                 uris.append(f"{SCHEME}sessions")
             self._queue.put_nowait((self._close_stale(client_id, "turn ended"), tuple(uris)))
@@ -294,7 +291,7 @@ class McpServerPlugin(BasePlugin):
             return
         by = self._deciders.pop(gate_id, None)
         if by is None:
-            kind = gate.client_class(client_id, self.rt)
+            kind = self.ctx.client_class(client_id)
             by = "timeout" if decision == "timeout" else (
                 "gate closed" if decision == "cancelled" else f"{kind} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
@@ -314,7 +311,7 @@ class McpServerPlugin(BasePlugin):
         """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""
         assert self.store is not None
         for gate_id, row in list(self.store.pending.items()):
-            if row["session"] == client_id and await self.rt.gate.owner(gate_id) is None:
+            if row["session"] == client_id and await self.ctx.gate.owner(gate_id) is None:
                 self._deciders[gate_id] = why
                 self._close(client_id, gate_id, "cancelled")
 
@@ -364,7 +361,7 @@ class McpServerPlugin(BasePlugin):
                 if who.role not in TOOL_ROLES[name]:
                     raise forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; this one is {who.role}")
                 return await call_next(ctx)
-            if who.role == AGENT and self.rt.tools.get(name) is not None:
+            if who.role == AGENT and self.ctx.tools.get(name) is not None:
                 return await self._call_agent_tool(who, name, params.get("arguments") or {})
             raise MCPError(INVALID_PARAMS, f"unknown tool '{name[:80]}'; tools/list shows the tools of this token")
         if method == "resources/list":
@@ -381,7 +378,7 @@ class McpServerPlugin(BasePlugin):
         tools = result.tools if isinstance(result, ListToolsResult) else ListToolsResult.model_validate(result).tools
         mine = [t for t in tools if who.role in TOOL_ROLES.get(t.name, ())]
         if who.role == AGENT:
-            for schema in self.rt.tools.openai_schemas():
+            for schema in self.ctx.tools.openai_schemas():
                 fn = schema["function"]
                 if fn["name"] not in TOOL_ROLES:
                     mine.append(Tool(name=fn["name"], description=fn.get("description") or "",
@@ -419,7 +416,7 @@ class McpServerPlugin(BasePlugin):
 
     async def _send(
         self, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
-        on_event: Callable[[state.Event], None] | None = None,
+        on_event: Callable[[plugin_api.Event], None] | None = None,
     ) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:
@@ -435,25 +432,25 @@ class McpServerPlugin(BasePlugin):
             raise ToolError("text is empty: send a question or a !command")
         if len(text) > _http.MAX_TEXT:
             raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
-        if model and model not in self.rt.config.models:
-            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        request = routes.Request(client_id, gate.MCP, text, admin=who.role == HUMAN, model=model or None,
+        if model and model not in self.ctx.config.models:
+            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.ctx.config.models)}")
+        request = plugin_api.Request(client_id, plugin_api.MCP, text, admin=who.role == HUMAN, model=model or None,
                                  identity=f"mcp:{who.name}")
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
-        return {"session": client_id, **await routes.wait_turn(self.rt, request, seconds, on_event=on_event)}
+        return {"session": client_id, **await self.ctx.wait_turn(request, seconds, on_event=on_event)}
 
     def _create(self, name: str, model: str) -> dict[str, Any]:
         try:
             client_id = mcp_client_id(name or uuid.uuid4().hex[:8])
         except ValueError as exc:
             raise ToolError(str(exc)) from None
-        if self.rt.sessions.get(client_id) is not None:
+        if self.ctx.sessions.get(client_id) is not None:
             raise ToolError(f"session {client_id} already exists")
-        if model and model not in self.rt.config.models:
-            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        session, _ = self.rt.sessions.get_or_add(client_id, model or self.rt.config.default_model)
+        if model and model not in self.ctx.config.models:
+            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.ctx.config.models)}")
+        session, _ = self.ctx.sessions.get_or_add(client_id, model or self.ctx.config.default_model)
         self._known_sessions.add(client_id)
-        self._queue.put_nowait((self.rt.sessions.save(session), (f"{SCHEME}sessions",)))
+        self._queue.put_nowait((self.ctx.sessions.save(session), (f"{SCHEME}sessions",)))
         return session_row(self, session)
 
     async def _set_default(
@@ -462,16 +459,16 @@ class McpServerPlugin(BasePlugin):
         key = key.strip()
         if not key or len(key) > 128:
             raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
-        if operation == gate.DDL and section != "db":
+        if operation == plugin_api.DDL and section != "db":
             raise ToolError("ddl is a permission of database tables only (section db)")
         ops = ["read", "write"] if operation == "both" else [operation]
         change = {"section": section, "key": key, "ops": ops, "allowed": allowed, "by": f"mcp token '{who.name}'"}
         entry, note = self._apply_default(change)
-        if self.rt.signals is not None:
+        if self.ctx.signals is not None:
             try:
-                await self.rt.signals.send(DEFAULT_SIGNAL, json.dumps(change))
+                await self.ctx.signals.send(DEFAULT_SIGNAL, json.dumps(change))
                 note += "; in force on every instance on this Redis"
-            except state.SessionError:
+            except plugin_api.SessionError:
                 note += "; NOT in force on the other instances (the session store is unreachable): set it again"
         await self.notify(f"{SCHEME}policy")
         return {"section": section, "key": key, **entry.model_dump(), "note": note}
@@ -479,15 +476,15 @@ class McpServerPlugin(BasePlugin):
     def _apply_default(self, change: dict[str, Any]) -> tuple[Any, str]:
         """Change one gate default here, save gate-defaults.json and audit it: (the new entry, what was saved)."""
         section, key, ops, allowed = change["section"], change["key"], change["ops"], change["allowed"]
-        entry = self.rt.gate.set_default(section, key, ops, allowed)
+        entry = self.ctx.gate.set_default(section, key, ops, allowed)
         try:
-            path = save_gate_defaults(self.rt.config.config_dir, self.rt.gate.defaults)
+            path = save_gate_defaults(self.ctx.config.config_dir, self.ctx.gate.defaults)
             note = f"saved in {path}"
         except Exception as exc:  # in force anyway; say it was not saved
             logger.exception("saving gate defaults failed")
             note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
         logger.info("gate default %s.%s %s=%s set by %s", section, key, "+".join(ops), allowed, change["by"])
-        self.rt.gate.audit("policy", actor=change["by"], op="+".join(ops),
+        self.ctx.gate.audit("policy", actor=change["by"], op="+".join(ops),
                            tables=[key] if section == "db" else (), tool="" if section == "db" else key,
                            outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
         return entry, note
@@ -499,17 +496,17 @@ class McpServerPlugin(BasePlugin):
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
         """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,
         gate, executor); its outcome maps to the tool result, INVALID_PARAMS or -32950."""
-        rt = self.rt
+        rt = self.ctx
         assert who.session is not None
         client_id = who.session
         session = await rt.sessions.get_or_create(client_id, rt.config.default_model)
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        turn = routes.Request(client_id, gate.MCP).turn()
+        turn = plugin_api.Request(client_id, plugin_api.MCP).turn()
         turn.session = session
         try:
-            outcome = await agents.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
+            outcome = await rt.execute_tool(turn, name, arguments if isinstance(arguments, dict) else {})
         finally:
             if turn.id in self._gated_turns:
                 self._gated_turns.discard(turn.id)

@@ -42,11 +42,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
-import gate
 import guard
-import routes
-import state
-from plugin_loader import BasePlugin, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, parse_settings
 from plugins._slack_approvals import SlackApprovals
 from plugins._slack_events import PREFIX, SEEN_MEMORY, EventFilter, InboundMessage
 from plugins._slack_reply import Reply, describe
@@ -141,7 +139,7 @@ class SlackPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_slack"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: gate.SLACK}
+    CLIENT_NAMESPACES = {PREFIX: plugin_api.SLACK}
     DESCRIPTION = "Slack thread bot: Socket Mode in, chat.postMessage out"
     DEPENDENCIES = ["slack-sdk>=3.30", "slackify-markdown>=0.2.4"]
     ENV_VARS = ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"]
@@ -175,7 +173,7 @@ class SlackPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         self.settings = parse_settings(self.PLUGIN_NAME, SlackSettings, config)
-        env = self.rt.config.env
+        env = self.ctx.config.env
         bot_token, app_token = env.get("SLACK_BOT_TOKEN", "").strip(), env.get("SLACK_APP_TOKEN", "").strip()
         if not bot_token.startswith("xoxb-"):
             logger.error("plugin_client_slack: SLACK_BOT_TOKEN must be the app's bot token (xoxb-…), "
@@ -200,8 +198,8 @@ class SlackPlugin(BasePlugin):
             proxy=proxy, logger=logging.getLogger("agent_mcp.slack.socket"),
         )
         self.socket.proxy = proxy
-        if self.rt.gate.desk is not None:
-            self.approvals = SlackApprovals(self.rt, self.web)
+        if self.ctx.gate.desk is not None:
+            self.approvals = SlackApprovals(self.ctx, self.web)
             self._approvals_task = asyncio.create_task(self.approvals.run(), name="slack:approvals")
         self.socket.message_listeners.append(self._on_frame)
         self.socket.socket_mode_request_listeners.append(self._on_request)
@@ -285,7 +283,7 @@ class SlackPlugin(BasePlugin):
         self.problem = "stopped"
 
     def get_config(self) -> dict[str, Any]:
-        env = self.runtime.config.env if self.runtime else {}
+        env = self.context.config.env if self.context else {}
         return {
             "host": self.settings.host,
             "port": self.settings.port,
@@ -340,7 +338,7 @@ class SlackPlugin(BasePlugin):
         if kind != "events_api" or self.filter is None:
             self._ignore(f"{kind} envelope")
             return
-        if self.rt.values is not None:  # several instances: Slack may deliver a repeat to another one
+        if self.ctx.values is not None:  # several instances: Slack may deliver a repeat to another one
             self._pending_events.add(asyncio.ensure_future(self._dispatch_shared(payload)))
             return
         self._handle(self.filter.accept(payload))
@@ -356,10 +354,10 @@ class SlackPlugin(BasePlugin):
     async def _dispatch_shared(self, payload: dict[str, Any]) -> None:
         """`_dispatch` when instances share a store: a thread is the bot's when its session exists on any
         instance, and an event or message is handled by the first instance that claims it in Redis."""
-        values, event = self.rt.values, payload.get("event") or {}
+        values, event = self.ctx.values, payload.get("event") or {}
         try:
             thread = f"{PREFIX}{event.get('channel')}-{event.get('thread_ts')}"
-            if event.get("thread_ts") and await self.rt.sessions.exists(thread):
+            if event.get("thread_ts") and await self.ctx.sessions.exists(thread):
                 self._shared_threads[thread] = None
                 while len(self._shared_threads) > SEEN_MEMORY:
                     self._shared_threads.popitem(last=False)
@@ -373,7 +371,7 @@ class SlackPlugin(BasePlugin):
                     f"slack-message:{accepted.channel}:{accepted.ts}", "1", DEDUPE_SECONDS, only_new=True):
                 accepted = "message already handled (by another instance)"
             self._handle(accepted)
-        except state.SessionError as exc:
+        except plugin_api.SessionError as exc:
             logger.error("slack: an event was not handled: %s", exc)
         finally:
             self._pending_events.discard(asyncio.current_task())  # type: ignore[arg-type]
@@ -390,7 +388,7 @@ class SlackPlugin(BasePlugin):
 
     def _is_bot_thread(self, client_id: str) -> bool:
         return (client_id in self._latest or client_id in self._shared_threads
-                or self.rt.sessions.get(client_id) is not None)
+                or self.ctx.sessions.get(client_id) is not None)
 
     def _start_answer(self, msg: InboundMessage) -> None:
         previous = self._latest.get(msg.client_id)
@@ -413,15 +411,15 @@ class SlackPlugin(BasePlugin):
             return
         reply = Reply(self.web, self.settings, msg.channel, msg.thread_ts)
         poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
-        asked = routes.Request(msg.client_id, gate.SLACK, msg.text, default_model=self.settings.default_model,
+        asked = plugin_api.Request(msg.client_id, plugin_api.SLACK, msg.text, default_model=self.settings.default_model,
                                identity=f"slack:{msg.user}")
         try:
-            async for ev in routes.run_turn(self.rt, asked, cancel_running=False):
+            async for ev in self.ctx.run_turn(asked, cancel_running=False):
                 reply.feed(ev)
         except asyncio.CancelledError:
             poster.cancel()
             raise
-        except state.Stopping as exc:  # the server stopped before this message's turn could start
+        except plugin_api.Stopping as exc:  # the server stopped before this message's turn could start
             reply.errors.append(str(exc))
         except Exception as exc:
             logger.exception("slack: request of %s failed", msg.client_id)
@@ -436,8 +434,8 @@ class SlackPlugin(BasePlugin):
 
     # ── HTTP ──
 
-    def _sessions(self) -> list[state.Session]:
-        return [s for s in self.rt.sessions.all() if s.client_id.startswith(PREFIX)]
+    def _sessions(self) -> list[plugin_api.Session]:
+        return [s for s in self.ctx.sessions.all() if s.client_id.startswith(PREFIX)]
 
     def _connected(self) -> bool:
         return self.socket is not None and self.socket.is_connected()

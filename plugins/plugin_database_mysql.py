@@ -23,11 +23,10 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-import gate
-import state
+import plugin_api
 from config import ConfigError
 from database import ACCOUNT_VARS, ACCOUNTS_FILE, Database, DatabaseSettings, query_text, read_accounts
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.mysql")
 
@@ -41,7 +40,7 @@ db_query mode: {mode}"""
 
 
 #: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
-ADMIN_ACCESS = state.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
+ADMIN_ACCESS = plugin_api.DbAccess("approval", frozenset({(plugin_api.ANY_TABLE, plugin_api.WRITE)}))
 
 
 class MySQLSettings(PluginSettings):
@@ -73,10 +72,10 @@ class MySQLPlugin(BasePlugin):
         self.db: Database | None = None
 
     async def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
+        assert self.context is not None
         limits = parse_settings(self.PLUGIN_NAME, MySQLSettings, config)
-        env = dict(self.runtime.config.env)
-        accounts = read_accounts(self.runtime.config.data_dir() / ACCOUNTS_FILE)
+        env = dict(self.context.config.env)
+        accounts = read_accounts(self.context.config.data_dir() / ACCOUNTS_FILE)
         if accounts:  # made by `agentctl db-setup`: its runner and grantor replace MYSQL_USER/MYSQL_PASS
             env = {**{k: v for k, v in env.items() if k not in ACCOUNT_VARS}, **accounts}
         try:
@@ -109,8 +108,8 @@ class MySQLPlugin(BasePlugin):
 
     async def db_query(self, sql: str) -> str:
         """Run SQL; a result table with its row count, `OK — rows affected: N`, or an ERROR line."""
-        turn = state.current_turn()
-        return await query_text(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
+        turn = plugin_api.current_turn()
+        return await query_text(self._database(), sql, turn.db_access if turn else None, self.ctx.metrics)
 
     def get_tools(self) -> dict[str, Any]:
         tool = StructuredTool.from_function(
@@ -136,10 +135,10 @@ class MySQLPlugin(BasePlugin):
         return (f"Database (plugin_database_mysql, {where}):\n"
                 "  !db <sql>                   run SQL directly, without the model or a gate (shell / admin API only)")
 
-    async def cmd_db(self, turn: state.Turn, args: str) -> str:
+    async def cmd_db(self, turn: plugin_api.Turn, args: str) -> str:
         """!db <sql> — run SQL directly (privileged: no gate)."""
-        if not gate.may_administer(turn):
-            return gate.refusal("!db", turn)
+        if not plugin_api.may_administer(turn):
+            return plugin_api.refusal("!db", turn)
         db = self._database()
         if not args.strip():
             return DB_USAGE.format(where=db.settings.where(), mode=db.describe_mode())

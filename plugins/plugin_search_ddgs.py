@@ -17,7 +17,7 @@ from ddgs.exceptions import DDGSException, RatelimitException, TimeoutException
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-from plugin_loader import BasePlugin, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.ddgs_search")
 

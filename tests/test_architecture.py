@@ -12,6 +12,7 @@ import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +21,13 @@ from tests.conftest import ROOT
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
 CORE = ("config", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry", "state",
-        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_loader", "api_client", "agents", "tools",
-        "db_roles", "database", "routes", "commands", "build")
+        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_checks", "api_client", "agents", "tools",
+        "db_roles", "database", "routes", "commands", "plugin_api", "plugin_loader", "build")
+#: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
+#: formats that hold no runtime (decision words, approver records, settings files, failure texts, listener
+#: settings, the database library). Everything else of the server a plugin reaches through its PluginContext.
+PLUGIN_SURFACE = ("plugin_api",)
+LIBRARIES = ("config", "failures", "guard", "grants", "approvals", "database")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:
@@ -128,3 +134,31 @@ def imported_alone() -> dict[str, str]:
 @pytest.mark.parametrize("module", CORE)
 def test_each_core_module_imports_alone(module: str, imported_alone: dict[str, str]) -> None:
     assert imported_alone[module] == "", imported_alone[module]
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every top-level name `path` imports, at any depth (functions, TYPE_CHECKING blocks included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "plugins").glob("*.py")), ids=lambda p: p.name)
+def test_a_plugin_imports_of_the_core_only_the_plugin_surface(path: Path) -> None:
+    core = {p.stem for p in ROOT.glob("*.py")}
+    outside = _all_imports(path) & core - set(PLUGIN_SURFACE) - set(LIBRARIES)
+    assert not outside, (f"plugins/{path.name} imports {', '.join(sorted(outside))}: a plugin reaches the server "
+                         "through plugin_api (its PluginContext, self.ctx) only")
+
+
+def test_the_plugin_surface_is_what_the_readme_documents() -> None:
+    import plugin_api
+
+    documented = (ROOT / "docs" / "plugins.md").read_text()
+    context = [n for n in vars(plugin_api.PluginContext) if not n.startswith("_")]
+    missing = [n for n in context if f"`{n}" not in documented]
+    assert not missing, f"docs/plugins.md does not document PluginContext.{', '.join(missing)}"

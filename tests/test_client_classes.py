@@ -29,8 +29,7 @@ from tests.fakes.backend import hang, text, tool_call
 from tests.runtime import Recorder, add_plugin_tools, ask
 
 ACME = textwrap.dedent('''
-    import routes
-    from plugin_loader import BasePlugin
+    from plugin_api import BasePlugin
     from starlette.routing import Route
 
 
@@ -49,9 +48,9 @@ ACME = textwrap.dedent('''
             return [Route("/", lambda request: None)]
 
         async def ask(self, client_id, text):
-            """What a plugin of the spec does: hand its typed request to process_request, stating the class
-            its own namespaces declare (none: the least privilege)."""
-            await routes.process_request(routes.Request(client_id, self.client_class(client_id), text), rt=self.rt)
+            """What a plugin of the spec does: hand its typed request to process_request; `ctx.request` states
+            the class its own namespaces declare (none: the least privilege)."""
+            await self.ctx.process_request(self.ctx.request(client_id, text))
 ''')
 
 

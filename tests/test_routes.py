@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import build
+import plugin_api
 import plugin_loader
 import routes
 import state
@@ -204,7 +205,7 @@ async def test_plugin_command_signature_and_conflicts(rt):
     async def who(turn: state.Turn, args: str) -> str:
         return f"{turn.client_id} asked {args}"
 
-    class Commands(plugin_loader.BasePlugin):
+    class Commands(plugin_api.BasePlugin):
         PLUGIN_TYPE = "data_tool"
 
         def __init__(self, name: str, commands: dict) -> None:
