@@ -239,8 +239,8 @@ class ApiPlugin(BasePlugin):
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
         admin = self._is_admin(request)
         # Rate limits follow the key, not the client id a caller picks.
-        asked = plugin_api.Request(client_id, self.client_class(client_id), body.text, default_model=body.default_model,
-                               admin=admin, identity="api:admin" if admin else "api:key")
+        asked = self.ctx.request(client_id, body.text, default_model=body.default_model, admin=admin,
+                                 identity="api:admin" if admin else "api:key")
         # A caller's W3C trace context (another agent's agent_call): this turn's spans join its trace.
         traced = self.ctx.tracing.continuing(request.headers.get("traceparent"))
         if body.wait:

@@ -434,8 +434,8 @@ class McpServerPlugin(BasePlugin):
             raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
         if model and model not in self.ctx.config.models:
             raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.ctx.config.models)}")
-        request = plugin_api.Request(client_id, plugin_api.MCP, text, admin=who.role == HUMAN, model=model or None,
-                                 identity=f"mcp:{who.name}")
+        request = self.ctx.request(client_id, text, admin=who.role == HUMAN, model=model or None,
+                                   identity=f"mcp:{who.name}")
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
         return {"session": client_id, **await self.ctx.wait_turn(request, seconds, on_event=on_event)}
 
@@ -503,7 +503,7 @@ class McpServerPlugin(BasePlugin):
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        turn = plugin_api.Request(client_id, plugin_api.MCP).turn()
+        turn = self.ctx.request(client_id).turn()
         turn.session = session
         try:
             outcome = await rt.execute_tool(turn, name, arguments if isinstance(arguments, dict) else {})

@@ -159,8 +159,8 @@ class ShellpyPlugin(BasePlugin):
         if isinstance(body, JSONResponse):
             return body
         # Every request here carried the endpoint's token (the guard checked it): a person at shell.py.
-        await self.ctx.submit(plugin_api.Request(body.client_id, plugin_api.SHELL, body.text, interactive=True,
-                                                    default_model=body.default_model, identity="shell"))
+        await self.ctx.submit(self.ctx.request(body.client_id, body.text, kind=plugin_api.SHELL, interactive=True,
+                                                default_model=body.default_model, identity="shell"))
         return JSONResponse({"status": "OK"})
 
     async def stop(self, request: Request) -> JSONResponse:

@@ -411,8 +411,8 @@ class SlackPlugin(BasePlugin):
             return
         reply = Reply(self.web, self.settings, msg.channel, msg.thread_ts)
         poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
-        asked = plugin_api.Request(msg.client_id, plugin_api.SLACK, msg.text, default_model=self.settings.default_model,
-                               identity=f"slack:{msg.user}")
+        asked = self.ctx.request(msg.client_id, msg.text, default_model=self.settings.default_model,
+                                 identity=f"slack:{msg.user}")
         try:
             async for ev in self.ctx.run_turn(asked, cancel_running=False):
                 reply.feed(ev)

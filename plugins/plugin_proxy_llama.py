@@ -370,11 +370,11 @@ class LlamaProxyPlugin(BasePlugin):
         identity = f"proxy:{self._caller(request).identity}"
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
             client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
-            asked = plugin_api.Request(client_id, plugin_api.PROXY, text, model=key, identity=identity)
+            asked = self.ctx.request(client_id, text, model=key, identity=identity)
             events = self._then_forget(self.ctx.run_turn(asked), client_id)
         else:
             client_id, scope, history = await self._session_of(request, transcript)
-            asked = plugin_api.Request(client_id, plugin_api.PROXY, text, model=key, identity=identity, history=history)
+            asked = self.ctx.request(client_id, text, model=key, identity=identity, history=history)
             events = self.ctx.run_turn(asked)
             if scope is not None:
                 events = self._then_remember(events, out, client_id, scope, transcript)
