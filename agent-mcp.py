@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-import agents
 import build
+import models
 import routes
 import shared
 import state
@@ -268,8 +268,10 @@ async def serve(config: AppConfig) -> int:
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens: no request waits for an import, no event loop stalls on one.
         started = time.monotonic()
-        cold = await asyncio.to_thread(agents.warm_up, rt)
-        windows = await asyncio.gather(*(agents.model_window(rt, key) for key in config.models))
+        cold = await asyncio.to_thread(models.warm_up, rt.llms, config, rt.tools, rt.prompt,
+                                       rt.metrics.on or rt.tracing.on)
+        windows = await asyncio.gather(*(models.model_window(rt.windows, key, cfg)
+                                         for key, cfg in config.models.items()))
         logger.info(
             "models ready in %.2f s%s; context windows: %s",
             time.monotonic() - started,
@@ -278,7 +280,7 @@ async def serve(config: AppConfig) -> int:
                 f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)
             ),
         )
-        problem = await agents.unreachable(rt, config.default_model)
+        problem = await models.unreachable(config.models[config.default_model], config.env)
         if problem:
             logger.warning("the default model '%s' cannot answer yet: %s. Or use another model: !model <name> in "
                            "shell.py, or default_model in plugins-enabled.json", config.default_model, problem)

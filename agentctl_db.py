@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pymysql
 
 import db_roles
+from agentctl_base import CommandBase
 from agentctl_files import InputError
 from agentctl_term import ArgParser
 from database import ACCOUNTS_FILE, Database, DatabaseSettings, read_accounts
@@ -192,11 +193,8 @@ def db_status(files: ConfigFiles, term: Terminal) -> None:
         term.say(f"db_query: classifier only ({where}): {problem} — fix: agentctl db-setup")
 
 
-class DbCommands:
-    """The agentctl commands of this module (mixed into agentctl.AgentCtl)."""
-
-    files: ConfigFiles
-    term: Terminal
+class DbCommands(CommandBase):
+    """db-setup, db-status."""
 
     def cmd_db_setup(self, args: list[str]) -> None:
         """db-setup [--admin-user U] [--db NAME] [--print-sql] [--print-env]: accounts that let MariaDB limit db_query.

@@ -8,13 +8,13 @@ import logging
 import socket
 from collections.abc import Mapping
 
-import agents
 import approvals
 import audit_chain
 import commands
 import gate
 import grants
 import metrics
+import models
 import routes
 import shared
 import state
@@ -168,6 +168,6 @@ async def close_runtime(rt: state.Runtime) -> None:
     if rt.gate.grants is not None:
         await rt.gate.grants.close()
     await rt.sessions.close()  # last: with a shared store it closes the Redis connection the others use
-    await agents.close_models(rt)
+    await models.close_models(rt.llms)
     if rt.tracing.on:
         await asyncio.to_thread(rt.tracing.close)

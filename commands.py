@@ -11,6 +11,7 @@ from typing import Any
 
 import agents
 import gate
+import models
 import state
 from config import ConfigError, save_model_fields
 from gate import parse_bool
@@ -70,7 +71,8 @@ async def cmd_model(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     """!model [key] — list models / switch this session's model"""
     session = turn.session
     if not args:
-        return _models_list(rt, session.model) + "\n\n" + await agents.context_report(rt, session)
+        report = await agents.context_report(session, rt.config, rt.prompt, rt.tools, rt.windows)
+        return _models_list(rt, session.model) + "\n\n" + report
     if args not in rt.config.models:
         return (f"ERROR: Unknown model '{args}'\nAvailable models: {', '.join(rt.config.models)}\n"
                 "Use !model to list all models")
@@ -168,7 +170,7 @@ async def _set_model_field(rt: state.Runtime, keys: list[str], field: str, value
     for key in keys:
         rt.config.models[key] = rt.config.models[key].model_copy(update={field: value})
     if field == "llm_call_timeout":
-        await agents.close_models(rt, keys)  # rebuilt with the new timeout at its next call
+        await models.close_models(rt.llms, keys)  # rebuilt with the new timeout at its next call
     try:
         path = save_model_fields(rt.config.config_dir, {k: {field: value} for k in keys})
     except (ConfigError, OSError) as exc:

@@ -239,8 +239,9 @@ def _one_line(sql: str, width: int = 80) -> str:
     return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
-def format_outcome(outcome: Outcome) -> str:
-    """The text a user or the model gets: results, and an `ERROR:` first line when something failed."""
+def format_outcome(outcome: Outcome, marker: str = "ERROR: ") -> str:
+    """The text a user or the model gets: results, and a first line starting with `marker` when something
+    failed (the db_query tool passes "" and raises ToolError with it, which adds the marker itself)."""
     total = len(outcome.statements)
     blocks = [format_result(r) if total == 1 else f"[{i}/{total}] {_one_line(r.sql)}\n{format_result(r)}"
               for i, r in enumerate(outcome.results, 1)]
@@ -248,14 +249,14 @@ def format_outcome(outcome: Outcome) -> str:
     if outcome.error is not None:
         done = len(outcome.results)
         if isinstance(outcome.error, ConnectError) or total <= 1:
-            head.append(f"ERROR: {outcome.error}")
+            head.append(f"{marker}{outcome.error}")
         else:
             rest = total - done - 1
             fate = ["statement 1 ran (changes it made are kept)" if done == 1 else
                     f"statements 1–{done} ran (changes they made are kept)"] if done else []
             fate += [f"the {_plural(rest, 'statement')} after it did not run"] if rest else []
             fate_text = "; ".join(fate)
-            head.append(f"ERROR: statement {done + 1} of {total} failed: {outcome.error}\n"
+            head.append(f"{marker}statement {done + 1} of {total} failed: {outcome.error}\n"
                         f"{fate_text[:1].upper()}{fate_text[1:]}.")
     return "\n\n".join([*head, *blocks, *outcome.notes]).strip()
 
@@ -600,14 +601,18 @@ class Database:
             logger.warning("could not kill MySQL thread %s: %s", thread_id, exc)
 
 
-async def query_text(db: Database, sql: str, access: state.DbAccess | None = None,
-                     observed: metrics.Metrics = metrics.OFF) -> str:
-    """Run `sql` with what `access` covers and return the text for the user or the model (results, or an
-    ERROR line first); the call is counted and timed in `observed`."""
+async def run_query(db: Database, sql: str, access: state.DbAccess | None = None,
+                    observed: metrics.Metrics = metrics.OFF) -> Outcome:
+    """Run `sql` with what `access` covers; the call is counted and timed in `observed`."""
     started = time.perf_counter()
     outcome = await db.run(sql, access)
     observed.db_query(outcome.error is None, time.perf_counter() - started)
-    return format_outcome(outcome)
+    return outcome
+
+
+async def query_text(db: Database, sql: str, access: state.DbAccess | None = None) -> str:
+    """Run `sql` with what `access` covers and return the text for the user (results, or an ERROR line first)."""
+    return format_outcome(await run_query(db, sql, access))
 
 
 def read_accounts(path: Path) -> dict[str, str]:

@@ -20,10 +20,9 @@ from typing import Any, TypeVar
 import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-import agents
+import models
 import routes
 import state
-from agents import ToolOutcome
 from config import AppConfig, field_problems
 from gate import (
     ANY_TABLE,
@@ -45,7 +44,7 @@ from gate import (
     may_administer,
     refusal,
 )
-from registry import ToolRegistry
+from registry import ToolError, ToolRegistry
 from routes import Request, Submitted, ends_turn
 from shared import Link, SharedValues, Signals
 from state import (
@@ -61,14 +60,14 @@ from state import (
     running,
 )
 from stores import SqliteFile
+from tool_calls import ToolOutcome, execute_tool
 
 __all__ = [
     "ANY_TABLE", "API", "CLASSES", "CLIENT_LABELS", "DDL", "HUMAN_WAIT", "MCP", "NO_WAIT", "PROXY", "SHELL", "SLACK",
     "SWARM", "UNKNOWN", "WRITE", "BasePlugin", "DbAccess", "Event", "EventHub", "GateKeeper", "Link",
     "PluginConfigError", "PluginContext", "PluginSettings", "Request", "Session", "SessionError", "SessionManager",
-    "SharedValues",
-    "Signals", "SqliteFile", "Stopping", "Submitted", "ToolOutcome", "ToolRegistry", "Turn", "current_turn",
-    "ends_turn", "may_administer", "parse_settings", "refusal", "running",
+    "SharedValues", "Signals", "SqliteFile", "Stopping", "Submitted", "ToolError", "ToolOutcome", "ToolRegistry",
+    "Turn", "current_turn", "ends_turn", "may_administer", "parse_settings", "refusal", "running",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -244,7 +243,7 @@ class PluginContext:
 
     async def execute_tool(self, turn: Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
         """One call of an agent tool for `turn`, through the model's own pipeline (checks, gate, executor)."""
-        return await agents.execute_tool(self._rt, turn, name, args)
+        return await execute_tool(self._rt, turn, name, args)
 
     async def ask_gate(self, client_id: str, payload: dict[str, Any], seconds: float,
                        routed: Any = None) -> tuple[str, str]:
@@ -288,7 +287,7 @@ class PluginContext:
 
     async def close_models(self, keys: list[str]) -> None:
         """Forget the chat models of `keys`, which are built again with their new settings at their next call."""
-        await agents.close_models(self._rt, keys)
+        await models.close_models(self._rt.llms, keys)
 
     # ── several instances on one store (None on one instance) ──
 

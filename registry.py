@@ -24,6 +24,12 @@ class ToolRegistrationError(ValueError):
     """A plugin handed over a tool that cannot be registered; the message says what to fix."""
 
 
+class ToolError(Exception):
+    """A tool's own failure, raised by the tool: the message says what failed and what to do. The tool
+    pipeline (tool_calls.py) gives the model `ERROR: <message>` as the result, without locations, and
+    counts the call as failed. Anything else a tool raises is reported as a bug of that tool."""
+
+
 @dataclass
 class RegisteredTool:
     """A tool, who provided it, and how it is gated (filled by `register_gate_tools`)."""

@@ -467,3 +467,12 @@ def tool_manifest(tools: list[StructuredTool]) -> str:
                         for k, v in props.items() if v.get("description"))
         entries.append(f"- {tool.name}: {tool.description}\n  arguments: {{{shape}}}{notes}")
     return TEXT_TOOLS_PROMPT.format(shape=call_shape(True), manifest="\n".join(entries))
+
+
+def without_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    """`text` without the character ranges `spans` (overlapping ones too): a reply with its calls taken out."""
+    out, pos = [], 0
+    for start, end in sorted(spans):
+        out.append(text[pos:max(pos, start)])
+        pos = max(pos, end)
+    return "".join(out) + text[pos:]

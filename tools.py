@@ -17,12 +17,16 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-import agents
 import gate
+import models
 import state
+import tool_calls
 from api_client import AgentClient, AgentClientError, AgentTimeout
 from config import SECRET_NAME, AgentTarget
+from llm_errors import describe_llm_error
 from prompt import PromptError
+from registry import ToolError
+from text_calls import try_force_tool_calls
 
 if TYPE_CHECKING:
     from config import ModelConfig
@@ -126,25 +130,25 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
 async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, message: str,
                      target_client_id: str = "") -> str:
     """One swarm call (the agent_call tool) of `turn`: checks, then the remote turn, relayed live unless
-    `!stream off`. The one-hop rule reads the class the request's plugin stated; a call outside any request,
-    whose class nobody stated, is refused (fail closed)."""
+    `!stream off`. A refused or failed call raises ToolError. The one-hop rule reads the class the request's
+    plugin stated; a call outside any request, whose class nobody stated, is refused (fail closed)."""
     if turn is None:
-        return ("ERROR: agent_call refused: it runs only as a tool call of a request (nobody vouched for this "
-                "caller's client class).")
+        raise ToolError("agent_call refused: it runs only as a tool call of a request (nobody vouched for this "
+                        "caller's client class).")
     if turn.kind == gate.SWARM:
-        return ("ERROR: agent_call refused: this conversation is itself an agent_call from another agent, and agents "
-                "call each other at most 1 hop deep. Answer with what you know instead.")
+        raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
+                        "call each other at most 1 hop deep. Answer with what you know instead.")
     caller = turn.client_id
     found = find_agent(rt.config.agents, ref)
     if found is None:
-        return (f"ERROR: agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
-                f"called. Configured: {_agents_listing(rt.config.agents)}.")
+        raise ToolError(f"agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
+                        f"called. Configured: {_agents_listing(rt.config.agents)}.")
     name, target = found
     token, problem = target_token(rt, name, target)
     if problem:
-        return f"ERROR: agent_call refused: {problem}."
+        raise ToolError(f"agent_call refused: {problem}.")
     if target_client_id and not _REMOTE_ID.match(target_client_id):
-        return "ERROR: target_client_id may use 1-100 letters, digits and . _ : @ - only; leave it empty normally."
+        raise ToolError("target_client_id may use 1-100 letters, digits and . _ : @ - only; leave it empty normally.")
     remote = swarm_client_id(caller, target.url, target_client_id)
     session = rt.sessions.get(caller)
     relay = session is None or session.settings.get(AGENT_CALL_STREAM, True) is not False
@@ -176,12 +180,12 @@ async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, messa
     if ended not in (None, "done"):
         error = "the remote turn was cancelled (a newer message replaced it)"
     if error is not None:
-        return f"ERROR: agent_call to '{name}' failed: {error}" + (f"\nPartial answer:\n{answer}" if answer else "")
+        raise ToolError(f"agent_call to '{name}' failed: {error}" + (f"\nPartial answer:\n{answer}" if answer else ""))
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
 def _this_turn(rt: state.Runtime) -> state.Turn:
-    """The turn a core tool runs in (agents.execute_tool sets it); outside one, nobody's (least privilege)."""
+    """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
     return state.current_turn() or gate.new_turn(rt, "")
 
 
@@ -214,7 +218,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         try:
             return tree.render(section)
         except PromptError as exc:
-            return f"ERROR: {exc}"
+            raise ToolError(str(exc)) from None
 
     async def update_system_prompt(
         section: str, operation: str, content: str = "", target: str = "", confirm_overwrite: bool = False
@@ -239,28 +243,26 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         return ("Models (llm_clean_text / llm_clean_tool accept only those with delegation YES):\n"
                 + "\n".join(rows))
 
-    def delegate(model: str) -> tuple[ModelConfig | None, str]:
+    def delegate(model: str) -> ModelConfig:
         cfg = rt.config.models.get(model)
         if cfg is None:
-            return None, f"ERROR: unknown model '{model}'. Models: {', '.join(rt.config.models)} (llm_list)."
+            raise ToolError(f"unknown model '{model}'. Models: {', '.join(rt.config.models)} (llm_list).")
         if not cfg.tool_call_available:
-            return None, (f"ERROR: model '{model}' does not accept delegation (tool_call_available is false). "
-                          f"Pick another model from llm_list, or the user can enable it with !llm_call {model} true.")
-        return cfg, ""
+            raise ToolError(f"model '{model}' does not accept delegation (tool_call_available is false). "
+                            f"Pick another model from llm_list, or the user can enable it with !llm_call {model} true.")
+        return cfg
 
     async def llm_clean_text(model: str, prompt: str) -> str:
-        cfg, error = delegate(model)
-        if cfg is None:
-            return error
+        cfg = delegate(model)
         try:
-            llm = agents.chat_model(rt, model)
+            llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
             async with asyncio.timeout(cfg.llm_call_timeout):
                 reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return f"ERROR: llm_clean_text: {agents.describe_llm_error(exc, model, cfg)}"
-        return agents.content_text(reply.content)
+            raise ToolError(f"llm_clean_text: {describe_llm_error(exc, model, cfg)}") from None
+        return models.content_text(reply.content)
 
     def tool_instructions(tool: StructuredTool) -> str:
         for ident in (f"tool-{tool.name.replace('_', '-')}", f"tool_{tool.name}"):
@@ -271,15 +273,13 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         return f"Call the tool {tool.name} once to do what the user asks. {tool.description}"
 
     async def llm_clean_tool(model: str, tool: str, arguments: str) -> str:
-        cfg, error = delegate(model)
-        if cfg is None:
-            return error
+        cfg = delegate(model)
         target = rt.tools.get(tool)
         if target is None:
-            return f"ERROR: unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}"
+            raise ToolError(f"unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}")
         if tool in NOT_DELEGABLE:
-            return f"ERROR: {tool} cannot be delegated; call it yourself."
-        llm = agents.chat_model(rt, model)
+            raise ToolError(f"{tool} cannot be delegated; call it yourself.")
+        llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
             async with asyncio.timeout(cfg.llm_call_timeout):
@@ -287,15 +287,15 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return f"ERROR: llm_clean_tool: {agents.describe_llm_error(exc, model, cfg)}"
-        said = agents.content_text(first.content)
+            raise ToolError(f"llm_clean_tool: {describe_llm_error(exc, model, cfg)}") from None
+        said = models.content_text(first.content)
         native = [c for c in first.tool_calls if c["name"] == tool]
-        calls = native or agents.try_force_tool_calls(said, {tool: target})[0]
+        calls = native or try_force_tool_calls(said, {tool: target})[0]
         if not calls:
             return f"{model} did not call {tool}; it answered: {said}"
         call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": calls[0]["args"]}
         # The call goes through the normal pipeline: rate limit, gate, executor (outside the timeout).
-        result = (await agents.execute_tool(rt, _this_turn(rt), tool, call["args"])).text
+        result = (await tool_calls.execute_tool(rt, _this_turn(rt), tool, call["args"])).text
         if native:
             messages += [AIMessage(said, tool_calls=[{**call, "type": "tool_call"}]),
                          ToolMessage(result, tool_call_id=call["id"], name=tool)]
@@ -308,9 +308,9 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             raise
         except Exception as exc:
             return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}) but could not summarise "
-                    f"({agents.describe_llm_error(exc, model, cfg)}). Raw result:\n{result}")
+                    f"({describe_llm_error(exc, model, cfg)}). Raw result:\n{result}")
         return (f"{model} called {tool}({json.dumps(call['args'], ensure_ascii=False)}).\n"
-                f"{agents.content_text(final.content)}")
+                f"{models.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
         return await call_agent(rt, state.current_turn(), agent_url, message, target_client_id)

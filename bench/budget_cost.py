@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import agents  # noqa: E402
 import budget  # noqa: E402
+import models  # noqa: E402
 from tests.conftest import openai_model  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 from tests.runtime import runtime  # noqa: E402
@@ -67,13 +68,14 @@ async def run(repeat: int) -> None:
             print("|---|---|---|---|---|---|---|---|---|")
             for key in ("local", "gpt"):
                 cfg = rt.config.models[key]
-                request = await agents.Request.build(rt, key, rt.tools.for_model(cfg))
+                window, _ = await models.model_window(rt.windows, key, cfg)
+                request = agents.Request.build(cfg, rt.prompt, rt.tools.for_model(cfg), window)
                 past = history(50)
                 start = time.perf_counter()
                 fitted = request.fit(past)  # first count of every message
                 cold = time.perf_counter() - start
                 warm = timed(lambda r=request, h=past: r.fit(h), repeat)
-                convert = timed(lambda h=past: agents.to_lc_messages(h), repeat)
+                convert = timed(lambda h=past: models.to_lc_messages(h), repeat)
                 print(f"| {key} ({cfg.model_id}) | {budget.counter_for(cfg)[1]} | {request.window:,} "
                       f"| {request.fixed_tokens:,} | {fitted.prompt_tokens - request.fixed_tokens:,} "
                       f"| {fitted.dropped_turns} | {cold * 1e3:.2f} | {warm * 1e3:.3f} | {convert * 1e3:.3f} |")

@@ -2,7 +2,7 @@
 """What a grant costs per tool call: matching the session's grants and appending to the audit log.
 
 One runtime in one process (a temporary data dir, the real SQLite audit file). The same `db_query`
-call runs through `agents.execute_tool` two ways, interleaved call by call: allowed by gate-defaults
+call runs through `tool_calls.execute_tool` two ways, interleaved call by call: allowed by gate-defaults
 (the baseline: no grant lookup, nothing audited) and allowed by a grant of its session (the lookup
 among `--grants` other grants of that session, the use counted and written, one audit record
 appended with its hash). Prints p50 and p99 of both and of the difference.
@@ -25,12 +25,12 @@ from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import agents
 import build
 import gate
 import grants
 import state
 import stores
+import tool_calls
 from config import load_config
 from tests.conftest import ConfigDir
 
@@ -86,7 +86,7 @@ async def run(args: argparse.Namespace) -> None:
             for i in range(args.calls + 100):
                 for name, (rt, turn) in calls.items():
                     started = time.perf_counter()
-                    outcome = await agents.execute_tool(rt, turn, "db_query", sql)
+                    outcome = await tool_calls.execute_tool(rt, turn, "db_query", sql)
                     elapsed = time.perf_counter() - started
                     assert outcome.status == "ok", outcome.text
                     if i >= 100:  # warm-up

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._latency import gated_config, main, report  # noqa: E402
-from shell import ShellClient  # noqa: E402
+from shell_client import ShellClient  # noqa: E402
 from tests.conftest import AgentServer, free_port  # noqa: E402
 from tests.fakes.backend import text, tool_call  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402

@@ -24,6 +24,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 import plugin_api
 from plugins._mcp_servers import HttpServer, StdioServer, format_result
+from plugin_api import ToolError
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 STDERR_LINES_KEPT = 20
@@ -438,11 +439,11 @@ class Connection:
             return types.ElicitResult(action="decline")
 
     async def call(self, exposed: str, tool: str, arguments: dict[str, Any]) -> str:
-        """Call one tool; every failure becomes a readable `ERROR:` result."""
+        """Call one tool; every failure raises ToolError with a readable message."""
         for attempt in (1, 2):
             if not await self.connect():
-                return (f"ERROR: MCP server '{self.name}' is not available: {self.error}. "
-                        "Tell the user; `!mcp` shows the servers' status.")
+                raise ToolError(f"MCP server '{self.name}' is not available: {self.error}. "
+                                "Tell the user; `!mcp` shows the servers' status.")
             client = self.client
             assert client is not None
             self._call_seq += 1
@@ -468,10 +469,12 @@ class Connection:
                     await asyncio.wait([self._task], timeout=3)
                 self._lost("the connection was lost during a call")
                 if self._unreachable:
-                    return f"ERROR: MCP server '{self.name}' cannot be reached, so {exposed} did not run: {self.error}"
-                return (f"ERROR: the connection to MCP server '{self.name}' was lost while {exposed} ran; "
-                        "it may or may not have completed. The server is restarted on the next call.")
+                    raise ToolError(f"MCP server '{self.name}' cannot be reached, so {exposed} did not run: "
+                                    f"{self.error}")
+                raise ToolError(f"the connection to MCP server '{self.name}' was lost while {exposed} ran; "
+                                "it may or may not have completed. The server is restarted on the next call.")
             if code == types.REQUEST_TIMEOUT:
-                return f"ERROR: {exposed}: no answer from MCP server '{self.name}' within {self.spec.call_timeout:g} s."
-            return f"ERROR: {exposed} failed: {message} (MCP error {code})"
-        return f"ERROR: MCP server '{self.name}' keeps ending the session; `!mcp` shows its status."
+                raise ToolError(f"{exposed}: no answer from MCP server '{self.name}' within "
+                                f"{self.spec.call_timeout:g} s.")
+            raise ToolError(f"{exposed} failed: {message} (MCP error {code})")
+        raise ToolError(f"MCP server '{self.name}' keeps ending the session; `!mcp` shows its status.")

@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from config import ConfigError, read_json
+from plugin_api import ToolError
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 #: OpenAI rejects function names longer than this.
@@ -236,10 +237,12 @@ def _block_text(block: Any) -> str:
 
 
 def format_result(exposed: str, result: types.CallToolResult) -> str:
-    """A tool result as text for the model: text blocks, structured JSON, `ERROR:` when `isError`."""
+    """A tool result as text for the model: text blocks, structured JSON; ToolError when `isError`."""
     texts = [t for t in map(_block_text, result.content) if t]
     structured = result.structured_content
     if structured is not None and not any(_echoes(t, structured) for t in texts):
         texts.append(json.dumps(structured, ensure_ascii=False))
     body = "\n".join(texts) or "(no output)"
-    return f"ERROR: {exposed} reported an error: {body}" if result.is_error else body
+    if result.is_error:
+        raise ToolError(f"{exposed} reported an error: {body}")
+    return body

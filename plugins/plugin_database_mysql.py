@@ -25,8 +25,17 @@ from pydantic import BaseModel, Field
 
 import plugin_api
 from config import ConfigError
-from database import ACCOUNT_VARS, ACCOUNTS_FILE, Database, DatabaseSettings, query_text, read_accounts
-from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from database import (
+    ACCOUNT_VARS,
+    ACCOUNTS_FILE,
+    Database,
+    DatabaseSettings,
+    format_outcome,
+    query_text,
+    read_accounts,
+    run_query,
+)
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, ToolError, parse_settings
 
 logger = logging.getLogger("agent_mcp.mysql")
 
@@ -107,9 +116,13 @@ class MySQLPlugin(BasePlugin):
         return self.db
 
     async def db_query(self, sql: str) -> str:
-        """Run SQL; a result table with its row count, `OK — rows affected: N`, or an ERROR line."""
+        """Run SQL; a result table with its row count or `OK — rows affected: N`; ToolError when a statement failed
+        (with the results of those that ran)."""
         turn = plugin_api.current_turn()
-        return await query_text(self._database(), sql, turn.db_access if turn else None, self.ctx.metrics)
+        outcome = await run_query(self._database(), sql, turn.db_access if turn else None, self.ctx.metrics)
+        if outcome.error is not None:
+            raise ToolError(format_outcome(outcome, marker=""))
+        return format_outcome(outcome)
 
     def get_tools(self) -> dict[str, Any]:
         tool = StructuredTool.from_function(

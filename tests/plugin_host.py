@@ -15,6 +15,7 @@ import stores
 from config import load_config
 from plugin_api import BasePlugin
 from plugin_loader import PluginReport
+from registry import ToolError
 from tests.conftest import ConfigDir
 
 # Settings the plugins read from the environment: a developer's real keys must not leak into a test.
@@ -83,4 +84,7 @@ async def call_tool(rt: state.Runtime, name: str, **args: Any) -> str:
     tool = rt.tools.get(name)
     assert tool is not None, f"tool {name} is not registered: {rt.tools.names()}"
     parsed = tool.args_schema.model_validate(args)
-    return await tool.coroutine(**parsed.model_dump())
+    try:
+        return await tool.coroutine(**parsed.model_dump())
+    except ToolError as exc:  # the result the pipeline makes of a tool's own failure
+        return f"ERROR: {exc}"

@@ -17,12 +17,12 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel
 
-import agents
 import build
 import gate
 import routes
 import state
 import stores
+import tool_calls
 from config import DEFAULTS_DIR, load_config
 from tests.conftest import ROOT, ConfigDir
 
@@ -69,12 +69,12 @@ def as_request(rt: state.Runtime, client_id: str) -> Iterator[None]:
 
 
 async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any]) -> str:
-    """One tool call through agents.execute_tool, as the request `as_request` set up for `client_id`, else
+    """One tool call through tool_calls.execute_tool, as the request `as_request` set up for `client_id`, else
     as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
     current = state.current_turn()
     turn = current if current is not None and current.client_id == client_id else gate.new_turn(rt, client_id)
     turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
-    return (await agents.execute_tool(rt, turn, name, args)).text
+    return (await tool_calls.execute_tool(rt, turn, name, args)).text
 
 
 @contextlib.asynccontextmanager

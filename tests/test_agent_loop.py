@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 import agents
+import models
 from config import MAX_TOOL_ITERATIONS
 from shell_client import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, gemini_model, openai_model
@@ -128,7 +129,7 @@ async def test_an_empty_answer_after_a_tool_result_is_asked_for_again(lrt, fake_
 async def test_the_chat_model_waits_for_a_slow_model_as_long_as_llm_call_timeout(tmp_path, fake_openai) -> None:
     # LangChain's default of 120 s between streamed chunks cut a slow local model's prompt processing short.
     async with runtime(tmp_path, {"slow": openai_model(fake_openai, llm_call_timeout=900)}, gates=ALL_OPEN) as rt:
-        assert agents.chat_model(rt, "slow").stream_chunk_timeout == 900
+        assert models.chat_model(rt.llms, rt.config, "slow").stream_chunk_timeout == 900
 
 
 # ── Text calls ─────────────────────────────────────────────────────────────────────────────

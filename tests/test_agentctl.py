@@ -16,6 +16,8 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 import agentctl
+import agentctl_files
+import agentctl_term
 import config
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port
 from tests.fakes.backend import text
@@ -292,7 +294,7 @@ def test_gate_commands(cdir):
     assert "users" not in read(cdir, config.GATE_DEFAULTS_FILE)["db"]
     ok(cdir, "gate-reset", "ddgs_search")
     ok(cdir, "gate-reset")
-    assert read(cdir, config.GATE_DEFAULTS_FILE) == {**shipped, **agentctl.ALL_GATED}
+    assert read(cdir, config.GATE_DEFAULTS_FILE) == {**shipped, **agentctl_files.ALL_GATED}
 
 
 def test_gate_set_without_own_gate_defaults_starts_from_the_shipped_file(tmp_path):
@@ -477,7 +479,7 @@ def test_prompt_reads_commands_through_prompt_toolkit(cdir, capsys):
     with create_pipe_input() as pipe:
         pipe.send_text("model-context local 64\rgate-set db t read true\rmodel-context local 1\rquit\r")
         session: PromptSession[str] = PromptSession(input=pipe, output=DummyOutput())
-        ctl_ = agentctl.AgentCtl(cdir, agentctl.Terminal(session=session), in_prompt=True)
+        ctl_ = agentctl.AgentCtl(cdir, agentctl_term.Terminal(session=session), in_prompt=True)
         assert ctl_.prompt() == 0  # on a terminal the operator has seen each error already
     assert read(cdir, config.MODELS_FILE)["models"]["local"]["max_context"] == 64
     assert read(cdir, config.GATE_DEFAULTS_FILE)["db"]["t"] == {"read": True, "write": False, "ddl": False}
@@ -485,27 +487,27 @@ def test_prompt_reads_commands_through_prompt_toolkit(cdir, capsys):
 
 
 def test_save_refuses_a_result_the_server_would_not_load(cdir):
-    files = agentctl.ConfigFiles(cdir)
+    files = agentctl_files.ConfigFiles(cdir)
     raw = files.raw(config.MODELS_FILE)
     del raw["models"]["local"]  # the default model
     before = snapshot(cdir)
-    with pytest.raises(agentctl.InputError, match=r"server would not start with this change: .*'default_model'"):
+    with pytest.raises(agentctl_files.InputError, match=r"server would not start with this change: .*'default_model'"):
         files.save(config.MODELS_FILE, raw)
     raw = files.raw(config.GATE_DEFAULTS_FILE)
     raw["db"]["t"] = {"read": "sometimes"}
-    with pytest.raises(agentctl.InputError, match=r"field 'db\.t\.read'"):
+    with pytest.raises(agentctl_files.InputError, match=r"field 'db\.t\.read'"):
         files.save(config.GATE_DEFAULTS_FILE, raw)
     assert snapshot(cdir) == before  # no temporary file left behind either
 
 
 def test_an_edit_made_meanwhile_is_never_overwritten(cdir):
-    files = agentctl.ConfigFiles(cdir)  # e.g. while the operator answers the model-add wizard
+    files = agentctl_files.ConfigFiles(cdir)  # e.g. while the operator answers the model-add wizard
     theirs = read(cdir, config.MODELS_FILE)
     theirs["models"]["local"]["description"] = "edited by hand meanwhile"
     write(cdir, config.MODELS_FILE, theirs)
     raw = files.raw(config.MODELS_FILE)
     raw["models"]["local"]["max_context"] = 99
-    with pytest.raises(agentctl.FileProblem, match="changed by someone else meanwhile"):
+    with pytest.raises(agentctl_files.FileProblem, match="changed by someone else meanwhile"):
         files.save(config.MODELS_FILE, raw)
     assert read(cdir, config.MODELS_FILE) == theirs
 
@@ -529,7 +531,7 @@ def test_piped_commands_print_one_json_document_each(cdir):
     assert result.returncode == 0, result.stderr
     models, limits, done = _documents(result.stdout)  # no banner, no prompt: only the documents
     assert "local" in json.dumps(models) and "search" in limits["rate_limits"]
-    assert done == {"done": "db t: read auto-allowed", "note": agentctl.RESTART}
+    assert done == {"done": "db t: read auto-allowed", "note": agentctl_term.RESTART}
 
 
 def test_an_undeclared_tool_name_needs_force_and_is_warned_about(cdir):
@@ -556,7 +558,7 @@ def test_tab_completes_a_unique_prefix_in_place(cdir, capsys):
         # Typed at once, as a fast typist does: one Tab after a unique prefix completes it, before any menu.
         pipe.send_text("model-i\t local\rquit\r")
         session: PromptSession[str] = PromptSession(input=pipe, output=DummyOutput())
-        assert agentctl.AgentCtl(cdir, agentctl.Terminal(session=session), in_prompt=True).prompt() == 0
+        assert agentctl.AgentCtl(cdir, agentctl_term.Terminal(session=session), in_prompt=True).prompt() == 0
     out = capsys.readouterr()
     assert "unknown command" not in out.err and "qwen2.5:7b-instruct" in out.out
 

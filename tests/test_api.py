@@ -30,7 +30,7 @@ from api_client import (
     gate_decision,
 )
 from plugins import _http
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI

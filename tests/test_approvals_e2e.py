@@ -25,7 +25,9 @@ import pytest
 from rich.console import Console
 
 import grants
-from shell import RequestRejected, Shell, ShellClient, ShellUI
+from shell import Shell
+from shell_client import RequestRejected, ShellClient
+from shell_ui import ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI

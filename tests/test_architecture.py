@@ -21,8 +21,9 @@ from tests.conftest import ROOT
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
 CORE = ("config", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry", "state",
-        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_checks", "api_client", "agents", "tools",
-        "db_roles", "database", "routes", "commands", "plugin_api", "plugin_loader", "build")
+        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_checks", "api_client", "llm_errors",
+        "models", "tool_calls", "agents", "tools", "db_roles", "database", "routes", "commands", "plugin_api",
+        "plugin_loader", "build")
 #: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
 #: formats that hold no runtime (decision words, approver records, settings files, failure texts, listener
 #: settings, the database library). Everything else of the server a plugin reaches through its PluginContext.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-import agents
+import models
 from tests.conftest import openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, execute, runtime, turn, with_events
@@ -220,10 +220,10 @@ async def test_llm_call_and_llm_timeout_commands_persist(crt, tmp_path) -> None:
     assert out.startswith("ERROR: Unknown model 'nosuch'")
     out, _ = await turn(crt, "!llm_call locked perhaps")
     assert out.startswith("ERROR: Invalid arguments")
-    before = agents.chat_model(crt, "helper")
+    before = models.chat_model(crt.llms, crt.config, "helper")
     out, _ = await turn(crt, "!llm_timeout helper 7.5")
     assert out.startswith("llm_call_timeout=7.5s set for helper\nChanges persisted to")
-    after = agents.chat_model(crt, "helper")  # the model's own calls use the new timeout too
+    after = models.chat_model(crt.llms, crt.config, "helper")  # the model's own calls use the new timeout too
     assert after is not before and (before.request_timeout, after.request_timeout) == (2, 7.5)
     assert json.loads((tmp_path / "llm-models.json").read_text())["models"]["helper"]["llm_call_timeout"] == 7.5
     out, _ = await turn(crt, "!llm_timeout")

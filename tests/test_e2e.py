@@ -7,7 +7,7 @@ import threading
 
 import httpx
 
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import AgentServer, gemini_model, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.turns import answer, collect_turn, run_turn

@@ -20,7 +20,7 @@ import ollama
 import openai
 import pytest
 
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, gemini_model, openai_model
 from tests.fakes.backend import error, hang
 from tests.fakes.gemini_backend import FakeGemini

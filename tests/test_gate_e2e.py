@@ -6,7 +6,8 @@ import io
 
 from rich.console import Console
 
-from shell import ShellClient, ShellEvent, ShellUI
+from shell_client import ShellClient, ShellEvent
+from shell_ui import ShellUI
 from tests.conftest import AgentServer, one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 

@@ -16,7 +16,8 @@ from rich.console import Console
 import build
 import grants
 from config import load_config
-from shell import ShellClient, ShellUI
+from shell_client import ShellClient
+from shell_ui import ShellUI
 from tests.conftest import ROOT, AgentServer, one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, execute, runtime, turn, with_events

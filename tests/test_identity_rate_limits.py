@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-import agents
 import gate
 import shared
 import state
+import tool_calls
 from tests.runtime import Recorder, add_plugin_tools, runtime
 
 MODELS = {"m": {"model_id": "x", "type": "OPENAI", "host": "http://127.0.0.1:9/v1", "env_key": None}}
@@ -40,7 +40,7 @@ async def _call(rt: state.Runtime, client_id: str, identity: str | None, tool: s
     session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
     turn = dataclasses.replace(turn, session=session)
     with state.running(turn):
-        return (await agents.execute_tool(rt, turn, tool, {"key": "k"})).text
+        return (await tool_calls.execute_tool(rt, turn, tool, {"key": "k"})).text
 
 
 async def _rotating_ids_share_one_window(rt: state.Runtime, rec: Recorder) -> None:

@@ -24,6 +24,7 @@ import routes
 import state
 import stores
 from config import ConfigError, load_config
+from registry import ToolError
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ask, execute, shell_payload
@@ -194,7 +195,8 @@ def test_results_become_readable_text():
     assert format_result("s_t", result(text_, structured={"rows": [1, 2]})) == 'hello\n{"rows": [1, 2]}'
     assert format_result("s_t", result(structured={"ok": True})) == '{"ok": true}'
     assert format_result("s_t", result()) == "(no output)"
-    assert format_result("s_t", result(text_, error=True)) == "ERROR: s_t reported an error: hello"
+    with pytest.raises(ToolError, match=r"^s_t reported an error: hello$"):  # the pipeline adds "ERROR: "
+        format_result("s_t", result(text_, error=True))
     media = format_result("s_t", result(
         types.ImageContent(type="image", data="QUJDRA==", mime_type="image/png"),
         types.ResourceLink(type="resource_link", name="report", uri="file:///r.txt", description="the report"),

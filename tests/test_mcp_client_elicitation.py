@@ -26,7 +26,8 @@ import state
 import stores
 from approvals import SHELL, Approver
 from config import load_config
-from shell import ShellClient, gate_panel
+from shell_client import ShellClient
+from shell_ui import gate_panel
 from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ask

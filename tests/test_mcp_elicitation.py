@@ -19,7 +19,7 @@ from mcp import Client
 from mcp.client.session import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI

@@ -26,7 +26,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI

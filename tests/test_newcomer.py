@@ -21,7 +21,8 @@ import pytest
 from rich.console import Console
 
 from config import DEFAULTS_DIR
-from shell import ShellClient, ShellEvent, ShellUI
+from shell_client import ShellClient, ShellEvent
+from shell_ui import ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI

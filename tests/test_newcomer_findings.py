@@ -15,10 +15,10 @@ import pytest
 from httpx_sse import aconnect_sse
 from rich.console import Console
 
-import shell
+import shell_ui
 from api_client import AgentCancelled, AgentClient
 from config import DEFAULTS_DIR
-from shell import ShellClient
+from shell_client import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import demo_reply, text
 from tests.fakes.openai_backend import FakeOpenAI
@@ -36,7 +36,7 @@ def demo_backend():
 def _rendered(text: str, plain: bool = False) -> str:
     """What shell.py puts on a terminal for an answer (Markdown unless `plain`)."""
     out = io.StringIO()
-    Console(file=out, width=100, color_system=None).print(shell._render_answer(text, plain))
+    Console(file=out, width=100, color_system=None).print(shell_ui._render_answer(text, plain))
     return out.getvalue()
 
 
@@ -178,7 +178,7 @@ async def test_ctrl_c_cancels_the_turn_and_nothing_of_it_prints_later(config_dir
     out = io.StringIO()
     try:
         async with ShellClient(server.url, "cc", token=server.token) as client:
-            ui = shell.ShellUI(Console(file=out, width=100, color_system=None), client)
+            ui = shell_ui.ShellUI(Console(file=out, width=100, color_system=None), client)
             await client.connect(max_wait=10)
             first_token = asyncio.Event()
 

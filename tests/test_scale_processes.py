@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from api_client import AgentClient
-from shell import ShellClient
+from shell_client import ShellClient
 from tests import needs
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call

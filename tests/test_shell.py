@@ -27,19 +27,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import shell
-from shell import (
-    AuthRequired,
-    PromptInterrupted,
-    ServerOffline,
-    SessionNotFound,
-    Shell,
-    ShellClient,
-    ShellEvent,
-    ShellUI,
-    Terminal,
-    load_or_create_client_id,
-    resolve_base_url,
-)
+from shell import Shell, resolve_base_url
+from shell_client import AuthRequired, ServerOffline, SessionNotFound, ShellClient, ShellEvent, load_or_create_client_id
+from shell_terminal import PromptInterrupted, Terminal
+from shell_ui import ShellUI
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

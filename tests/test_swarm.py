@@ -22,6 +22,7 @@ import state
 import stores
 from api_client import AgentClient
 from config import ConfigError, load_config
+from registry import ToolError
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import FakeBackend, text, tool_call, tool_calls
 from tests.fakes.openai_backend import FakeOpenAI
@@ -228,14 +229,14 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
         assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
-        result = await rt.tools.executor("agent_call")(agent_url="b", message="x")  # outside a request: refused
-        assert result.startswith("ERROR: agent_call refused: it runs only as a tool call of a request")
-        with state.running(routes.Request("api-1", gate.API).turn()):  # an API client's request: not a swarm
-            result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        assert "failed" in result and "cannot reach" in result
-        with state.running(routes.Request("api-swarm-12345678", gate.SWARM).turn()):
-            result = await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        assert result.startswith("ERROR: agent_call refused: this conversation is itself an agent_call")
+        with pytest.raises(ToolError, match="^agent_call refused: it runs only as a tool call of a request"):
+            await rt.tools.executor("agent_call")(agent_url="b", message="x")  # outside a request: fails closed
+        with state.running(routes.Request("api-1", gate.API).turn()), \
+                pytest.raises(ToolError, match="failed: cannot reach"):  # an API client's request: it tries
+            await rt.tools.executor("agent_call")(agent_url="b", message="x")
+        with state.running(routes.Request("api-swarm-12345678", gate.SWARM).turn()), \
+                pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
+            await rt.tools.executor("agent_call")(agent_url="b", message="x")
 
 
 async def test_api_plugin_refuses_an_admin_key_equal_to_the_api_key(tmp_path, fake_openai) -> None:

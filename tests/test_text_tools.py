@@ -8,10 +8,12 @@ import pytest
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-from agents import AFTER_RESULTS, TextCallFilter, find_text_calls, trim_history, try_force_tool_calls
+from agents import AFTER_RESULTS
+from state import trim_history
 from tests.conftest import openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn
+from text_calls import TextCallFilter, find_text_calls, try_force_tool_calls
 
 
 class _Weather(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from shell import ShellClient, ShellEvent
+from shell_client import ShellClient, ShellEvent
 
 if TYPE_CHECKING:
     from tests.conftest import AgentServer

@@ -1,0 +1,307 @@
+"""The chat models: built once per server from the registry, warmed up before serving, probed for
+reachability and context window, and called (streamed, retried, measured) by the loop in agents.py.
+
+What a failure means is `llm_errors.py`; the history is fitted into the window by `budget.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+import ssl
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import httpx2
+import openai
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import StructuredTool
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
+
+import budget
+import tracing
+from config import AppConfig, ModelConfig, resolve_api_key
+from llm_errors import LLMError, describe_llm_error, failure_kind, llm_error_kind, retryable
+from text_calls import TextCallFilter
+
+if TYPE_CHECKING:
+    from metrics import Metrics
+    from prompt import PromptTree
+    from registry import ToolRegistry
+
+logger = logging.getLogger("agent_mcp.models")
+
+#: Seconds before retry n (1, 2, …) of a model call that failed before any output: 0.5, 1, 2, … at most 8.
+_RETRY_BACKOFF = 0.5
+
+
+def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = False) -> BaseChatModel:
+    """The chat model of a registry entry, built once per server and kept in `llms` (one HTTP pool each).
+    `usage`: ask for token counts in the stream (when metrics or traces want them)."""
+    llm = llms.get(key)
+    if llm is not None:
+        return llm
+    cfg = config.models.get(key)
+    if cfg is None:
+        raise LLMError(f"unknown model '{key}'; choose one of: {', '.join(config.models)} (!model)")
+    api_key = resolve_api_key(cfg, config.env)
+    if api_key is None:
+        raise LLMError(
+            f"model '{key}' needs an API key: set {cfg.env_key} in .env (or the environment) and restart, "
+            "or switch model with !model"
+        )
+    sampling = {"temperature": cfg.temperature} if cfg.temperature is not None else {}
+    if cfg.type == "OPENAI":
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(
+            model=cfg.model_id,
+            base_url=cfg.host,
+            api_key=api_key,
+            streaming=True,
+            timeout=cfg.llm_call_timeout,
+            # LangChain's own clock between streamed chunks (120 s by default) would cut a slow local
+            # model's prompt processing short of llm_call_timeout; stream_once keeps the same clock.
+            stream_chunk_timeout=cfg.llm_call_timeout,
+            max_retries=0,  # stream_once retries, and never after a timeout (see there)
+            # Token counts in the stream (stream_options.include_usage) only when metrics or traces want them.
+            **({"stream_usage": True} if usage else {}),
+            # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
+            http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
+            **sampling,
+        )
+    else:
+        from langchain_google_genai import ChatGoogleGenerativeAI
+
+        extra = {"base_url": cfg.host} if cfg.host else {}
+        llm = ChatGoogleGenerativeAI(
+            model=cfg.model_id,
+            google_api_key=api_key,
+            timeout=cfg.llm_call_timeout,
+            max_retries=0,  # one attempt: stream_once owns the retry policy
+            **extra,
+            **sampling,
+        )
+    llms[key] = llm
+    return llm
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The certificate store, loaded once per process (about 60 ms each time otherwise), the way httpx
+    loads it (certifi, or SSL_CERT_FILE / SSL_CERT_DIR when set)."""
+    return httpx2.create_ssl_context()
+
+
+async def close_models(llms: dict[str, Any], keys: list[str] | None = None) -> None:
+    """Close the HTTP pools of the chat models in `llms` (of `keys`, default all) and forget them."""
+    for key in list(llms) if keys is None else keys:
+        llm = llms.pop(key, None)
+        pool = getattr(llm, "http_async_client", None)
+        if pool is not None:
+            await pool.aclose()
+        elif hasattr(llm, "aclose"):  # ChatGoogleGenerativeAI's own client
+            await llm.aclose()
+
+
+def warm_up(llms: dict[str, Any], config: AppConfig, tools: ToolRegistry, prompt: PromptTree,
+            usage: bool = False) -> list[str]:
+    """Build what a first turn would build, so no request waits for it: each usable model's chat
+    client (importing its LangChain package), the system prompt, and for OpenAI-type models one
+    dry streamed call with the tools bound (`_dry_stream`, answered in memory). Blocking (imports,
+    schema generation, its own event loop): run it in a thread before serving.
+    Returns the models that could not be prepared (no API key yet, …): they build at their first use."""
+    skipped = []
+    for key, cfg in config.models.items():
+        try:
+            chat_model(llms, config, key, usage)
+            bound = tools.for_model(cfg)
+            messages = [SystemMessage(prompt.assemble(t.name for t in bound)),
+                        *to_lc_messages([{"role": "user", "content": "warm-up"}])]
+            if cfg.type == "OPENAI":
+                asyncio.run(_dry_stream(cfg, bound if cfg.tool_mode == "native" else [], messages))
+        except LLMError:
+            skipped.append(key)
+        except Exception:  # the first turn on this model reports it to its user
+            logger.warning("model %s could not be prepared before start", key, exc_info=True)
+            skipped.append(key)
+    return skipped
+
+
+_DRY_ANSWER = (b'data: {"id":"dry","object":"chat.completion.chunk","created":0,"model":"dry","choices":'
+               b'[{"index":0,"delta":{"role":"assistant","content":"ok"},"finish_reason":null}]}\n\n'
+               b'data: {"id":"dry","object":"chat.completion.chunk","created":0,"model":"dry","choices":'
+               b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+
+
+async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: list[BaseMessage]) -> None:
+    """One streamed call through a copy of the model's client whose transport answers in memory:
+    the request body, the SDK's chunk parsing and LangChain's chunk merging all run once (their
+    first run builds caches), and nothing leaves the process."""
+    from langchain_openai import ChatOpenAI
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=_DRY_ANSWER, headers={"content-type": "text/event-stream"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+        dry = ChatOpenAI(model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry", streaming=True,
+                         max_retries=0, http_async_client=http)
+        async for _ in (dry.bind_tools(tools) if tools else dry).astream(messages):
+            pass
+
+
+async def unreachable(cfg: ModelConfig, env: dict[str, str]) -> str | None:
+    """Why model `cfg` cannot answer right now, as far as can be told without calling it: a missing
+    API key, or nothing listening at a local server's address (hosted APIs are not probed). None: fine."""
+    if resolve_api_key(cfg, env) is None:
+        return f"it needs an API key: set {cfg.env_key} in .env"
+    if not cfg.host or not budget.is_local(cfg.host):
+        return None
+    url = httpx.URL(cfg.host)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(url.host, port), 2)
+    except (OSError, TimeoutError):
+        hint = ("start Ollama: ollama serve; ollama pull " + cfg.model_id if port == 11434 else
+                "start llama.cpp's server: llama-server --jinja -m <model.gguf> --port 8080" if port == 8080 else
+                "start its server")
+        return (f"nothing answers at {url.host}:{port} ({hint}; or, to try everything without a model, run the "
+                f"fake backend there: .venv/bin/python -m tests.fakes.openai_backend --port {port})")
+    writer.close()
+    return None
+
+
+def content_text(content: Any) -> str:
+    """Plain text of a message content: a string, or the text blocks of a content list (Gemini)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if isinstance(block, str):
+                parts.append(block)
+            elif isinstance(block, dict) and block.get("type") == "text":
+                parts.append(str(block.get("text", "")))
+        return "".join(parts)
+    return "" if content is None else str(content)
+
+
+def to_lc_messages(history: list[dict[str, Any]]) -> list[BaseMessage]:
+    """OpenAI-style history dicts as LangChain messages."""
+    out: list[BaseMessage] = []
+    for msg in history:
+        role, content = msg.get("role"), msg.get("content") or ""
+        if role == "user":
+            out.append(HumanMessage(content))
+        elif role == "assistant":
+            calls = [
+                {"name": c["name"], "args": c.get("args", {}), "id": c["id"], "type": "tool_call"}
+                for c in msg.get("tool_calls", [])
+            ]
+            out.append(AIMessage(content, tool_calls=calls))
+        elif role == "tool":
+            out.append(ToolMessage(content, tool_call_id=msg["tool_call_id"], name=msg.get("name")))
+        elif role == "system":
+            out.append(SystemMessage(content))
+    return out
+
+
+# ── Calls ───────────────────────────────────────────────────────────────────────────────────
+
+ROUTER_PROMPT = (
+    "You are a router. Decide whether answering the user's message needs one of these tools:\n{tools}\n"
+    "Reply with one word only: yes or no."
+)
+
+
+async def router_wants_tools(llm: Any, cfg: ModelConfig, question: str, tools: list[StructuredTool]) -> bool:
+    """One short yes/no call: does this message need tools? Anything but a clear "no" (a failure too) is yes."""
+    listing = "\n".join(f"- {t.name}: {(t.description or '').splitlines()[0] if t.description else ''}" for t in tools)
+    try:
+        async with asyncio.timeout(cfg.llm_call_timeout):
+            reply = await llm.ainvoke([SystemMessage(ROUTER_PROMPT.format(tools=listing)), HumanMessage(question)])
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if llm_error_kind(exc) == "timeout":
+            raise  # the backend hangs: one llm_call_timeout per turn is enough
+        logger.warning("router call failed (%s); tools stay bound", describe_llm_error(exc, cfg.model_id, cfg))
+        return True
+    answer = re.match(r"\W*(yes|no)\b", content_text(reply.content).strip().lower())
+    return not (answer and answer.group(1) == "no")
+
+
+async def stream_once(
+    llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str, tok: Callable[[str, str], None],
+    metrics: Metrics, tracer: tracing.Tracing, hold: TextCallFilter | None = None,
+) -> AIMessageChunk:
+    """One model call, streaming its text to the session `client_id` as it arrives (`tok`, through
+    `hold` if given), measured by `metrics` and traced by `tracer`.
+
+    Each piece is waited for at most `llm_call_timeout` s; a timeout ends the call at once. A call
+    that failed before any output with a refused connection or a 429/5xx is tried again, up to
+    `max_retries` times (the SDKs' own retries are off: they would wait on a hanging backend again).
+    """
+    loop = asyncio.get_running_loop()
+    streamed = False  # once the backend sent anything, a retry could repeat output or tool calls
+
+    async def attempt() -> AIMessageChunk:
+        nonlocal streamed
+        streamed_text = False
+        full: AIMessageChunk | None = None
+        # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
+        # without ever producing a token is cut off too.
+        async with asyncio.timeout(cfg.llm_call_timeout) as limit:
+            async for chunk in llm.astream(context):
+                limit.reschedule(loop.time() + cfg.llm_call_timeout)
+                streamed = True
+                text = content_text(chunk.content)
+                if text:
+                    if not streamed_text:
+                        streamed_text = True
+                        metrics.first_answer_token()
+                    tok(client_id, hold.feed(text) if hold else text)
+                full = chunk if full is None else full + chunk
+        if full is None:
+            raise LLMError("the backend closed the stream without sending anything")
+        return full
+
+    def log_retry(state_: RetryCallState) -> None:
+        exc = state_.outcome.exception() if state_.outcome else None
+        logger.info("model call of %s failed (%s); attempt %d of %d", client_id, type(exc).__name__,
+                    state_.attempt_number + 1, cfg.max_retries + 1)
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(lambda exc: not streamed and retryable(exc)),
+        stop=stop_after_attempt(cfg.max_retries + 1),
+        wait=wait_exponential(multiplier=_RETRY_BACKOFF, max=8),
+        before_sleep=log_retry,
+        reraise=True,
+    )
+    attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": cfg.model_id,
+                  "gen_ai.provider.name": tracing.PROVIDERS.get(cfg.type, cfg.type.lower())}
+    with tracer.span(f"chat {cfg.model_id}", attributes, client=True) as span, \
+            metrics.model_call(failure_kind) as call:
+        reply = await retrying(attempt)
+        usage = reply.usage_metadata or {}
+        call.done(usage)
+        finish = reply.response_metadata.get("finish_reason")
+        tracer.note(span, gen_ai__usage__input_tokens=usage.get("input_tokens"),
+                    gen_ai__usage__output_tokens=usage.get("output_tokens"),
+                    gen_ai__response__finish_reasons=[str(finish)] if finish else None)
+        return reply
+
+
+async def model_window(windows: dict[str, tuple[int, str]], key: str, cfg: ModelConfig) -> tuple[int, str]:
+    """(context window in tokens, where that number comes from) of model `key`, found once per server
+    (kept in `windows` unless unsure)."""
+    found = windows.get(key)
+    if found is None:
+        found = await budget.discover_window(cfg)
+        if found[1] != budget.UNSURE:
+            windows[key] = found
+    return found
