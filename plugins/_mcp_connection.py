@@ -23,8 +23,8 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 import plugin_api
-from plugins._mcp_servers import HttpServer, StdioServer, format_result
 from plugin_api import ToolError
+from plugins._mcp_servers import HttpServer, StdioServer, format_result
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 STDERR_LINES_KEPT = 20

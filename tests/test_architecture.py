@@ -156,7 +156,7 @@ def test_a_plugin_imports_of_the_core_only_the_plugin_surface(path: Path) -> Non
                          "through plugin_api (its PluginContext, self.ctx) only")
 
 
-def test_the_plugin_surface_is_what_the_readme_documents() -> None:
+def test_every_member_of_the_plugin_context_is_documented_in_writing_a_plugin() -> None:
     import plugin_api
 
     documented = (ROOT / "docs" / "plugins.md").read_text()

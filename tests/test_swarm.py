@@ -229,7 +229,7 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
         assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
-        with pytest.raises(ToolError, match="^agent_call refused: it runs only as a tool call of a request"):
+        with pytest.raises(ToolError, match=r"^agent_call refused: it runs only as a tool call of a request"):
             await rt.tools.executor("agent_call")(agent_url="b", message="x")  # outside a request: fails closed
         with state.running(routes.Request("api-1", gate.API).turn()), \
                 pytest.raises(ToolError, match="failed: cannot reach"):  # an API client's request: it tries
