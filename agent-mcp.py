@@ -296,12 +296,13 @@ async def serve(config: AppConfig) -> int:
         hurry = asyncio.Event()
 
         async def end() -> None:
-            if drain and routes.running(rt):
+            running = routes.running(rt.active_tasks)
+            if drain and running:
                 # Several instances: this one takes no new connections (the others do) while its turns finish.
                 for s in servers:
                     s.should_exit = True
                 logger.warning("stopping: waiting up to %g s for %d running request(s) to finish "
-                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, len(routes.running(rt)))
+                               "(AGENT_DRAIN_SECONDS); stop again to end them now", drain, len(running))
                 await _drained(rt, drain, hurry)
             # Running turns end first, each telling its clients (error + done) while their streams are open.
             await routes.end_all(rt)
@@ -367,7 +368,7 @@ def drain_seconds(env: dict[str, str], shared: bool) -> float:
 async def _drained(rt: state.Runtime, seconds: float, hurry: asyncio.Event) -> None:
     """Return when no request runs, `seconds` passed, or `hurry` is set."""
     deadline = asyncio.get_running_loop().time() + seconds
-    while routes.running(rt) and not hurry.is_set():
+    while routes.running(rt.active_tasks) and not hurry.is_set():
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             return

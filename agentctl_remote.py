@@ -19,8 +19,9 @@ import httpx
 
 import grants
 from agentctl_files import FileProblem, InputError
-from config import GATE_DEFAULTS_FILE, MODELS_FILE, AppConfig, SecretFileError, read_secret_file
+from config import GATE_DEFAULTS_FILE, MODELS_FILE, AppConfig
 from guard import SHELL_TOKEN_FILE
+from secret_files import SecretFileError, read_secret_file
 
 SHELL = "plugin_client_shellpy"
 #: The files a running server writes itself; agentctl sends changes of these to it.

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from config import SecretFileError, ensure_secret_file, read_secret_file, write_private
+from secret_files import SecretFileError, ensure_secret_file, read_secret_file, write_private
 
 KEY_FILE = "audit-key"
 HEAD_FILE = "audit-head"

@@ -8,6 +8,7 @@ import logging
 import socket
 from collections.abc import Mapping
 
+import agents
 import approvals
 import audit_chain
 import commands
@@ -82,19 +83,34 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         rt.gate.grants.link = link
         rt.signals = shared.Signals(link)
         for what in ("cancel", "stop"):
-            rt.signals.on(what, functools.partial(routes.signalled, rt, what))
+            rt.signals.on(what, functools.partial(routes.signalled, rt.active_tasks, rt.hub, what))
         rt.signals.start()
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
-    sessions.interrupted = functools.partial(routes.interrupted, rt)
+    sessions.interrupted = functools.partial(routes.interrupted, rt.hub)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
     rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
-    for name, handler in {**commands.COMMANDS, **gate.COMMANDS}.items():
-        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     rt.plugins = PluginLoader(rt)
+    ctx = command_context(rt)
+    for name, handler in commands.COMMANDS.items():
+        rt.commands[name] = state.Command(functools.partial(handler, ctx), usage=state.usage_of(handler))
+    for name, handler in gate.COMMANDS.items():
+        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     return rt
+
+
+def command_context(rt: state.Runtime) -> commands.Context:
+    """The pieces of the runtime the server's own `!commands` use (looked up at each call where a test or a
+    reload may replace them: the rate limiter; routes.delete_session, which tests watch)."""
+    return commands.Context(
+        config=rt.config, sessions=rt.sessions, prompt=rt.prompt, tools=rt.tools, commands=rt.commands,
+        plugins=rt.plugins, gate=rt.gate,
+        delete_session=lambda client_id: routes.delete_session(rt, client_id),
+        context_report=lambda session: agents.context_report(session, rt.config, rt.prompt, rt.tools, rt.windows),
+        close_models=lambda keys: models.close_models(rt.llms, keys),
+        reenable=lambda client_id, tool_type: rt.rate_limiter.reenable(client_id, tool_type))
 
 
 #: The plugin that serves /metrics; metrics are collected only while it is enabled.

@@ -1,38 +1,63 @@
 """The server's own `!commands` (the gate commands live beside the gate keeper, in gate.py).
 
-Each handler takes (rt, turn, args) and returns the text the client is shown; the first line of
-its docstring (`!name [args] — what it does`) is its line in `!help`.
+Each handler takes (ctx, turn, args) and returns the text the client is shown; the first line of
+its docstring (`!name [args] — what it does`) is its line in `!help`. `ctx` (a `Context`) holds the
+few pieces of the server the commands use, not the whole runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-import agents
 import gate
-import models
 import state
-from config import ConfigError, save_model_fields
+from config import AppConfig, ConfigError, save_model_fields
 from gate import parse_bool
-from prompt import PromptError
-from routes import delete_session
+from plugin_loader import PluginLoader
+from prompt import PromptError, PromptTree
+from registry import ToolRegistry
 from tools import AGENT_CALL_STREAM
 
 
-def _models_list(rt: state.Runtime, current: str | None) -> str:
+@dataclass(frozen=True)
+class Context:
+    """What the server's `!commands` use, assembled once by build.py: parts of the runtime, and the
+    few actions of other modules they take, as functions."""
+
+    config: AppConfig
+    sessions: state.SessionManager
+    prompt: PromptTree
+    tools: ToolRegistry
+    #: Every `!command`, and the plugins (their help and load reports): for `!help`.
+    commands: dict[str, state.Command]
+    plugins: PluginLoader | None
+    #: The gate keeper: its waiting times, for `!help`.
+    gate: gate.GateKeeper
+    #: routes.delete_session: the one way a session is deleted.
+    delete_session: Callable[[str], Awaitable[state.Session | None]]
+    #: agents.context_report: the session model's window and the size of its next request (`!model`).
+    context_report: Callable[[state.Session], Awaitable[str]]
+    #: models.close_models: drop the chat clients of these models (rebuilt at their next call).
+    close_models: Callable[[list[str]], Awaitable[None]]
+    #: The rate limiter's `reenable(client id, tool type)`.
+    reenable: Callable[[str, str], Awaitable[bool]]
+
+
+def _models_list(ctx: Context, current: str | None) -> str:
     rows = [
         f"  {key:<12} {m.model_id}{' (current)' if key == current else ''}"
         + (f"\n  {'':<12} {m.description}" if m.description else "")
-        for key, m in rt.config.models.items()
+        for key, m in ctx.config.models.items()
     ]
     return "Available models:\n" + "\n".join(rows)
 
 
-async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_help(ctx: Context, turn: state.Turn, args: str) -> str:
     """!help — this help"""
     lines = ["Commands:"]
-    for name, cmd in sorted(rt.commands.items()):
+    for name, cmd in sorted(ctx.commands.items()):
         if cmd.owner == "core":
             use, _, what = (cmd.usage or f"!{name}").partition(" — ")
             lines.append(f"  {use:<27} {what}".rstrip())
@@ -44,53 +69,52 @@ async def cmd_help(rt: state.Runtime, turn: state.Turn, args: str) -> str:
         "",
         "Gates: risky tool calls wait for a human. In the shell: a allow once, t allow for 15 min,",
         "s allow for this session, p allow calls of this shape, r reject. No answer within",
-        f"{rt.gate.timeout:g} s rejects; API clients have {rt.gate.api_timeout:g} s; the chat proxy, Slack and swarm",
+        f"{ctx.gate.timeout:g} s rejects; API clients have {ctx.gate.api_timeout:g} s; the chat proxy, Slack and swarm",
         "calls are rejected. Types: db (per table: read/write/ddl; ddl = CREATE/DROP/ALTER/RENAME/TRUNCATE,",
         "never covered by write), search, extract, drive,",
         "system, llm_call and the plugins' own. Only the shell or an admin API client may change gates;",
         "changes apply to this session, gate-defaults.json to every session. true = auto-allow (gate OFF).",
         "!grants lists this session's grants (answers beyond one call); !grants revoke <id>|all ends them.",
     ]
-    if rt.plugins:
-        for plugin in rt.plugins.loaded:
+    if ctx.plugins:
+        for plugin in ctx.plugins.loaded:
             text = plugin.get_help()
             if text:
                 lines += ["", text.rstrip()]
-        idle = [r for r in rt.plugins.reports.values() if r.status != "loaded"]
+        idle = [r for r in ctx.plugins.reports.values() if r.status != "loaded"]
         if idle:
             lines += ["", "Plugins not loaded:"] + [f"  {r.line()}" for r in idle]
     lines += ["", "Tools:"]
     lines += [
         f"  {e.tool.name:<24} [{gate.gate_type(e)}] {e.tool.description.splitlines()[0] if e.tool.description else ''}"
-        for e in rt.tools.entries()
+        for e in ctx.tools.entries()
     ]
     return "\n".join(lines) + "\n"
 
 
-async def cmd_model(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_model(ctx: Context, turn: state.Turn, args: str) -> str:
     """!model [key] — list models / switch this session's model"""
     session = turn.session
     if not args:
-        report = await agents.context_report(session, rt.config, rt.prompt, rt.tools, rt.windows)
-        return _models_list(rt, session.model) + "\n\n" + report
-    if args not in rt.config.models:
-        return (f"ERROR: Unknown model '{args}'\nAvailable models: {', '.join(rt.config.models)}\n"
+        return _models_list(ctx, session.model) + "\n\n" + await ctx.context_report(session)
+    if args not in ctx.config.models:
+        return (f"ERROR: Unknown model '{args}'\nAvailable models: {', '.join(ctx.config.models)}\n"
                 "Use !model to list all models")
     session.model = args
-    await rt.sessions.save(session)
+    await ctx.sessions.save(session)
     return f"Model set to '{args}'."
 
 
-async def cmd_reset(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_reset(ctx: Context, turn: state.Turn, args: str) -> str:
     """!reset — clear this session's history"""
     session = turn.session
     count = len(session.history)
     session.history.clear()
-    await rt.sessions.save(session)
+    await ctx.sessions.save(session)
     return f"Conversation history cleared ({count} messages removed)."
 
 
-async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_session(ctx: Context, turn: state.Turn, args: str) -> str:
     """!session [<ID> [delete]] — list sessions / show or delete one (full or shorthand id)
 
     Other people's sessions are visible only to the shell and admin requests: a proxy, Slack or
@@ -99,35 +123,35 @@ async def cmd_session(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     session = turn.session
     parts = args.split()
     everyone = gate.may_administer(turn)
-    await rt.sessions.refresh()  # with several instances: theirs too, as they are now
+    await ctx.sessions.refresh()  # with several instances: theirs too, as they are now
     if not parts:
         rows = [
             f"  ID [{s.shorthand}] {s.client_id}: model={s.model}, history={len(s.history)} messages"
             f"{' (current)' if s is session else ''}"
-            for s in rt.sessions.all() if everyone or s is session
+            for s in ctx.sessions.all() if everyone or s is session
         ]
         return "Active sessions:\n" + "\n".join(rows) if rows else "No active sessions."
     ident, action = parts[0], (parts[1].lower() if len(parts) > 1 else "")
-    client_id = rt.sessions.resolve(ident)
+    client_id = ctx.sessions.resolve(ident)
     if client_id is None or (client_id != session.client_id and not everyone):
         return f"Session not found: {ident}\nUse !session to list sessions."
     if action == "delete":
         if client_id == turn.client_id:  # its own: deleted once this answer has reached the client
             turn.ends_session = True
             return f"Deleted session ID [{session.shorthand}]: {client_id} (the next message starts a new one)"
-        deleted = await delete_session(rt, client_id)  # never cancels this request itself
+        deleted = await ctx.delete_session(client_id)  # never cancels this request itself
         return f"Deleted session ID [{deleted.shorthand}]: {client_id}"
     if action == "attach":
         return "!session <ID> attach is a shell.py command: it switches the terminal to that session."
     if action:
         return f"Unknown action: {action}\nUse: !session <ID> attach|delete"
-    s = rt.sessions.get(client_id)
+    s = ctx.sessions.get(client_id)
     assert s is not None
     return (f"Session ID [{s.shorthand}]: {s.client_id}\n  model: {s.model}\n  history: {len(s.history)} messages\n"
             f"  tool_preview_length: {s.tool_preview_length or 'unlimited'}")
 
 
-async def cmd_tool_preview_length(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_tool_preview_length(ctx: Context, turn: state.Turn, args: str) -> str:
     """!tool_preview_length [n] — characters of tool results shown (0/off = all)"""
     session = turn.session
     def show(n: int) -> str:
@@ -139,40 +163,40 @@ async def cmd_tool_preview_length(rt: state.Runtime, turn: state.Turn, args: str
     if value is None:
         return "ERROR: use !tool_preview_length <n> (characters), or 0 / off / unlimited to show whole results."
     session.tool_preview_length = value
-    await rt.sessions.save(session)
+    await ctx.sessions.save(session)
     return f"Tool preview length set to {show(value)}."
 
 
-async def cmd_sysprompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_sysprompt(ctx: Context, turn: state.Turn, args: str) -> str:
     """!sysprompt [reload] — show the system prompt / re-read it from disk"""
     if not args:
-        return "--- Current system prompt ---\n" + rt.prompt.assemble()
+        return "--- Current system prompt ---\n" + ctx.prompt.assemble()
     if args.lower() == "reload":
-        text = rt.prompt.load().assemble()
-        problems = "".join(f"\nWARNING: {p}" for p in rt.prompt.problems)
-        return f"System prompt reloaded from disk ({len(text)} chars, {len(rt.prompt.sections)} sections).{problems}"
+        text = ctx.prompt.load().assemble()
+        problems = "".join(f"\nWARNING: {p}" for p in ctx.prompt.problems)
+        return f"System prompt reloaded from disk ({len(text)} chars, {len(ctx.prompt.sections)} sections).{problems}"
     return "ERROR: Invalid arguments\nUsage: !sysprompt  |  !sysprompt reload"
 
 
-async def cmd_read_system_prompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_read_system_prompt(ctx: Context, turn: state.Turn, args: str) -> str:
     """!read_system_prompt [section] — the cached prompt, or one section (name or index)"""
     if not args:
-        return "--- Cached system prompt ---\n" + rt.prompt.assemble()
+        return "--- Cached system prompt ---\n" + ctx.prompt.assemble()
     try:
-        return f"--- Section: {args} ---\n" + rt.prompt.render(args)
+        return f"--- Section: {args} ---\n" + ctx.prompt.render(args)
     except PromptError:
-        rows = [f"  [{i}] {s.name}: {s.description}" for i, s in enumerate(rt.prompt.sections)]
+        rows = [f"  [{i}] {s.name}: {s.description}" for i, s in enumerate(ctx.prompt.sections)]
         return f"Section '{args}' not found.\n\nAvailable sections:\n" + "\n".join(rows)
 
 
-async def _set_model_field(rt: state.Runtime, keys: list[str], field: str, value: Any) -> str:
+async def _set_model_field(ctx: Context, keys: list[str], field: str, value: Any) -> str:
     """Change a field of models in memory and in llm-models.json; returns the persistence note."""
     for key in keys:
-        rt.config.models[key] = rt.config.models[key].model_copy(update={field: value})
+        ctx.config.models[key] = ctx.config.models[key].model_copy(update={field: value})
     if field == "llm_call_timeout":
-        await models.close_models(rt.llms, keys)  # rebuilt with the new timeout at its next call
+        await ctx.close_models(keys)  # rebuilt with the new timeout at its next call
     try:
-        path = save_model_fields(rt.config.config_dir, {k: {field: value} for k in keys})
+        path = save_model_fields(ctx.config.config_dir, {k: {field: value} for k in keys})
     except (ConfigError, OSError) as exc:
         return f"WARNING: Updated in memory but FAILED to persist to llm-models.json: {exc}"
     return f"Changes persisted to {path}."
@@ -187,13 +211,13 @@ def _positive_seconds(word: str) -> float | None:
 
 
 async def _change_models(
-    rt: state.Runtime, turn: state.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
+    ctx: Context, turn: state.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
 ) -> tuple[str, Any]:
     """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
     parts = args.split()
-    if len(parts) == 2 and parts[0] not in rt.config.models:
+    if len(parts) == 2 and parts[0] not in ctx.config.models:
         return (
-            f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(rt.config.models)}\nUsage: {usage}",
+            f"ERROR: Unknown model '{parts[0]}'\nAvailable models: {', '.join(ctx.config.models)}\nUsage: {usage}",
             None,
         )
     value = parse(parts[-1]) if len(parts) in (1, 2) else None
@@ -201,38 +225,38 @@ async def _change_models(
         return f"ERROR: Invalid arguments\nUsage: {usage}", None
     if not gate.may_administer(turn):
         return gate.refusal(command, turn), None
-    keys = list(rt.config.models) if len(parts) == 1 else [parts[0]]
-    note = await _set_model_field(rt, keys, field, value)
+    keys = list(ctx.config.models) if len(parts) == 1 else [parts[0]]
+    note = await _set_model_field(ctx, keys, field, value)
     who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
     return f"{field}={shown(value)} set for {who}\n{note}", value
 
 
-async def cmd_llm_call(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_llm_call(ctx: Context, turn: state.Turn, args: str) -> str:
     """!llm_call [model] [bool] — which models accept delegation (llm_clean_text/tool)"""
     session = turn.session
     if not args:
         return "LLM tool_call_available status:\n" + "\n".join(
             f"  {k:<14} tool_call={'YES' if m.tool_call_available else 'NO'}  timeout={m.llm_call_timeout:g}s  "
-            f"{m.description}" for k, m in sorted(rt.config.models.items()))
-    reply, value = await _change_models(rt, turn, args, "!llm_call", "tool_call_available", parse_bool,
+            f"{m.description}" for k, m in sorted(ctx.config.models.items()))
+    reply, value = await _change_models(ctx, turn, args, "!llm_call", "tool_call_available", parse_bool,
                                         lambda v: "enabled" if v else "disabled", "!llm_call [model] <true|false>")
     if value:
-        await rt.rate_limiter.reenable(session.client_id, "llm_call")
+        await ctx.reenable(session.client_id, "llm_call")
     return reply
 
 
-async def cmd_llm_timeout(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_llm_timeout(ctx: Context, turn: state.Turn, args: str) -> str:
     """!llm_timeout [model] [secs] — delegation timeouts (llm_call_timeout)"""
     if not args:
         return "LLM delegation timeouts:\n" + "\n".join(
             f"  {k:<14} timeout={m.llm_call_timeout:g}s  tool_call={'YES' if m.tool_call_available else 'NO'}"
-            for k, m in sorted(rt.config.models.items()))
-    reply, _ = await _change_models(rt, turn, args, "!llm_timeout", "llm_call_timeout", _positive_seconds,
+            for k, m in sorted(ctx.config.models.items()))
+    reply, _ = await _change_models(ctx, turn, args, "!llm_timeout", "llm_call_timeout", _positive_seconds,
                                     lambda v: f"{v:g}s", "!llm_timeout [model] <seconds> (a positive number)")
     return reply
 
 
-async def cmd_stream(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_stream(ctx: Context, turn: state.Turn, args: str) -> str:
     """!stream [on|off] — agent_call: relay the other agent's answer live"""
     session = turn.session
     if not args:
@@ -242,14 +266,14 @@ async def cmd_stream(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     if value is None:
         return "ERROR: Invalid arguments\nUsage: !stream [on|off]"
     session.settings[AGENT_CALL_STREAM] = value
-    await rt.sessions.save(session)
+    await ctx.sessions.save(session)
     if value:
         return "agent_call streaming enabled — the other agent's answer and progress are relayed live."
     return "agent_call streaming disabled — only the final result of agent_call is shown (as a tool result)."
 
 
-#: The server's own `!commands` besides the gate commands (gate.COMMANDS): name → handler (rt, turn, args).
-COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
+#: The server's own `!commands` besides the gate commands (gate.COMMANDS): name → handler (ctx, turn, args).
+COMMANDS: dict[str, Callable[[Context, state.Turn, str], Awaitable[str]]] = {
     "help": cmd_help, "model": cmd_model, "reset": cmd_reset, "session": cmd_session,
     "tool_preview_length": cmd_tool_preview_length, "sysprompt": cmd_sysprompt,
     "read_system_prompt": cmd_read_system_prompt, "llm_call": cmd_llm_call, "llm_timeout": cmd_llm_timeout,

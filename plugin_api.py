@@ -7,7 +7,7 @@ store of several instances (`values`, `signals`, `link`), metrics and tracing, a
 The types those hand out (`Request`, `Turn`, `Event`, `Session`, …) and the client classes are
 exported here too. Besides this module a plugin imports libraries, and the core's vocabulary and
 file-format modules that hold no runtime (`LIBRARIES` in tests/test_architecture.py: config,
-failures, guard, grants, approvals, database); tests/test_architecture.py fails on any other core
+secret_files, failures, guard, grants, approvals, database); tests/test_architecture.py fails on any other core
 import from plugins/. The loader builds one context per plugin before `init()`.
 """
 
@@ -233,9 +233,10 @@ class PluginContext:
         """Cancel the session's requests and wait until they have cleaned up."""
         await routes.cancel_active_task(self._rt, client_id)
 
-    async def delete_session(self, client_id: str) -> Session:
-        """Delete a session the one way sessions are deleted (`routes.delete_session`)."""
-        return await routes.delete_session(self._rt, client_id)
+    async def delete_session(self, client_id: str, *, remember: bool = True, announce: bool = True) -> Session | None:
+        """Delete a session the one way sessions are deleted (`routes.delete_session`): with `remember`, a client
+        that comes back is told; with `announce`, every window following it is told now."""
+        return await routes.delete_session(self._rt, client_id, remember=remember, announce=announce)
 
     def busy(self, client_id: str) -> bool:
         """Whether a request of the session runs (or waits) on this instance."""

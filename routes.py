@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +82,7 @@ async def cancel_active_task(rt: state.Runtime, client_id: str) -> None:
     instances, those on the others too (they end by themselves; the session's lease orders what comes next)."""
     if rt.signals is not None:
         await rt.signals.send("cancel", client_id)
-    await _cancel_here(rt, client_id)
+    await _cancel_here(rt.active_tasks, client_id)
 
 
 #: Why a stopped request was cancelled (POST /stop): it says `[stopped]` and then ends with its own `done`,
@@ -90,8 +90,8 @@ async def cancel_active_task(rt: state.Runtime, client_id: str) -> None:
 STOPPED = "stopped"
 
 
-async def _cancel_here(rt: state.Runtime, client_id: str, why: str | None = None) -> None:
-    tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done() and t is not asyncio.current_task()]
+async def _cancel_here(requests: state.Requests, client_id: str, why: str | None = None) -> None:
+    tasks = [t for t in requests.get(client_id, ()) if not t.done() and t is not asyncio.current_task()]
     for task in tasks:
         task.cancel(why)
     if tasks:
@@ -111,18 +111,9 @@ async def submit(rt: state.Runtime, request: Request, *, cancel_running: bool = 
     if rt.closing:  # checked after the last await: end_all either refuses this request or sees its task
         raise state.Stopping(STOPPING)
     turn_id = uuid.uuid4().hex[:16]
-    task = asyncio.create_task(
-        process_request(request, rt=rt, turn_id=turn_id), name=f"request:{client_id}:{turn_id}"
-    )
-    group = rt.active_tasks.setdefault(client_id, set())
-    group.add(task)
-
-    def _forget(t: asyncio.Task[None]) -> None:
-        group.discard(t)
-        if not group and rt.active_tasks.get(client_id) is group:
-            del rt.active_tasks[client_id]
-
-    task.add_done_callback(_forget)
+    task = asyncio.create_task(process_request(request, rt=rt, turn_id=turn_id), name=f"request:{client_id}")
+    untrack = _track(rt.active_tasks, client_id, task, turn_id)
+    task.add_done_callback(lambda _: untrack())
     return Submitted(turn_id, task)
 
 
@@ -136,38 +127,56 @@ async def stop(rt: state.Runtime, client_id: str) -> bool:
         await rt.signals.send("stop", client_id)
         stored = await rt.sessions.store.fetch(client_id)
         elsewhere = stored is not None and stored.running is not None
-    return await _stop_here(rt, client_id) or elsewhere
+    return await _stop_here(rt.active_tasks, rt.hub, client_id) or elsewhere
 
 
-async def _stop_here(rt: state.Runtime, client_id: str) -> bool:
-    tasks = [t for t in rt.active_tasks.get(client_id, ()) if not t.done()]
-    await _cancel_here(rt, client_id, STOPPED)
-    for task in tasks:
-        kind, _, turn_id = task.get_name().rpartition(":")
-        with state.running(gate.new_turn(rt, client_id, turn_id=turn_id) if kind.startswith("request:") else None):
-            rt.hub.done(client_id)
-    return bool(tasks)
+async def _stop_here(requests: state.Requests, hub: state.EventHub, client_id: str) -> bool:
+    stopped = [turn_id for task, turn_id in requests.get(client_id, {}).items() if not task.done()]
+    await _cancel_here(requests, client_id, STOPPED)
+    for turn_id in stopped:
+        with _as_turn(client_id, turn_id):
+            hub.done(client_id)
+    return bool(stopped)
 
 
-def running(rt: state.Runtime) -> list[asyncio.Task[None]]:
-    """Every request still running on this instance."""
-    return [t for group in rt.active_tasks.values() for t in group if not t.done()]
+def _as_turn(client_id: str, turn_id: str) -> contextlib.AbstractContextManager[state.Turn | None]:
+    """Publish as request `turn_id` from outside it (its events carry the id; nothing else of a turn is read
+    there, so the least privileged class is as good as its own)."""
+    return state.running(state.Turn(client_id, turn_id, gate.UNKNOWN))
+
+
+def _track(requests: state.Requests, client_id: str, task: asyncio.Task[None], turn_id: str) -> Callable[[], None]:
+    """Put `task` among the client's requests, with its turn id; returns the undo."""
+    group = requests.setdefault(client_id, {})
+    group[task] = turn_id
+
+    def untrack() -> None:
+        group.pop(task, None)
+        if not group and requests.get(client_id) is group:
+            del requests[client_id]
+
+    return untrack
+
+
+def running(requests: state.Requests) -> list[asyncio.Task[None]]:
+    """Every request still running on this instance (of the runtime's `active_tasks`)."""
+    return [t for group in requests.values() for t in group if not t.done()]
 
 
 async def end_all(rt: state.Runtime) -> None:
     """The server stops: cancel every request, each of which tells its clients it was interrupted
     (`error` + `done`, as a killed server's turns do) and keeps its user's message; wait for them."""
     rt.closing = True
-    tasks = running(rt)
+    tasks = running(rt.active_tasks)
     for task in tasks:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
 
-async def signalled(rt: state.Runtime, what: str, client_id: str) -> None:
+async def signalled(requests: state.Requests, hub: state.EventHub, what: str, client_id: str) -> None:
     """Another instance asks this one to cancel (`cancel`) or stop (`stop`) a session's requests."""
-    await (_stop_here(rt, client_id) if what == "stop" else _cancel_here(rt, client_id))
+    await (_stop_here(requests, hub, client_id) if what == "stop" else _cancel_here(requests, client_id))
 
 
 def ends_turn(ev: state.Event) -> bool:
@@ -175,17 +184,30 @@ def ends_turn(ev: state.Event) -> bool:
     return ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
 
 
-async def delete_session(rt: state.Runtime, client_id: str, remember: bool = True) -> state.Session:
-    """Cancel a session's requests and forget it: stored record, event channel, rate-limit windows,
-    grants; with `remember`, a client that comes back is told (see SessionManager.delete)."""
+async def delete_session(rt: state.Runtime, client_id: str, *, remember: bool = True,
+                         announce: bool = True) -> state.Session | None:
+    """The one way a session is deleted, whoever asks: the shell's, API's and MCP server's delete,
+    `!session <id> delete` (another session now, its own once it has answered: `Turn.ends_session`) and the
+    proxy's throwaway task sessions. Its requests are cancelled, then the session manager forgets it, whose
+    `forgotten` hooks drop the rest (event channel, rate-limit windows, grants, the proxy's conversation
+    index), as they do for an expired or evicted session.
+
+    With `remember`, a client that comes back is told (see SessionManager.delete); with `announce`, every
+    window still following the id is told now (a throwaway session has none). A session already gone:
+    only its event channel is dropped, and None returned.
+    """
     await cancel_active_task(rt, client_id)
+    if rt.sessions.get(client_id) is None:
+        rt.hub.drop(client_id)
+        return None
     session = await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
-    # Every window still following the id is told now, not only with its next message: the event opens the
-    # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).
-    with state.running(None):
-        rt.hub.publish(client_id, "status", {"text": f"[session] this session ({session.shorthand}) was deleted; "
-                                                     "the next message here starts a new, empty one",
-                                             "session_deleted": True})
+    if announce:
+        # Every window still following the id is told now, not only with its next message: the event opens the
+        # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).
+        with state.running(None):
+            rt.hub.publish(client_id, "status", {"text": f"[session] this session ({session.shorthand}) was deleted; "
+                                                         "the next message here starts a new, empty one",
+                                                 "session_deleted": True})
     return session
 
 
@@ -275,7 +297,10 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
     wanted = request.default_model
     model = wanted if wanted is not None and wanted in rt.config.models else rt.config.default_model
     turn = request.turn(turn_id)
-    untrack = _track(rt, client_id)
+    task = asyncio.current_task()
+    # A plugin may call this directly: then the request tracks itself (a submitted one is tracked already).
+    untrack = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
+        else _track(rt.active_tasks, client_id, task, turn.id)
     cancelled = started = done = False
 
     def end_turn() -> None:  # while the session is still held: see SessionManager.hold
@@ -307,7 +332,7 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
             if exc.args == (state.LEASE_LOST,):  # another instance ended this turn already, and said so
                 raise
             if rt.closing:  # the server stops: as if it had been killed, but said at once
-                interrupted(rt, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
+                interrupted(rt.hub, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
                 raise
             if exc.args == (STOPPED,):  # stopped, not replaced: `stop` sends this turn's `done` right after
                 rt.hub.publish(client_id, "status", {"text": "[stopped]", "stopped": True})
@@ -341,75 +366,71 @@ STOPPING = ("this server is stopping and starts no more turns; send the message 
 NOT_STARTED = "the server stopped before this message's turn began (the session was busy); send it again."
 
 
-def interrupted(rt: state.Runtime, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
+def interrupted(hub: state.EventHub, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
     """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
-    with state.running(gate.new_turn(rt, client_id, turn_id=turn_id)):
-        rt.hub.error(client_id, message, "interrupted")
-        rt.hub.done(client_id)
-
-
-def _track(rt: state.Runtime, client_id: str) -> Any:
-    """Put the running task among the client's requests unless `submit` did; returns the undo."""
-    task = asyncio.current_task()
-    if task is None or task in rt.active_tasks.get(client_id, ()):
-        return lambda: None
-    group = rt.active_tasks.setdefault(client_id, set())
-    group.add(task)
-
-    def untrack() -> None:
-        group.discard(task)
-        if not group and rt.active_tasks.get(client_id) is group:
-            del rt.active_tasks[client_id]
-
-    return untrack
+    with _as_turn(client_id, turn_id):
+        hub.error(client_id, message, "interrupted")
+        hub.done(client_id)
 
 
 async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+    """Answer the request: its `!command` lines, and its other text with an LLM turn. The one step past
+    `process_request` that keeps the runtime, which the agent loop (agents.dispatch_llm) takes."""
+
+    async def command(line: str) -> None:
+        out = await run_command(rt.commands, turn, line)
+        rt.hub.tok(turn.client_id, out if turn.may_administer else gate.without_locations(rt, out))
+
+    async def llm(words: str) -> None:
+        asked = _at_model(rt.config.models, turn, words)
+        if isinstance(asked, str):
+            rt.hub.tok(turn.client_id, asked)
+        else:
+            await agents.dispatch_llm(rt, *asked)
+
     stripped = text.strip()
     lines = text.split("\n")
     command_lines = [line.strip() for line in lines if line.lstrip().startswith("!")]
     if len(command_lines) > 1:
         # A batch: every `!` line runs in order, the remaining lines (if any) go to the model.
         for line in command_lines:
-            await run_command(rt, turn, line)
+            await command(line)
             rt.hub.tok(turn.client_id, "\n")
         rest = "\n".join(line for line in lines if not line.lstrip().startswith("!")).strip()
         if rest:
-            await _llm_turn(rt, turn, rest)
+            await llm(rest)
         return
     if stripped.startswith("!"):
-        await run_command(rt, turn, stripped)
+        await command(stripped)
         return
     if not stripped:
         rt.hub.error(turn.client_id, "empty message: type a question or !help")
         return
-    await _llm_turn(rt, turn, stripped)
+    await llm(stripped)
 
 
-async def _llm_turn(rt: state.Runtime, turn: state.Turn, text: str) -> None:
-    """An LLM turn on the turn's model (default: the session's), or on a leading `@model` for this
-    turn only: then, from the interactive shell, its tool calls also skip the human gate."""
+def _at_model(models: Collection[str], turn: state.Turn, text: str) -> tuple[state.Turn, str] | str:
+    """The turn and text of an LLM turn on the turn's model (default: the session's), or on a leading
+    `@model` for this turn only: then, from the interactive shell, its tool calls also skip the human
+    gate. An unknown `@model`: what the client is told instead."""
     if not text.startswith("@"):
-        await agents.dispatch_llm(rt, turn, text)
-        return
+        return turn, text
     first, _, rest = text.partition(" ")
     key = first[1:]
-    if key not in rt.config.models:
+    if key not in models:
         # Paragraphs, not lines: chat apps and shell.py render an answer as Markdown, which joins single lines.
-        rt.hub.tok(turn.client_id, f"ERROR: Unknown model '@{key}'.\n\nAvailable models: {', '.join(rt.config.models)}"
-                                   f"\n\nFor example: @{next(iter(rt.config.models))} {rest.strip() or 'hello'}")
-        return
-    await agents.dispatch_llm(rt, dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip())
+        return (f"ERROR: Unknown model '@{key}'.\n\nAvailable models: {', '.join(models)}"
+                f"\n\nFor example: @{next(iter(models))} {rest.strip() or 'hello'}")
+    return dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip()
 
 
-async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
-    """Run one `!command` line and send its output; unknown commands never reach the model."""
+async def run_command(commands: Mapping[str, state.Command], turn: state.Turn, line: str) -> str:
+    """Run one `!command` line of `turn`: the text its client is shown (unknown commands never reach the model)."""
     name, _, args = line.lstrip("!").partition(" ")
     name = name.strip().lower()
-    command = rt.commands.get(name)
+    command = commands.get(name)
     if command is None:
-        rt.hub.tok(turn.client_id, f"Unknown command: !{name}\nUse !help to see available commands.\n")
-        return
+        return f"Unknown command: !{name}\nUse !help to see available commands.\n"
     try:
         out = await command.handler(turn, args.strip())
     except asyncio.CancelledError:
@@ -417,5 +438,4 @@ async def run_command(rt: state.Runtime, turn: state.Turn, line: str) -> None:
     except Exception as exc:
         logger.exception("command !%s failed", name)
         out = f"ERROR: !{name} failed: {type(exc).__name__}: {exc}"
-    text = str(out) if out is not None else ""
-    rt.hub.tok(turn.client_id, text if turn.may_administer else gate.without_locations(rt, text))
+    return str(out) if out is not None else ""

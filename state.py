@@ -816,6 +816,11 @@ def usage_of(handler: Callable[..., Any]) -> str:
 # ── Runtime ─────────────────────────────────────────────────────────────────────────────────
 
 
+#: client id → its requests running or waiting for the session: each task with its turn id, carried as data
+#: (a stopped request's `done` carries its id).
+Requests = dict[str, dict[asyncio.Task[None], str]]
+
+
 @dataclass
 class Runtime:
     """Everything one server instance owns. Built once, passed to every module that needs it."""
@@ -830,9 +835,9 @@ class Runtime:
     commands: dict[str, Command] = field(default_factory=dict)
     #: model key → LangChain chat model, built once and reused.
     llms: dict[str, Any] = field(default_factory=dict)
-    #: client id → its requests that are running or waiting for the session.
-    active_tasks: dict[str, set[asyncio.Task[None]]] = field(default_factory=dict)
-    #: Checks run by agents.execute_tool, in order, on validated arguments before the executor
+    #: client id → its requests that are running or waiting for the session (routes.py keeps it).
+    active_tasks: Requests = field(default_factory=dict)
+    #: Checks run by tool_calls.execute_tool, in order, on validated arguments before the executor
     #: (rate limit, then gate); see gate.ToolCheck.
     tool_checks: list[ToolCheck] = field(default_factory=list)
     started: float = field(default_factory=time.time)

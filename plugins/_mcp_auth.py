@@ -19,9 +19,10 @@ from mcp.server.context import ServerRequestContext
 from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from config import SecretFileError, field_problems, read_secret_file
+from config import field_problems
 from plugin_api import PluginConfigError
 from plugins import _http
+from secret_files import SecretFileError, read_secret_file
 
 #: Client ids of the sessions MCP clients create start with this (the plugin's client-id namespace).
 PREFIX = "mcp-"

@@ -351,11 +351,8 @@ class LlamaProxyPlugin(BasePlugin):
                 yield ev
         finally:
             await events.aclose()
-            await self.ctx.cancel(client_id)  # a request cut short: wait for its cleanup
-            if self.ctx.sessions.get(client_id) is not None:
-                await self.ctx.sessions.delete(client_id, remember=False)  # which also drops its event channel
-            else:
-                self.ctx.hub.drop(client_id)
+            # A request cut short is cancelled and cleaned up first; nobody else follows the id: no notice.
+            await self.ctx.delete_session(client_id, remember=False, announce=False)
 
     async def _answer(self, request: Request, fmt: Ollama | OpenAI, transcript: list[Turn], key: str | None,
                       stream: bool) -> Response:

@@ -20,15 +20,16 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("config", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt", "registry", "state",
-        "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_checks", "api_client", "llm_errors",
-        "models", "tool_calls", "agents", "tools", "db_roles", "database", "routes", "commands", "plugin_api",
-        "plugin_loader", "build")
+CORE = ("config", "secret_files", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt",
+        "registry", "state", "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_checks", "api_client",
+        "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
+        "commands", "plugin_api", "plugin_loader", "build")
 #: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
-#: formats that hold no runtime (decision words, approver records, settings files, failure texts, listener
-#: settings, the database library). Everything else of the server a plugin reaches through its PluginContext.
+#: formats that hold no runtime (decision words, approver records, settings and secret files, failure texts,
+#: listener settings, the database library). Everything else of the server a plugin reaches through its
+#: PluginContext.
 PLUGIN_SURFACE = ("plugin_api",)
-LIBRARIES = ("config", "failures", "guard", "grants", "approvals", "database")
+LIBRARIES = ("config", "secret_files", "failures", "guard", "grants", "approvals", "database")
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:

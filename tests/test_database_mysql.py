@@ -22,15 +22,8 @@ import pymysql
 import pytest
 
 from config import ConfigError
-from database import (
-    Database,
-    DatabaseSettings,
-    StatementResult,
-    format_result,
-    format_table,
-    query_text,
-    split_statements,
-)
+from database import Database, DatabaseSettings, query_text, split_statements
+from db_results import StatementResult, format_result, format_table
 from shell_client import ShellClient
 from sql import classify_sql
 from tests import needs

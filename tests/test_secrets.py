@@ -23,6 +23,7 @@ import pytest
 
 import config
 import guard
+import secret_files
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.slack import APP_TOKEN, BOT_TOKEN
@@ -227,11 +228,11 @@ def test_a_secret_file_others_may_read_is_refused_with_the_path_and_the_fix(tmp_
     path = tmp_path / "api-key"
     path.write_text("s3cret-value\n")
     path.chmod(mode)
-    with pytest.raises(config.SecretFileError) as caught:
-        config.read_secret_file(path, "the API key")
+    with pytest.raises(secret_files.SecretFileError) as caught:
+        secret_files.read_secret_file(path, "the API key")
     assert str(path) in str(caught.value) and f"chmod 600 {path}" in str(caught.value)
     path.chmod(0o600)
-    assert config.read_secret_file(path) == b"s3cret-value\n"
+    assert secret_files.read_secret_file(path) == b"s3cret-value\n"
 
 
 def test_a_world_readable_mcp_token_file_stops_the_mcp_plugin(tmp_path: Path) -> None:
@@ -250,11 +251,11 @@ def test_a_world_readable_mcp_token_file_stops_the_mcp_plugin(tmp_path: Path) ->
 def test_created_secret_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
     old = os.umask(0)
     try:
-        data, created = config.ensure_secret_file(tmp_path / "d" / "key", lambda: b"k")
+        data, created = secret_files.ensure_secret_file(tmp_path / "d" / "key", lambda: b"k")
     finally:
         os.umask(old)
     assert created and data == b"k" and stat.S_IMODE((tmp_path / "d" / "key").stat().st_mode) == 0o600
-    assert config.ensure_secret_file(tmp_path / "d" / "key", lambda: b"other") == (b"k", False)
+    assert secret_files.ensure_secret_file(tmp_path / "d" / "key", lambda: b"other") == (b"k", False)
 
 
 def test_every_data_file_is_0600_in_an_open_data_dir_whatever_the_umask(tmp_path: Path, fake_openai) -> None:
