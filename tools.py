@@ -186,7 +186,7 @@ async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, messa
 
 def _this_turn(rt: state.Runtime) -> state.Turn:
     """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or gate.new_turn(rt, "")
+    return state.current_turn() or state.Turn("", uuid.uuid4().hex[:16], gate.UNKNOWN)
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import build
 import gate
 import grants
+import routes
 import state
 import stores
 import tool_calls
@@ -78,7 +79,8 @@ async def run(args: argparse.Namespace) -> None:
                                                  [f"table_{n}"], "write"))
             store.add(grants.new_grant("s", grants.Decision("allow_session", "bench"), "db_query", "db",
                                              ["users"], "write"))
-            calls = {"baseline": (base, gate.new_turn(base, "s")), "grant": (granted, gate.new_turn(granted, "s"))}
+            calls = {"baseline": (base, routes.Request("s", gate.UNKNOWN).turn()),
+                     "grant": (granted, routes.Request("s", gate.UNKNOWN).turn())}
             for rt, turn in calls.values():
                 turn.session = rt.sessions.get("s")
             times: dict[str, list[float]] = {name: [] for name in calls}

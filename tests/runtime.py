@@ -56,7 +56,7 @@ def ask(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | 
 
 def request_turn(rt: state.Runtime, client_id: str) -> state.Turn:
     """The turn a request of `client_id` runs as (a bare id: a vouched shell.py request), with its session."""
-    turn = gate.new_turn(rt, client_id, shell_payload(rt, client_id, None))
+    turn = ask(rt, client_id, "", shell_payload(rt, client_id, None)).turn()
     turn.session = rt.sessions.get(client_id)
     return turn
 
@@ -72,7 +72,7 @@ async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, 
     """One tool call through tool_calls.execute_tool, as the request `as_request` set up for `client_id`, else
     as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
     current = state.current_turn()
-    turn = current if current is not None and current.client_id == client_id else gate.new_turn(rt, client_id)
+    turn = current if current is not None and current.client_id == client_id else ask(rt, client_id, "").turn()
     turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
     return (await tool_calls.execute_tool(rt, turn, name, args)).text
 

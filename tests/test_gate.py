@@ -38,8 +38,8 @@ async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path,
         classes = {kind: gate.client_class(cid, rt) for kind, cid in CLIENTS.items()}
         # A bare id belongs to no plugin: only the shell endpoint's vouching makes a request the shell's.
         assert classes == {**{k: k for k in CLIENTS}, "shell": gate.UNKNOWN}
-        assert gate.request_class(rt, CLIENTS["shell"], {"interactive": True}) == gate.SHELL
-        assert gate.request_class(rt, "api-x", {"interactive": True}) == gate.SHELL  # the shell acts anywhere
+        assert ask(rt, CLIENTS["shell"], "", {"interactive": True}).turn().kind == gate.SHELL
+        assert ask(rt, "api-x", "", {"interactive": True}).turn().kind == gate.SHELL  # the shell acts anywhere
         rt.client_namespaces.clear()  # no plugin loaded: nobody vouches for any id
         assert {gate.client_class(cid, rt) for cid in CLIENTS.values()} == {gate.UNKNOWN}
 
