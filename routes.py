@@ -65,8 +65,10 @@ class Request:
 
     def turn(self, turn_id: str | None = None) -> state.Turn:
         """The request's turn: its class and privileges as stated here, never from the client id."""
-        return state.Turn(self.client_id, turn_id or uuid.uuid4().hex[:16], self.kind, admin=self.admin,
-                          interactive=self.interactive, model=self.model or None, identity=self.identity or None)
+        # Only the boolean True a plugin sets vouches for anything (fail closed on a stray truthy value).
+        return state.Turn(self.client_id, turn_id or uuid.uuid4().hex[:16], self.kind, admin=self.admin is True,
+                          interactive=self.interactive is True, model=self.model or None,
+                          identity=self.identity or None)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 CORE = ("config", "secret_files", "sql", "guard", "failures", "metrics", "tracing", "text_calls", "prompt",
         "registry", "state", "stores", "shared", "grants", "approvals", "budget", "gate", "plugin_checks", "api_client",
         "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
-        "commands", "plugin_api", "plugin_loader", "build")
+        "plugin_api", "plugin_loader", "commands", "build")
 #: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
 #: formats that hold no runtime (decision words, approver records, settings and secret files, failure texts,
 #: listener settings, the database library). Everything else of the server a plugin reaches through its

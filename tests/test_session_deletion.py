@@ -101,7 +101,11 @@ def test_only_routes_delete_session_calls_the_session_managers_delete() -> None:
             if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) and _calls_sessions_delete(function):
                 callers.setdefault(path.name, set()).add(function.name)
     assert callers == {"routes.py": {"delete_session"}}
-    # The MCP server's delete tool (not driven above: it needs an MCP connection) is one of its callers.
-    mcp = ast.parse((ROOT / "plugins/plugin_client_mcp.py").read_text())
+    # The MCP server's delete tool (not driven above: it needs an MCP connection) is one of its callers, through
+    # the plugin's context.
+    mcp = ast.parse((ROOT / "plugins/_mcp_tools.py").read_text())
     tool = next(f for f in ast.walk(mcp) if isinstance(f, ast.AsyncFunctionDef) and f.name == "delete_session")
-    assert "routes.delete_session(" in ast.unparse(tool)
+    assert "ctx.delete_session(" in ast.unparse(tool)
+    door = ast.parse((ROOT / "plugin_api.py").read_text())
+    method = next(f for f in ast.walk(door) if isinstance(f, ast.AsyncFunctionDef) and f.name == "delete_session")
+    assert "routes.delete_session(" in ast.unparse(method)
