@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import agentctl_remote
+import audit_log
 import grants
 from agentctl_base import CommandBase
 from agentctl_files import FileProblem, InputError
@@ -61,7 +62,7 @@ class AuditCommands(CommandBase):
         parser.add_argument("--session")
         opts = parser.parse_args(args)
         since = _since(opts.since) if opts.since else None
-        records = list(grants.read_audit(self._audit_file(), since, opts.session)) \
+        records = list(audit_log.read_audit(self._audit_file(), since, opts.session)) \
             if self._audit_file().exists() else []
         if self.term.json_output:
             self.term.json({"records": records})
@@ -70,7 +71,7 @@ class AuditCommands(CommandBase):
         for r in records:
             what = " ".join(filter(None, [r["tool"], r["op"], ",".join(r["tables"]), r["grant_id"]]))
             table.add_row(str(r["seq"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["event"],
-                          *(escape(v) for v in (r["session"] or "", r["actor"] or "", what, grants.shown(r))))
+                          *(escape(v) for v in (r["session"] or "", r["actor"] or "", what, audit_log.shown(r))))
         self.term.table(table)
 
     def cmd_audit_verify(self, args: list[str]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+import gate_policy
 from agentctl_base import CommandBase, as_bool
 from agentctl_files import ALL_GATED, InputError
 from config import GATE_DEFAULTS_FILE, GateDefaults
@@ -61,14 +62,18 @@ class GateCommands(CommandBase):
                                                             self.cmd_gate_set, 2)
         if section == "tools":
             self._check_tools([key], force)
-        operations = ("read", "write", "ddl") if section == "db" else ("read", "write")
-        if operation not in operations:
-            hint = " (ddl is for database tables: gate-set db <table> ddl …)" if operation == "ddl" else ""
-            raise InputError(f"invalid operation '{operation}': {', '.join(operations)}{hint}")
-        value = as_bool(text)
-        raw = self.files.raw(GATE_DEFAULTS_FILE)
-        blank = dict.fromkeys(operations, False)
-        raw.setdefault(section, {}).setdefault(key, blank)[operation] = value
+        try:  # checked and applied as the server's gate keeper does (gate_policy)
+            if operation == gate_policy.BOTH:
+                raise gate_policy.PolicyError(f"invalid operation '{operation}': name read, write or ddl")
+            change = gate_policy.PolicyChange.parse(section, key, operation, as_bool(text), "agentctl")
+        except gate_policy.PolicyError as exc:
+            hint = " (gate-set db <table> ddl …)" if operation == "ddl" else ""
+            raise InputError(f"{exc}{hint}") from None
+        entry = gate_policy.apply(self.files.parsed(GATE_DEFAULTS_FILE), change)
+        raw = self.files.raw(GATE_DEFAULTS_FILE)  # edited in place: the file keeps its layout
+        raw.setdefault(section, {}).setdefault(key, entry.model_dump()).update(
+            {op: getattr(entry, op) for op in change.ops})
+        value = change.allowed
         self.files.save(GATE_DEFAULTS_FILE, raw)
         what = f"{section} {key}" if section == "db" else f"tool {key}"
         self.term.done(f"{what}: {operation} {'auto-allowed' if value else 'gated'}")

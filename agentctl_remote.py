@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+import audit_log
 import grants
 from agentctl_files import FileProblem, InputError
 from config import GATE_DEFAULTS_FILE, MODELS_FILE, AppConfig
@@ -148,7 +149,7 @@ def revoke(cfg: AppConfig, which: str) -> tuple[list[str], str]:
     path = cfg.data_dir() / grants.AUDIT_FILE
     if not path.exists():
         return [], ""
-    ended = grants.revoke_offline(path, which, actor="agentctl", key_file=_key_file(cfg))
+    ended = audit_log.revoke_offline(path, which, actor="agentctl", key_file=_key_file(cfg))
     return [g.id for g in ended], "Revoked in the audit log (the server is stopped), audited as agentctl."
 
 
@@ -158,13 +159,13 @@ def active_grants(cfg: AppConfig) -> list[grants.Grant]:
     if server is not None:
         return [grants.Grant(**{**g, "keys": tuple(g["keys"])}) for g in server.admin("grants")["grants"]]
     path = cfg.data_dir() / grants.AUDIT_FILE
-    return grants.read_grants(path, key_file=_key_file(cfg)) if path.exists() else []
+    return audit_log.read_grants(path, key_file=_key_file(cfg)) if path.exists() else []
 
 
 def verify(cfg: AppConfig) -> grants.audit_chain.Verified:
     """Verify the audit log against its key, its head file and, with sessions on Redis, the head there."""
     path = cfg.data_dir() / grants.AUDIT_FILE
-    return grants.verify_file(path, _key_file(cfg), _redis_head(cfg, path))
+    return audit_log.verify_file(path, _key_file(cfg), _redis_head(cfg, path))
 
 
 def _redis_head(cfg: AppConfig, path: Path) -> str | None:

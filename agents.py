@@ -23,7 +23,7 @@ from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 import budget
-import gate
+import client_classes
 import state
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
@@ -458,9 +458,9 @@ async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
         del session.history[mark:]
         message = describe_llm_error(exc, key, cfg)
         logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
-        if not gate.may_administer(turn):
+        if not client_classes.may_administer(turn):
             # Proxy, Slack and API users learn what failed, not where the backends live.
-            message = gate.without_locations(rt, message)
+            message = client_classes.without_locations(rt.config, message)
         rt.hub.error(session.client_id, message, llm_error_kind(exc))
     else:
         session.history[:] = trim_history(session.history, rt.config.models[key].max_context)

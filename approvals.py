@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import audit_log
+import decisions
 import grants
 import shared
 import state
@@ -46,7 +48,7 @@ ANY_WINDOW, ADMIN = "*", "admin"
 
 #: What an answer attempt came to (AnswerResult.outcome).
 ANSWERED, NOT_APPROVER, DECIDED, UNKNOWN = "answered", "not_approver", "decided", "unknown"
-#: Closing words besides the decision words of grants.DECISIONS: nobody answered in time; the turn ended first.
+#: Closing words besides the decision words of decisions.DECISIONS: nobody answered in time; the turn ended first.
 TIMEOUT, ABANDONED = "timeout", "abandoned"
 
 #: How long `!approver on` lasts without being renewed (the shell renews it when it reconnects).
@@ -200,7 +202,7 @@ class RoutedGate:
     #: The SQL shape (values replaced by ?) of a db gate, else the trimmed arguments as JSON.
     summary: str
     args: dict[str, Any]
-    #: Decision words this gate accepts besides allow and reject (grants.GRANT_SCOPES it offers).
+    #: Decision words this gate accepts besides allow and reject (decisions.GRANT_SCOPES it offers).
     scopes: list[str]
     raised_at: float
     deadline: float
@@ -226,7 +228,7 @@ class RoutedGate:
 
 @dataclass
 class Closing:
-    """How a routed gate ended (the feed's `approval_closed` event): `decision` is a grants.DECISIONS word,
+    """How a routed gate ended (the feed's `approval_closed` event): `decision` is a decisions.DECISIONS word,
     TIMEOUT or ABANDONED; `by` the approver (`kind:id`) and `channel` what they answered through."""
 
     gate_id: str
@@ -291,8 +293,8 @@ class FeedEvent:
 
 
 def audit_detail(gate: RoutedGate, closing: Closing) -> str:
-    """The audit record's `detail` of a routed gate's decision (grants.routed_detail)."""
-    return grants.routed_detail(gate.approvers, gate.client_class, closing.by, closing.channel, closing.waited)
+    """The audit record's `detail` of a routed gate's decision (audit_log.routed_detail)."""
+    return audit_log.routed_detail(gate.approvers, gate.client_class, closing.by, closing.channel, closing.waited)
 
 
 # ── The desk ────────────────────────────────────────────────────────────────────────────────
@@ -437,16 +439,16 @@ async def opening(desk: ApprovalDesk, hub: state.EventHub, gate: RoutedGate, gat
 def answered(gate: RoutedGate, word: str, by: str, channel: str, minutes: int | None = None) -> Closing:
     """The closing an approver's answer would make."""
     now = time.time()
-    return Closing(gate.gate_id, word, by, channel, now, minutes if word == grants.TIMED else None,
+    return Closing(gate.gate_id, word, by, channel, now, minutes if word == decisions.TIMED else None,
                    max(0.0, now - gate.raised_at), gate.session)
 
 
 async def timed_out(desk: ApprovalDesk, gate: RoutedGate) -> grants.Decision | None:
     """Claim the timeout; when an answer was claimed first (on any instance), that answer as a decision."""
     won, first = await desk.claim(answered(gate, TIMEOUT, "", ""))
-    if won or first is None or first.decision not in grants.DECISIONS:
+    if won or first is None or first.decision not in decisions.DECISIONS:
         return None
-    return grants.Decision(first.decision, first.by, first.minutes or grants.DEFAULT_MINUTES)
+    return grants.Decision(first.decision, first.by, first.minutes or decisions.DEFAULT_MINUTES)
 
 
 async def closing(desk: ApprovalDesk, gate: RoutedGate) -> Closing:

@@ -23,7 +23,7 @@ import json
 import secrets
 import sqlite3
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,87 @@ AUDIT_FIELDS = ("seq", "ts", "event", "session", "actor", "tool", "op", "tables"
 #: The event recorded when a session's grants end with it (deleted, expired, evicted).
 GRANTS_DROPPED = "grants_dropped"
 META_TABLE = "CREATE TABLE IF NOT EXISTS audit_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One entry of the audit log before it is chained (`grants.GrantStore.audit` adds its seq, time and
+    MAC): the event, who caused it, what it was about. Made only by the constructor of its kind."""
+
+    event: str
+    actor: str = ""
+    session: str = ""
+    tool: str = ""
+    op: str = ""
+    tables: tuple[str, ...] = ()
+    #: The call's arguments: the log keeps only their digest.
+    args: Any = None
+    outcome: str = ""
+    grant_id: str = ""
+    detail: str = ""
+
+    # ── a gated call, then what became of it ──
+
+    @classmethod
+    def call(cls, session: str, tool: str, op: str, tables: Iterable[str] = (), args: Any = None) -> AuditRecord:
+        """The gated call that `decision`, `grant` and `grant_used` records are about (no event yet)."""
+        return cls("", session=session, tool=tool, op=op, tables=tuple(tables), args=args)
+
+    def with_detail(self, detail: str) -> AuditRecord:
+        """The same call with `detail` (a routed gate's: who was asked, who answered, how long it waited)."""
+        return replace(self, detail=detail)
+
+    def decision(self, actor: str, outcome: str) -> AuditRecord:
+        """The call was allowed once, rejected, timed out or could not be asked."""
+        return replace(self, event="decision", actor=actor, outcome=outcome)
+
+    def grant(self, actor: str, outcome: str, grant_id: str) -> AuditRecord:
+        """An answer to the call created a grant (its record comes first: the grant is bound to it)."""
+        return replace(self, event="grant", actor=actor, outcome=outcome, grant_id=grant_id)
+
+    def grant_used(self, actor: str, grant_id: str) -> AuditRecord:
+        """An active grant allowed the call without asking."""
+        return replace(self, event="grant_used", actor=actor, outcome="allowed", grant_id=grant_id)
+
+    # ── other events ──
+
+    @classmethod
+    def approval_refused(cls, session: str, actor: str, tool: str, op: str, tables: Iterable[str],
+                         detail: str) -> AuditRecord:
+        """Someone who is not an approver of a routed gate tried to answer it."""
+        return cls("approval_refused", actor, session, tool, op, tuple(tables),
+                   outcome="not an approver of this gate", detail=detail)
+
+    @classmethod
+    def revoke(cls, session: str, actor: str, tool: str, op: str, tables: Iterable[str], grant_id: str,
+               detail: str = "") -> AuditRecord:
+        return cls("revoke", actor, session, tool, op, tuple(tables), outcome="revoked", grant_id=grant_id,
+                   detail=detail)
+
+    @classmethod
+    def grants_dropped(cls, session: str) -> AuditRecord:
+        """A session's grants ended with it (deleted, expired, evicted)."""
+        return cls(GRANTS_DROPPED, session=session, outcome="the session ended")
+
+    @classmethod
+    def migrated(cls, unkeyed: int) -> AuditRecord:
+        """A log written before the key was taken over (see the module docstring)."""
+        return cls("audit_migrated", actor="agent-mcp", outcome="keyed",
+                   detail=f"records 1-{unkeyed} were written before the audit key (plain SHA-256 chain, intact "
+                          "when taken over); from here on every record carries a keyed MAC")
+
+    @classmethod
+    def policy(cls, actor: str, section: str, keys: Iterable[str], ops: Iterable[str], outcome: str,
+               session: str = "") -> AuditRecord:
+        """A change of the gates: of one session (`session`, by a gate command) or of the defaults."""
+        keys = list(keys)
+        return cls("policy", actor, session, "" if section == "db" else ",".join(keys), "+".join(ops),
+                   tuple(keys) if section == "db" else (), outcome=outcome)
+
+    @classmethod
+    def config(cls, actor: str, file: str, outcome: str, detail: str = "") -> AuditRecord:
+        """A config file the running server saved for an operator."""
+        return cls("config", actor, tool=file, outcome=outcome, detail=detail)
 
 
 class AuditError(Exception):

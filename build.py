@@ -11,11 +11,14 @@ from collections.abc import Mapping
 import agents
 import approvals
 import audit_chain
+import client_classes
 import commands
 import gate
+import gate_commands
 import grants
 import metrics
 import models
+import rate_limits
 import routes
 import shared
 import state
@@ -46,7 +49,8 @@ def event_buffer(env: Mapping[str, str]) -> int:
 async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> state.Runtime:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
-    rules = approvals.ApprovalRules(config.enabled.approvals, gate.CLASSES, [gate.SHELL])  # before anything opens
+    # Before anything opens:
+    rules = approvals.ApprovalRules(config.enabled.approvals, client_classes.CLASSES, [client_classes.SHELL])
     sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                                     session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
@@ -63,7 +67,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     )
     for tool in make_core_tools(rt):
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
-    rt.gate = gate.GateKeeper.from_env(config.gates, config.env)
+    rt.gate = gate.GateKeeper.from_env(config.gates, rt.hub, config.env, config.config_dir)
     rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
                                        key_file=audit_chain.key_path(config.data_dir(), config.env))
     try:
@@ -71,17 +75,19 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     except BaseException:
         await sessions.close()
         raise
-    rt.rate_limiter = gate.RateLimiter(config.enabled.rate_limits)
+    rt.rate_limiter = rate_limits.RateLimiter(config.enabled.rate_limits, rt.hub)
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
         rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
+    rt.gate.metrics, rt.gate.tracing = rt.metrics, rt.tracing
     if link is not None:
         link.metrics = rt.metrics
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
             shared.SharedValues(link)
         rt.gate.grants.link = link
-        rt.signals = shared.Signals(link)
+        rt.signals = rt.gate.signals = shared.Signals(link)
+        rt.signals.on(gate.POLICY_SIGNAL, rt.gate.policy_changed_elsewhere)
         for what in ("cancel", "stop"):
             rt.signals.on(what, functools.partial(routes.signalled, rt.active_tasks, rt.hub, what))
         rt.signals.start()
@@ -91,12 +97,12 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.interrupted = functools.partial(routes.interrupted, rt.hub)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
-    rt.tool_checks += [gate.check_rate_limit, gate.check_human_gate]  # rate limit first, then the human
+    rt.tool_checks += [rt.rate_limiter.check, rt.gate.check]  # rate limit first, then the human
     rt.plugins = PluginLoader(rt)
     ctx = command_context(rt)
     for name, handler in commands.COMMANDS.items():
         rt.commands[name] = state.Command(functools.partial(handler, ctx), usage=state.usage_of(handler))
-    for name, handler in gate.COMMANDS.items():
+    for name, handler in gate_commands.COMMANDS.items():
         rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
     return rt
 
@@ -154,20 +160,20 @@ def observability(rt: state.Runtime) -> tuple[metrics.Metrics, tracing.Tracing]:
 
 def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
                    ) -> state.SessionPolicy:
-    """The session bounds of plugins-enabled.json `sessions`, per client class (`gate.session_class`,
+    """The session bounds of plugins-enabled.json `sessions`, per client class (`client_classes.session_class`,
     with the client-id `namespaces` the runtime's plugins declare)."""
-    unknown = sorted(set(bounds.classes) - set(gate.CLIENT_LABELS))
+    unknown = sorted(set(bounds.classes) - set(client_classes.CLIENT_LABELS))
     if unknown:
         logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
-                       "session; the classes are %s", ", ".join(unknown), ", ".join(gate.CLIENT_LABELS))
+                       "session; the classes are %s", ", ".join(unknown), ", ".join(client_classes.CLIENT_LABELS))
 
     def limits(kind: str) -> state.SessionLimits:
-        limit = bounds.limit(kind, interactive=kind == gate.SHELL)
+        limit = bounds.limit(kind, interactive=kind == client_classes.SHELL)
         idle = None if limit.idle_days is None else limit.idle_days * 86400
         return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
 
     def classify(session: state.Session) -> str:
-        return gate.session_class(namespaces or {}, session)
+        return client_classes.session_class(namespaces or {}, session)
 
     return state.SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
                                max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)

@@ -11,10 +11,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import client_classes
 import gate
 import state
 from config import AppConfig, ConfigError, save_model_fields
-from gate import parse_bool
+from decisions import DEFAULT_MINUTES
+from gate_commands import parse_bool
 from plugin_loader import PluginLoader
 from prompt import PromptError, PromptTree
 from registry import ToolRegistry
@@ -67,7 +69,7 @@ async def cmd_help(ctx: Context, turn: state.Turn, args: str) -> str:
         "(in the shell, that turn's tool calls run without gates).",
         "In shell.py also: !session <ID> attach, !gate_preview_length [n], !exit",
         "",
-        "Gates: risky tool calls wait for a human. In the shell: a allow once, t allow for 15 min,",
+        f"Gates: risky tool calls wait for a human. In the shell: a allow once, t allow for {DEFAULT_MINUTES} min,",
         "s allow for this session, p allow calls of this shape, r reject. No answer within",
         f"{ctx.gate.timeout:g} s rejects; API clients have {ctx.gate.api_timeout:g} s; the chat proxy, Slack and swarm",
         "calls are rejected. Types: db (per table: read/write/ddl; ddl = CREATE/DROP/ALTER/RENAME/TRUNCATE,",
@@ -122,7 +124,7 @@ async def cmd_session(ctx: Context, turn: state.Turn, args: str) -> str:
     """
     session = turn.session
     parts = args.split()
-    everyone = gate.may_administer(turn)
+    everyone = client_classes.may_administer(turn)
     await ctx.sessions.refresh()  # with several instances: theirs too, as they are now
     if not parts:
         rows = [
@@ -223,8 +225,8 @@ async def _change_models(
     value = parse(parts[-1]) if len(parts) in (1, 2) else None
     if value is None:
         return f"ERROR: Invalid arguments\nUsage: {usage}", None
-    if not gate.may_administer(turn):
-        return gate.refusal(command, turn), None
+    if not client_classes.may_administer(turn):
+        return client_classes.refusal(command, turn), None
     keys = list(ctx.config.models) if len(parts) == 1 else [parts[0]]
     note = await _set_model_field(ctx, keys, field, value)
     who = f"all models: {', '.join(keys)}" if len(parts) == 1 else keys[0]
@@ -272,7 +274,7 @@ async def cmd_stream(ctx: Context, turn: state.Turn, args: str) -> str:
     return "agent_call streaming disabled — only the final result of agent_call is shown (as a tool result)."
 
 
-#: The server's own `!commands` besides the gate commands (gate.COMMANDS): name → handler (ctx, turn, args).
+#: The server's own `!commands` besides the gate commands (gate_commands.COMMANDS): name → handler (ctx, turn, args).
 COMMANDS: dict[str, Callable[[Context, state.Turn, str], Awaitable[str]]] = {
     "help": cmd_help, "model": cmd_model, "reset": cmd_reset, "session": cmd_session,
     "tool_preview_length": cmd_tool_preview_length, "sysprompt": cmd_sysprompt,

@@ -229,7 +229,7 @@ class ApprovalsConfig(BaseModel):
     """`approvals` of plugins-enabled.json: per client class, who answers the gates that class cannot."""
 
     timeout_seconds: float = Field(default=APPROVAL_TIMEOUT, gt=0, le=MAX_APPROVAL_TIMEOUT)
-    #: Client class (gate.CLASSES: api, swarm, proxy, slack, mcp, unknown) → its approvers.
+    #: Client class (client_classes.CLASSES: api, swarm, proxy, slack, mcp, unknown) → its approvers.
     classes: dict[str, ClassApprovers] = {}
 
     @model_validator(mode="before")
@@ -400,7 +400,7 @@ def atomic_write(path: Path, text: str, check: Callable[[Path], None] | None = N
 def secret_values(env: dict[str, str], plugin_config: dict[str, Any]) -> list[str]:
     """Every configured secret, longest first: env values under secret-looking names (SECRET_NAME), the
     password of a SESSION_STORE URL, and values under such names anywhere in the plugins' settings. What
-    the log filter and the non-admin redaction (gate.without_locations) replace by `***`."""
+    the log filter and the non-admin redaction (client_classes.without_locations) replace by `***`."""
     found = [v for k, v in env.items() if SECRET_NAME.search(k) and v]
     with contextlib.suppress(ValueError):
         found.append(unquote(urlsplit(env.get("SESSION_STORE", "")).password or ""))

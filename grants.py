@@ -26,24 +26,18 @@ import os
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import audit_chain
 import stores
-from audit_chain import AUDIT_FIELDS, GENESIS, AuditError, Head
+from audit_chain import AUDIT_FIELDS, GENESIS, AuditError, AuditRecord, Head
+from decisions import DECISIONS, DEFAULT_MINUTES, GRANT_SCOPES, MAX_MINUTES, PATTERN, TIMED
 
 logger = logging.getLogger("agent_mcp.grants")
 
-#: Decisions a gate accepts: once, a grant of one of the scopes below, or no.
-ALLOW, REJECT = "allow", "reject"
-TIMED, SESSION, PATTERN = "allow_for", "allow_session", "allow_pattern"
-GRANT_SCOPES = (TIMED, SESSION, PATTERN)
-DECISIONS = (ALLOW, *GRANT_SCOPES, REJECT)
-DEFAULT_MINUTES = 15
-MAX_MINUTES = 24 * 60
 #: The gate key of a statement that could not be analysed (sql.ANY_TABLE): never covered by a grant.
 ANY = "*"
 AUDIT_FILE = "audit.sqlite3"
@@ -261,9 +255,7 @@ class GrantStore(stores.SqliteFile):
         await db.commit()
         self._checkpoint(Head(self._log_id, *self._last))
         if migrated is not None:
-            self.audit("audit_migrated", actor="agent-mcp", outcome="keyed",
-                       detail=f"records 1-{migrated} were written before the audit key (plain SHA-256 chain, intact "
-                              "when taken over); from here on every record carries a keyed MAC")
+            self.audit(AuditRecord.migrated(migrated))
 
     async def _start_chain(self, db: Any, rows: int) -> int | None:
         """Give a new log (or one written before the key) its id and keyed-chain header; returns how many
@@ -313,7 +305,7 @@ class GrantStore(stores.SqliteFile):
                 ) -> Grant | None:
         """The stored grant if its row is the server's (valid MAC) and its grant record is in the chain."""
         try:
-            grant = _grant(record)
+            grant = from_record(record)
         except (ValueError, KeyError, TypeError):
             grant = None
         old = verified.grant_records.get(grant.id) if grant is not None else None
@@ -462,7 +454,7 @@ class GrantStore(stores.SqliteFile):
         try:
             data = json.loads(value)
             record, mac = str(data["record"]), str(data["mac"])
-            grant = _grant(record)
+            grant = from_record(record)
         except (ValueError, KeyError, TypeError):
             grant, record, mac = None, "", ""
         if grant is None or grant.id != grant_id or not hmac.compare_digest(
@@ -532,9 +524,8 @@ class GrantStore(stores.SqliteFile):
             grant.revoked = now
             self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,), None))
             self._share("del", grant)
-            self.audit("revoke", session=session, actor=actor, tool=grant.tool, op=grant.op,
-                       tables=grant.keys if grant.section == "db" else (), grant_id=grant.id, outcome="revoked",
-                       detail=detail)
+            self.audit(AuditRecord.revoke(session, actor, grant.tool, grant.op,
+                                          grant.keys if grant.section == "db" else (), grant.id, detail))
         kept = [g for g in self.grants.get(session, ()) if g not in ended and g.active(now)]
         if kept:
             self.grants[session] = kept
@@ -549,7 +540,7 @@ class GrantStore(stores.SqliteFile):
         if self.grants.pop(session, None) is not None:
             self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,), None))
             # In the chain, so a row of this session put back by hand is not honoured again.
-            self.audit(audit_chain.GRANTS_DROPPED, session=session, outcome="the session ended")
+            self.audit(AuditRecord.grants_dropped(session))
         self._share("drop", session)
 
     def _save(self, grant: Grant) -> None:
@@ -558,20 +549,20 @@ class GrantStore(stores.SqliteFile):
 
     # ── the audit chain ──
 
-    def audit(self, event: str, *, session: str = "", actor: str = "", tool: str = "", op: str = "",
-              tables: Iterable[str] = (), args: Any = None, outcome: str = "", grant_id: str = "",
-              detail: str = "") -> int:
+    def audit(self, record: AuditRecord) -> int:
         """Append one record (its MAC covers the one before); returns its sequence number."""
         seq, prev = self._last[0] + 1, self._last[1]
-        fields = [seq, self.clock(), event, session, actor, tool, op, json.dumps(sorted(tables)),
-                  digest(args) if args is not None else "", outcome, grant_id, detail]
+        fields = [seq, self.clock(), record.event, record.session, record.actor, record.tool, record.op,
+                  json.dumps(sorted(record.tables)), digest(record.args) if record.args is not None else "",
+                  record.outcome, record.grant_id, record.detail]
         mac = audit_chain.record_mac(self._key, prev, fields)
         self._last = (seq, mac)
         self._queue.put_nowait((self._INSERT, (*fields, prev, mac), (seq, mac)))
         return seq
 
 
-def _grant(record: str) -> Grant:
+def from_record(record: str) -> Grant:
+    """A grant from its stored record (`canonical`)."""
     data = json.loads(record)
     return Grant(**{**data, "keys": tuple(data["keys"])})
 
@@ -587,89 +578,3 @@ def new_grant(session: str, decision: Decision, tool: str, section: str, keys: I
     expires = now + decision.minutes * 60 if decision.word == TIMED else None
     return Grant(new_grant_id(), session, decision.word, tool, section, tuple(sorted(keys)), op, decision.by, now,
                  expires, pattern if decision.word == PATTERN else "", shape if decision.word == PATTERN else "")
-
-
-def routed_detail(asked: list[str], client: str, by: str, channel: str, waited: float) -> str:
-    """The `detail` of the audit record deciding a gate routed to approvers (approvals.py): where it was
-    asked, who answered through which channel, how long it waited."""
-    return json.dumps({"routed": True, "asked": asked, "client": client, "by": by, "channel": channel,
-                       "waited_s": round(waited, 3)}, ensure_ascii=False)
-
-
-def describe_detail(detail: str | None) -> str:
-    """The `detail` of a routed gate's audit record as one line for a person (`agentctl audit`); "" for others."""
-    try:
-        data = json.loads(detail or "")
-    except ValueError:
-        return ""
-    if not isinstance(data, dict) or data.get("routed") is not True:
-        return ""
-    answered = f"answered by {data.get('by')} via {data.get('channel')}" if data.get("by") else "nobody answered"
-    return (f"routed ({data.get('client')}) to {', '.join(data.get('asked') or [])}; {answered} after "
-            f"{float(data.get('waited_s') or 0):.1f} s")
-
-
-def shown(record: dict[str, Any]) -> str:
-    """An audit record's outcome as `agentctl audit` shows it: with a routed gate's line (`describe_detail`)."""
-    return " — ".join(filter(None, [record["outcome"], describe_detail(record["detail"])]))
-
-
-# ── offline access (agentctl) ───────────────────────────────────────────────────────────────
-
-
-def read_audit(path: Path, since: float | None = None, session: str | None = None) -> Iterator[dict[str, Any]]:
-    """The audit records of a data dir's log, oldest first (for `agentctl audit`)."""
-    with audit_chain.open_readonly(path) as db:
-        query = f"SELECT {', '.join(AUDIT_FIELDS)} FROM audit WHERE ts >= ? AND (? IS NULL OR session = ?) ORDER BY seq"
-        try:
-            for row in db.execute(query, (since or 0, session, session)):
-                record = dict(zip(AUDIT_FIELDS, row, strict=True))
-                record["tables"] = json.loads(record["tables"] or "[]")
-                yield record
-        except (sqlite3.DatabaseError, ValueError) as exc:
-            raise AuditError(f"{path} is not a readable audit log ({exc}): run agentctl audit-verify") from None
-
-
-def verify_file(path: Path, key_file: Path | None = None, shared_head: str | None = None) -> audit_chain.Verified:
-    """Check a data dir's audit chain against its key and head (for `agentctl audit-verify`); AuditError (one
-    line) says what does not hold. `shared_head`: the head checkpointed in Redis, when sessions are there."""
-    key = audit_chain.load_key(key_file or audit_chain.key_path(path.parent), create=False)
-    head_file = path.parent / audit_chain.HEAD_FILE
-    head = audit_chain.read_head(head_file, key)
-    with audit_chain.open_readonly(path) as db:
-        found = audit_chain.verify_log(db, key, head, str(head_file))
-    if shared_head is not None:
-        other = Head.unseal(shared_head, key, "in Redis")
-        if other.count > found.head.count or (other.count == found.head.count and other.last != found.head.last):
-            raise AuditError(f"the head checkpointed in Redis says {other.count} records, {path} has "
-                             f"{found.head.count} that do not end where it says: the log was cut or rewritten")
-    return found
-
-
-def read_grants(path: Path, now: float | None = None, key_file: Path | None = None) -> list[Grant]:
-    """The grants that can still allow and that the server would honour (for `agentctl grants`)."""
-    now = time.time() if now is None else now
-    key = audit_chain.load_key(key_file or audit_chain.key_path(path.parent), create=False)
-    with audit_chain.open_readonly(path) as db:
-        try:
-            rows = db.execute("SELECT record, mac FROM grants").fetchall()
-        except sqlite3.DatabaseError as exc:
-            raise AuditError(f"{path} is not a readable audit log ({exc}): run agentctl audit-verify") from None
-    grants = [_grant(r) for r, m in rows if hmac.compare_digest(audit_chain.grant_mac(key, r), m or "")]
-    return sorted((g for g in grants if g.active(now)), key=lambda g: g.created)
-
-
-def revoke_offline(path: Path, which: str, actor: str, key_file: Path | None = None) -> list[Grant]:
-    """Revoke grants in a data dir while the server is stopped (`which`: an id, or `all`), audited like the
-    server does; AuditError when the server holds the file or the log does not verify."""
-
-    async def run() -> list[Grant]:
-        store = GrantStore(path, key_file=key_file)
-        await store.open()
-        try:
-            return [g for session in list(store.grants) for g in store.revoke(session, which, actor,
-                                                                               detail="offline (agentctl)")]
-        finally:
-            await store.close()
-
-    return asyncio.run(run())

@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+import decisions
+
 #: The prefix of every metric name.
 PREFIX = "agent_mcp"
 #: The label value of a name that is not one the configuration declares (an unknown tool a model asked for).
@@ -36,7 +38,7 @@ TOOL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 DB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 #: How a gate was allowed: by gate-defaults or a gate command (policy), an active grant, an `@model` turn,
 #: or a person's answer (once, or a grant of a scope: minutes, session, pattern).
-ALLOW_SCOPES = {"allow": "once", "allow_for": "minutes", "allow_session": "session", "allow_pattern": "pattern"}
+ALLOW_SCOPES = decisions.SCOPE_NAMES
 #: Refusal kinds (gate.Refusal.kind) that are gate rejections, and why: the user said no, nobody answered in
 #: time, or the client class cannot ask anyone.
 REJECTIONS = {"reject": "user", "timeout": "timeout", "denied": "no_approver"}

@@ -23,13 +23,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 import models
 import routes
 import state
-from config import AppConfig, field_problems
-from gate import (
-    ANY_TABLE,
+from client_classes import (
     API,
     CLASSES,
     CLIENT_LABELS,
-    DDL,
     HUMAN_WAIT,
     MCP,
     NO_WAIT,
@@ -38,12 +35,13 @@ from gate import (
     SLACK,
     SWARM,
     UNKNOWN,
-    WRITE,
-    GateKeeper,
+    actor,
     client_class,
     may_administer,
     refusal,
 )
+from config import AppConfig, field_problems
+from gate import ANY_TABLE, DDL, WRITE, GateKeeper
 from registry import ToolError, ToolRegistry
 from routes import Request, Submitted, ends_turn
 from shared import Link, SharedValues, Signals
@@ -67,7 +65,7 @@ __all__ = [
     "SWARM", "UNKNOWN", "WRITE", "BasePlugin", "DbAccess", "Event", "EventHub", "GateKeeper", "Link",
     "PluginConfigError", "PluginContext", "PluginSettings", "Request", "Session", "SessionError", "SessionManager",
     "SharedValues", "Signals", "SqliteFile", "Stopping", "Submitted", "ToolError", "ToolOutcome", "ToolRegistry",
-    "Turn", "current_turn", "ends_turn", "may_administer", "parse_settings", "refusal", "running",
+    "Turn", "actor", "current_turn", "ends_turn", "may_administer", "parse_settings", "refusal", "running",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -119,7 +117,7 @@ class BasePlugin(ABC):
     DEPENDENCIES: list[str] = []
     ENV_VARS: list[str] = []
     #: client_interface: the client-id prefixes this plugin's sessions use, and their client class
-    #: (`gate.CLASSES`: "api", "proxy", …), e.g. `{"api-": "api", "api-swarm-": "swarm"}`. A request
+    #: (`client_classes.CLASSES`: "api", "proxy", …), e.g. `{"api-": "api", "api-swarm-": "swarm"}`. A request
     #: whose id no loaded plugin declared gets the least privilege ("unknown").
     CLIENT_NAMESPACES: dict[str, str] = {}
 
@@ -249,7 +247,7 @@ class PluginContext:
     async def ask_gate(self, client_id: str, payload: dict[str, Any], seconds: float,
                        routed: Any = None) -> tuple[str, str]:
         """Raise a gate on the session and wait for its decision (`GateKeeper.ask`): (decision, gate id)."""
-        return await self._rt.gate.ask(self._rt, client_id, payload, seconds, routed)
+        return await self._rt.gate.ask(client_id, payload, seconds, routed)
 
     # ── what the server holds ──
 
@@ -273,7 +271,7 @@ class PluginContext:
 
     def client_class(self, client_id: str) -> str:
         """The class of the loaded plugin namespace owning `client_id`: for labels, never for privileges."""
-        return client_class(client_id, self._rt)
+        return client_class(client_id, self._rt.client_namespaces)
 
     def plugin_reports(self) -> dict[str, dict[str, Any]]:
         """How each plugin started: name → {"status", "reasons"} (what /health shows)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import gate
+import client_classes
 import state
 from plugin_api import BasePlugin, PluginConfigError, PluginContext
 from plugin_checks import check_plugin, is_enabled, plugin_file, requirement_names
@@ -189,9 +189,9 @@ class PluginLoader:
         that overlaps another plugin's namespace is refused (it could take over that plugin's sessions)."""
         declared = dict(plugin.CLIENT_NAMESPACES or {})
         for prefix, kind in declared.items():
-            if kind not in gate.CLASSES or kind == gate.UNKNOWN:
+            if kind not in client_classes.CLASSES or kind == client_classes.UNKNOWN:
                 raise ValueError(f"CLIENT_NAMESPACES: '{prefix}' names class {kind!r}; use one of "
-                                 f"{', '.join(k for k in gate.CLASSES if k != gate.UNKNOWN)}")
+                                 f"{', '.join(k for k in client_classes.CLASSES if k != client_classes.UNKNOWN)}")
             if not prefix or not re.fullmatch(r"[A-Za-z0-9._:@-]+", prefix):
                 raise ValueError(
                     f"CLIENT_NAMESPACES: {prefix!r} is not a client-id prefix (letters, digits, . _ : @ -)"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import agents
-import gate
+import client_classes
 import state
 
 logger = logging.getLogger("agent_mcp.routes")
@@ -43,14 +43,14 @@ class Request:
     """
 
     client_id: str
-    #: The client class (gate.CLASSES) the plugin vouches for.
+    #: The client class (client_classes.CLASSES) the plugin vouches for.
     kind: str
     text: str = ""
     #: Answer this request's LLM turn with this registry model (the session keeps its own); None: the session's.
     model: str | None = None
     #: The model of a session this request creates; None or not a registry model: the server's default.
     default_model: str | None = None
-    #: The client plugin authenticated an administrator (the API's admin token): see `gate.may_administer`.
+    #: The client plugin authenticated an administrator (the API's admin token): see `client_classes.may_administer`.
     admin: bool = False
     #: The token-authenticated shell endpoint sent it: ★ commands and the `@model` gate bypass.
     interactive: bool = False
@@ -60,8 +60,8 @@ class Request:
     history: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in gate.CLASSES:
-            raise ValueError(f"Request: client class {self.kind!r} is not one of {', '.join(gate.CLASSES)}")
+        if self.kind not in client_classes.CLASSES:
+            raise ValueError(f"Request: client class {self.kind!r} is not one of {', '.join(client_classes.CLASSES)}")
 
     def turn(self, turn_id: str | None = None) -> state.Turn:
         """The request's turn: its class and privileges as stated here, never from the client id."""
@@ -144,7 +144,7 @@ async def _stop_here(requests: state.Requests, hub: state.EventHub, client_id: s
 def _as_turn(client_id: str, turn_id: str) -> contextlib.AbstractContextManager[state.Turn | None]:
     """Publish as request `turn_id` from outside it (its events carry the id; nothing else of a turn is read
     there, so the least privileged class is as good as its own)."""
-    return state.running(state.Turn(client_id, turn_id, gate.UNKNOWN))
+    return state.running(state.Turn(client_id, turn_id, client_classes.UNKNOWN))
 
 
 def _track(requests: state.Requests, client_id: str, task: asyncio.Task[None], turn_id: str) -> Callable[[], None]:
@@ -381,7 +381,7 @@ async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
 
     async def command(line: str) -> None:
         out = await run_command(rt.commands, turn, line)
-        rt.hub.tok(turn.client_id, out if turn.may_administer else gate.without_locations(rt, out))
+        rt.hub.tok(turn.client_id, out if turn.may_administer else client_classes.without_locations(rt.config, out))
 
     async def llm(words: str) -> None:
         asked = _at_model(rt.config.models, turn, words)

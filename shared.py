@@ -654,14 +654,14 @@ return ''"""
 
 
 class SharedLimits:
-    """Rate-limit windows and disabled tool types in Redis (gate.RateLimiter's shared half)."""
+    """Rate-limit windows and disabled tool types in Redis (rate_limits.RateLimiter's shared half)."""
 
     def __init__(self, link: Link):
         self.link = link
         self.r = link.client
 
     async def hit(self, client_id: str, tool_type: str, limit: Any) -> str | None:
-        """gate.RateLimiter.hit for every instance: count one call under `limit` (a config.RateLimit, None:
+        """rate_limits.RateLimiter.hit for every instance: count one call under `limit` (a config.RateLimit, None:
         unlimited); None if allowed, else "limit" or "disabled"."""
         with self.link.calling():
             if limit is None or not limit.calls or not limit.window_seconds:

@@ -18,11 +18,11 @@ from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 import guard
 from api_client import AgentEvent, error_message, send_retrying, sse_events
 from config import CODE_DIR
+from decisions import DECISIONS
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 DEFAULT_PORT = 8765
 SESSION_FILE = ".aiops_session_id"
-DECISIONS = ("allow", "allow_for", "allow_session", "allow_pattern", "reject")
 TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
 
 

@@ -19,6 +19,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from decisions import ALLOW, DEFAULT_MINUTES, PATTERN, REJECT, SESSION, TIMED
 from shell_client import RequestRejected, ServerOffline, ShellClient, ShellError, ShellEvent, approval_gate
 
 DEFAULT_GATE_PREVIEW = 200
@@ -123,27 +124,26 @@ class _Countdown:
         return Text(f"⏳ {left} s left to answer {self.tool}: {' / '.join(self.keys)}", style="yellow")
 
 
-#: Minutes of a grant answered with t (allow for a while).
-GRANT_MINUTES = 15
-_GATE_KEYS = {"a": "allow", "t": "allow_for", "s": "allow_session", "p": "allow_pattern", "r": "reject"}
-_KEY_LABELS = {"a": "allow once", "t": f"allow for {GRANT_MINUTES} min", "s": "allow for this session",
+#: The keys that answer a gate; t (allow for a while) asks for the default minutes.
+_GATE_KEYS = {"a": ALLOW, "t": TIMED, "s": SESSION, "p": PATTERN, "r": REJECT}
+_KEY_LABELS = {"a": "allow once", "t": f"allow for {DEFAULT_MINUTES} min", "s": "allow for this session",
                "p": "allow this shape", "r": "reject"}
 #: The keys of an MCP server's question (an elicitation, docs/approvals.md): values go by /gate_response `content`.
 _ASK_LABELS = {"a": "yes (the form's defaults)", "r": "no (decline)"}
 _DECISION_LINES = {
-    "allow": ("✓ allowed once — {tool} proceeds", "green"),
-    "allow_for": (f"✓ allowed for {GRANT_MINUTES} min (!grants to see or revoke) — {{tool}} proceeds", "green"),
-    "allow_session": ("✓ allowed for this session (!grants to see or revoke) — {tool} proceeds", "green"),
-    "allow_pattern": ("✓ allowed for calls of this shape (!grants to see or revoke) — {tool} proceeds", "green"),
-    "reject": ("✗ rejected — {tool} is blocked", "red"),
+    ALLOW: ("✓ allowed once — {tool} proceeds", "green"),
+    TIMED: (f"✓ allowed for {DEFAULT_MINUTES} min (!grants to see or revoke) — {{tool}} proceeds", "green"),
+    SESSION: ("✓ allowed for this session (!grants to see or revoke) — {tool} proceeds", "green"),
+    PATTERN: ("✓ allowed for calls of this shape (!grants to see or revoke) — {tool} proceeds", "green"),
+    REJECT: ("✗ rejected — {tool} is blocked", "red"),
 }
 
 
 def gate_keys(gate: dict[str, Any]) -> list[str]:
     """The keys that answer `gate`: allow once and reject always, the grants the server offers for it."""
     offered = gate.get("grants")
-    offered = offered if isinstance(offered, list) else ["allow_session"]  # a server from before grants
-    return [k for k, d in _GATE_KEYS.items() if d in ("allow", "reject") or d in offered]
+    offered = offered if isinstance(offered, list) else [SESSION]  # a server from before grants
+    return [k for k, d in _GATE_KEYS.items() if d in (ALLOW, REJECT) or d in offered]
 
 
 class ShellUI:
@@ -260,7 +260,7 @@ class ShellUI:
         self._forget_timer(gate_id)
         template, style = _DECISION_LINES[decision]
         try:
-            await self.client.gate_response(gate_id, decision, GRANT_MINUTES if decision == "allow_for" else None,
+            await self.client.gate_response(gate_id, decision, DEFAULT_MINUTES if decision == TIMED else None,
                                             as_approver=bool(gate.get("routed")))
         except RequestRejected as exc:
             self.note(f"the gate is no longer pending ({exc.message})", "yellow")

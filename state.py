@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) would slow every CLI start
     from config import AppConfig
-    from gate import GateKeeper, RateLimiter, ToolCheck
+    from gate import GateKeeper, ToolCheck
     from plugin_loader import PluginLoader
     from prompt import PromptTree
+    from rate_limits import RateLimiter
     from registry import ToolRegistry
     from stores import SessionStore
 
@@ -71,7 +72,7 @@ class Turn:
     client_id: str
     #: Every event published while this turn runs carries this id.
     id: str
-    #: The client class (gate.CLASSES) the request is treated as.
+    #: The client class (client_classes.CLASSES) the request is treated as.
     kind: str
     #: The client plugin authenticated an administrator (the API's admin token).
     admin: bool = False

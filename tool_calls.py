@@ -11,23 +11,20 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from langchain_core.tools import StructuredTool
 from pydantic import ValidationError
 
+import client_classes
 import gate
 import state
 from config import field_problems
-from registry import RegisteredTool, ToolError, ToolRegistry
+from registry import ToolError, ToolRegistry
 
 logger = logging.getLogger("agent_mcp.tool_calls")
-
-#: A tool check with the runtime already bound: None lets the call through, a refusal stops it.
-Check = Callable[[state.Turn, RegisteredTool, dict[str, Any]], Awaitable[gate.Refusal | None]]
-
 
 def preview(text: str, limit: int) -> str:
     """`text` cut to `limit` characters (0: whole), marked when cut."""
@@ -62,13 +59,12 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
     """
     entry = rt.tools.entry(name)
     label = name if entry is not None else "other"  # a name a model made up is no metric label or span name
-    checks = [functools.partial(check, rt) for check in rt.tool_checks]
     with rt.tracing.span(f"execute_tool {label}", {"gen_ai.operation.name": "execute_tool",
                                                     "gen_ai.tool.name": label}) as span:
         rt.tracing.text(span, "gen_ai.tool.call.arguments", json.dumps(args, ensure_ascii=False, default=str))
         started = time.perf_counter()
-        outcome = await _checked_tool(rt.tools, checks, turn, name, args, rt.hub.status,
-                                      functools.partial(gate.without_locations, rt))
+        outcome = await _checked_tool(rt.tools, rt.tool_checks, turn, name, args, rt.hub.status,
+                                      functools.partial(client_classes.without_locations, rt.config))
         ran = None if outcome.status in ("refused", "invalid") else time.perf_counter() - started
         refusal = outcome.refusal.kind if outcome.refusal else None
         rt.metrics.tool_call(label, outcome.status, refusal, ran, gate.gate_type(entry) if refusal else "")
@@ -77,7 +73,7 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
         return outcome
 
 
-async def _checked_tool(tools: ToolRegistry, checks: Sequence[Check], turn: state.Turn, name: str,
+async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], turn: state.Turn, name: str,
                         args: dict[str, Any], status: Callable[[str, str], None],
                         hide: Callable[[str], str]) -> ToolOutcome:
     entry = tools.entry(name)

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-import gate
+import client_classes
 import models
 import state
 import tool_calls
@@ -135,7 +135,7 @@ async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, messa
     if turn is None:
         raise ToolError("agent_call refused: it runs only as a tool call of a request (nobody vouched for this "
                         "caller's client class).")
-    if turn.kind == gate.SWARM:
+    if turn.kind == client_classes.SWARM:
         raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
                         "call each other at most 1 hop deep. Answer with what you know instead.")
     caller = turn.client_id
@@ -186,7 +186,7 @@ async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, messa
 
 def _this_turn(rt: state.Runtime) -> state.Turn:
     """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or state.Turn("", uuid.uuid4().hex[:16], gate.UNKNOWN)
+    return state.current_turn() or state.Turn("", uuid.uuid4().hex[:16], client_classes.UNKNOWN)
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
@@ -196,7 +196,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         turn = state.current_turn()
         client_id, session = (turn.client_id, turn.session) if turn else (None, None)
         # The host's name and kernel only for a turn an admin started (shell, admin API): not the others' business.
-        host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if gate.may_administer(turn)
+        host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if client_classes.may_administer(turn)
                 else "<hidden> (") + f"Python {platform.python_version()})"
         lines = [
             f"Local time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",

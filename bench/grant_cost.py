@@ -25,8 +25,10 @@ from pydantic import BaseModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import audit_log
 import build
-import gate
+import client_classes
+import decisions
 import grants
 import routes
 import state
@@ -75,12 +77,12 @@ async def run(args: argparse.Namespace) -> None:
             store = granted.gate.grants
             assert store is not None
             for n in range(args.grants):  # other grants of the session the lookup passes over
-                store.add(grants.new_grant("s", grants.Decision("allow_for", "bench", 60), "db_query", "db",
+                store.add(grants.new_grant("s", grants.Decision(decisions.TIMED, "bench", 60), "db_query", "db",
                                                  [f"table_{n}"], "write"))
-            store.add(grants.new_grant("s", grants.Decision("allow_session", "bench"), "db_query", "db",
+            store.add(grants.new_grant("s", grants.Decision(decisions.SESSION, "bench"), "db_query", "db",
                                              ["users"], "write"))
-            calls = {"baseline": (base, routes.Request("s", gate.UNKNOWN).turn()),
-                     "grant": (granted, routes.Request("s", gate.UNKNOWN).turn())}
+            calls = {"baseline": (base, routes.Request("s", client_classes.UNKNOWN).turn()),
+                     "grant": (granted, routes.Request("s", client_classes.UNKNOWN).turn())}
             for rt, turn in calls.values():
                 turn.session = rt.sessions.get("s")
             times: dict[str, list[float]] = {name: [] for name in calls}
@@ -94,7 +96,7 @@ async def run(args: argparse.Namespace) -> None:
                     if i >= 100:  # warm-up
                         times[name].append(elapsed)
             await store.flush()
-            records = grants.verify_file(granted.config.data_dir() / grants.AUDIT_FILE).head.count
+            records = audit_log.verify_file(granted.config.data_dir() / grants.AUDIT_FILE).head.count
             assert records == args.calls + 100
         finally:
             await build.close_runtime(base)

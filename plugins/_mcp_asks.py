@@ -29,8 +29,10 @@ from typing import Any
 import mcp_types as types
 
 import approvals
+import decisions
 import grants
 import plugin_api
+from audit_chain import AuditRecord
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -152,11 +154,10 @@ async def ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plu
     message = params.message[:MESSAGE_CHARS]
     wait = plugin_api.CLASSES[turn.kind].gate_wait
     route = keeper.desk.route(turn.kind, exposed, "tools", [exposed]) if keeper.desk is not None else None
-    audit = {"session": client_id, "tool": exposed, "op": OPERATION, "tables": (),
-             "args": {"server": server, "message": message}}
+    call = AuditRecord.call(client_id, exposed, OPERATION, args={"server": server, "message": message})
     if wait == plugin_api.NO_WAIT and route is None:
         label = plugin_api.CLIENT_LABELS[turn.kind]
-        keeper.audit("decision", actor=f"{turn.kind}:{client_id}", outcome="declined (no one can answer)", **audit)
+        keeper.audit(call.decision(plugin_api.actor(turn), "declined (no one can answer)"))
         _status(rt, client_id, f"[ask ✗] {what} asked “{message[:120]}” during {exposed}, which {label} "
                                "cannot answer — declined")
         return types.ElicitResult(action="decline")
@@ -175,33 +176,33 @@ async def ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plu
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
     with plugin_api.running(turn):  # the callback may run outside the turn's task: its events carry the turn
         decision, gate_id = await rt.ask_gate(client_id, payload, timeout, routed)
-        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, audit, timeout)
+        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
 
 
 async def _answered(rt: plugin_api.PluginContext, keeper: plugin_api.GateKeeper, client_id: str, exposed: str,
                     fields: list[dict[str, Any]], decision: grants.Decision, gate_id: str,
-                    routed: approvals.RoutedGate | None, audit: dict[str, Any], limit: float) -> types.ElicitResult:
+                    routed: approvals.RoutedGate | None, call: AuditRecord, limit: float) -> types.ElicitResult:
     """Close the question's gate (told to the session, audited) and say what goes back to the server."""
     closing = {"gate_id": gate_id, "decision": decision.word}
     if routed is not None and keeper.desk is not None:
         closed = (await keeper.desk.get(gate_id))[1]
         if closed is not None:
             closing.update(by=closed.by, channel=closed.channel)
-            audit["detail"] = approvals.audit_detail(routed, closed)
+            call = call.with_detail(approvals.audit_detail(routed, closed))
     if decision.word == "timeout":
-        keeper.audit("decision", actor="timeout", outcome="elicitation cancelled (no answer)", **audit)
+        keeper.audit(call.decision("timeout", "elicitation cancelled (no answer)"))
         _status(rt, client_id, f"[ask ✗] {exposed}: no answer within {limit:g} s — cancelled", **closing)
         return types.ElicitResult(action="cancel")
-    if decision.word == grants.REJECT:
-        keeper.audit("decision", actor=decision.by, outcome="elicitation declined", **audit)
+    if decision.word == decisions.REJECT:
+        keeper.audit(call.decision(decision.by, "elicitation declined"))
         _status(rt, client_id, f"[ask ✗] {exposed}: declined", **closing)
         return types.ElicitResult(action="decline")
     try:  # allow (a grant word counts as allow: nothing is granted for a question)
         content = content_for(fields, decision.content)
     except FormError as exc:
-        keeper.audit("decision", actor=decision.by, outcome=f"elicitation declined: {exc}", **audit)
+        keeper.audit(call.decision(decision.by, f"elicitation declined: {exc}"))
         _status(rt, client_id, f"[ask ✗] {exposed}: the answer did not fit the form ({exc}) — declined", **closing)
         return types.ElicitResult(action="decline")
-    keeper.audit("decision", actor=decision.by, outcome="elicitation accepted", **audit)
+    keeper.audit(call.decision(decision.by, "elicitation accepted"))
     _status(rt, client_id, f"[ask ✓] {exposed}: answered", **{**closing, "decision": "allow"})
     return types.ElicitResult(action="accept", content=content)

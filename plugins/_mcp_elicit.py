@@ -23,7 +23,7 @@ from typing import Any
 import mcp_types as types
 
 import approvals
-import grants
+import decisions
 import plugin_api
 from plugins._mcp_auth import HUMAN, Principal
 
@@ -32,11 +32,11 @@ logger = logging.getLogger("agent_mcp.mcp_server")
 CHANNEL = "mcp-elicitation"
 #: The form's choices: (decision word sent back, agent-mcp decision, title shown), in the order shown.
 CHOICES = (
-    ("allow_once", grants.ALLOW, "Allow once"),
-    ("allow_for", "allow_for", "Allow for a time (minutes below)"),
-    ("allow_session", "allow_session", "Allow for the rest of this session"),
-    ("allow_pattern", "allow_pattern", "Allow calls of this exact shape"),
-    ("reject", grants.REJECT, "Reject"),
+    ("allow_once", decisions.ALLOW, "Allow once"),
+    (decisions.TIMED, decisions.TIMED, "Allow for a time (minutes below)"),
+    (decisions.SESSION, decisions.SESSION, "Allow for the rest of this session"),
+    (decisions.PATTERN, decisions.PATTERN, "Allow calls of this exact shape"),
+    (decisions.REJECT, decisions.REJECT, "Reject"),
 )
 MESSAGE_ARGS = 600
 
@@ -53,7 +53,7 @@ def can_elicit(session: Any) -> bool:
 def form(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The message and requested schema of one gate event's form."""
     offered = set(data.get("grants") or ())
-    choices = [c for c in CHOICES if c[1] in (grants.ALLOW, grants.REJECT) or c[1] in offered]
+    choices = [c for c in CHOICES if c[1] in (decisions.ALLOW, decisions.REJECT) or c[1] in offered]
     what = data.get("headline") or data.get("tool_name", "?")
     args = {k: v for k, v in (data.get("tool_args") or {}).items() if k != "operation_type"}
     shown = json.dumps(args, ensure_ascii=False, default=str)
@@ -74,7 +74,7 @@ def form(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         "oneOf": [{"const": word, "title": title} for word, _, title in choices]}}
     if "allow_for" in offered:
         props["minutes"] = {"type": "integer", "title": "Minutes (for 'allow for a time')", "minimum": 1,
-                            "maximum": grants.MAX_MINUTES, "default": grants.DEFAULT_MINUTES}
+                            "maximum": decisions.MAX_MINUTES, "default": decisions.DEFAULT_MINUTES}
     return "\n".join(lines), {"type": "object", "properties": props, "required": ["decision"]}
 
 
@@ -82,10 +82,10 @@ def decision_of(result: types.ElicitResult, offered: list[str]) -> tuple[str, in
     """The agent-mcp decision (and minutes) an elicitation result stands for: anything but a valid accept
     rejects (fail closed)."""
     if result.action != "accept" or not isinstance(result.content, dict):
-        return grants.REJECT, None
+        return decisions.REJECT, None
     word = {w: d for w, d, _ in CHOICES}.get(str(result.content.get("decision", "")))
-    if word is None or (word not in (grants.ALLOW, grants.REJECT) and word not in offered):
-        return grants.REJECT, None
+    if word is None or (word not in (decisions.ALLOW, decisions.REJECT) and word not in offered):
+        return decisions.REJECT, None
     minutes = result.content.get("minutes")
     if word != "allow_for":
         return word, None
@@ -158,7 +158,7 @@ class GateForms:
             return
         content = None
         if asked is not None:  # accept → allow with the values (checked against the form there); else decline
-            word, minutes = (grants.ALLOW, None) if result.action == "accept" else (grants.REJECT, None)
+            word, minutes = (decisions.ALLOW, None) if result.action == "accept" else (decisions.REJECT, None)
             content = result.content if result.action == "accept" else None
         else:
             word, minutes = decision_of(result, offered)
@@ -170,7 +170,7 @@ class GateForms:
         except ValueError as exc:  # e.g. minutes out of range: fail closed
             logger.info("MCP elicitation answer for gate %s refused (%s): rejecting", gate_id[:8], exc)
             answered = await self.ctx.gate.answer(
-                gate_id, grants.REJECT, answerer=approvals.Approver(approvals.MCP, self.who.name), channel=CHANNEL,
+                gate_id, decisions.REJECT, answerer=approvals.Approver(approvals.MCP, self.who.name), channel=CHANNEL,
                 by=f"mcp token '{self.who.name}'")
         if not answered.answered:
             self._deciders.pop(gate_id, None)

@@ -12,7 +12,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 import approvals
-import grants
+import decisions
 from plugins._mcp_auth import request_principal
 from plugins._mcp_elicit import GateForms
 from plugins._mcp_resources import pending, policy_of, read_session
@@ -20,8 +20,8 @@ from plugins._mcp_resources import pending, policy_of, read_session
 if TYPE_CHECKING:
     from plugins.plugin_client_mcp import McpServerPlugin
 
-DECISION_WORDS = {"allow_once": "allow", "allow_for": "allow_for", "allow_session": "allow_session",
-                  "allow_pattern": "allow_pattern", "reject": "reject"}
+#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
+McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
 
 
 
@@ -71,8 +71,8 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     @mcp.tool()
     async def answer_approval(
         gate_id: str,
-        decision: Literal["allow_once", "allow_for", "allow_session", "allow_pattern", "reject"],
-        minutes: int = grants.DEFAULT_MINUTES,
+        decision: McpDecision,
+        minutes: int = decisions.DEFAULT_MINUTES,
         content: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
@@ -87,7 +87,7 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
                             "read agentmcp://approvals/pending")
         plugin._deciders[gate_id] = who.label
         try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
-            result = await plugin.ctx.gate.answer(gate_id, DECISION_WORDS[decision], by=f"mcp token '{who.name}'",
+            result = await plugin.ctx.gate.answer(gate_id, decisions.MCP_WORDS[decision], by=f"mcp token '{who.name}'",
                                                  answerer=approvals.Approver(approvals.MCP, who.name),
                                                  channel="mcp", minutes=minutes, content=content)
         except ValueError as exc:

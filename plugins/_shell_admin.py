@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 import plugin_api
+from audit_chain import AuditRecord
 from config import (
     GATE_DEFAULTS_FILE,
     MODELS_FILE,
@@ -24,7 +25,6 @@ from config import (
     atomic_write,
     config_problems,
     read_json,
-    save_gate_defaults,
     validate_data,
 )
 
@@ -81,22 +81,11 @@ def _save_gates(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str,
         new = validate_data(GateDefaults, data, target)
     except ConfigError as exc:
         raise AdminError(str(exc)) from None
-    old = rt.gate.defaults
-    try:
-        path = save_gate_defaults(rt.config.config_dir, new)
+    try:  # the keeper saves, puts in force and audits every changed permission
+        path = rt.gate.replace_policy(new, ACTOR)
     except (ConfigError, OSError) as exc:
         raise AdminError(f"{target}: cannot write ({exc}); nothing was changed") from None
-    rt.gate.defaults = rt.config.gates = new  # in force for every session at once
-    for section in ("db", "tools"):
-        before, after = getattr(old, section), getattr(new, section)
-        for key in sorted(set(before) | set(after)):
-            for op in ("read", "write", "ddl"):  # ddl: database keys only (absent on tools: None both ways)
-                was = getattr(before[key], op, None) if key in before else None
-                now = getattr(after[key], op, None) if key in after else None
-                if was != now:
-                    word = "removed" if now is None else "auto-allow" if now else "gated"
-                    rt.gate.audit("policy", actor=ACTOR, op=op, tables=[key] if section == "db" else (),
-                                  tool="" if section == "db" else key, outcome=f"{GATE_DEFAULTS_FILE}: {word}")
+    rt.config.gates = new
     logger.info("gate defaults replaced by agentctl (saved in %s)", path)
     return {"saved": str(path), "note": "in force at once for every session"}
 
@@ -120,9 +109,8 @@ async def _save_models(rt: plugin_api.PluginContext, data: dict[str, Any]) -> di
         rt.config.models[key] = enabled[key]
     await rt.close_models(changed)  # rebuilt with the new settings at their next call
     later = sorted(set(enabled) ^ set(rt.config.models))
-    rt.gate.audit("config", actor=ACTOR, tool=MODELS_FILE, outcome="saved",
-                  detail=f"changed now: {', '.join(changed) or 'none'}; "
-                         f"at the next start: {', '.join(later) or 'none'}")
+    rt.gate.audit(AuditRecord.config(ACTOR, MODELS_FILE, "saved", f"changed now: {', '.join(changed) or 'none'}; "
+                                                                   f"at the next start: {', '.join(later) or 'none'}"))
     logger.info("%s replaced by agentctl: %d model(s) changed at once", target, len(changed))
     note = "in force at once" if not later else f"enabling/disabling/adding {', '.join(later)} takes a restart"
     return {"saved": str(target), "note": note}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import approvals
-import grants
+import decisions
 import plugin_api
 from plugins._slack_events import PREFIX
 from plugins._slack_text import escape
@@ -44,11 +44,11 @@ logger = logging.getLogger("agent_mcp.slack.approvals")
 #: action_id prefix of the gate buttons (the value of a button is its gate id).
 ACTION = "agent-gate:"
 #: Button labels, in the order they are shown; allow and reject are always offered.
-BUTTONS = {grants.ALLOW: "Allow once", grants.TIMED: f"Allow {grants.DEFAULT_MINUTES} min",
-           grants.SESSION: "Allow for the session", grants.PATTERN: "Allow this statement shape",
-           grants.REJECT: "Reject"}
-OUTCOMES = {grants.ALLOW: "✅ Allowed once", grants.SESSION: "✅ Allowed for the session",
-            grants.PATTERN: "✅ Allowed for this statement shape", grants.REJECT: "⛔ Rejected",
+BUTTONS = {decisions.ALLOW: "Allow once", decisions.TIMED: f"Allow {decisions.DEFAULT_MINUTES} min",
+           decisions.SESSION: "Allow for the session", decisions.PATTERN: "Allow this statement shape",
+           decisions.REJECT: "Reject"}
+OUTCOMES = {decisions.ALLOW: "✅ Allowed once", decisions.SESSION: "✅ Allowed for the session",
+            decisions.PATTERN: "✅ Allowed for this statement shape", decisions.REJECT: "⛔ Rejected",
             approvals.ABANDONED: "⏹ Closed: the request ended before anyone answered"}
 #: Longest SQL shape / argument text shown (a section's text may hold 3000 characters).
 SUMMARY_CHARS = 1500
@@ -139,13 +139,13 @@ def answerable_in(gate: approvals.RoutedGate, channel: str) -> bool:
 def open_blocks(gate: approvals.RoutedGate, channel: str) -> list[dict[str, Any]]:
     """The message of an open gate: what, who may answer, until when, and the buttons it offers (none where
     nobody may click them: a thread whose gate goes to an approver channel elsewhere)."""
-    words = [w for w in BUTTONS if w in (grants.ALLOW, grants.REJECT) or w in gate.scopes]
+    words = [w for w in BUTTONS if w in (decisions.ALLOW, decisions.REJECT) or w in gate.scopes]
     buttons = []
     for word in words:
         button: dict[str, Any] = {"type": "button", "text": {"type": "plain_text", "text": BUTTONS[word]},
                                   "action_id": ACTION + word, "value": gate.gate_id}
-        if word in (grants.ALLOW, grants.REJECT):
-            button["style"] = "primary" if word == grants.ALLOW else "danger"
+        if word in (decisions.ALLOW, decisions.REJECT):
+            button["style"] = "primary" if word == decisions.ALLOW else "danger"
         buttons.append(button)
     context = f"May answer: {gate.who} · unanswered by {_when(gate.deadline)} it is rejected"
     blocks = [*describe(gate, channel), {"type": "context", "elements": [{"type": "mrkdwn", "text": context}]}]
@@ -159,8 +159,8 @@ def outcome(gate: approvals.RoutedGate | None, closing: approvals.Closing) -> st
     if closing.decision == approvals.TIMEOUT:
         within = f"within {gate.deadline - gate.raised_at:g} s" if gate is not None else "in time"
         return f"⌛ No answer {within}: rejected ({_when(closing.at)})"
-    if closing.decision == grants.TIMED:
-        head = f"✅ Allowed for {closing.minutes or grants.DEFAULT_MINUTES} min"
+    if closing.decision == decisions.TIMED:
+        head = f"✅ Allowed for {closing.minutes or decisions.DEFAULT_MINUTES} min"
     else:
         head = OUTCOMES.get(closing.decision, escape(closing.decision))
     if closing.decision == approvals.ABANDONED:
@@ -299,7 +299,7 @@ class SlackApprovals:
         channel = str(part("channel").get("id") or part("container").get("channel_id") or "")
         thread_ts = part("message").get("thread_ts") or part("container").get("thread_ts")
         thread_ts = str(thread_ts) if isinstance(thread_ts, str | int | float) else None
-        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS or word not in grants.DECISIONS:
+        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS or word not in decisions.DECISIONS:
             return
         gate, _ = await self.desk.get(gate_id)
         if gate is None and gate_id in self.posted:  # closed already: what it was is still known here
@@ -310,7 +310,7 @@ class SlackApprovals:
         try:
             result = await self.ctx.gate.answer(
                 gate_id, word, answerer=approvals.Approver(approvals.SLACK, user), channel=through,
-                minutes=grants.DEFAULT_MINUTES if word == grants.TIMED else None)
+                minutes=decisions.DEFAULT_MINUTES if word == decisions.TIMED else None)
         except (ValueError, approvals.ApprovalError) as exc:
             await self._tell(channel, user, thread_ts, f"Not answered: {exc}")
             return

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import approvals
+import decisions
 import guard
 import plugin_api
 from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
@@ -80,14 +81,15 @@ class _SubmitBody(_Body):
 
 _ADMIN_APPROVER = f"{approvals.API}:{approvals.ADMIN}"
 #: The gate decision of each `scope` of an approving answer.
-_SCOPES = {"once": "allow", "minutes": "allow_for", "session": "allow_session", "pattern": "allow_pattern"}
+_SCOPES = {name: word for word, name in decisions.SCOPE_NAMES.items()}
+ApiScope = Literal[tuple(_SCOPES)]  # type: ignore[valid-type]
 
 
 class _GateBody(_Body):
     approve: bool
     #: How far a yes reaches (admin key only beyond `once`): this call, N `minutes` of this tool or these
     #: tables, the rest of the session, or calls of the same shape.
-    scope: Literal["once", "minutes", "session", "pattern"] = "once"
+    scope: ApiScope = "once"
     minutes: int | None = None
 
 
@@ -278,7 +280,7 @@ class ApiPlugin(BasePlugin):
         body = await _http.read_json(request, _GateBody)
         owner = await self.ctx.gate.owner(gate_id)
         admin = self._is_admin(request)
-        decision = _SCOPES[body.scope] if body.approve else "reject"
+        decision = _SCOPES[body.scope] if body.approve else decisions.REJECT
         if self.ctx.gate.desk is not None and (await self.ctx.gate.desk.get(gate_id)) != (None, None):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:

@@ -47,9 +47,9 @@ from mcp_types import (
 from pydantic import Field
 from starlette.routing import Mount
 
+import gate_policy
 import guard
 import plugin_api
-from config import save_gate_defaults
 from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore, SharedApprovals
@@ -88,10 +88,8 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "get_gate_policy": (HUMAN,),
     "set_gate_default": (HUMAN,),
 }
-#: Signals to the other instances on one Redis (state.Runtime.signals): notify your subscribers of these
-#: URIs; apply this change of the gate defaults.
+#: The signal to the other instances on one Redis (ctx.signals): notify your subscribers of these URIs.
 NOTIFY_SIGNAL = "mcp-notify"
-DEFAULT_SIGNAL = "mcp-gate-default"
 
 
 # ── The server ──────────────────────────────────────────────────────────────────────────────
@@ -167,8 +165,7 @@ class McpServerPlugin(BasePlugin):
         self._known_sessions = {s.client_id for s in rt.sessions.all()}
         self._unobserve = rt.hub.observe(self._observe)
         if rt.signals is not None:  # several instances: their subscribers hear of changes made here, and ours of theirs
-            self._unsignal = [rt.signals.on(NOTIFY_SIGNAL, self._notified),
-                              rt.signals.on(DEFAULT_SIGNAL, self._default_changed_elsewhere)]
+            self._unsignal = [rt.signals.on(NOTIFY_SIGNAL, self._notified)]
         if rt.gate.grants is not None:
             self._unobserve_grants = rt.gate.grants.observe(
                 lambda client_id: self._notes.put_nowait(tuple(self._session_uris(client_id, "grants"))))
@@ -456,42 +453,13 @@ class McpServerPlugin(BasePlugin):
     async def _set_default(
         self, who: Principal, section: str, key: str, operation: str, allowed: bool
     ) -> dict[str, Any]:
-        key = key.strip()
-        if not key or len(key) > 128:
-            raise ToolError("key must be a tool name, a table name, '*' or '__meta__'")
-        if operation == plugin_api.DDL and section != "db":
-            raise ToolError("ddl is a permission of database tables only (section db)")
-        ops = ["read", "write"] if operation == "both" else [operation]
-        change = {"section": section, "key": key, "ops": ops, "allowed": allowed, "by": f"mcp token '{who.name}'"}
-        entry, note = self._apply_default(change)
-        if self.ctx.signals is not None:
-            try:
-                await self.ctx.signals.send(DEFAULT_SIGNAL, json.dumps(change))
-                note += "; in force on every instance on this Redis"
-            except plugin_api.SessionError:
-                note += "; NOT in force on the other instances (the session store is unreachable): set it again"
+        try:  # the keeper checks, applies, saves, audits and tells the other instances
+            change = gate_policy.PolicyChange.parse(section, key, operation, allowed, f"mcp token '{who.name}'")
+        except gate_policy.PolicyError as exc:
+            raise ToolError(str(exc)) from None
+        entry, note = await self.ctx.gate.set_policy(change)
         await self.notify(f"{SCHEME}policy")
-        return {"section": section, "key": key, **entry.model_dump(), "note": note}
-
-    def _apply_default(self, change: dict[str, Any]) -> tuple[Any, str]:
-        """Change one gate default here, save gate-defaults.json and audit it: (the new entry, what was saved)."""
-        section, key, ops, allowed = change["section"], change["key"], change["ops"], change["allowed"]
-        entry = self.ctx.gate.set_default(section, key, ops, allowed)
-        try:
-            path = save_gate_defaults(self.ctx.config.config_dir, self.ctx.gate.defaults)
-            note = f"saved in {path}"
-        except Exception as exc:  # in force anyway; say it was not saved
-            logger.exception("saving gate defaults failed")
-            note = f"in force, but NOT saved: {type(exc).__name__}: {exc}"
-        logger.info("gate default %s.%s %s=%s set by %s", section, key, "+".join(ops), allowed, change["by"])
-        self.ctx.gate.audit("policy", actor=change["by"], op="+".join(ops),
-                           tables=[key] if section == "db" else (), tool="" if section == "db" else key,
-                           outcome=f"gate-defaults.json: {'auto-allow' if allowed else 'gated'} ({note})")
-        return entry, note
-
-    async def _default_changed_elsewhere(self, subject: str) -> None:
-        change = json.loads(subject)
-        self._apply_default({**change, "by": f"{change['by']} on another instance"})
+        return {"section": section, "key": change.key, **entry.model_dump(), "note": note}
 
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
         """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,

@@ -30,11 +30,11 @@ from database import (
     ACCOUNTS_FILE,
     Database,
     DatabaseSettings,
-    format_outcome,
     query_text,
     read_accounts,
     run_query,
 )
+from db_results import format_outcome
 from plugin_api import BasePlugin, PluginConfigError, PluginSettings, ToolError, parse_settings
 
 logger = logging.getLogger("agent_mcp.mysql")

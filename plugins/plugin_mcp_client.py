@@ -86,7 +86,7 @@ class McpClientPlugin(BasePlugin):
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
         assert self.context is not None
         with plugin_api.running(turn):  # what it tells the session belongs to the turn (its client's stream)
-            return await _mcp_asks.ask(self.ctx, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
+            return await _mcp_asks.ask(self.context, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
                                        max(1.0, conn.spec.call_timeout - 5))
 
     # ── tools ──
@@ -144,8 +144,10 @@ class McpClientPlugin(BasePlugin):
     def _server_changed(self, conn: Connection) -> None:
         """A server connected, failed, died or changed its tools: update /health and the registry."""
         assert self.context is not None
-        self.context.report_problems([f"MCP server '{c.name}' {c.status}: {c.error}"
-                                      for c in self.servers.values() if c.error and c.status != "connected"])
+        report = self.context.plugins.reports.get(self.PLUGIN_NAME) if self.context.plugins else None
+        if report is not None:
+            report.reasons = [f"MCP server '{c.name}' {c.status}: {c.error}"
+                              for c in self.servers.values() if c.error and c.status != "connected"]
         if self.enabled and conn.status == "connected":  # registered: keep the registry in step
             tools, gates = self._collect()
             try:

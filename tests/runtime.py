@@ -18,7 +18,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel
 
 import build
-import gate
+import client_classes
 import routes
 import state
 import stores
@@ -33,14 +33,16 @@ ALL_OPEN: dict[str, Any] = {"db": {"*": {"read": True, "write": True, "ddl": Tru
 
 
 #: The client-id namespaces the shipped client plugins declare (CLIENT_NAMESPACES), by owner.
-SHIPPED_NAMESPACES = {"api-": (gate.API, "plugin_client_api"), "api-swarm-": (gate.SWARM, "plugin_client_api"),
-                      "llama-": (gate.PROXY, "plugin_proxy_llama"), "slack-": (gate.SLACK, "plugin_client_slack"),
-                      "mcp-": (gate.MCP, "plugin_client_mcp")}
+SHIPPED_NAMESPACES = {"api-": (client_classes.API, "plugin_client_api"),
+                      "api-swarm-": (client_classes.SWARM, "plugin_client_api"),
+                      "llama-": (client_classes.PROXY, "plugin_proxy_llama"),
+                      "slack-": (client_classes.SLACK, "plugin_client_slack"),
+                      "mcp-": (client_classes.MCP, "plugin_client_mcp")}
 
 
 def shell_payload(rt: state.Runtime, client_id: str, payload: dict[str, Any] | None) -> dict[str, Any] | None:
     """`payload`, vouched interactive as the shell endpoint does when `client_id` is a bare (shell.py) id."""
-    if payload is None and gate.client_class(client_id, rt) == gate.UNKNOWN:
+    if payload is None and client_classes.client_class(client_id, rt.client_namespaces) == client_classes.UNKNOWN:
         return {"interactive": True}
     return payload
 
@@ -50,7 +52,8 @@ def ask(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | 
     owns the id's namespace (its class; the shell's when `payload` says `interactive`); `payload` keys are
     the request's fields (model, default_model, admin, interactive, identity)."""
     payload = payload or {}
-    kind = gate.SHELL if payload.get("interactive") is True else gate.client_class(client_id, rt)
+    owner = client_classes.client_class(client_id, rt.client_namespaces)
+    kind = client_classes.SHELL if payload.get("interactive") is True else owner
     return routes.Request(client_id, kind, text, **payload)
 
 

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import agentctl_remote
+import audit_log
 import grants
 from shell_client import ShellClient
 from tests.conftest import ROOT, AgentServer, free_port, openai_model
@@ -73,7 +74,7 @@ def test_agentctl_revoke_while_the_server_runs_is_in_force_at_once_and_the_chain
     assert "UNIQUE constraint" not in log and "Traceback" not in log
     verified = _agentctl(server, "audit-verify")
     assert verified.returncode == 0 and "chain intact" in verified.stdout, verified.stderr
-    records = list(grants.read_audit(server.data_dir / grants.AUDIT_FILE))
+    records = list(audit_log.read_audit(server.data_dir / grants.AUDIT_FILE))
     revokes = [r for r in records if r["event"] == "revoke"]
     assert [(r["actor"], r["grant_id"]) for r in revokes] == [("agentctl", grant_id_of(records))]
     assert records[-1]["event"] == "decision" and records[-1]["outcome"] == "rejected"  # after the revoke
@@ -108,7 +109,7 @@ def test_gate_policy_from_agentctl_is_applied_saved_and_audited_by_the_running_s
     asyncio.run(run())
     assert json.loads(gates_file.read_text())["db"]["users"] == {"read": False, "write": True, "ddl": False}
     server.stop()
-    policy = [r for r in grants.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "policy"]
+    policy = [r for r in audit_log.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "policy"]
     # The new entry for users: write auto-allowed, read and DDL gated explicitly (gated through * before).
     assert [(r["actor"], r["tables"], r["op"], r["outcome"]) for r in policy] == [
         ("agentctl", ["users"], "read", "gate-defaults.json: gated"),

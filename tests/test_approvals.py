@@ -16,7 +16,9 @@ import pytest
 from pydantic import BaseModel
 
 import approvals
-import gate
+import audit_log
+import client_classes
+import decisions
 import grants
 import metrics
 import shared
@@ -37,7 +39,8 @@ class _Args(BaseModel):
 
 
 def rules(section: dict[str, Any]) -> approvals.ApprovalRules:
-    return approvals.ApprovalRules(ApprovalsConfig.model_validate(section), gate.CLASSES, [gate.SHELL])
+    return approvals.ApprovalRules(ApprovalsConfig.model_validate(section), client_classes.CLASSES,
+                                   [client_classes.SHELL])
 
 
 # ── The rules ───────────────────────────────────────────────────────────────────────────────
@@ -123,7 +126,7 @@ async def next_feed(feed: Any) -> approvals.FeedEvent:
 
 
 async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art) -> None:
-    art.metrics = metrics.Metrics("test")  # counted like every gate, and as routed
+    art.metrics = art.gate.metrics = metrics.Metrics("test")  # counted like every gate, and as routed
     await art.sessions.get_or_create(PROXY_ID, "fake")
     feed = art.gate.desk.watch()
     session = art.hub.subscribe(PROXY_ID, art.hub.last_id(PROXY_ID))
@@ -135,7 +138,7 @@ async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art
     assert opened.name == approvals.OPENED and gate is not None
     assert (gate.session, gate.client_class, gate.client_label, gate.tool, gate.op, gate.tables) == (
         PROXY_ID, "proxy", "the chat proxy", "db_query", "write", ["users"])
-    assert gate.summary.startswith("UPDATE users SET name = ?") and gate.scopes == list(grants.GRANT_SCOPES)
+    assert gate.summary.startswith("UPDATE users SET name = ?") and gate.scopes == list(decisions.GRANT_SCOPES)
     assert gate.approvers == ["api:admin", "mcp:lead", "shell:*"] and gate.deadline - gate.raised_at == 5
     async with asyncio.timeout(10):  # the requester is told whom it waits for
         async for ev in session:
@@ -164,7 +167,7 @@ async def test_a_routed_gate_waits_for_an_approver_and_the_first_answer_wins(art
     assert (closed.closing.gate_id, closed.closing.decision, closed.closing.by) == (gate.gate_id, "allow", "mcp:lead")
     assert art.recorder.calls == [("db_query", {"sql": "UPDATE users SET name = 'x' WHERE id = 7", "query": ""})]
     await art.gate.grants.flush()
-    records = list(grants.read_audit(art.config.data_dir() / grants.AUDIT_FILE))
+    records = list(audit_log.read_audit(art.config.data_dir() / grants.AUDIT_FILE))
     refusal = next(r for r in records if r["event"] == "approval_refused")
     assert refusal["actor"] == "mcp:intern" and refusal["session"] == PROXY_ID
     decision = next(r for r in records if r["event"] == "decision")
@@ -277,7 +280,8 @@ async def test_a_turn_cancelled_while_its_gate_waits_closes_the_gate_as_abandone
     late = await art.gate.answer(gate.gate_id, "allow", answerer=Approver(API, ADMIN), channel="api")
     assert late.outcome == approvals.DECIDED and "its turn ended" in approvals.explain(late)
     await art.gate.grants.flush()
-    (record,) = [r for r in grants.read_audit(art.config.data_dir() / grants.AUDIT_FILE) if r["actor"] == "abandoned"]
+    records = audit_log.read_audit(art.config.data_dir() / grants.AUDIT_FILE)
+    (record,) = [r for r in records if r["actor"] == "abandoned"]
     assert record["tool"] == "web_search" and json.loads(record["detail"])["asked"] == gate.approvers
     assert art.recorder.calls == [] and await art.gate.desk.pending() == []
     await feed.aclose()

@@ -24,6 +24,7 @@ import openai
 import pytest
 from rich.console import Console
 
+import audit_log
 import grants
 from shell import Shell
 from shell_client import RequestRejected, ShellClient
@@ -56,7 +57,7 @@ class Servers:
     api: str
 
     def audit(self) -> list[dict[str, Any]]:
-        return list(grants.read_audit(self.server.data_dir / grants.AUDIT_FILE))
+        return list(audit_log.read_audit(self.server.data_dir / grants.AUDIT_FILE))
 
 
 def _config(path: Path, gpt: FakeOpenAI, **extra_plugins: int) -> ConfigDir:
@@ -222,7 +223,7 @@ async def test_a_client_that_goes_away_while_waiting_leaves_the_gate_to_expire_a
     await until(lambda: bool(expired()), "the expired gate in the audit log")
     (record,) = expired()
     assert record["outcome"] == "no answer: rejected" and record["actor"] == "timeout"
-    assert grants.describe_detail(record["detail"]).startswith("routed (proxy) to shell:*; nobody answered after 2.")
+    assert audit_log.describe_detail(record["detail"]).startswith("routed (proxy) to shell:*; nobody answered after 2.")
     # The turn went on without its client: the model was told, and the tool never ran.
     await until(lambda: len(srv.gpt.requests) >= 2, "the model hearing of the rejection")
     tool_results = [m["content"] for m in srv.gpt.requests[-1].json["messages"] if m["role"] == "tool"]

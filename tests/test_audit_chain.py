@@ -25,7 +25,9 @@ import pytest
 
 import agentctl
 import audit_chain
+import audit_log
 import grants
+from audit_chain import AuditRecord
 from tests.conftest import ROOT, ConfigDir
 
 MODEL = {"type": "OPENAI", "model_id": "m", "host": "http://127.0.0.1:9/v1"}
@@ -41,15 +43,14 @@ def _write_log(data_dir: Path, records: int = 8, key_file: Path | None = None) -
         try:
             decision = grants.Decision("allow_session", "shell")
             grant = grants.new_grant("c1", decision, "db_query", "db", ["users"], "write")
-            grant.audit_seq = store.audit("grant", session="c1", actor="shell", tool="db_query", op="write",
-                                          tables=["users"], grant_id=grant.id, outcome="granted")
+            call = AuditRecord.call("c1", "db_query", "write", ["users"])
+            grant.audit_seq = store.audit(call.grant("shell", "granted", grant.id))
             store.add(grant)
             for i in range(records - 2):
                 store.used(grant)
-                store.audit("grant_used", session="c1", actor="shell:c1", tool="db_query", op="write",
-                            tables=["users"], args={"sql": f"UPDATE users SET n = {i}"}, grant_id=grant.id,
-                            outcome="allowed")
-            store.audit("policy", actor="shell", op="read", tool="web_search", outcome="auto-allow")
+                used = AuditRecord.call("c1", "db_query", "write", ["users"], {"sql": f"UPDATE users SET n = {i}"})
+                store.audit(used.grant_used("shell:c1", grant.id))
+            store.audit(AuditRecord.policy("shell", "tools", ["web_search"], ["read"], "auto-allow"))
             return grant
         finally:
             await store.close()
@@ -331,7 +332,7 @@ def test_records_written_after_the_last_checkpoint_are_accepted(real_log, tmp_pa
 
     async def run() -> None:
         await _write_more.open()
-        _write_more.audit("decision", session="c1", actor="shell", outcome="rejected")
+        _write_more.audit(AuditRecord.call("c1", "", "").decision("shell", "rejected"))
         await _write_more.close()
 
     asyncio.run(run())
@@ -421,7 +422,7 @@ def test_a_log_written_before_the_key_is_taken_over_and_then_protected(tmp_path,
         await store.close()
 
     asyncio.run(run())
-    records = list(grants.read_audit(old))
+    records = list(audit_log.read_audit(old))
     assert [r["event"] for r in records] == ["decision"] * 3 + ["audit_migrated"]
     assert "records 1-3 were written before the audit key" in records[-1]["detail"]
     code, out, err = _verify(cfg.path, capsys)
@@ -465,7 +466,7 @@ async def test_a_grant_written_into_redis_by_hand_is_ignored(tmp_path, fake_open
         store, link = rt.gate.grants, rt.link
         assert store is not None and link is not None
         real = grants.new_grant("c1", grants.Decision("allow_session", "shell"), "db_query", "db", ["users"], "write")
-        real.audit_seq = store.audit("grant", session="c1", grant_id=real.id)
+        real.audit_seq = store.audit(AuditRecord.call("c1", "", "").grant("", "", real.id))
         store.add(real)
         await store.flush()
         await store.refresh("c1")
@@ -499,7 +500,7 @@ def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp
         store.link = shared.Link(redis_store)
         await store.open()
         for _ in range(records):
-            store.audit("decision", session="c1", actor="shell", outcome="rejected")
+            store.audit(AuditRecord.call("c1", "", "").decision("shell", "rejected"))
         await store.close()
         await store.link.client.aclose()
 
@@ -520,7 +521,7 @@ def test_a_revoked_grants_row_put_back_is_not_honoured_again(real_log, tmp_path,
     path = cfg / "data" / grants.AUDIT_FILE
     with _db(cfg) as db:
         saved = db.execute("SELECT id, session, record, mac FROM grants").fetchone()
-    assert [g.id for g in grants.revoke_offline(path, "all", actor="agentctl")] == [saved[0]]
+    assert [g.id for g in audit_log.revoke_offline(path, "all", actor="agentctl")] == [saved[0]]
     with _db(cfg) as db:
         db.execute("INSERT INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)", saved)
 

@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 import build
-import gate
+import client_classes
 import routes
 import state
 import stores
@@ -95,8 +95,9 @@ async def _ask(rt: state.Runtime, plugin: Any, client_id: str, message: str) -> 
 
 async def test_a_declared_namespace_gets_its_class_and_a_foreign_one_is_refused(acme) -> None:
     rt, _ = acme
-    assert rt.client_namespaces["acme-"] == (gate.API, "plugin_client_acme")
-    assert gate.client_class("acme-7", rt) == gate.API and gate.client_class("stranger", rt) == gate.UNKNOWN
+    assert rt.client_namespaces["acme-"] == (client_classes.API, "plugin_client_acme")
+    assert client_classes.client_class("acme-7", rt.client_namespaces) == client_classes.API
+    assert client_classes.client_class("stranger", rt.client_namespaces) == client_classes.UNKNOWN
     with pytest.raises(ValueError, match="overlaps 'acme-' of plugin_client_acme"):
         rt.plugins._declare_namespaces("plugin_other", type("P", (), {"CLIENT_NAMESPACES": {"acme-x": "api"}})())
     await rt.plugins.shutdown_all()
@@ -122,7 +123,7 @@ async def test_an_unowned_id_gets_no_at_model_bypass_and_its_gates_are_rejected(
     assert tool_msg.startswith("TOOL CALL REJECTED") and "a client no plugin vouches for" in tool_msg
     assert not [e for e in events if e.name == "gate"]  # rejected without asking anyone
     assert rt.recorder.calls == []
-    assert rt.sessions.get("stranger-1").settings[state.CLIENT_CLASS] == gate.UNKNOWN  # bounded as such
+    assert rt.sessions.get("stranger-1").settings[state.CLIENT_CLASS] == client_classes.UNKNOWN  # bounded as such
 
 
 async def test_only_a_vouched_shell_request_skips_gates_with_at_model(acme, fake_openai) -> None:

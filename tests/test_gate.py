@@ -1,4 +1,4 @@
-"""gate.py: the gate matrix, gate state layering, decisions, the rate limiter."""
+"""gate.py and rate_limits.py: the gate matrix, gate state layering, decisions, the rate limiter."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+import client_classes
 import gate
+import rate_limits
 import routes
 import state
 from config import GateDefaults, RateLimit
@@ -35,20 +37,23 @@ CLIENTS = {"shell": "4f1c2a9e-shell", "api": "api-1a2b3c4d", "swarm": "api-swarm
 
 async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path, fake_openai) -> None:
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)}) as rt:
-        classes = {kind: gate.client_class(cid, rt) for kind, cid in CLIENTS.items()}
+        spaces = rt.client_namespaces
+        classes = {kind: client_classes.client_class(cid, spaces) for kind, cid in CLIENTS.items()}
         # A bare id belongs to no plugin: only the shell endpoint's vouching makes a request the shell's.
-        assert classes == {**{k: k for k in CLIENTS}, "shell": gate.UNKNOWN}
-        assert ask(rt, CLIENTS["shell"], "", {"interactive": True}).turn().kind == gate.SHELL
-        assert ask(rt, "api-x", "", {"interactive": True}).turn().kind == gate.SHELL  # the shell acts anywhere
+        assert classes == {**{k: k for k in CLIENTS}, "shell": client_classes.UNKNOWN}
+        assert ask(rt, CLIENTS["shell"], "", {"interactive": True}).turn().kind == client_classes.SHELL
+        # the shell acts anywhere
+        assert ask(rt, "api-x", "", {"interactive": True}).turn().kind == client_classes.SHELL
         rt.client_namespaces.clear()  # no plugin loaded: nobody vouches for any id
-        assert {gate.client_class(cid, rt) for cid in CLIENTS.values()} == {gate.UNKNOWN}
+        assert {client_classes.client_class(cid, spaces) for cid in CLIENTS.values()} == {client_classes.UNKNOWN}
 
 
 async def test_may_administer_follows_the_request_not_the_client_id() -> None:
-    assert not gate.may_administer(None)  # outside a request: nobody
-    assert not gate.may_administer(state.Turn("c1", "t1", gate.SHELL))  # the class alone gives nothing
+    assert not client_classes.may_administer(None)  # outside a request: nobody
+    # the class alone gives nothing
+    assert not client_classes.may_administer(state.Turn("c1", "t1", client_classes.SHELL))
     for vouched in ({"interactive": True}, {"admin": True}):
-        assert gate.may_administer(state.Turn("api-x", "t1", gate.UNKNOWN, **vouched))
+        assert client_classes.may_administer(state.Turn("api-x", "t1", client_classes.UNKNOWN, **vouched))
 
 
 # ── The matrix: gate type × client × gate on/off ────────────────────────────────────────────
@@ -192,7 +197,7 @@ def test_layering_specific_beats_wildcard_and_session_beats_defaults() -> None:
     keeper = gate.GateKeeper(GateDefaults.model_validate({
         "db": {"*": {"read": True, "write": True}, "payroll": {"read": True, "write": False}},
         "tools": {"*": {"read": False}, "web_search": {"read": True}},
-    }))
+    }), state.EventHub())
     session = state.Session("c1", 101, "fake")
     assert keeper.allowed(session, "db", "orders", "write")  # wildcard
     assert not keeper.allowed(session, "db", "payroll", "write")  # specific entry beats the wildcard
@@ -219,8 +224,8 @@ def test_bad_gate_timeout_is_a_config_error() -> None:
     from config import ConfigError
 
     with pytest.raises(ConfigError, match="GATE_TIMEOUT"):
-        gate.GateKeeper.from_env(GateDefaults(), {"GATE_TIMEOUT": "soon"})
-    assert gate.GateKeeper.from_env(GateDefaults(), {}).timeout == gate.DEFAULT_GATE_TIMEOUT
+        gate.GateKeeper.from_env(GateDefaults(), state.EventHub(), {"GATE_TIMEOUT": "soon"})
+    assert gate.GateKeeper.from_env(GateDefaults(), state.EventHub(), {}).timeout == gate.DEFAULT_GATE_TIMEOUT
 
 
 async def test_a_new_submit_cancels_a_waiting_gate_and_cleans_it(grt, fake_openai) -> None:
@@ -313,10 +318,11 @@ async def test_admin_api_client_may_change_gates(grt) -> None:
 
 
 async def test_plugin_commands_use_the_same_check(grt) -> None:
-    """A privileged plugin command (the coming `!db`) refuses non-interactive clients with gate.may_administer."""
+    """A privileged plugin command (the coming `!db`) refuses non-interactive clients with
+    client_classes.may_administer."""
 
     async def db(turn: state.Turn, args: str) -> str:
-        return "ran " + args if gate.may_administer(turn) else gate.refusal("!db", turn)
+        return "ran " + args if client_classes.may_administer(turn) else client_classes.refusal("!db", turn)
 
     grt.commands["db"] = state.Command(db, owner="plugin_test_db")
     out, _ = await turn(grt, "!db SELECT 1")
@@ -341,7 +347,7 @@ class Clock:
 
 def test_rate_limit_windows_slide_with_the_clock() -> None:
     clock = Clock()
-    limiter = gate.RateLimiter({"search": RateLimit(calls=2, window_seconds=10)}, clock=clock)
+    limiter = rate_limits.RateLimiter({"search": RateLimit(calls=2, window_seconds=10)}, state.EventHub(), clock=clock)
     assert [limiter.hit("a", "search") for _ in range(3)] == [None, None, "limit"]
     assert limiter.hit("b", "search") is None  # per session
     assert limiter.hit("a", "db") is None  # types without a limit are unlimited
@@ -353,13 +359,14 @@ def test_rate_limit_windows_slide_with_the_clock() -> None:
 
 
 def test_zero_means_unlimited() -> None:
-    limiter = gate.RateLimiter({"system": RateLimit(calls=0, window_seconds=0)}, clock=Clock())
+    limiter = rate_limits.RateLimiter({"system": RateLimit(calls=0, window_seconds=0)}, state.EventHub(), clock=Clock())
     assert all(limiter.hit("a", "system") is None for _ in range(100))
 
 
 def test_auto_disable_and_enable() -> None:
     clock = Clock()
-    limiter = gate.RateLimiter({"llm_call": RateLimit(calls=1, window_seconds=20, auto_disable=True)}, clock=clock)
+    limiter = rate_limits.RateLimiter({"llm_call": RateLimit(calls=1, window_seconds=20, auto_disable=True)},
+                                      state.EventHub(), clock=clock)
     assert limiter.hit("a", "llm_call") is None
     assert limiter.hit("a", "llm_call") == "limit"
     clock.now += 60
@@ -371,12 +378,12 @@ def test_auto_disable_and_enable() -> None:
 
 def test_old_windows_are_pruned() -> None:
     clock = Clock()
-    limiter = gate.RateLimiter({"search": RateLimit(calls=5, window_seconds=10)}, clock=clock)
-    for i in range(gate.SWEEP_EVERY * 4):
+    limiter = rate_limits.RateLimiter({"search": RateLimit(calls=5, window_seconds=10)}, state.EventHub(), clock=clock)
+    for i in range(rate_limits.SWEEP_EVERY * 4):
         limiter.hit(f"client-{i}", "search")
-    assert len(limiter.windows) <= gate.SWEEP_EVERY * 4
+    assert len(limiter.windows) <= rate_limits.SWEEP_EVERY * 4
     clock.now += 11
-    for _ in range(gate.SWEEP_EVERY):
+    for _ in range(rate_limits.SWEEP_EVERY):
         limiter.hit("steady", "search")
         clock.now += 11
     assert set(limiter.windows) == {("steady", "search")}
@@ -390,7 +397,7 @@ async def test_rate_limit_in_the_pipeline_and_reenable_command(tmp_path, fake_op
     async with runtime(tmp_path, {"fake": openai_model(fake_openai, tool_call_available=True)},
                        gates=ALL_OPEN, rate_limits=limits) as rt:
         clock = Clock()
-        rt.rate_limiter = gate.RateLimiter(rt.config.enabled.rate_limits, clock=clock)
+        rt.rate_limiter.clock = clock
         recorder = Recorder()
         add_plugin_tools(rt, "plugin_test_rl", [recorder.tool("web_search", _Args)], {"web_search": {"type": "search"}})
         await rt.sessions.get_or_create("c1", "fake")
@@ -439,7 +446,8 @@ async def _until_gate(events):
 
 
 def test_system_schemas_are_allowed_only_by_their_own_keys() -> None:
-    keeper = gate.GateKeeper(GateDefaults.model_validate({"db": {"*": {"read": True, "write": True}}, "tools": {}}))
+    keeper = gate.GateKeeper(GateDefaults.model_validate({"db": {"*": {"read": True, "write": True}}, "tools": {}}),
+                             state.EventHub())
     assert keeper.allowed(None, "db", "users", "read") and keeper.allowed(None, "db", "shop.users", "write")
     for key in ("mysql.user", "information_schema.tables", "performance_schema.threads", "sys.session"):
         assert not keeper.allowed(None, "db", key, "read"), key  # `*` never reaches the server's own schemas
@@ -449,7 +457,8 @@ def test_system_schemas_are_allowed_only_by_their_own_keys() -> None:
         session, "db", "mysql.user", "write"
     )
     # An unqualified entry is not a qualified one: allowing `users` leaves `shop.users` to `*` (here: gated).
-    narrow = gate.GateKeeper(GateDefaults.model_validate({"db": {"users": {"read": True}}, "tools": {}}))
+    narrow = gate.GateKeeper(GateDefaults.model_validate({"db": {"users": {"read": True}}, "tools": {}}),
+                             state.EventHub())
     assert narrow.allowed(None, "db", "users", "read") and not narrow.allowed(None, "db", "shop.users", "read")
 
 

@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 from rich.console import Console
 
+import audit_log
 import build
 import grants
 from config import load_config
@@ -140,8 +141,8 @@ async def test_grants_survive_a_restart_until_they_expire(tmp_path, fake_openai)
     assert revoked.returncode == 0 and f"revoked {grant.id}" in revoked.stdout
     assert "No active grants." in _agentctl(config.config_dir, "grants").stdout
     path = config.data_dir() / grants.AUDIT_FILE
-    assert [r["actor"] for r in grants.read_audit(path) if r["event"] == "revoke"] == ["agentctl"]
-    assert grants.verify_file(path).head.count == len(list(grants.read_audit(path)))
+    assert [r["actor"] for r in audit_log.read_audit(path) if r["event"] == "revoke"] == ["agentctl"]
+    assert audit_log.verify_file(path).head.count == len(list(audit_log.read_audit(path)))
 
 
 def _agentctl(config_dir, *args: str) -> subprocess.CompletedProcess[str]:
@@ -156,7 +157,7 @@ async def test_the_audit_chain_names_a_changed_or_missing_record(gr) -> None:
     await turn(gr, "!autogate search true")
     path = gr.config.data_dir() / grants.AUDIT_FILE
     await gr.gate.grants.flush()
-    records = list(grants.read_audit(path))
+    records = list(audit_log.read_audit(path))
     assert [r["event"] for r in records] == ["grant", "grant_used", "decision", "policy"]
     assert records[0]["actor"] == "" and records[2]["outcome"] == "rejected"
     assert all(BASE not in str(r) and "DROP" not in str(r) for r in records)  # a digest, never the arguments
@@ -170,7 +171,7 @@ async def test_the_audit_chain_names_a_changed_or_missing_record(gr) -> None:
         db.execute("UPDATE audit SET outcome = 'rejected' WHERE seq = 3")
         db.execute("DELETE FROM audit WHERE seq = 2")
     with pytest.raises(grants.AuditError, match="record 2 is missing"):
-        grants.verify_file(path)
+        audit_log.verify_file(path)
     listed = _agentctl(gr.config.config_dir, "--json", "audit", "--session", "c1")
     assert listed.returncode == 0 and '"event": "grant"' in listed.stdout
 

@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 import approvals
+import audit_log
 import build
 import grants
 import routes
@@ -182,7 +183,7 @@ async def test_a_question_routed_to_approvers_is_answered_by_a_shell_approver_wi
         closing = next(s for s in statuses if s.get("gate_id") == asked.gate_id and s.get("decision"))
         assert (closing["by"], closing["channel"]) == ("shell:w-lead", "shell")
         await rt.gate.grants.flush()
-        records = list(grants.read_audit(rt.config.data_dir() / grants.AUDIT_FILE))
+        records = list(audit_log.read_audit(rt.config.data_dir() / grants.AUDIT_FILE))
         (refused,) = [r for r in records if r["event"] == "approval_refused"]
         assert (refused["actor"], refused["tool"]) == ("shell:w-stranger", "local_book")
         (record,) = [r for r in records if r["event"] == "decision" and r["tool"] == "local_book"]
@@ -201,7 +202,7 @@ async def test_values_answered_on_another_instance_reach_the_waiting_question(tm
         client_id = "shell-two"
         await a.sessions.get_or_create(client_id, "fake")
         sub = a.hub.subscribe(client_id, a.hub.last_id(client_id))
-        asking = asyncio.ensure_future(a.gate.ask(a, client_id, {"tool_name": "x_book", "grants": []}, WAIT))
+        asking = asyncio.ensure_future(a.gate.ask(client_id, {"tool_name": "x_book", "grants": []}, WAIT))
         gate_id = ""
         async with asyncio.timeout(WAIT):
             async for ev in sub:

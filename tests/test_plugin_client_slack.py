@@ -342,9 +342,9 @@ async def test_a_backend_error_is_reported_in_the_thread(bot):
 
 
 async def test_a_refused_tool_call_gets_one_clear_note_and_the_answer_still_comes(bot):
-    async def refuse(rt, turn, entry, args):  # what gate.py does for Slack clients
-        rt.hub.status(turn.client_id, f"[gate ✗] {entry.tool.name} (read) needs approval, which Slack cannot give "
-                                      "— rejected")
+    async def refuse(turn, entry, args):  # what gate.py does for Slack clients
+        bot.rt.hub.status(turn.client_id, f"[gate ✗] {entry.tool.name} (read) needs approval, which Slack cannot "
+                                          "give — rejected")
         return gate.Refusal("denied", f"TOOL CALL REJECTED: {entry.tool.name} needs human approval")
 
     bot.rt.tool_checks.append(refuse)
@@ -360,8 +360,9 @@ async def test_a_refused_tool_call_gets_one_clear_note_and_the_answer_still_come
 
 
 async def test_a_rate_limited_tool_call_gets_a_note(bot):
-    async def limit(rt, turn, entry, args):  # what the rate limiter does
-        rt.hub.status(turn.client_id, f"[RATE LIMITED] {entry.tool.name} (system): 5 calls per 10 s; try again in 4 s")
+    async def limit(turn, entry, args):  # what the rate limiter does
+        bot.rt.hub.status(turn.client_id,
+                          f"[RATE LIMITED] {entry.tool.name} (system): 5 calls per 10 s; try again in 4 s")
         return gate.Refusal("rate_limited", "RATE LIMITED")
 
     bot.rt.tool_checks.append(limit)

@@ -21,7 +21,9 @@ import pymysql
 import pytest
 from pydantic import BaseModel
 
+import audit_log
 import build
+import decisions
 import grants
 import shared
 import state
@@ -45,7 +47,7 @@ APPROVALS = {"timeout_seconds": 60, "classes": {
     "proxy": {"slack_channel": APPROVE_CHANNEL,
               "tools": {"web_search": {"slack_users": [LEAD, OTHER]},
                         "file_edit": {"slack_channel": APPROVE_CHANNEL, "mcp_tokens": ["owner"]}}}}}
-ALLOW, ALLOW_FOR, SESSION, PATTERN, REJECT = (f"agent-gate:{w}" for w in grants.DECISIONS)
+ALLOW, ALLOW_FOR, SESSION, PATTERN, REJECT = (f"agent-gate:{w}" for w in decisions.DECISIONS)
 
 
 class _Args(BaseModel):
@@ -396,8 +398,8 @@ def test_the_server_posts_a_db_query_gate_in_the_thread_and_an_approvers_click_r
         assert cur.fetchone() == ("ada",)
     out = server.stop()
     assert BOT_TOKEN not in out and APP_TOKEN not in out and "Traceback" not in out
-    records = [r for r in grants.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "decision"]
+    records = [r for r in audit_log.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "decision"]
     assert records and records[-1]["actor"] == f"slack:{LEAD}"
     assert json.loads(records[-1]["detail"])["channel"] == "slack"
     assert any(r["event"] == "approval_refused" and r["actor"] == f"slack:{NOBODY}"
-               for r in grants.read_audit(server.data_dir / grants.AUDIT_FILE))
+               for r in audit_log.read_audit(server.data_dir / grants.AUDIT_FILE))

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 import build
-import gate
+import client_classes
 import routes
 import state
 import stores
@@ -231,10 +231,10 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         # A swarm session may not call further, whatever the target.
         with pytest.raises(ToolError, match=r"^agent_call refused: it runs only as a tool call of a request"):
             await rt.tools.executor("agent_call")(agent_url="b", message="x")  # outside a request: fails closed
-        with state.running(routes.Request("api-1", gate.API).turn()), \
+        with state.running(routes.Request("api-1", client_classes.API).turn()), \
                 pytest.raises(ToolError, match="failed: cannot reach"):  # an API client's request: it tries
             await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        with state.running(routes.Request("api-swarm-12345678", gate.SWARM).turn()), \
+        with state.running(routes.Request("api-swarm-12345678", client_classes.SWARM).turn()), \
                 pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
             await rt.tools.executor("agent_call")(agent_url="b", message="x")
 

@@ -37,7 +37,7 @@ def traced(rt: state.Runtime, name: str, content: bool = False) -> InMemorySpanE
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    rt.tracing = tracing.Tracing(provider, content=content)
+    rt.tracing = rt.gate.tracing = tracing.Tracing(provider, content=content)
     return exporter
 
 
