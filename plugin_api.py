@@ -5,10 +5,11 @@ A plugin subclasses `BasePlugin` and reaches the running server only through `se
 `delete_session`), the event hub, the sessions, the gate keeper, the tool registry, the shared
 store of several instances (`values`, `signals`, `link`), metrics and tracing, and the settings.
 The types those hand out (`Request`, `Turn`, `Event`, `Session`, …) and the client classes are
-exported here too. Besides this module a plugin imports libraries, and the core's vocabulary and
-file-format modules that hold no runtime (`LIBRARIES` in tests/test_architecture.py: config,
-secret_files, failures, guard, grants, approvals, database); tests/test_architecture.py fails on any other core
-import from plugins/. The loader builds one context per plugin before `init()`.
+exported here too. Besides this module a plugin imports libraries, and the core's vocabulary,
+record and file-format modules that hold no runtime (`LIBRARIES` in tests/test_architecture.py:
+decisions, grants, approvals, audit_chain, gate_policy, config, secret_files, failures, guard,
+database, db_results); tests/test_architecture.py fails on any other core import from plugins/.
+The loader builds one context per plugin before `init()`.
 """
 
 from __future__ import annotations
