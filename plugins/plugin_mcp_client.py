@@ -144,10 +144,8 @@ class McpClientPlugin(BasePlugin):
     def _server_changed(self, conn: Connection) -> None:
         """A server connected, failed, died or changed its tools: update /health and the registry."""
         assert self.context is not None
-        report = self.context.plugins.reports.get(self.PLUGIN_NAME) if self.context.plugins else None
-        if report is not None:
-            report.reasons = [f"MCP server '{c.name}' {c.status}: {c.error}"
-                              for c in self.servers.values() if c.error and c.status != "connected"]
+        self.context.report_problems([f"MCP server '{c.name}' {c.status}: {c.error}"
+                                      for c in self.servers.values() if c.error and c.status != "connected"])
         if self.enabled and conn.status == "connected":  # registered: keep the registry in step
             tools, gates = self._collect()
             try:
