@@ -24,7 +24,10 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
+# httpx's package imports its command line (`httpx._main`: click, rich and pygments, about 5 MiB) when it
+# can; the server never runs it. A None entry makes that import fail, and httpx goes without its CLI.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+
 import uvicorn
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
@@ -35,8 +38,10 @@ from starlette.types import ASGIApp
 import build
 import models
 import routes
-import shared
+import sessions
+import shared_link
 import state
+import stores
 from audit_chain import AuditError
 from config import CODE_DIR, AppConfig, ConfigError, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
@@ -187,10 +192,8 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
 
     `cfg` is the plugin's `get_config()`: host, port, token, allowed_hosts, allowed_origins, token_hint.
     """
-    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared.StoreUnavailable: _unavailable,
-                                                                        state.Stopping: _unavailable})
-    app.state.runtime = rt
-    app.state.plugin = plugin
+    app = Starlette(routes=plugin.get_routes(), exception_handlers={shared_link.StoreUnavailable: _unavailable,
+                                                                            sessions.Stopping: _unavailable})
     return Guard(app, plugin=plugin.PLUGIN_NAME, bind=str(cfg.get("host", "127.0.0.1")), port=int(cfg["port"]),
                  token=cfg.get("token"), token_hint=cfg.get("token_hint"), allowed_hosts=cfg.get("allowed_hosts", ()),
                  allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
@@ -222,6 +225,8 @@ def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, soc
                 # The client address is the TCP peer: uvicorn would take X-Forwarded-For from any local
                 # caller. Forwarded identity counts only from a configured forwarder (plugin_proxy_llama).
                 proxy_headers=False, forwarded_allow_ips="",
+                # No front door speaks WebSocket: uvicorn need not import a WebSocket library.
+                ws="none",
                 # Open requests (event streams of draining turns among them) may finish; then they are ended.
                 timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,
             )
@@ -316,8 +321,7 @@ async def serve(config: AppConfig) -> int:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(STREAMS_GRACE_SECONDS):
                         await rt.streams_done.wait()
-            if rt.stopping is not None:
-                rt.stopping.set()
+            rt.stopping.set()
             AppStatus.should_exit = True
 
         ending: list[asyncio.Task[None]] = []
@@ -330,7 +334,6 @@ async def serve(config: AppConfig) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop, True)
-        rt.stopping = anyio.Event()
         tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock, _ in prepared]
         for _, _, where in prepared:
             logger.info("listening: %s", where)
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         if created:
             logger.info("created in %s from the shipped defaults: %s", config.config_dir, ", ".join(created))
         return _run(serve(config))
-    except (StartupError, ConfigError, state.SessionError, AuditError) as exc:
+    except (StartupError, ConfigError, stores.SessionError, AuditError) as exc:
         # One line on stderr, not a log record as well: the log handler writes to stderr too.
         print(f"agent-mcp: cannot start: {exc}", file=sys.stderr)
         return 1

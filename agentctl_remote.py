@@ -174,11 +174,11 @@ def _redis_head(cfg: AppConfig, path: Path) -> str | None:
         return None
     import redis
 
-    import shared
+    import shared_link
     from audit_chain import open_readonly, read_meta
     with open_readonly(path) as db:
         log_id = read_meta(db).get("log_id", "")
-    url, prefix = shared.split_prefix(url)
+    url, prefix = shared_link.split_prefix(url)
     try:
         client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
         with client:

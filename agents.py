@@ -24,11 +24,14 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 
 import budget
 import client_classes
+import events
 import state
+import stores
+import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
 from models import chat_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
-from state import trim_history
+from sessions import trim_history
 from text_calls import (
     TextCallFilter,
     TextCalls,
@@ -52,7 +55,7 @@ logger = logging.getLogger("agent_mcp.agents")
 #: (model, its config, the messages, the session's client id, the text-call filter) → the reply.
 ModelCall = Callable[[Any, ModelConfig, list[BaseMessage], str, TextCallFilter | None], Awaitable[AIMessageChunk]]
 #: One tool call through the pipeline (tool_calls.execute_tool): (turn, tool name, arguments) → its outcome.
-ToolCall = Callable[[state.Turn, str, dict[str, Any]], Awaitable[ToolOutcome]]
+ToolCall = Callable[[turns.Turn, str, dict[str, Any]], Awaitable[ToolOutcome]]
 #: A line for a session's status stream: (client id, text).
 Status = Callable[[str, str], None]
 
@@ -98,7 +101,7 @@ class Request:
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, call: ModelCall, status: Status, llm: Any, session: state.Session,
+    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session,
                    hold: TextCallFilter | None, final: _Final | None = None) -> AIMessageChunk:
         """One model call (`call`) with the fitted history, any shortening told by `status`; when the backend
         still says the context was exceeded, once more with a tighter budget. With `final`, the history goes
@@ -123,7 +126,7 @@ class Request:
                                           "sending it again with less history (the stored history is unchanged)")
 
 
-async def context_report(session: state.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
+async def context_report(session: stores.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
                          windows: dict[str, tuple[int, str]]) -> str:
     """For `!model`: the session model's window, where it comes from, and the size of its next request."""
     key = session.model if session.model in config.models else config.default_model
@@ -201,9 +204,9 @@ class _Loop:
     """What every round of one LLM turn shares: the model with its tools, the calls made so far, and
     why the turn must end with a final answer without tools (`finish`), once that is so."""
 
-    turn: state.Turn
-    session: state.Session
-    hub: state.EventHub  # the session's stream: answer tokens and status lines
+    turn: turns.Turn
+    session: stores.Session
+    hub: events.EventHub  # the session's stream: answer tokens and status lines
     model_call: ModelCall
     run_tool: ToolCall
     prompt: PromptTree
@@ -253,7 +256,7 @@ class _Loop:
         return True
 
 
-async def _prepare(rt: state.Runtime, turn: state.Turn, session: state.Session, key: str) -> _Loop:
+async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
     """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
     says no), and the pieces of the runtime the rounds use."""
     cfg = rt.config.models[key]
@@ -429,7 +432,7 @@ async def agentic_lc(loop: _Loop) -> str:
     return await _final_answer(loop)
 
 
-async def dispatch_llm(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+async def dispatch_llm(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     """Run one LLM turn of `text` on the turn's model (default: the session's).
 
     On failure the history is rolled back to how it was before the turn (the user message

@@ -28,9 +28,9 @@ from typing import Any
 
 import audit_log
 import decisions
+import events
 import grants
-import shared
-import state
+import shared_gates
 from config import ApprovalsConfig, Approvers, ClassApprovers, ConfigError
 
 logger = logging.getLogger("agent_mcp.approvals")
@@ -303,7 +303,7 @@ def audit_detail(gate: RoutedGate, closing: Closing) -> str:
 class ApprovalDesk:
     """The routed gates of this instance (and, on Redis, of every instance), and their feed."""
 
-    def __init__(self, rules: ApprovalRules, hub: state.EventHub, store: shared.SharedApprovals | None = None,
+    def __init__(self, rules: ApprovalRules, hub: events.EventHub, store: shared_gates.SharedApprovals | None = None,
                  clock: Callable[[], float] = time.time):
         self.rules = rules
         self.hub = hub
@@ -426,7 +426,7 @@ class ApprovalDesk:
 # ── The steps of a routed gate (called by gate.GateKeeper.ask / answer) ─────────────────────
 
 
-async def opening(desk: ApprovalDesk, hub: state.EventHub, gate: RoutedGate, gate_id: str, seconds: float) -> None:
+async def opening(desk: ApprovalDesk, hub: events.EventHub, gate: RoutedGate, gate_id: str, seconds: float) -> None:
     """Put a gate on the feed and tell its requester who it waits for."""
     gate.gate_id, gate.raised_at = gate_id, desk.clock()
     gate.deadline = gate.raised_at + seconds

@@ -13,6 +13,7 @@ import approvals
 import audit_chain
 import client_classes
 import commands
+import events
 import gate
 import gate_commands
 import grants
@@ -20,15 +21,21 @@ import metrics
 import models
 import rate_limits
 import routes
-import shared
+import shared_events
+import shared_gates
+import shared_link
+import shared_store
+import shared_values
 import state
 import stores
 import tracing
+import turns
 from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
 from plugin_checks import is_enabled
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
+from sessions import SessionLimits, SessionManager, SessionPolicy
 from tools import make_core_tools
 
 logger = logging.getLogger("agent_mcp.build")
@@ -36,13 +43,13 @@ logger = logging.getLogger("agent_mcp.build")
 
 def event_buffer(env: Mapping[str, str]) -> int:
     """AGENT_EVENT_BUFFER: how many events each session keeps for readers that fall behind or reconnect
-    (default state.EVENT_BUFFER); a reader further behind gets an error instead of an answer with a gap."""
+    (default events.EVENT_BUFFER); a reader further behind gets an error instead of an answer with a gap."""
     raw = env.get("AGENT_EVENT_BUFFER", "").strip()
     if not raw:
-        return state.EVENT_BUFFER
+        return events.EVENT_BUFFER
     if not raw.isdigit() or not 10 <= int(raw) <= 1_000_000:
         raise ConfigError(f"environment variable AGENT_EVENT_BUFFER={raw[:40]!r}: must be a whole number of events "
-                          f"from 10 to 1000000 (default {state.EVENT_BUFFER})")
+                          f"from 10 to 1000000 (default {events.EVENT_BUFFER})")
     return int(raw)
 
 
@@ -51,23 +58,25 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     # Before anything opens:
     rules = approvals.ApprovalRules(config.enabled.approvals, client_classes.CLASSES, [client_classes.SHELL])
-    sessions = state.SessionManager(store or shared.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
-                                    session_policy(config.enabled.sessions, namespaces))
+    sessions = SessionManager(store or shared_store.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
+                              session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
-    link = sessions.store.link if isinstance(sessions.store, shared.RedisStore) else None
+    link = sessions.store.link if isinstance(sessions.store, shared_store.RedisStore) else None
     buffer = event_buffer(config.env)
+    hub = shared_events.RedisEventHub(link, buffer) if link else events.EventHub(buffer=buffer)
     rt = state.Runtime(
         config=config,
         sessions=sessions,
         client_namespaces=namespaces,
-        hub=shared.RedisEventHub(link, buffer) if link else state.EventHub(buffer=buffer),
+        hub=hub,
         link=link,
         tools=ToolRegistry(),
         prompt=PromptTree(config.path(PROMPT_DIR)).load(),
+        gate=gate.GateKeeper.from_env(config.gates, hub, config.env, config.config_dir),
+        rate_limiter=rate_limits.RateLimiter(config.enabled.rate_limits, hub),
     )
     for tool in make_core_tools(rt):
         rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
-    rt.gate = gate.GateKeeper.from_env(config.gates, rt.hub, config.env, config.config_dir)
     rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
                                        key_file=audit_chain.key_path(config.data_dir(), config.env))
     try:
@@ -75,18 +84,17 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     except BaseException:
         await sessions.close()
         raise
-    rt.rate_limiter = rate_limits.RateLimiter(config.enabled.rate_limits, rt.hub)
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
-        rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared.SharedApprovals(link) if link else None)
+        rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared_gates.SharedApprovals(link) if link else None)
     rt.metrics, rt.tracing = observability(rt)
     rt.gate.metrics, rt.gate.tracing = rt.metrics, rt.tracing
     if link is not None:
         link.metrics = rt.metrics
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
-        rt.gate.relay, rt.rate_limiter.shared, rt.values = shared.GateRelay(link), shared.SharedLimits(link), \
-            shared.SharedValues(link)
+        rt.gate.relay, rt.rate_limiter.shared = shared_gates.GateRelay(link), shared_values.SharedLimits(link)
+        rt.values = shared_values.SharedValues(link)
         rt.gate.grants.link = link
-        rt.signals = rt.gate.signals = shared.Signals(link)
+        rt.signals = rt.gate.signals = shared_link.Signals(link)
         rt.signals.on(gate.POLICY_SIGNAL, rt.gate.policy_changed_elsewhere)
         for what in ("cancel", "stop"):
             rt.signals.on(what, functools.partial(routes.signalled, rt.active_tasks, rt.hub, what))
@@ -101,9 +109,9 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     rt.plugins = PluginLoader(rt)
     ctx = command_context(rt)
     for name, handler in commands.COMMANDS.items():
-        rt.commands[name] = state.Command(functools.partial(handler, ctx), usage=state.usage_of(handler))
+        rt.commands[name] = turns.Command(functools.partial(handler, ctx), usage=turns.usage_of(handler))
     for name, handler in gate_commands.COMMANDS.items():
-        rt.commands[name] = state.Command(functools.partial(handler, rt), usage=state.usage_of(handler))
+        rt.commands[name] = turns.Command(functools.partial(handler, rt), usage=turns.usage_of(handler))
     return rt
 
 
@@ -159,7 +167,7 @@ def observability(rt: state.Runtime) -> tuple[metrics.Metrics, tracing.Tracing]:
 
 
 def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None
-                   ) -> state.SessionPolicy:
+                   ) -> SessionPolicy:
     """The session bounds of plugins-enabled.json `sessions`, per client class (`client_classes.session_class`,
     with the client-id `namespaces` the runtime's plugins declare)."""
     unknown = sorted(set(bounds.classes) - set(client_classes.CLIENT_LABELS))
@@ -167,16 +175,16 @@ def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]
         logger.warning("plugins-enabled.json: field 'sessions.classes': %s name no client class and apply to no "
                        "session; the classes are %s", ", ".join(unknown), ", ".join(client_classes.CLIENT_LABELS))
 
-    def limits(kind: str) -> state.SessionLimits:
+    def limits(kind: str) -> SessionLimits:
         limit = bounds.limit(kind, interactive=kind == client_classes.SHELL)
         idle = None if limit.idle_days is None else limit.idle_days * 86400
-        return state.SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
+        return SessionLimits(idle_seconds=idle, max_sessions=limit.max_sessions)
 
-    def classify(session: state.Session) -> str:
+    def classify(session: stores.Session) -> str:
         return client_classes.session_class(namespaces or {}, session)
 
-    return state.SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
-                               max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
+    return SessionPolicy(classify=classify, limits=limits, max_history=bounds.max_history_messages,
+                         max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
 
 
 async def close_runtime(rt: state.Runtime) -> None:

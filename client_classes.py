@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import guard
-import state
+import sessions
+import stores
+import turns
 from config import CODE_DIR, AppConfig, secret_values
 
 SHELL, API, SWARM, PROXY, SLACK, MCP, UNKNOWN = "shell", "api", "swarm", "proxy", "slack", "mcp", "unknown"
@@ -44,12 +46,9 @@ CLASSES = {c.name: c for c in (
 CLIENT_LABELS = {name: c.label for name, c in CLASSES.items()}
 
 
-def client_class(client_id: str | None, namespaces: dict[str, tuple[str, str]] | None = None) -> str:
+def client_class(client_id: str | None, namespaces: dict[str, tuple[str, str]]) -> str:
     """The class of the loaded plugin's namespace that owns `client_id` (the longest prefix), else UNKNOWN.
-    `namespaces`: prefix → (class, plugin) of the loaded client plugins; default the installed runtime's."""
-    if namespaces is None:
-        rt = state.installed()
-        namespaces = rt.client_namespaces if rt else {}
+    `namespaces`: prefix → (class, plugin) of the loaded client plugins (the runtime's client_namespaces)."""
     return _owner_class(namespaces, client_id or "")
 
 
@@ -61,20 +60,20 @@ def _owner_class(namespaces: dict[str, tuple[str, str]], client_id: str) -> str:
     return kind
 
 
-def session_class(namespaces: dict[str, tuple[str, str]], session: state.Session) -> str:
+def session_class(namespaces: dict[str, tuple[str, str]], session: stores.Session) -> str:
     """The class a session is bounded and listed as: the class of the client that created it.
 
     Sessions stored before classes were recorded: their id's namespace, and bare ids are the
     shell's (the only client that created them). Never a source of privilege.
     """
-    recorded = session.settings.get(state.CLIENT_CLASS)
+    recorded = session.settings.get(sessions.CLIENT_CLASS)
     if recorded in CLASSES:
         return str(recorded)
     kind = _owner_class(namespaces, session.client_id)
-    return SHELL if kind == UNKNOWN and state.CLIENT_CLASS not in session.settings else kind
+    return SHELL if kind == UNKNOWN and sessions.CLIENT_CLASS not in session.settings else kind
 
 
-def may_administer(turn: state.Turn | None) -> bool:
+def may_administer(turn: turns.Turn | None) -> bool:
     """Whether `turn` may change gates or run privileged (★) commands such as `!db`.
 
     Accepted: a request the token-authenticated shell endpoint vouched for (payload
@@ -95,12 +94,12 @@ def without_locations(config: AppConfig, text: str) -> str:
                                        "<install dir>": CODE_DIR, "~": Path.home()})
 
 
-def refusal(command: str, turn: state.Turn | None) -> str:
+def refusal(command: str, turn: turns.Turn | None) -> str:
     """The message a client gets for a privileged command it may not run."""
     kind = turn.kind if turn is not None else UNKNOWN
     return (f"ERROR: {command} is accepted only from the interactive shell (shell.py) or an API client "
             f"holding the admin token; this request comes from {CLIENT_LABELS[kind]}.")
 
-def actor(turn: state.Turn) -> str:
+def actor(turn: turns.Turn) -> str:
     """Who a request is, for the audit log: its client class and id."""
     return f"{turn.kind}:{turn.client_id}"

@@ -13,7 +13,9 @@ from typing import Any
 
 import client_classes
 import gate
-import state
+import sessions
+import stores
+import turns
 from config import AppConfig, ConfigError, save_model_fields
 from decisions import DEFAULT_MINUTES
 from gate_commands import parse_bool
@@ -29,18 +31,18 @@ class Context:
     few actions of other modules they take, as functions."""
 
     config: AppConfig
-    sessions: state.SessionManager
+    sessions: sessions.SessionManager
     prompt: PromptTree
     tools: ToolRegistry
     #: Every `!command`, and the plugins (their help and load reports): for `!help`.
-    commands: dict[str, state.Command]
+    commands: dict[str, turns.Command]
     plugins: PluginLoader | None
     #: The gate keeper: its waiting times, for `!help`.
     gate: gate.GateKeeper
     #: routes.delete_session: the one way a session is deleted.
-    delete_session: Callable[[str], Awaitable[state.Session | None]]
+    delete_session: Callable[[str], Awaitable[stores.Session | None]]
     #: agents.context_report: the session model's window and the size of its next request (`!model`).
-    context_report: Callable[[state.Session], Awaitable[str]]
+    context_report: Callable[[stores.Session], Awaitable[str]]
     #: models.close_models: drop the chat clients of these models (rebuilt at their next call).
     close_models: Callable[[list[str]], Awaitable[None]]
     #: The rate limiter's `reenable(client id, tool type)`.
@@ -56,7 +58,7 @@ def _models_list(ctx: Context, current: str | None) -> str:
     return "Available models:\n" + "\n".join(rows)
 
 
-async def cmd_help(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_help(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!help — this help"""
     lines = ["Commands:"]
     for name, cmd in sorted(ctx.commands.items()):
@@ -94,7 +96,7 @@ async def cmd_help(ctx: Context, turn: state.Turn, args: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def cmd_model(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_model(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!model [key] — list models / switch this session's model"""
     session = turn.session
     if not args:
@@ -107,7 +109,7 @@ async def cmd_model(ctx: Context, turn: state.Turn, args: str) -> str:
     return f"Model set to '{args}'."
 
 
-async def cmd_reset(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_reset(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!reset — clear this session's history"""
     session = turn.session
     count = len(session.history)
@@ -116,7 +118,7 @@ async def cmd_reset(ctx: Context, turn: state.Turn, args: str) -> str:
     return f"Conversation history cleared ({count} messages removed)."
 
 
-async def cmd_session(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_session(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!session [<ID> [delete]] — list sessions / show or delete one (full or shorthand id)
 
     Other people's sessions are visible only to the shell and admin requests: a proxy, Slack or
@@ -153,7 +155,7 @@ async def cmd_session(ctx: Context, turn: state.Turn, args: str) -> str:
             f"  tool_preview_length: {s.tool_preview_length or 'unlimited'}")
 
 
-async def cmd_tool_preview_length(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_tool_preview_length(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!tool_preview_length [n] — characters of tool results shown (0/off = all)"""
     session = turn.session
     def show(n: int) -> str:
@@ -169,7 +171,7 @@ async def cmd_tool_preview_length(ctx: Context, turn: state.Turn, args: str) -> 
     return f"Tool preview length set to {show(value)}."
 
 
-async def cmd_sysprompt(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_sysprompt(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!sysprompt [reload] — show the system prompt / re-read it from disk"""
     if not args:
         return "--- Current system prompt ---\n" + ctx.prompt.assemble()
@@ -180,7 +182,7 @@ async def cmd_sysprompt(ctx: Context, turn: state.Turn, args: str) -> str:
     return "ERROR: Invalid arguments\nUsage: !sysprompt  |  !sysprompt reload"
 
 
-async def cmd_read_system_prompt(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_read_system_prompt(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!read_system_prompt [section] — the cached prompt, or one section (name or index)"""
     if not args:
         return "--- Cached system prompt ---\n" + ctx.prompt.assemble()
@@ -213,7 +215,7 @@ def _positive_seconds(word: str) -> float | None:
 
 
 async def _change_models(
-    ctx: Context, turn: state.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
+    ctx: Context, turn: turns.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
 ) -> tuple[str, Any]:
     """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
     parts = args.split()
@@ -233,7 +235,7 @@ async def _change_models(
     return f"{field}={shown(value)} set for {who}\n{note}", value
 
 
-async def cmd_llm_call(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_llm_call(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!llm_call [model] [bool] — which models accept delegation (llm_clean_text/tool)"""
     session = turn.session
     if not args:
@@ -247,7 +249,7 @@ async def cmd_llm_call(ctx: Context, turn: state.Turn, args: str) -> str:
     return reply
 
 
-async def cmd_llm_timeout(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_llm_timeout(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!llm_timeout [model] [secs] — delegation timeouts (llm_call_timeout)"""
     if not args:
         return "LLM delegation timeouts:\n" + "\n".join(
@@ -258,7 +260,7 @@ async def cmd_llm_timeout(ctx: Context, turn: state.Turn, args: str) -> str:
     return reply
 
 
-async def cmd_stream(ctx: Context, turn: state.Turn, args: str) -> str:
+async def cmd_stream(ctx: Context, turn: turns.Turn, args: str) -> str:
     """!stream [on|off] — agent_call: relay the other agent's answer live"""
     session = turn.session
     if not args:
@@ -275,7 +277,7 @@ async def cmd_stream(ctx: Context, turn: state.Turn, args: str) -> str:
 
 
 #: The server's own `!commands` besides the gate commands (gate_commands.COMMANDS): name → handler (ctx, turn, args).
-COMMANDS: dict[str, Callable[[Context, state.Turn, str], Awaitable[str]]] = {
+COMMANDS: dict[str, Callable[[Context, turns.Turn, str], Awaitable[str]]] = {
     "help": cmd_help, "model": cmd_model, "reset": cmd_reset, "session": cmd_session,
     "tool_preview_length": cmd_tool_preview_length, "sysprompt": cmd_sysprompt,
     "read_system_prompt": cmd_read_system_prompt, "llm_call": cmd_llm_call, "llm_timeout": cmd_llm_timeout,

@@ -45,7 +45,7 @@ from pymysql.constants import CLIENT
 import db_roles
 import metrics
 import sql as sql_rules  # `sql` is the name of the SQL text in this module
-import state
+import turns
 from config import ConfigError
 from db_results import (
     ConnectError,
@@ -236,7 +236,7 @@ class Database:
         self.roles, self.case_sensitive = roles, int(lower) == 0
         return None
 
-    async def _privileges(self, access: state.DbAccess | None) -> db_roles.Privileges:
+    async def _privileges(self, access: turns.DbAccess | None) -> db_roles.Privileges:
         """The grants a call with this gate decision runs with (nothing without one: fail closed)."""
         assert self.roles is not None and self.settings.db
         if access is None:
@@ -323,7 +323,7 @@ class Database:
                                    f"{self.client_timeout:g} s — is the server overloaded or unreachable?") from exc
             raise
 
-    async def _connection(self, pool: aiomysql.Pool, access: state.DbAccess | None,
+    async def _connection(self, pool: aiomysql.Pool, access: turns.DbAccess | None,
                           ) -> tuple[aiomysql.Connection, str | None, bool]:
         """A clean connection with the call's role active: (connection, role, whether it may change tables)."""
         if self.roles is None:
@@ -349,7 +349,7 @@ class Database:
             raise ConnectError(f"the grantor account could not prepare this call: {describe_error(exc)}") from exc
         raise AssertionError("unreachable")
 
-    async def run(self, sql: str, access: state.DbAccess | None = None) -> Outcome:
+    async def run(self, sql: str, access: turns.DbAccess | None = None) -> Outcome:
         """Execute `sql` statement by statement and stop at the first failure; never raises DatabaseError.
 
         In enforced mode the call has exactly the privileges `access` (its gate decision) covers:
@@ -466,7 +466,7 @@ class Database:
             logger.warning("could not kill MySQL thread %s: %s", thread_id, exc)
 
 
-async def run_query(db: Database, sql: str, access: state.DbAccess | None = None,
+async def run_query(db: Database, sql: str, access: turns.DbAccess | None = None,
                     observed: metrics.Metrics = metrics.OFF) -> Outcome:
     """Run `sql` with what `access` covers; the call is counted and timed in `observed`."""
     started = time.perf_counter()
@@ -475,7 +475,7 @@ async def run_query(db: Database, sql: str, access: state.DbAccess | None = None
     return outcome
 
 
-async def query_text(db: Database, sql: str, access: state.DbAccess | None = None) -> str:
+async def query_text(db: Database, sql: str, access: turns.DbAccess | None = None) -> str:
     """Run `sql` with what `access` covers and return the text for the user (results, or an ERROR line first)."""
     return format_outcome(await run_query(db, sql, access))
 

@@ -1,7 +1,7 @@
 """What one `db_query` call may do, as MariaDB privileges: privilege sets, and the roles that carry them.
 
 The gate decides a call may run and records what its decision covers on the turn
-(`state.DbAccess`). This module turns that into table privileges on the agent database and a
+(`turns.DbAccess`). This module turns that into table privileges on the agent database and a
 MariaDB role holding exactly them; `database.py` activates the role (`SET ROLE`) on a clean
 connection of the RUNNER account, which holds nothing but USAGE and these roles. So a statement
 the classifier misread fails in the database instead of running.

@@ -30,12 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import approvals
 import decisions
+import events
 import gate_policy
 import grants
 import metrics
 import sql
-import state
+import sql_shape
+import stores
 import tracing
+import turns
 from audit_chain import AuditRecord
 from client_classes import CLASSES, CLIENT_LABELS, HUMAN_WAIT, NO_WAIT, actor
 from config import GATE_DEFAULTS_FILE, ConfigError, GateDefaults, GatePermission, ToolPermission, save_gate_defaults
@@ -69,10 +72,11 @@ class Refusal:
 
 
 if TYPE_CHECKING:
-    import shared
+    import shared_gates
+    import shared_link
     #: A tool check: async (turn, registered tool, validated args) → None to go on, or a Refusal.
     #: A check that refuses tells the user itself (a status event).
-    ToolCheck = Callable[[state.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
+    ToolCheck = Callable[[turns.Turn, RegisteredTool, dict[str, Any]], Awaitable[Refusal | None]]
 
 # ── Gate state ──────────────────────────────────────────────────────────────────────────────
 
@@ -107,7 +111,7 @@ def gate_type(entry: RegisteredTool | None) -> str:
     return str((entry.gate if entry else {}).get("type") or DEFAULT_TYPE)
 
 
-def _overrides(session: state.Session | None, section: str) -> dict[str, dict[str, bool]]:
+def _overrides(session: stores.Session | None, section: str) -> dict[str, dict[str, bool]]:
     if session is None:
         return {}
     return session.settings.get("gates", {}).get(section, {})
@@ -129,7 +133,7 @@ def _env_seconds(env: dict[str, str], name: str, default: float) -> float:
 class GateKeeper:
     """Decides, asks and records approvals of tool calls for one server instance."""
 
-    def __init__(self, defaults: GateDefaults, hub: state.EventHub, *, config_dir: Path | None = None,
+    def __init__(self, defaults: GateDefaults, hub: events.EventHub, *, config_dir: Path | None = None,
                  timeout: float = DEFAULT_GATE_TIMEOUT, api_timeout: float = DEFAULT_API_GATE_TIMEOUT):
         self.defaults = defaults
         #: Where the sessions hear of their gates (gate events, status lines).
@@ -142,18 +146,18 @@ class GateKeeper:
         self.metrics: Any = metrics.OFF
         self.tracing: Any = tracing.OFF
         #: With a shared store: tells the other instances of a change of the gate defaults.
-        self.signals: shared.Signals | None = None
+        self.signals: shared_link.Signals | None = None
         #: Gates waiting for a human: gate id → (the session's client id, future of the decision).
         self.pending: dict[str, tuple[str, asyncio.Future[grants.Decision]]] = {}
         #: Grants and the audit log (opened by build.build_runtime; None: neither, as in unit tests).
         self.grants: grants.GrantStore | None = None
-        #: With a shared store: gates of every instance (shared.GateRelay), so any may answer them.
-        self.relay: shared.GateRelay | None = None
+        #: With a shared store: gates of every instance (shared_gates.GateRelay), so any may answer them.
+        self.relay: shared_gates.GateRelay | None = None
         #: Gates routed to approvers (plugins-enabled.json `approvals`); None: none are, as the spec says.
         self.desk: approvals.ApprovalDesk | None = None
 
     @classmethod
-    def from_env(cls, defaults: GateDefaults, hub: state.EventHub, env: dict[str, str],
+    def from_env(cls, defaults: GateDefaults, hub: events.EventHub, env: dict[str, str],
                  config_dir: Path | None = None) -> GateKeeper:
         """A keeper with `GATE_TIMEOUT` (interactive wait) and `API_GATE_TIMEOUT` (API window) from env."""
         return cls(defaults, hub, config_dir=config_dir,
@@ -165,7 +169,7 @@ class GateKeeper:
     def _defaults(self, section: str) -> dict[str, Any]:
         return self.defaults.db if section == "db" else self.defaults.tools
 
-    def explicit(self, session: state.Session | None, section: str, key: str, op: str, *,
+    def explicit(self, session: stores.Session | None, section: str, key: str, op: str, *,
                  case_sensitive: bool = True) -> bool | None:
         """The permission set for `key` (session first, then defaults), or None. Database keys on a server
         that ignores the case of names (`case_sensitive=False`) match entries in any case, and then one
@@ -183,7 +187,7 @@ class GateKeeper:
         found = [bool(getattr(v, op, False)) for v in matching(self._defaults(section))]
         return all(found) if found else None
 
-    def allowed(self, session: state.Session | None, section: str, key: str, op: str, *,
+    def allowed(self, session: stores.Session | None, section: str, key: str, op: str, *,
                 case_sensitive: bool | None = True) -> bool:
         """True when `op` on `key` ("db": a table, `__meta__` or `*`; "tools": a tool) runs unasked.
 
@@ -205,7 +209,7 @@ class GateKeeper:
             return own is True  # the server's own schemas (accounts, grants): never through `*`
         return own if own is not None else wildcard
 
-    def keys(self, section: str, session: state.Session | None) -> list[str]:
+    def keys(self, section: str, session: stores.Session | None) -> list[str]:
         """Every key with an entry in the defaults or this session's overrides, `*` first."""
         found = set(self._defaults(section)) | set(_overrides(session, section))
         return sorted(found, key=lambda k: (k != ANY_TABLE, k != META, k))
@@ -221,7 +225,7 @@ class GateKeeper:
             try:
                 await self.signals.send(POLICY_SIGNAL, change.to_json())
                 note += "; in force on every instance on this Redis"
-            except state.SessionError:
+            except stores.SessionError:
                 note += "; NOT in force on the other instances (the session store is unreachable): set it again"
         return entry, note
 
@@ -258,7 +262,7 @@ class GateKeeper:
                         self.audit(AuditRecord.policy(by, section, [key], [op], f"{GATE_DEFAULTS_FILE}: {word}"))
         return path
 
-    def override(self, session: state.Session, section: str, keys: Iterable[str], ops: Iterable[str],
+    def override(self, session: stores.Session, section: str, keys: Iterable[str], ops: Iterable[str],
                  allowed: bool, by: str) -> None:
         """Change this session's own gates (the gate commands; persisted with the session, which the caller
         saves), audited as `by`."""
@@ -270,7 +274,7 @@ class GateKeeper:
                                       session=session.client_id))
 
     @staticmethod
-    def set_override(session: state.Session, section: str, key: str, op: str, value: bool) -> None:
+    def set_override(session: stores.Session, section: str, key: str, op: str, value: bool) -> None:
         """Record a per-session permission, not audited (tests; the gate commands go through `override`)."""
         gates = session.settings.setdefault("gates", {})
         gates.setdefault(section, {}).setdefault(key, {})[op] = bool(value)
@@ -282,7 +286,7 @@ class GateKeeper:
         if self.grants is not None:
             self.grants.audit(record)
 
-    async def check(self, turn: state.Turn, entry: RegisteredTool,
+    async def check(self, turn: turns.Turn, entry: RegisteredTool,
                     args: dict[str, Any]) -> Refusal | None:
         """The gate of one tool call: None to run it, or the refusal the model receives.
 
@@ -499,19 +503,19 @@ class GateKeeper:
         return True
 
 
-def _covers(turn: state.Turn, section: str, source: str, keys: Iterable[str] = (), op: str = "",
+def _covers(turn: turns.Turn, section: str, source: str, keys: Iterable[str] = (), op: str = "",
             allows: Callable[[str, str], bool] | None = None) -> None:
     """Record on the turn what a `db` call's decision covers, for the database to enforce (db_roles.py);
     a refusal after this leaves it unused, and execute_tool clears it before the next call."""
     if section == "db":
-        turn.db_access = state.DbAccess(source, frozenset((k, op) for k in keys), allows)
+        turn.db_access = turns.DbAccess(source, frozenset((k, op) for k in keys), allows)
 
 
 def _call_shape(entry: RegisteredTool, args: dict[str, Any]) -> str:
     """What a shape grant matches: a `db` statement with its values replaced by `?`; for other tools,
     the values of the arguments the tool declares as defining its effect (gate `defining`), else all."""
     if gate_type(entry) == "db":
-        return sql.sql_shape(args.get("sql"))
+        return sql_shape.sql_shape(args.get("sql"))
     defining = entry.gate.get("defining")
     chosen = {k: args.get(k) for k in defining} if isinstance(defining, list | tuple) else args
     return json.dumps(chosen, sort_keys=True, ensure_ascii=False, default=str)

@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import state
+import stores
+import turns
 from client_classes import actor, may_administer, refusal
 from gate import ANY_TABLE, DB_OPERATIONS, META, OPERATIONS, GateKeeper, gate_type
 from rate_limits import whom
@@ -31,7 +33,7 @@ def _state_word(allowed: bool) -> str:
     return "auto-allow (gate OFF)" if allowed else "gated (gate ON)"
 
 
-def _perm_line(keeper: GateKeeper, session: state.Session, section: str, key: str) -> str:
+def _perm_line(keeper: GateKeeper, session: stores.Session, section: str, key: str) -> str:
     parts = []
     for op in DB_OPERATIONS if section == "db" else OPERATIONS:
         own = op in session.settings.get("gates", {}).get(section, {}).get(key, {})
@@ -52,7 +54,7 @@ _AUTOAIDB_USAGE = (
 )
 
 
-async def cmd_autoaidb(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_autoaidb(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!autoAIdb [status | <table> [read|write|ddl] <bool> | <read|write|ddl> <bool>] — database gates"""
     session = turn.session
     words = args.split()
@@ -99,7 +101,7 @@ def _tool_groups(tools: ToolRegistry) -> dict[str, list[str]]:
     return groups
 
 
-def _autogate_status(keeper: GateKeeper, session: state.Session, groups: dict[str, list[str]]) -> str:
+def _autogate_status(keeper: GateKeeper, session: stores.Session, groups: dict[str, list[str]]) -> str:
     lines = ["Tool gates of this session (gate-defaults.json, then this session's changes):",
              f"  DEFAULT (*): {_perm_line(keeper, session, 'tools', ANY_TABLE)}"]
     for kind in sorted(groups):
@@ -109,7 +111,7 @@ def _autogate_status(keeper: GateKeeper, session: state.Session, groups: dict[st
     return "\n".join(lines)
 
 
-async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_autogate(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>] — tool gates"""
     session = turn.session
     parts = args.split()
@@ -145,7 +147,7 @@ async def cmd_autogate(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
-async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_autoaisysprompt(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!autoAISysPrompt [read|write] [bool] — gates of reading / editing the system prompt"""
     session = turn.session
     parts = args.lower().split()
@@ -168,7 +170,7 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: state.Turn, args: str) ->
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
-async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_ratelimit(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for you (★ enable)"""
     parts = args.lower().split()
     caller = whom(turn)
@@ -187,7 +189,7 @@ async def cmd_ratelimit(rt: state.Runtime, turn: state.Turn, args: str) -> str:
     return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type> [<caller>]"
 
 
-async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
+async def cmd_grants(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     """!grants [revoke <id>|all] — this session's grants (who, scope, expiry, uses), or end them now
 
     The shell and admin API clients may revoke a grant of any session by its id (from another
@@ -215,7 +217,7 @@ async def cmd_grants(rt: state.Runtime, turn: state.Turn, args: str) -> str:
 
 
 #: The gate commands: name → handler (rt, turn, args).
-COMMANDS: dict[str, Callable[[state.Runtime, state.Turn, str], Awaitable[str]]] = {
+COMMANDS: dict[str, Callable[[state.Runtime, turns.Turn, str], Awaitable[str]]] = {
     "autoaidb": cmd_autoaidb, "autogate": cmd_autogate, "autoaisysprompt": cmd_autoaisysprompt,
     "ratelimit": cmd_ratelimit, "grants": cmd_grants,
 }

@@ -176,7 +176,7 @@ class GrantStore(stores.SqliteFile):
                                    | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._observers: list[Callable[[str], None]] = []
-        #: Several instances on one Redis (shared.Link): grants are shared there (see `refresh`).
+        #: Several instances on one Redis (shared_link.Link): grants are shared there (see `refresh`).
         self.link: Any = None
         self._shared: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._sharer: asyncio.Task[None] | None = None

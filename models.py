@@ -72,6 +72,9 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
             **({"stream_usage": True} if usage else {}),
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one.
             http_async_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
+            # Never used (every call streams async), but built anyway: on the same certificate store, not
+            # one LangChain would load and keep for the process (about 1 MiB each).
+            http_client=openai.DefaultHttpxClient(verify=_tls_context()),
             **sampling,
         )
     else:
@@ -104,6 +107,8 @@ async def close_models(llms: dict[str, Any], keys: list[str] | None = None) -> N
         pool = getattr(llm, "http_async_client", None)
         if pool is not None:
             await pool.aclose()
+            if getattr(llm, "http_client", None) is not None:
+                llm.http_client.close()  # type: ignore[union-attr]
         elif hasattr(llm, "aclose"):  # ChatGoogleGenerativeAI's own client
             await llm.aclose()
 
@@ -147,11 +152,12 @@ async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: l
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=_DRY_ANSWER, headers={"content-type": "text/event-stream"})
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-        dry = ChatOpenAI(model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry", streaming=True,
-                         max_retries=0, http_async_client=http)
-        async for _ in (dry.bind_tools(tools) if tools else dry).astream(messages):
-            pass
+    with openai.DefaultHttpxClient(verify=_tls_context()) as unused:  # see chat_model's http_client
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            dry = ChatOpenAI(model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry", streaming=True,
+                             max_retries=0, http_async_client=http, http_client=unused)
+            async for _ in (dry.bind_tools(tools) if tools else dry).astream(messages):
+                pass
 
 
 async def unreachable(cfg: ModelConfig, env: dict[str, str]) -> str | None:

@@ -42,24 +42,16 @@ from client_classes import (
     refusal,
 )
 from config import AppConfig, field_problems
+from events import Event, EventHub
 from gate import ANY_TABLE, DDL, WRITE, GateKeeper
 from registry import ToolError, ToolRegistry
 from routes import Request, Submitted, ends_turn
-from shared import Link, SharedValues, Signals
-from state import (
-    DbAccess,
-    Event,
-    EventHub,
-    Session,
-    SessionError,
-    SessionManager,
-    Stopping,
-    Turn,
-    current_turn,
-    running,
-)
-from stores import SqliteFile
+from sessions import SessionManager, Stopping
+from shared_link import Link, Signals
+from shared_values import SharedValues
+from stores import Session, SessionError, SqliteFile
 from tool_calls import ToolOutcome, execute_tool
+from turns import DbAccess, Turn, current_turn, running
 
 __all__ = [
     "ANY_TABLE", "API", "CLASSES", "CLIENT_LABELS", "DDL", "HUMAN_WAIT", "MCP", "NO_WAIT", "PROXY", "SHELL", "SLACK",

@@ -24,6 +24,7 @@ from typing import Any
 
 import client_classes
 import state
+import turns
 from plugin_api import BasePlugin, PluginConfigError, PluginContext
 from plugin_checks import check_plugin, is_enabled, plugin_file, requirement_names
 
@@ -257,7 +258,7 @@ class PluginLoader:
             await self._shutdown_one(self.loaded.pop())
 
 
-def as_command(handler: Callable[..., Awaitable[Any]], owner: str) -> state.Command:
+def as_command(handler: Callable[..., Awaitable[Any]], owner: str) -> turns.Command:
     """A plugin's command handler as a Command, called in the one form commands take: (turn, args).
 
     Handlers written as the plugin contract shows them, `handler(args)`, are adapted; a handler
@@ -267,7 +268,7 @@ def as_command(handler: Callable[..., Awaitable[Any]], owner: str) -> state.Comm
         call = handler
     else:
         @functools.wraps(handler)
-        async def call(turn: state.Turn, args: str) -> Any:
+        async def call(turn: turns.Turn, args: str) -> Any:
             return await handler(args)
 
-    return state.Command(call, owner=owner, usage=state.usage_of(handler))
+    return turns.Command(call, owner=owner, usage=turns.usage_of(handler))

@@ -2,7 +2,7 @@
 
 Installed in `Runtime.tool_checks` before the human gate (`RateLimiter.check`); a tool's
 rate-limit type is its gate type (`gate.gate_type`). With a shared store the windows live in
-Redis (`shared.SharedLimits`).
+Redis (`shared_values.SharedLimits`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import state
+import events
+import turns
 from config import RateLimit
 from gate import Refusal, gate_type
 
 if TYPE_CHECKING:
-    import shared
+    import shared_values
     from registry import RegisteredTool
 
 logger = logging.getLogger("agent_mcp.rate_limits")
@@ -27,7 +28,7 @@ logger = logging.getLogger("agent_mcp.rate_limits")
 SWEEP_EVERY = 256
 
 
-def whom(turn: state.Turn) -> str:
+def whom(turn: turns.Turn) -> str:
     """Who a rate limit counts for, as the model and the user are told."""
     return "this caller (all its sessions)" if turn.identity else "this session"
 
@@ -44,7 +45,7 @@ class RateLimiter:
     recently active callers.
     """
 
-    def __init__(self, limits: dict[str, RateLimit], hub: state.EventHub,
+    def __init__(self, limits: dict[str, RateLimit], hub: events.EventHub,
                  clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         #: Where a refused call's session is told.
@@ -54,7 +55,7 @@ class RateLimiter:
         self.disabled: dict[str, set[str]] = {}
         self._checks = 0
         #: With a shared store: the windows and disabled types live in Redis for every instance.
-        self.shared: shared.SharedLimits | None = None
+        self.shared: shared_values.SharedLimits | None = None
 
     def hit(self, client_id: str, tool_type: str) -> str | None:
         """Count one call; None if allowed, else why not ("limit" or "disabled") as a short reason."""
@@ -114,7 +115,7 @@ class RateLimiter:
         for key in [k for k in self.windows if k[0] == client_id]:
             del self.windows[key]
 
-    async def check(self, turn: state.Turn, entry: RegisteredTool, args: dict[str, Any]) -> Refusal | None:
+    async def check(self, turn: turns.Turn, entry: RegisteredTool, args: dict[str, Any]) -> Refusal | None:
         """The rate-limit check of one tool call: None to go on, or the refusal the model receives."""
         client_id, tool_name, tool_type = turn.client_id, entry.tool.name, gate_type(entry)
         why = await self.count(turn.rate_key, tool_type)

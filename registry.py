@@ -6,7 +6,7 @@ taken from `StructuredTool.coroutine`. Which tools a model sees is set per model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -133,10 +133,6 @@ class ToolRegistry:
 
     def entry(self, name: str) -> RegisteredTool | None:
         return self._tools.get(name)
-
-    def executor(self, name: str) -> Callable[..., Any] | None:
-        tool = self.get(name)
-        return tool.coroutine if tool else None
 
     def names(self) -> list[str]:
         return list(self._tools)

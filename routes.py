@@ -2,7 +2,7 @@
 
 Every front door (shell.py, the API, the proxy, Slack, swarm calls) hands its text to
 `submit()` / `process_request()` as a typed `Request`, from which the core builds the request's
-`state.Turn` once and passes it down;
+`turns.Turn` once and passes it down;
 commands are answered here (handlers in commands.py and gate.py), everything else becomes an LLM
 turn (agents.py). The runtime is assembled in build.py; HTTP helpers of the client plugins are in
 plugins/_http.py.
@@ -23,7 +23,11 @@ from typing import Any
 
 import agents
 import client_classes
+import sessions
 import state
+import stores
+import turns
+from events import LOST, Event, EventHub
 
 logger = logging.getLogger("agent_mcp.routes")
 
@@ -63,10 +67,10 @@ class Request:
         if self.kind not in client_classes.CLASSES:
             raise ValueError(f"Request: client class {self.kind!r} is not one of {', '.join(client_classes.CLASSES)}")
 
-    def turn(self, turn_id: str | None = None) -> state.Turn:
+    def turn(self, turn_id: str | None = None) -> turns.Turn:
         """The request's turn: its class and privileges as stated here, never from the client id."""
         # Only the boolean True a plugin sets vouches for anything (fail closed on a stray truthy value).
-        return state.Turn(self.client_id, turn_id or uuid.uuid4().hex[:16], self.kind, admin=self.admin is True,
+        return turns.Turn(self.client_id, turn_id or uuid.uuid4().hex[:16], self.kind, admin=self.admin is True,
                           interactive=self.interactive is True, model=self.model or None,
                           identity=self.identity or None)
 
@@ -111,7 +115,7 @@ async def submit(rt: state.Runtime, request: Request, *, cancel_running: bool = 
     if cancel_running:
         await cancel_active_task(rt, client_id)
     if rt.closing:  # checked after the last await: end_all either refuses this request or sees its task
-        raise state.Stopping(STOPPING)
+        raise sessions.Stopping(STOPPING)
     turn_id = uuid.uuid4().hex[:16]
     task = asyncio.create_task(process_request(request, rt=rt, turn_id=turn_id), name=f"request:{client_id}")
     untrack = _track(rt.active_tasks, client_id, task, turn_id)
@@ -132,7 +136,7 @@ async def stop(rt: state.Runtime, client_id: str) -> bool:
     return await _stop_here(rt.active_tasks, rt.hub, client_id) or elsewhere
 
 
-async def _stop_here(requests: state.Requests, hub: state.EventHub, client_id: str) -> bool:
+async def _stop_here(requests: state.Requests, hub: EventHub, client_id: str) -> bool:
     stopped = [turn_id for task, turn_id in requests.get(client_id, {}).items() if not task.done()]
     await _cancel_here(requests, client_id, STOPPED)
     for turn_id in stopped:
@@ -141,10 +145,10 @@ async def _stop_here(requests: state.Requests, hub: state.EventHub, client_id: s
     return bool(stopped)
 
 
-def _as_turn(client_id: str, turn_id: str) -> contextlib.AbstractContextManager[state.Turn | None]:
+def _as_turn(client_id: str, turn_id: str) -> contextlib.AbstractContextManager[turns.Turn | None]:
     """Publish as request `turn_id` from outside it (its events carry the id; nothing else of a turn is read
     there, so the least privileged class is as good as its own)."""
-    return state.running(state.Turn(client_id, turn_id, client_classes.UNKNOWN))
+    return turns.running(turns.Turn(client_id, turn_id, client_classes.UNKNOWN))
 
 
 def _track(requests: state.Requests, client_id: str, task: asyncio.Task[None], turn_id: str) -> Callable[[], None]:
@@ -176,18 +180,18 @@ async def end_all(rt: state.Runtime) -> None:
         await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
 
-async def signalled(requests: state.Requests, hub: state.EventHub, what: str, client_id: str) -> None:
+async def signalled(requests: state.Requests, hub: EventHub, what: str, client_id: str) -> None:
     """Another instance asks this one to cancel (`cancel`) or stop (`stop`) a session's requests."""
     await (_stop_here(requests, hub, client_id) if what == "stop" else _cancel_here(requests, client_id))
 
 
-def ends_turn(ev: state.Event) -> bool:
+def ends_turn(ev: Event) -> bool:
     """Whether `ev` is the last event of its request: its `done`, or the status of its cancellation."""
     return ev.name == "done" or (ev.name == "status" and ev.data.get("cancelled") is True)
 
 
 async def delete_session(rt: state.Runtime, client_id: str, *, remember: bool = True,
-                         announce: bool = True) -> state.Session | None:
+                         announce: bool = True) -> stores.Session | None:
     """The one way a session is deleted, whoever asks: the shell's, API's and MCP server's delete,
     `!session <id> delete` (another session now, its own once it has answered: `Turn.ends_session`) and the
     proxy's throwaway task sessions. Its requests are cancelled, then the session manager forgets it, whose
@@ -206,7 +210,7 @@ async def delete_session(rt: state.Runtime, client_id: str, *, remember: bool = 
     if announce:
         # Every window still following the id is told now, not only with its next message: the event opens the
         # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).
-        with state.running(None):
+        with turns.running(None):
             rt.hub.publish(client_id, "status", {"text": f"[session] this session ({session.shorthand}) was deleted; "
                                                          "the next message here starts a new, empty one",
                                                  "session_deleted": True})
@@ -219,7 +223,7 @@ FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than i
 
 
 async def run_turn(rt: state.Runtime, request: Request, *, cancel_running: bool = False
-                   ) -> AsyncIterator[state.Event]:
+                   ) -> AsyncIterator[Event]:
     """Submit the request and yield the events of this request only, ending with its `done`.
 
     For client plugins that answer one request per HTTP call or message (proxy, Slack, API
@@ -233,13 +237,13 @@ async def run_turn(rt: state.Runtime, request: Request, *, cancel_running: bool 
     finished = False
     try:
         async for ev in events:
-            if ev.name == state.LOST:
+            if ev.name == LOST:
                 # The reader fell behind the event buffer: what it would answer has a hole. An error (and
                 # no end) instead, and the turn is cancelled below: no client takes a gapped answer as whole.
                 logger.warning("a reader of %s fell more than %d events behind; its request ends with an error",
                                client_id, rt.hub.buffer)
-                yield state.Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
-                                  turn.id)
+                yield Event(ev.id, "error", {"message": FELL_BEHIND.format(buffer=rt.hub.buffer), "kind": "lost"},
+                            turn.id)
                 return
             if ev.turn != turn.id:
                 continue
@@ -254,7 +258,7 @@ async def run_turn(rt: state.Runtime, request: Request, *, cancel_running: bool 
 
 
 async def wait_turn(rt: state.Runtime, request: Request, seconds: float, *, cancel_running: bool = False,
-                    on_event: Callable[[state.Event], None] | None = None) -> dict[str, Any]:
+                    on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
     """Run one request to its end (or for `seconds`, then cancel it): `{"status", "text"}` with status
     complete, error, timeout or cancelled, and `"error"` when the agent reported one. `on_event` sees each
     event of the request as it comes (the MCP server asks its gates as elicitation forms)."""
@@ -310,7 +314,7 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
         rt.hub.done(client_id)
         done = True
 
-    with state.running(turn):
+    with turns.running(turn):
         try:
             # Added without awaiting, so requests take the session in the order they arrived.
             session, added = rt.sessions.get_or_add(client_id, model, turn.kind)
@@ -331,7 +335,7 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
                     await _process(rt, turn, text)
         except asyncio.CancelledError as exc:
             cancelled = True
-            if exc.args == (state.LEASE_LOST,):  # another instance ended this turn already, and said so
+            if exc.args == (sessions.LEASE_LOST,):  # another instance ended this turn already, and said so
                 raise
             if rt.closing:  # the server stops: as if it had been killed, but said at once
                 interrupted(rt.hub, client_id, turn.id, INTERRUPTED if started else NOT_STARTED)
@@ -344,12 +348,12 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
             rt.hub.publish(client_id, "status", {"text": "[cancelled]", "cancelled": True})
             raise
         except Exception as exc:
-            if isinstance(exc, state.SessionError):  # a dependency outage, not a bug: one line, no traceback
+            if isinstance(exc, stores.SessionError):  # a dependency outage, not a bug: one line, no traceback
                 logger.warning("request of %s failed: %s", client_id, exc)
             else:
                 logger.exception("request of %s failed", client_id)
             detail = f": {type(exc).__name__}: {exc}" if turn.may_administer else " (details are in the server log)"
-            if isinstance(exc, state.SessionError):  # the store is unreachable: say so, whoever asks
+            if isinstance(exc, stores.SessionError):  # the store is unreachable: say so, whoever asks
                 detail = f": {exc}"
             rt.hub.error(client_id, f"internal error{detail}")
         finally:
@@ -368,14 +372,14 @@ STOPPING = ("this server is stopping and starts no more turns; send the message 
 NOT_STARTED = "the server stopped before this message's turn began (the session was busy); send it again."
 
 
-def interrupted(hub: state.EventHub, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
+def interrupted(hub: EventHub, client_id: str, turn_id: str, message: str = INTERRUPTED) -> None:
     """Tell a session's clients that its request `turn_id` died with its server: `error`, then `done`."""
     with _as_turn(client_id, turn_id):
         hub.error(client_id, message, "interrupted")
         hub.done(client_id)
 
 
-async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
+async def _process(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     """Answer the request: its `!command` lines, and its other text with an LLM turn. The one step past
     `process_request` that keeps the runtime, which the agent loop (agents.dispatch_llm) takes."""
 
@@ -411,7 +415,7 @@ async def _process(rt: state.Runtime, turn: state.Turn, text: str) -> None:
     await llm(stripped)
 
 
-def _at_model(models: Collection[str], turn: state.Turn, text: str) -> tuple[state.Turn, str] | str:
+def _at_model(models: Collection[str], turn: turns.Turn, text: str) -> tuple[turns.Turn, str] | str:
     """The turn and text of an LLM turn on the turn's model (default: the session's), or on a leading
     `@model` for this turn only: then, from the interactive shell, its tool calls also skip the human
     gate. An unknown `@model`: what the client is told instead."""
@@ -426,7 +430,7 @@ def _at_model(models: Collection[str], turn: state.Turn, text: str) -> tuple[sta
     return dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip()
 
 
-async def run_command(commands: Mapping[str, state.Command], turn: state.Turn, line: str) -> str:
+async def run_command(commands: Mapping[str, turns.Command], turn: turns.Turn, line: str) -> str:
     """Run one `!command` line of `turn`: the text its client is shown (unknown commands never reach the model)."""
     name, _, args = line.lstrip("!").partition(" ")
     name = name.strip().lower()

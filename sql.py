@@ -25,16 +25,16 @@ Rules (see docs/security.md):
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sqlglot
-from sqlglot import exp
-from sqlglot.dialects.mysql import MySQL
-from sqlglot.errors import SqlglotError
-from sqlglot.optimizer.scope import traverse_scope
-from sqlglot.tokens import Token, TokenType
+# sqlglot (about 9 MiB of code) is imported by the functions that parse, at the first statement: every
+# server imports this module through the gate, and only one with a `db` tool ever classifies SQL.
+if TYPE_CHECKING:
+    from sqlglot import exp
+    from sqlglot.tokens import Token, Tokenizer
 
 logger = logging.getLogger("agent_mcp.sql")
 
@@ -63,14 +63,21 @@ _CASELESS_SCHEMAS = frozenset({"information_schema"})
 #: MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
 EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 
-_READ_ROOTS = (exp.Select, exp.Union, exp.Except, exp.Intersect, exp.Subquery)
-_WRITE_ROOTS = (exp.Insert, exp.Update, exp.Delete, exp.Merge)
-_DDL_ROOTS = (exp.Create, exp.Drop, exp.Alter, exp.TruncateTable)
-# Nodes that make a statement more than a plain read wherever they appear in its tree.
-_NOT_READ_NODES = (exp.DML, exp.DDL, exp.Drop, exp.Alter, exp.TruncateTable, exp.Command, exp.Set, exp.Into,
-                   exp.Lock, exp.LoadData, exp.Grant, exp.Revoke, exp.Kill, exp.Use, exp.Transaction,
-                   exp.Commit, exp.Rollback, exp.Analyze, exp.Pragma, exp.Cache, exp.Uncache, exp.Refresh,
-                   exp.Comment)
+
+@functools.cache
+def _roots() -> tuple[tuple[type[exp.Expression], ...], ...]:
+    """(read roots, write roots, DDL roots, nodes that make a statement more than a plain read wherever
+    they appear in its tree)."""
+    from sqlglot import exp
+    return ((exp.Select, exp.Union, exp.Except, exp.Intersect, exp.Subquery),
+            (exp.Insert, exp.Update, exp.Delete, exp.Merge),
+            (exp.Create, exp.Drop, exp.Alter, exp.TruncateTable),
+            (exp.DML, exp.DDL, exp.Drop, exp.Alter, exp.TruncateTable, exp.Command, exp.Set, exp.Into,
+             exp.Lock, exp.LoadData, exp.Grant, exp.Revoke, exp.Kill, exp.Use, exp.Transaction,
+             exp.Commit, exp.Rollback, exp.Analyze, exp.Pragma, exp.Cache, exp.Uncache, exp.Refresh,
+             exp.Comment))
+
+
 # Builtins with side effects (files, locks, time, sequences, replication): a statement calling one is a write.
 _SIDE_EFFECT_FUNCTIONS = frozenset({
     "load_file", "sleep", "benchmark", "get_lock", "release_lock", "release_all_locks", "is_free_lock",
@@ -130,15 +137,22 @@ _SHOW_NOISE = frozenset({"FULL", "GLOBAL", "SESSION", "EXTENDED", "STORAGE", "AL
 _OWN_ACCOUNT = frozenset({"CURRENT_USER", "CURRENT_ROLE"})
 
 
-class _WordTokenizer(MySQL.Tokenizer):
-    """MySQL tokens, with CALL/REPLACE/RENAME/… not swallowing the rest of the statement as one string."""
+@functools.cache
+def _word_tokenizer() -> type[Tokenizer]:
+    from sqlglot.dialects.mysql import MySQL
 
-    COMMANDS: frozenset[Any] = frozenset()
+    class WordTokenizer(MySQL.Tokenizer):
+        """MySQL tokens, with CALL/REPLACE/RENAME/… not swallowing the rest of the statement as one string."""
+
+        COMMANDS: frozenset[Any] = frozenset()
+
+    return WordTokenizer
 
 
 def _tokens(text: str) -> list[Token] | None:
+    from sqlglot.errors import SqlglotError
     try:
-        return _WordTokenizer().tokenize(text)
+        return _word_tokenizer()().tokenize(text)
     except (SqlglotError, RecursionError, ValueError):
         return None
 
@@ -183,6 +197,9 @@ def split_statements(sql: str) -> list[str]:
     server runs. Text the tokenizer rejects is returned whole: the server then runs at most one
     statement of it.
     """
+    from sqlglot.dialects.mysql import MySQL
+    from sqlglot.errors import SqlglotError
+    from sqlglot.tokens import TokenType
     try:
         tokens = MySQL().tokenize(sql)
     except (SqlglotError, RecursionError, ValueError):
@@ -205,6 +222,7 @@ def split_statements(sql: str) -> list[str]:
 
 def _is_dual(table: exp.Table) -> bool:
     """The keyword of `FROM DUAL` (no table); a backquoted, qualified or aliased `dual` is a real table."""
+    from sqlglot import exp
     ident = table.this
     return (isinstance(ident, exp.Identifier) and not ident.quoted and not table.db and not table.alias
             and table.name.upper() == "DUAL")
@@ -218,6 +236,7 @@ def _visible_cte(table: exp.Table, case_sensitive: bool) -> bool:
     """Whether SQL's rules make `table` a reference to a CTE: a WITH of an enclosing query defines its
     name, and the reference is in that query's body, or in a later CTE of the same WITH (any CTE of a
     WITH RECURSIVE). Only table references of FROM/JOIN qualify; qualified names never do."""
+    from sqlglot import exp
     if table.db or not isinstance(table.parent, (exp.From, exp.Join)):
         return False
     path: list[exp.Expression] = [table]  # table, its parent, …: path[-1] is the node below `node`
@@ -241,6 +260,8 @@ def _visible_cte(table: exp.Table, case_sensitive: bool) -> bool:
 
 def _scope_ctes(tree: exp.Expression) -> set[int]:
     """Ids of the Table nodes sqlglot's scope analysis resolves to a CTE (never on failure)."""
+    from sqlglot import exp
+    from sqlglot.optimizer.scope import traverse_scope
     roots = [tree] if isinstance(tree, exp.Query) else [
         q for q in tree.find_all(exp.Query) if q.parent is not None and q.find_ancestor(exp.Query) is None]
     found: set[int] = set()
@@ -260,6 +281,7 @@ def _scope_ctes(tree: exp.Expression) -> set[int]:
 def _tables(tree: exp.Expression, case_sensitive: bool, nodes: list[exp.Expression] | None = None) -> set[str]:
     """Gate keys of the real tables in a statement: every table reference except the bare DUAL keyword and
     names that both scope analysis and SQL's visibility rules resolve to a CTE (`nodes`: `tree.walk()`)."""
+    from sqlglot import exp
     nodes = list(tree.walk()) if nodes is None else nodes
     has_with = any(isinstance(n, exp.With) for n in nodes)
     hidden = _scope_ctes(tree) if has_with else set()  # no WITH: no name can be a CTE's
@@ -316,6 +338,7 @@ def _without_modifiers(sql: str) -> str:
 
 def _risky_call(nodes: list[exp.Expression]) -> bool:
     """Whether a statement (its nodes) calls a builtin with side effects, or a function that is no known builtin."""
+    from sqlglot import exp
     for func in nodes:
         if not isinstance(func, exp.Func):
             continue
@@ -337,6 +360,7 @@ _LOCAL_ENGINES = frozenset({"INNODB", "MYISAM", "ARIA", "MEMORY", "HEAP"})
 
 def _reaches_elsewhere(nodes: list[exp.Expression]) -> bool:
     """Whether a CREATE/ALTER TABLE's options make the table read or write something beyond itself."""
+    from sqlglot import exp
     for node in nodes:
         if isinstance(node, exp.EngineProperty) and node.name.upper() not in _LOCAL_ENGINES:
             return True
@@ -353,6 +377,7 @@ Verdict = tuple[str, set[str]]
 def _classify_show(text: str, tree: exp.Expression | None, case_sensitive: bool) -> Verdict | None:
     """A SHOW statement: `__meta__` for a plain SHOW_META form, its system table for SHOW_KEYED, a WHERE
     classified as a SELECT of its expression; None (unknown) for anything else."""
+    from sqlglot import exp
     tokens = _tokens(text)
     if not tokens or tokens[0].text.upper() != "SHOW":
         return None
@@ -402,11 +427,13 @@ def _plain_show_tail(words: list[str], kinds: list[str]) -> bool:
 
 def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -> Verdict | None:
     """(operation, tables) of one parsed statement, or None when it cannot be trusted."""
+    from sqlglot import exp
+    read_roots, write_roots, ddl_roots, not_read_nodes = _roots()
     if isinstance(tree, exp.Show) or (isinstance(tree, exp.Command) and str(tree.this).upper() == "SHOW"):
         return _classify_show(text, tree, case_sensitive)
     if isinstance(tree, exp.Describe):
         inner = tree.this
-        if isinstance(inner, exp.Table) and not list(tree.find_all(*_NOT_READ_NODES)):
+        if isinstance(inner, exp.Table) and not list(tree.find_all(*not_read_nodes)):
             return READ, {META}  # DESCRIBE t: the columns of a table, its schema only
         # EXPLAIN <statement>: EXPLAIN ANALYZE runs it, and EXPLAIN may run subqueries: judge the statement.
         return _classify_statement(inner, "", case_sensitive) if isinstance(inner, exp.Expression) else None
@@ -422,7 +449,7 @@ def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -
         if not (isinstance(on, exp.OnProperty) and isinstance(on.this, exp.Table)):
             return None
         tables = _tables(on, case_sensitive)
-    if isinstance(tree, _DDL_ROOTS):
+    if isinstance(tree, ddl_roots):
         kind = "TABLE" if isinstance(tree, exp.TruncateTable) else str(tree.args.get("kind") or "").upper()
         if kind not in _TABLE_OBJECTS:
             return DDL, {ANY_TABLE}  # its name is no table's; what it may touch is unknown
@@ -430,10 +457,10 @@ def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -
         return (DDL, tables | ({ANY_TABLE} if elsewhere else set())) if tables else None
     if _risky_call(nodes):
         return WRITE, tables | {ANY_TABLE}
-    if isinstance(tree, _READ_ROOTS) and not any(isinstance(n, _NOT_READ_NODES) for n in nodes):
+    if isinstance(tree, read_roots) and not any(isinstance(n, not_read_nodes) for n in nodes):
         return READ, tables or {META}
-    if isinstance(tree, (*_READ_ROOTS, *_WRITE_ROOTS)):
-        if any(isinstance(n, _DDL_ROOTS) for n in nodes):
+    if isinstance(tree, (*read_roots, *write_roots)):
+        if any(isinstance(n, ddl_roots) for n in nodes):
             return None
         return (WRITE, tables) if tables else None
     return None
@@ -458,6 +485,7 @@ def classify_sql(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozen
 
 
 def _classify(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
+    from sqlglot import exp
     if EXECUTABLE_COMMENT.search(sql):
         return DDL, frozenset(_guess_tables(sql, case_sensitive) | {ANY_TABLE})
     statements = split_statements(sql) if ";" in sql else [sql.strip()]  # no ';': one statement, no second pass
@@ -483,102 +511,10 @@ def _classify(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
 
 def _parse(text: str) -> exp.Expression | None:
     """The tree of one statement's text (its modifiers dropped), or None when it is not one that parses."""
+    import sqlglot
+    from sqlglot.errors import SqlglotError
     try:
         trees = [t for t in sqlglot.parse(_without_modifiers(text), read="mysql") if t is not None]
     except (SqlglotError, RecursionError, ValueError):  # does not parse: fail closed
         return None
     return trees[0] if len(trees) == 1 else None
-
-
-# ── Shapes ──────────────────────────────────────────────────────────────────────────────────
-
-#: What a literal of each token type becomes in a shape: its type, never its value.
-_PLACEHOLDERS = {"STRING": "?s", "NUMBER": "?n", "HEX_STRING": "?x", "BIT_STRING": "?bit",
-                 "NATIONAL_STRING": "?ns", "BYTE_STRING": "?x"}
-# Literals whose value changes how much a statement touches or how it matches: kept as written
-# (numbers after these words; any pattern after REGEXP/RLIKE; a LIKE pattern with a wildcard).
-_NUMBER_KEPT_AFTER = frozenset({"LIMIT", "OFFSET", "BY", "ORDER BY", "GROUP BY", "INTERVAL"})
-_PATTERN_WORDS = frozenset({"REGEXP", "RLIKE"})
-_LIKE_WILDCARDS = re.compile(r"[%_\\]")
-
-
-def sql_shape(sql: Any) -> str:
-    r"""The statement with each literal value replaced by a placeholder of its type, or "" when it is not
-    exactly one statement that parses: then no shape grant can match it.
-
-    `'x'` becomes `?s`, `0` `?n`, `0x41` `?x`, `b'1'` `?bit`; NULL, TRUE, variables, columns and
-    function calls stay as written. Values whose content decides what a statement matches or how
-    much it touches stay as written too: the numbers of LIMIT/OFFSET, ORDER/GROUP BY positions and
-    INTERVALs, REGEXP patterns, strings with a LIKE wildcard or escape (`%`, `_`, `\`), and every
-    argument of a function call (`INSTR(name, '')`, `REGEXP_LIKE(name, '.*')` are true for every
-    row). So `name = 'x'` never shapes like `name = 0`, nor `LIKE 'x'` like `LIKE '%'`, nor `LIMIT 1`
-    like `LIMIT 1000`. Built from the tokens (keywords upper-cased, comments dropped, quoted names
-    kept quoted), so nothing the parser drops can hide in it.
-    """
-    if not isinstance(sql, str) or EXECUTABLE_COMMENT.search(sql) or len(split_statements(sql)) != 1:
-        return ""
-    try:
-        statements = [s for s in sqlglot.parse(sql, read="mysql") if s is not None]
-        tokens = MySQL().tokenize(sql)
-    except Exception:  # a parser failure means no shape, never a match
-        return ""
-    if len(statements) != 1 or isinstance(statements[0], exp.Command):
-        return ""
-    words: list[str] = []
-    previous, previous_kind = "", ""
-    calls: list[bool] = []  # one entry per open parenthesis: whether it holds a function's arguments
-    for i, token in enumerate(tokens):
-        kind = token.token_type.name
-        if kind == "SEMICOLON":
-            continue
-        if kind == "L_PAREN":
-            calls.append(_opens_call(previous, previous_kind))
-        elif kind == "R_PAREN" and calls:
-            calls.pop()
-        if kind in _PLACEHOLDERS:
-            number = kind == "NUMBER"
-            kept = (any(calls) or previous in _PATTERN_WORDS or bool(_LIKE_WILDCARDS.search(token.text))
-                    or (number and (previous in _NUMBER_KEPT_AFTER or (previous == "," and _after_limit(tokens, i)))))
-            words.append(_literal(token) if kept else _PLACEHOLDERS[kind])
-        elif kind == "IDENTIFIER":
-            words.append("`" + token.text.replace("`", "``") + "`")
-        elif kind == "VAR":
-            words.append(token.text)
-        else:
-            words.append(token.text.upper())
-        previous, previous_kind = (words[-1], kind) if kind not in _PLACEHOLDERS else ("?", kind)
-    return " ".join(words)
-
-
-# Words a parenthesis follows that opens a list, a subquery or a group, not a function's arguments.
-_NOT_CALLS = frozenset({
-    "IN", "VALUES", "VALUE", "EXISTS", "NOT", "ANY", "SOME", "ALL", "AND", "OR", "XOR", "ON", "USING", "AS",
-    "SELECT", "FROM", "WHERE", "HAVING", "BY", "INTO", "SET", "JOIN", "TABLE", "WITH", "UNION", "INTERSECT",
-    "EXCEPT", "LIMIT", "OFFSET", "ROW", "WHEN", "THEN", "ELSE", "CASE", "RETURNING", "LATERAL", "OVER",
-})
-
-
-def _opens_call(previous: str, previous_kind: str) -> bool:
-    """Whether a `(` after this token opens a function's arguments: after a name or a keyword that names
-    a function (`CONCAT(`, `DATE(`, `LEFT(`); not after an operator, a comma or a clause word."""
-    if previous_kind in ("VAR", "IDENTIFIER"):
-        return True
-    return previous.replace("_", "").isalpha() and previous not in _NOT_CALLS
-
-
-def _after_limit(tokens: list[Token], i: int) -> bool:
-    """Whether token i follows `LIMIT n ,` (MySQL's `LIMIT offset, count`)."""
-    return i >= 3 and tokens[i - 3].text.upper() == "LIMIT"
-
-
-def _literal(token: Token) -> str:
-    kind = token.token_type.name
-    if kind == "STRING":
-        return "'" + token.text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    if kind in ("HEX_STRING", "BYTE_STRING"):
-        return f"X'{token.text}'"
-    if kind == "BIT_STRING":
-        return f"B'{token.text}'"
-    if kind == "NATIONAL_STRING":
-        return "N'" + token.text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return token.text

@@ -1,24 +1,84 @@
-"""Where sessions persist: the store interface, in memory, and SQLite (the embedded default).
+"""A session at rest: its record, and where it persists (the store interface, in memory, SQLite).
 
-The shared store of several instances (Redis) is `shared.RedisStore`; `shared.open_store` picks
-one from the `SESSION_STORE` setting.
+The live sessions and their bounds are `sessions.SessionManager`'s; the shared store of several
+instances (Redis) is `shared_store.RedisStore`, and `shared_store.open_store` picks one from the
+`SESSION_STORE` setting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 
-from state import Session, SessionError
-
 logger = logging.getLogger("agent_mcp.state")
+
+FIRST_SHORTHAND = 101
+DEFAULT_TOOL_PREVIEW = 500
+
+
+class SessionError(Exception):
+    """A session cannot be found or changed; the message says which and why."""
+
+
+@dataclass
+class Session:
+    """One conversation, keyed by client id. `history` holds OpenAI-style message dicts."""
+
+    client_id: str
+    shorthand: int
+    model: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+    tool_preview_length: int = DEFAULT_TOOL_PREVIEW
+    settings: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    #: Last activity (a request or a saved change), by the manager's clock; expiry and LRU go by it.
+    updated: float = field(default_factory=time.time)
+    #: The id of the request holding the session, stored while it runs: a session found with one that no
+    #: live process holds lost its turn with that process (SessionManager.recover ends it).
+    running: str | None = None
+    # Held by the request running on this session; later requests wait their turn.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "history": self.history,
+            "tool_preview_length": self.tool_preview_length,
+            "settings": self.settings,
+            "created": self.created,
+            **({"running": self.running} if self.running else {}),
+        }
+
+    @classmethod
+    def from_record(cls, client_id: str, shorthand: int, record: dict[str, Any], updated: float) -> Session:
+        return cls(
+            client_id=client_id,
+            shorthand=shorthand,
+            model=record["model"],
+            history=list(record.get("history", [])),
+            tool_preview_length=int(record.get("tool_preview_length", DEFAULT_TOOL_PREVIEW)),
+            settings=dict(record.get("settings", {})),
+            created=float(record.get("created", time.time())),
+            updated=float(updated),
+            running=record.get("running") or None,
+        )
+
+    def take_from(self, other: Session) -> None:
+        """Become `other` (a fresher copy read from a shared store), keeping this object and its lock."""
+        for name in ("shorthand", "model", "history", "tool_preview_length", "settings", "created", "updated",
+                     "running"):
+            setattr(self, name, getattr(other, name))
 
 
 class SessionStore:

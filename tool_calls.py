@@ -21,6 +21,8 @@ from pydantic import ValidationError
 import client_classes
 import gate
 import state
+import stores
+import turns
 from config import field_problems
 from registry import ToolError, ToolRegistry
 
@@ -50,7 +52,7 @@ class ToolOutcome:
     problem: str = ""
 
 
-async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
+async def execute_tool(rt: state.Runtime, turn: turns.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
     """Run one tool call of `turn`: validate the arguments → the runtime's checks (rate limit, gate)
     → the executor. The one pipeline of the agent loop and the MCP server alike: the entry that takes
     the runtime and hands each step the pieces it uses.
@@ -73,7 +75,7 @@ async def execute_tool(rt: state.Runtime, turn: state.Turn, name: str, args: dic
         return outcome
 
 
-async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], turn: state.Turn, name: str,
+async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], turn: turns.Turn, name: str,
                         args: dict[str, Any], status: Callable[[str, str], None],
                         hide: Callable[[str], str]) -> ToolOutcome:
     entry = tools.entry(name)
@@ -87,7 +89,7 @@ async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], t
         problem = f"invalid arguments for {name}: {field_problems(exc, 'arguments')}"
         return ToolOutcome(f"ERROR: {problem}. Fix them and call again.", "invalid", problem=problem)
     args = parsed.model_dump()
-    with state.running(turn):
+    with turns.running(turn):
         turn.db_access = None  # what the gate decides for this call, and nothing an earlier call left
         for check in checks:
             refused = await check(turn, entry, args)
@@ -96,7 +98,7 @@ async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], t
         return await _run_tool(turn, entry.tool, args, status, hide)
 
 
-async def _run_tool(turn: state.Turn, tool: StructuredTool, args: dict[str, Any],
+async def _run_tool(turn: turns.Turn, tool: StructuredTool, args: dict[str, Any],
                     status: Callable[[str, str], None], hide: Callable[[str], str]) -> ToolOutcome:
     """Run a tool whose arguments are validated and whose checks passed; a failure becomes an error outcome.
     `status` tells the session what runs and what came back; `hide` takes locations out of a failure's text."""
@@ -120,6 +122,6 @@ async def _run_tool(turn: state.Turn, tool: StructuredTool, args: dict[str, Any]
         if hidden != text:
             logger.warning("tool %s for %s: %s", name, client_id, text)
         text = hidden
-    limit = turn.session.tool_preview_length if turn.session else state.DEFAULT_TOOL_PREVIEW
+    limit = turn.session.tool_preview_length if turn.session else stores.DEFAULT_TOOL_PREVIEW
     status(client_id, f"[{name} ◀] {preview(text, limit)}")
     return ToolOutcome(text, "error" if failed else "ok")

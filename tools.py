@@ -21,6 +21,7 @@ import client_classes
 import models
 import state
 import tool_calls
+import turns
 from api_client import AgentClient, AgentClientError, AgentTimeout
 from config import SECRET_NAME, AgentTarget
 from llm_errors import describe_llm_error
@@ -127,7 +128,7 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
     return token, None
 
 
-async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, message: str,
+async def call_agent(rt: state.Runtime, turn: turns.Turn | None, ref: str, message: str,
                      target_client_id: str = "") -> str:
     """One swarm call (the agent_call tool) of `turn`: checks, then the remote turn, relayed live unless
     `!stream off`. A refused or failed call raises ToolError. The one-hop rule reads the class the request's
@@ -184,16 +185,16 @@ async def call_agent(rt: state.Runtime, turn: state.Turn | None, ref: str, messa
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
-def _this_turn(rt: state.Runtime) -> state.Turn:
+def _this_turn(rt: state.Runtime) -> turns.Turn:
     """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return state.current_turn() or state.Turn("", uuid.uuid4().hex[:16], client_classes.UNKNOWN)
+    return turns.current_turn() or turns.Turn("", uuid.uuid4().hex[:16], client_classes.UNKNOWN)
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
 
     async def get_system_info() -> str:
-        turn = state.current_turn()
+        turn = turns.current_turn()
         client_id, session = (turn.client_id, turn.session) if turn else (None, None)
         # The host's name and kernel only for a turn an admin started (shell, admin API): not the others' business.
         host = (f"{platform.node()} ({platform.system()} {platform.release()}, " if client_classes.may_administer(turn)
@@ -229,7 +230,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"Prompt update rejected: {exc}"
 
     async def llm_list() -> str:
-        turn = state.current_turn()
+        turn = turns.current_turn()
         session = turn.session if turn else None
         rows = []
         for key, m in rt.config.models.items():
@@ -313,7 +314,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
                 f"{models.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
-        return await call_agent(rt, state.current_turn(), agent_url, message, target_client_id)
+        return await call_agent(rt, turns.current_turn(), agent_url, message, target_client_id)
 
     def tool(fn: Callable[..., Any], schema: type[BaseModel], description: str) -> StructuredTool:
         return StructuredTool.from_function(coroutine=fn, name=fn.__name__, description=description,

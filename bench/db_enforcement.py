@@ -28,7 +28,7 @@ import pymysql
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import agentctl_db
-import state
+import turns
 from database import Database, DatabaseSettings
 
 HOST, PORT = "127.0.0.1", 3306
@@ -66,7 +66,7 @@ async def run(calls: int) -> None:
         alone = Database(DatabaseSettings.from_env({**base, "MYSQL_USER": classic[0], "MYSQL_PASS": classic[1]}))
         assert await enforced.enforce() is None, enforced.problem
         assert await alone.enforce() is not None
-        access = state.DbAccess("policy", allows=lambda key, op: key == "users" or (key == "__meta__" and op == "read"))
+        access = turns.DbAccess("policy", allows=lambda key, op: key == "users" or (key == "__meta__" and op == "read"))
         times: dict[str, list[float]] = {"classifier only": [], "enforced": []}
         for i in range(calls + 100):
             for name, database in (("classifier only", alone), ("enforced", enforced)):

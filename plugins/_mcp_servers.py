@@ -8,11 +8,9 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-import jsonschema
-import mcp_types as types
 from langchain_core.tools import StructuredTool
 from pydantic import (
     AfterValidator,
@@ -29,6 +27,11 @@ from pydantic_core import PydanticCustomError
 
 from config import ConfigError, read_json
 from plugin_api import ToolError
+
+# mcp_types and jsonschema are imported where a server's tools and results are handled: reading
+# mcp-servers.json (at every start with the plugin on) needs neither.
+if TYPE_CHECKING:
+    import mcp_types as types
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 #: OpenAI rejects function names longer than this.
@@ -165,6 +168,8 @@ def _llm_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _args_model(exposed: str, schema: dict[str, Any]) -> type[BaseModel]:
     """A pydantic model that validates arguments against the server's JSON schema and keeps them all."""
+    import jsonschema
+
     llm_schema = _llm_schema(schema)
     try:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -221,6 +226,8 @@ def _echoes(text: str, structured: dict[str, Any]) -> bool:
 
 
 def _block_text(block: Any) -> str:
+    import mcp_types as types
+
     if isinstance(block, types.TextContent):
         return block.text
     if isinstance(block, types.ImageContent | types.AudioContent):

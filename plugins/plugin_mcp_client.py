@@ -17,16 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
-
-import mcp_types as types
+from typing import TYPE_CHECKING, Any
 
 import plugin_api
 from plugin_api import BasePlugin, PluginSettings, parse_settings
-from plugins import _mcp_asks
-from plugins._mcp_connection import (
-    Connection,
-)
 from plugins._mcp_servers import (
     McpTool,
     _args_model,
@@ -34,6 +28,12 @@ from plugins._mcp_servers import (
     exposed_name,
     load_servers,
 )
+
+# The MCP SDK (about 20 MiB of code) is imported when mcp-servers.json enables a server (init).
+if TYPE_CHECKING:
+    import mcp_types as types
+
+    from plugins._mcp_connection import Connection
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -73,6 +73,7 @@ class McpClientPlugin(BasePlugin):
         servers = load_servers(self.config_file)
         for name, spec in servers.servers.items():
             if spec.enabled:
+                from plugins._mcp_connection import Connection  # the MCP SDK, imported with a server to connect
                 self.servers[name] = Connection(name, spec, app.env, app.config_dir, self._server_changed,
                                                 self._elicitation)
         await asyncio.gather(*(c.connect() for c in self.servers.values()))
@@ -84,6 +85,7 @@ class McpClientPlugin(BasePlugin):
     async def _elicitation(self, conn: Connection, exposed: str, turn: plugin_api.Turn | None,
                            params: types.ElicitRequestParams) -> types.ElicitResult:
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
+        from plugins import _mcp_asks
         assert self.context is not None
         with plugin_api.running(turn):  # what it tells the session belongs to the turn (its client's stream)
             return await _mcp_asks.ask(self.context, conn.name, exposed or f"{conn.name} (a tool)", turn, params,

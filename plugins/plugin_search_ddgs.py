@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from ddgs import DDGS
-from ddgs.exceptions import DDGSException, RatelimitException, TimeoutException
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 from plugin_api import BasePlugin, PluginSettings, parse_settings
+
+if TYPE_CHECKING:
+    from ddgs import DDGS
 
 logger = logging.getLogger("agent_mcp.plugins.ddgs_search")
 
@@ -63,6 +64,8 @@ async def run_ddgs_search(
     search_fn: SearchFn, settings: DdgsSettings, query: str, max_results: int | None = None
 ) -> str:
     """Run the blocking search in a thread and format it; every failure becomes a `ddgs_search error: …` line."""
+    from ddgs.exceptions import DDGSException, RatelimitException, TimeoutException  # ddgs: see init
+
     max_results = max_results or settings.max_results
     try:
         results = await asyncio.to_thread(search_fn, query, max_results)
@@ -98,12 +101,17 @@ class DdgsSearchPlugin(BasePlugin):
 
     def init(self, config: dict[str, Any]) -> bool:
         self.settings = parse_settings(self.PLUGIN_NAME, DdgsSettings, config)
-        client = DDGS(proxy=self.settings.proxy, timeout=self.settings.timeout)
-        region, safesearch = self.settings.region, self.settings.safesearch
+        settings = self.settings
+        clients: list[DDGS] = []
 
         def search(query: str, max_results: int) -> list[dict[str, Any]]:
-            return client.text(query, backend="duckduckgo", region=region, safesearch=safesearch,
-                               max_results=max_results)
+            if not clients:
+                # ddgs (with its HTTP client primp and lxml, about 13 MiB) is imported at the first search,
+                # not at start: a server may never search.
+                from ddgs import DDGS
+                clients.append(DDGS(proxy=settings.proxy, timeout=settings.timeout))
+            return clients[0].text(query, backend="duckduckgo", region=settings.region,
+                                   safesearch=settings.safesearch, max_results=max_results)
 
         self.search_fn = search
         return True

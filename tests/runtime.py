@@ -23,7 +23,9 @@ import routes
 import state
 import stores
 import tool_calls
+import turns
 from config import DEFAULTS_DIR, load_config
+from events import Event
 from tests.conftest import ROOT, ConfigDir
 
 #: gate-defaults.json with every gate on / off.
@@ -57,7 +59,7 @@ def ask(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | 
     return routes.Request(client_id, kind, text, **payload)
 
 
-def request_turn(rt: state.Runtime, client_id: str) -> state.Turn:
+def request_turn(rt: state.Runtime, client_id: str) -> turns.Turn:
     """The turn a request of `client_id` runs as (a bare id: a vouched shell.py request), with its session."""
     turn = ask(rt, client_id, "", shell_payload(rt, client_id, None)).turn()
     turn.session = rt.sessions.get(client_id)
@@ -67,14 +69,14 @@ def request_turn(rt: state.Runtime, client_id: str) -> state.Turn:
 @contextlib.contextmanager
 def as_request(rt: state.Runtime, client_id: str) -> Iterator[None]:
     """Within: the context a request of `client_id` runs in (a bare id: a vouched shell.py request)."""
-    with state.running(request_turn(rt, client_id)):
+    with turns.running(request_turn(rt, client_id)):
         yield
 
 
 async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any]) -> str:
     """One tool call through tool_calls.execute_tool, as the request `as_request` set up for `client_id`, else
     as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
-    current = state.current_turn()
+    current = turns.current_turn()
     turn = current if current is not None and current.client_id == client_id else ask(rt, client_id, "").turn()
     turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
     return (await tool_calls.execute_tool(rt, turn, name, args)).text
@@ -140,7 +142,7 @@ def add_plugin_tools(rt: state.Runtime, plugin: str, tools: list[StructuredTool]
 
 
 async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dict[str, Any] | None = None,
-               answer: str | None = None) -> tuple[str, list[state.Event]]:
+               answer: str | None = None) -> tuple[str, list[Event]]:
     """Submit and collect the events up to the turn's `done`, answering gates with `answer` if given."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
     await routes.submit(rt, ask(rt, client_id, text, shell_payload(rt, client_id, payload)))
@@ -156,7 +158,7 @@ async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dic
 
 
 async def with_events(rt: state.Runtime, client_id: str, work: Awaitable[Any], answer: str | None = None
-                      ) -> tuple[Any, list[state.Event]]:
+                      ) -> tuple[Any, list[Event]]:
     """Run `work`, collecting the session's events meanwhile and answering gates with `answer`."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
     with as_request(rt, client_id):  # the task copies this context

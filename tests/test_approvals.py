@@ -19,10 +19,10 @@ import approvals
 import audit_log
 import client_classes
 import decisions
+import events
 import grants
 import metrics
-import shared
-import state
+import shared_gates
 from approvals import ADMIN, API, MCP, SHELL, SLACK, SLACK_CHANNEL, Approver
 from config import ApprovalsConfig, ConfigError, load_config
 from plugins import _proxy_wire
@@ -245,7 +245,7 @@ async def test_a_routed_gate_raised_on_one_instance_is_answered_through_the_othe
     recorder = Recorder()
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}, gates=ALL_GATED,
                    approvals=APPROVALS) as (a, b):
-        assert isinstance(b.gate.desk.store, shared.SharedApprovals)
+        assert isinstance(b.gate.desk.store, shared_gates.SharedApprovals)
         for rt in (a, b):
             add_plugin_tools(rt, "plugin_test", [recorder.tool("web_search", _Args)],
                              {"web_search": {"type": "search"}})
@@ -290,8 +290,8 @@ async def test_a_turn_cancelled_while_its_gate_waits_closes_the_gate_as_abandone
 # ── The proxy while a gate waits (plugins/_proxy_wire.py) ───────────────────────────────────
 
 
-def _event(n: int, name: str, **data: Any) -> state.Event:
-    return state.Event(n, name, data, "t1")
+def _event(n: int, name: str, **data: Any) -> events.Event:
+    return events.Event(n, name, data, "t1")
 
 
 async def _turn_events(release: asyncio.Event, ended: list[str]) -> Any:

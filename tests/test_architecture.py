@@ -1,7 +1,8 @@
 """The core modules import each other in one direction only (issue 16, item 3).
 
-The project's own import graph is read from the source (top-level imports; imports under
-`if TYPE_CHECKING:` are for type checkers only): it must have no cycle, and no core module may
+The project's own import graph is read from the source: top-level imports, and imports under
+`if TYPE_CHECKING:` too (a module typed with a module above it is a layer upside down, even when
+only the type checker follows the import; issue 30). It must have no cycle, and no core module may
 import a sibling core module inside a function to get around one. Each module must also import
 alone in a fresh interpreter.
 """
@@ -20,9 +21,10 @@ from tests.conftest import ROOT
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
-CORE = ("decisions", "config", "secret_files", "sql", "guard", "failures", "metrics", "tracing", "text_calls",
-        "prompt", "registry", "state", "stores", "shared", "grants", "audit_log", "approvals", "budget",
-        "client_classes", "gate_policy", "gate", "rate_limits", "gate_commands", "plugin_checks", "api_client",
+CORE = ("decisions", "config", "secret_files", "sql", "sql_shape", "guard", "failures", "metrics", "tracing",
+        "text_calls", "prompt", "registry", "stores", "sessions", "turns", "events", "shared_link", "shared_store",
+        "shared_events", "shared_gates", "shared_values", "grants", "audit_log", "approvals", "budget",
+        "client_classes", "gate_policy", "gate", "rate_limits", "state", "gate_commands", "plugin_checks", "api_client",
         "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
         "plugin_api", "plugin_loader", "commands", "build")
 #: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
@@ -33,11 +35,18 @@ PLUGIN_SURFACE = ("plugin_api",)
 LIBRARIES = ("decisions", "config", "secret_files", "failures", "guard", "grants", "approvals", "audit_chain",
              "gate_policy", "database", "db_results")
 
+#: Imports for type annotations that still point up a layer, to be removed (issue 30 item 4): the runtime type
+#: (state.Runtime) is annotated with the plugin loader, which takes the whole runtime itself (plugins get it as
+#: `self.runtime`), so state cannot move above it yet. Nothing may be added here.
+TYPE_ONLY_UPWARDS = {"state": {"plugin_loader"}}
 
-def _imports(module: str) -> tuple[set[str], list[str]]:
-    """(core modules imported at module level, core modules imported inside functions)."""
+
+def _imports(module: str) -> tuple[set[str], set[str], list[str]]:
+    """(core modules imported at module level, those imported for type checkers only, under
+    `if TYPE_CHECKING:`, and core modules imported inside functions)."""
     tree = ast.parse((ROOT / f"{module}.py").read_text())
     top: set[str] = set()
+    typing: set[str] = set()
     nested: list[str] = []
 
     def names(node: ast.AST) -> list[str]:
@@ -49,17 +58,22 @@ def _imports(module: str) -> tuple[set[str], list[str]]:
 
     for node in tree.body:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing.update(n for inner in ast.walk(node) for n in names(inner) if n in CORE)
             continue
         top.update(n for n in names(node) if n in CORE)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             nested += [n for inner in ast.walk(node) for n in names(inner) if n in CORE]
-    return top - {module}, nested
+    return top - {module}, typing - top - {module}, nested
 
 
 def test_the_core_import_graph_has_no_cycle_and_no_function_level_imports() -> None:
-    graph = {m: _imports(m)[0] for m in CORE}
+    found = {m: _imports(m) for m in CORE}
+    graph = {m: top | (typing - TYPE_ONLY_UPWARDS.get(m, set())) for m, (top, typing, _) in found.items()}
+    for module, left in TYPE_ONLY_UPWARDS.items():
+        assert left <= found[module][1], f"{module} no longer imports {', '.join(sorted(left - found[module][1]))}" \
+            " for types: take it out of TYPE_ONLY_UPWARDS"
     for module in CORE:
-        assert _imports(module)[1] == [], f"{module} imports a core module inside a function"
+        assert found[module][2] == [], f"{module} imports a core module inside a function"
     order: list[str] = []
     visiting: list[str] = []
 
@@ -77,11 +91,13 @@ def test_the_core_import_graph_has_no_cycle_and_no_function_level_imports() -> N
         visit(module)
     # The lowest layers import nothing of ours, and every module only what lies below it.
     assert graph["decisions"] == graph["config"] == graph["sql"] == graph["guard"] == graph["failures"] == set()
-    assert graph["state"] == graph["tracing"] == set()
+    assert graph["stores"] == graph["tracing"] == set()
     assert graph["metrics"] <= {"decisions"}  # the gate decision words it labels: a module of constants
     for layer, module in enumerate(CORE):
         above = graph[module] - set(CORE[:layer])
-        assert not above, f"{module} imports {', '.join(sorted(above))}, which lie above it in the layer order"
+        typed = " (for type annotations: the annotated code belongs above them, or takes less)" \
+            if above <= found[module][1] else ""
+        assert not above, f"{module} imports {', '.join(sorted(above))}, which lie above it in the layer order{typed}"
 
 
 #: One fresh interpreter imports the libraries the core modules use, then forks a child per core module that

@@ -457,12 +457,12 @@ def test_the_key_and_the_head_are_private_and_the_key_is_never_in_the_log(real_l
 
 async def test_a_grant_written_into_redis_by_hand_is_ignored(tmp_path, fake_openai, redis_store, caplog) -> None:
     """Another instance's grants come through Redis: only those MACed with the shared audit key count."""
-    import shared
+    import shared_store
     from tests.conftest import openai_model
     from tests.runtime import runtime
 
     async with runtime(tmp_path, {"fake": openai_model(fake_openai)},
-                       store=shared.open_store(redis_store, tmp_path)) as rt:
+                       store=shared_store.open_store(redis_store, tmp_path)) as rt:
         store, link = rt.gate.grants, rt.link
         assert store is not None and link is not None
         real = grants.new_grant("c1", grants.Decision("allow_session", "shell"), "db_query", "db", ["users"], "write")
@@ -486,7 +486,7 @@ async def test_a_grant_written_into_redis_by_hand_is_ignored(tmp_path, fake_open
 
 def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp_path, redis_store, capsys) -> None:
     """A backup of the log and its head, both valid, put back: only a head kept elsewhere can tell."""
-    import shared
+    import shared_link
 
     cfg = ConfigDir(tmp_path / "cfg")
     cfg.path.mkdir()
@@ -497,7 +497,7 @@ def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp
 
     async def write(records: int) -> None:
         store = grants.GrantStore(data / grants.AUDIT_FILE)
-        store.link = shared.Link(redis_store)
+        store.link = shared_link.Link(redis_store)
         await store.open()
         for _ in range(records):
             store.audit(AuditRecord.call("c1", "", "").decision("shell", "rejected"))

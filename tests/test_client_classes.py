@@ -21,9 +21,11 @@ from pydantic import BaseModel
 import build
 import client_classes
 import routes
+import sessions
 import state
 import stores
 from config import DEFAULTS_DIR, load_config
+from events import Event
 from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.runtime import Recorder, add_plugin_tools, ask
@@ -81,7 +83,7 @@ class _Query(BaseModel):
     query: str
 
 
-async def _ask(rt: state.Runtime, plugin: Any, client_id: str, message: str) -> tuple[str, list[state.Event]]:
+async def _ask(rt: state.Runtime, plugin: Any, client_id: str, message: str) -> tuple[str, list[Event]]:
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
     await plugin.ask(client_id, message)
     events = []
@@ -123,7 +125,7 @@ async def test_an_unowned_id_gets_no_at_model_bypass_and_its_gates_are_rejected(
     assert tool_msg.startswith("TOOL CALL REJECTED") and "a client no plugin vouches for" in tool_msg
     assert not [e for e in events if e.name == "gate"]  # rejected without asking anyone
     assert rt.recorder.calls == []
-    assert rt.sessions.get("stranger-1").settings[state.CLIENT_CLASS] == client_classes.UNKNOWN  # bounded as such
+    assert rt.sessions.get("stranger-1").settings[sessions.CLIENT_CLASS] == client_classes.UNKNOWN  # bounded as such
 
 
 async def test_only_a_vouched_shell_request_skips_gates_with_at_model(acme, fake_openai) -> None:

@@ -28,7 +28,7 @@ import database
 import db_roles
 import gate
 import sql as sql_module
-import state
+import turns
 from config import DEFAULTS_DIR
 from database import Database, DatabaseSettings, query_text, read_accounts
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
@@ -288,8 +288,8 @@ def test_what_the_database_cannot_limit_is_asked_for() -> None:
 
 # ── Clean state per call ────────────────────────────────────────────────────────────────────
 
-EVERYTHING = state.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
-USERS_ONLY = state.DbAccess("approval", frozenset({("users", gate.WRITE)}))
+EVERYTHING = turns.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
+USERS_ONLY = turns.DbAccess("approval", frozenset({("users", gate.WRITE)}))
 
 
 async def test_nothing_carries_over_between_calls_on_one_connection(fx: Fixture) -> None:
@@ -361,7 +361,7 @@ async def test_show_processlist_shows_no_other_accounts_statement(fx: Fixture) -
                                 f"SELECT '{fx.canary}', GET_LOCK('{fx.prefix}', 30)")
         try:
             assert await db.enforce() is None
-            meta = state.DbAccess("policy", allows=lambda key, op: key == gate.META)
+            meta = turns.DbAccess("policy", allows=lambda key, op: key == gate.META)
             for sql in ("SHOW FULL PROCESSLIST", "SELECT * FROM information_schema.processlist"):
                 text = await query_text(db, sql, meta)
                 assert not text.startswith("ERROR") and not fx.leaked(text), text

@@ -12,8 +12,10 @@ import client_classes
 import gate
 import rate_limits
 import routes
-import state
+import stores
+import turns
 from config import GateDefaults, RateLimit
+from events import EventHub
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import (
@@ -51,9 +53,9 @@ async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path,
 async def test_may_administer_follows_the_request_not_the_client_id() -> None:
     assert not client_classes.may_administer(None)  # outside a request: nobody
     # the class alone gives nothing
-    assert not client_classes.may_administer(state.Turn("c1", "t1", client_classes.SHELL))
+    assert not client_classes.may_administer(turns.Turn("c1", "t1", client_classes.SHELL))
     for vouched in ({"interactive": True}, {"admin": True}):
-        assert client_classes.may_administer(state.Turn("api-x", "t1", client_classes.UNKNOWN, **vouched))
+        assert client_classes.may_administer(turns.Turn("api-x", "t1", client_classes.UNKNOWN, **vouched))
 
 
 # ── The matrix: gate type × client × gate on/off ────────────────────────────────────────────
@@ -197,8 +199,8 @@ def test_layering_specific_beats_wildcard_and_session_beats_defaults() -> None:
     keeper = gate.GateKeeper(GateDefaults.model_validate({
         "db": {"*": {"read": True, "write": True}, "payroll": {"read": True, "write": False}},
         "tools": {"*": {"read": False}, "web_search": {"read": True}},
-    }), state.EventHub())
-    session = state.Session("c1", 101, "fake")
+    }), EventHub())
+    session = stores.Session("c1", 101, "fake")
     assert keeper.allowed(session, "db", "orders", "write")  # wildcard
     assert not keeper.allowed(session, "db", "payroll", "write")  # specific entry beats the wildcard
     # Unknown tables ("*"): allowed only if the explicitly gated tables would be too.
@@ -224,8 +226,8 @@ def test_bad_gate_timeout_is_a_config_error() -> None:
     from config import ConfigError
 
     with pytest.raises(ConfigError, match="GATE_TIMEOUT"):
-        gate.GateKeeper.from_env(GateDefaults(), state.EventHub(), {"GATE_TIMEOUT": "soon"})
-    assert gate.GateKeeper.from_env(GateDefaults(), state.EventHub(), {}).timeout == gate.DEFAULT_GATE_TIMEOUT
+        gate.GateKeeper.from_env(GateDefaults(), EventHub(), {"GATE_TIMEOUT": "soon"})
+    assert gate.GateKeeper.from_env(GateDefaults(), EventHub(), {}).timeout == gate.DEFAULT_GATE_TIMEOUT
 
 
 async def test_a_new_submit_cancels_a_waiting_gate_and_cleans_it(grt, fake_openai) -> None:
@@ -321,10 +323,10 @@ async def test_plugin_commands_use_the_same_check(grt) -> None:
     """A privileged plugin command (the coming `!db`) refuses non-interactive clients with
     client_classes.may_administer."""
 
-    async def db(turn: state.Turn, args: str) -> str:
+    async def db(turn: turns.Turn, args: str) -> str:
         return "ran " + args if client_classes.may_administer(turn) else client_classes.refusal("!db", turn)
 
-    grt.commands["db"] = state.Command(db, owner="plugin_test_db")
+    grt.commands["db"] = turns.Command(db, owner="plugin_test_db")
     out, _ = await turn(grt, "!db SELECT 1")
     assert out == "ran SELECT 1"
     for client_id in ("slack-C1-1.2", "llama-10.0.0.1", "api-12345678"):
@@ -347,7 +349,7 @@ class Clock:
 
 def test_rate_limit_windows_slide_with_the_clock() -> None:
     clock = Clock()
-    limiter = rate_limits.RateLimiter({"search": RateLimit(calls=2, window_seconds=10)}, state.EventHub(), clock=clock)
+    limiter = rate_limits.RateLimiter({"search": RateLimit(calls=2, window_seconds=10)}, EventHub(), clock=clock)
     assert [limiter.hit("a", "search") for _ in range(3)] == [None, None, "limit"]
     assert limiter.hit("b", "search") is None  # per session
     assert limiter.hit("a", "db") is None  # types without a limit are unlimited
@@ -359,14 +361,14 @@ def test_rate_limit_windows_slide_with_the_clock() -> None:
 
 
 def test_zero_means_unlimited() -> None:
-    limiter = rate_limits.RateLimiter({"system": RateLimit(calls=0, window_seconds=0)}, state.EventHub(), clock=Clock())
+    limiter = rate_limits.RateLimiter({"system": RateLimit(calls=0, window_seconds=0)}, EventHub(), clock=Clock())
     assert all(limiter.hit("a", "system") is None for _ in range(100))
 
 
 def test_auto_disable_and_enable() -> None:
     clock = Clock()
     limiter = rate_limits.RateLimiter({"llm_call": RateLimit(calls=1, window_seconds=20, auto_disable=True)},
-                                      state.EventHub(), clock=clock)
+                                      EventHub(), clock=clock)
     assert limiter.hit("a", "llm_call") is None
     assert limiter.hit("a", "llm_call") == "limit"
     clock.now += 60
@@ -378,7 +380,7 @@ def test_auto_disable_and_enable() -> None:
 
 def test_old_windows_are_pruned() -> None:
     clock = Clock()
-    limiter = rate_limits.RateLimiter({"search": RateLimit(calls=5, window_seconds=10)}, state.EventHub(), clock=clock)
+    limiter = rate_limits.RateLimiter({"search": RateLimit(calls=5, window_seconds=10)}, EventHub(), clock=clock)
     for i in range(rate_limits.SWEEP_EVERY * 4):
         limiter.hit(f"client-{i}", "search")
     assert len(limiter.windows) <= rate_limits.SWEEP_EVERY * 4
@@ -447,18 +449,18 @@ async def _until_gate(events):
 
 def test_system_schemas_are_allowed_only_by_their_own_keys() -> None:
     keeper = gate.GateKeeper(GateDefaults.model_validate({"db": {"*": {"read": True, "write": True}}, "tools": {}}),
-                             state.EventHub())
+                             EventHub())
     assert keeper.allowed(None, "db", "users", "read") and keeper.allowed(None, "db", "shop.users", "write")
     for key in ("mysql.user", "information_schema.tables", "performance_schema.threads", "sys.session"):
         assert not keeper.allowed(None, "db", key, "read"), key  # `*` never reaches the server's own schemas
-    session = state.Session("c1", 101, "fake")
+    session = stores.Session("c1", 101, "fake")
     keeper.set_override(session, "db", "mysql.user", "read", True)  # what `!autoAIdb mysql.user read true` does
     assert keeper.allowed(session, "db", "mysql.user", "read") and not keeper.allowed(
         session, "db", "mysql.user", "write"
     )
     # An unqualified entry is not a qualified one: allowing `users` leaves `shop.users` to `*` (here: gated).
     narrow = gate.GateKeeper(GateDefaults.model_validate({"db": {"users": {"read": True}}, "tools": {}}),
-                             state.EventHub())
+                             EventHub())
     assert narrow.allowed(None, "db", "users", "read") and not narrow.allowed(None, "db", "shop.users", "read")
 
 

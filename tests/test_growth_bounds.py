@@ -3,14 +3,14 @@ the proxy's conversation index forgets evicted sessions, and the session count n
 
 from __future__ import annotations
 
-import state
 from plugins._conversations import FINGERPRINT, ConversationIndex
+from sessions import SessionLimits, SessionManager, SessionPolicy
 from stores import MemoryStore
 
 
-def manager(cap: int) -> state.SessionManager:
-    policy = state.SessionPolicy(limits=lambda kind: state.SessionLimits(max_sessions=cap))
-    return state.SessionManager(MemoryStore(), policy)
+def manager(cap: int) -> SessionManager:
+    policy = SessionPolicy(limits=lambda kind: SessionLimits(max_sessions=cap))
+    return SessionManager(MemoryStore(), policy)
 
 
 async def test_the_conversation_index_holds_only_live_sessions_as_sessions_are_evicted() -> None:

@@ -11,9 +11,10 @@ import pytest
 from pydantic import BaseModel
 
 import gate_commands
-import shared
+import shared_store
 import state
 import tool_calls
+import turns
 from tests.runtime import Recorder, add_plugin_tools, ask, runtime
 
 MODELS = {"m": {"model_id": "x", "type": "OPENAI", "host": "http://127.0.0.1:9/v1", "env_key": None}}
@@ -39,7 +40,7 @@ async def _call(rt: state.Runtime, client_id: str, identity: str | None, tool: s
     turn = ask(rt, client_id, "", {"identity": identity} if identity else None).turn()
     session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
     turn = dataclasses.replace(turn, session=session)
-    with state.running(turn):
+    with turns.running(turn):
         return (await tool_calls.execute_tool(rt, turn, tool, {"key": "k"})).text
 
 
@@ -70,7 +71,7 @@ async def test_rotating_client_ids_under_one_identity_stay_rate_limited(tmp_path
 
 async def test_rotating_client_ids_stay_rate_limited_on_the_shared_store(tmp_path: Path, redis_store: str) -> None:
     async with runtime(tmp_path, MODELS, gates=OPEN, rate_limits=LIMITS,
-                       store=shared.open_store(redis_store, tmp_path)) as rt:
+                       store=shared_store.open_store(redis_store, tmp_path)) as rt:
         assert rt.rate_limiter.shared is not None
         await _rotating_ids_share_one_window(rt, _tools(rt))
 

@@ -23,8 +23,8 @@ import audit_log
 import build
 import grants
 import routes
-import state
 import stores
+import turns
 from approvals import SHELL, Approver
 from config import load_config
 from shell_client import ShellClient
@@ -224,11 +224,11 @@ def test_a_question_belongs_to_the_one_session_calling_else_to_nobody(tmp_path) 
     from plugins._mcp_servers import StdioServer
 
     conn = Connection("s", StdioServer(command="true"), {}, tmp_path, lambda c: None)
-    a1, a2, b = (state.Turn("shell-a", "t1", "shell"), state.Turn("shell-a", "t2", "shell"),
-                 state.Turn("shell-b", "t3", "shell"))
+    a1, a2, b = (turns.Turn("shell-a", "t1", "shell"), turns.Turn("shell-a", "t2", "shell"),
+                 turns.Turn("shell-b", "t3", "shell"))
     conn._calls = {1: ("s_book", a1), 2: ("s_book", a2)}
     assert conn._caller() == ("s_book", a1)  # one session: its (first) call
     conn._calls[3] = ("s_other", b)
     assert conn._caller() == ("", None)  # two sessions, no context: nobody
-    with state.running(b):
+    with turns.running(b):
         assert conn._caller() == ("s_other", b)  # the SDK ran the callback in the calling task

@@ -18,6 +18,7 @@ import pytest
 from starlette.applications import Starlette
 
 import build
+import sessions
 import state
 import stores
 from config import DEFAULTS_DIR, load_config
@@ -90,4 +91,4 @@ async def test_a_new_client_plugin_runs_a_new_gated_tool_with_a_new_setting(newc
     assert asked["tool_name"] == "count_words"  # the new tool is gated as it declared, for the new client
     tool_result = [m for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"][-1]["content"]
     assert tool_result.startswith("3 words (asked by echo-ann)")  # the setting capped it; the turn is the client's
-    assert rt.sessions.get("echo-ann").settings[state.CLIENT_CLASS] == "api"  # the class its plugin stated
+    assert rt.sessions.get("echo-ann").settings[sessions.CLIENT_CLASS] == "api"  # the class its plugin stated

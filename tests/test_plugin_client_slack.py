@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 
 import build
 import gate
-import shared
+import shared_store
 import state
 import stores
 from config import DEFAULTS_DIR, GatePermission, load_config
@@ -211,7 +211,7 @@ async def test_two_instances_on_one_redis_answer_each_message_once_and_share_thr
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         pair.append(await start_slack(tmp_path / name, fake_openai, fake_slack,
-                                      store=shared.open_store(redis_store, tmp_path / name)))
+                                      store=shared_store.open_store(redis_store, tmp_path / name)))
     try:
         await fake_slack.until(lambda: fake_slack.connections >= 2)
         harness = Harness(pair[0][0], pair[0][1], fake_slack, fake_openai)

@@ -14,9 +14,12 @@ import build
 import plugin_api
 import plugin_loader
 import routes
+import sessions
 import state
 import stores
+import turns
 from config import load_config
+from events import Event
 from tests.conftest import ConfigDir, gemini_model, openai_model
 from tests.fakes.backend import error, hang, malformed, text, tool_call
 from tests.runtime import SHIPPED_NAMESPACES, ask, entry, shell_payload
@@ -40,7 +43,7 @@ async def rt(tmp_path, fake_openai, fake_gemini):
     state.set_current(None)
 
 
-async def turn(rt: state.Runtime, text_: str, client_id: str = "c1") -> tuple[str, list[state.Event]]:
+async def turn(rt: state.Runtime, text_: str, client_id: str = "c1") -> tuple[str, list[Event]]:
     """Submit and collect this client's events up to the turn's `done`: (answer text, events)."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
     await routes.submit(rt, ask(rt, client_id, text_, shell_payload(rt, client_id, None)))
@@ -200,9 +203,9 @@ async def test_empty_message_gets_a_hint(rt, fake_openai):
 
 async def test_plugin_command_signature_and_conflicts(rt):
     async def hello(args: str) -> str:
-        return f"hello {state.current_turn().client_id} {args}"
+        return f"hello {turns.current_turn().client_id} {args}"
 
-    async def who(turn: state.Turn, args: str) -> str:
+    async def who(turn: turns.Turn, args: str) -> str:
         return f"{turn.client_id} asked {args}"
 
     class Commands(plugin_api.BasePlugin):
@@ -241,12 +244,12 @@ async def test_plugin_command_signature_and_conflicts(rt):
         loader._register("plugin_w", Commands("plugin_w", {"sync": lambda args: args}))
 
 
-async def _collect(events) -> tuple[str, list[state.Event]]:
+async def _collect(events) -> tuple[str, list[Event]]:
     got = [ev async for ev in events]
     return "".join(e.data.get("text", "") for e in got if e.name == "tok"), got
 
 
-def _queued(session: state.Session) -> int:
+def _queued(session: stores.Session) -> int:
     """How many requests wait for `session`'s lock (asyncio keeps its waiters in `_waiters`)."""
     return len(session.lock._waiters or ()) if session.lock.locked() else 0
 
@@ -330,7 +333,7 @@ async def test_a_turn_asked_of_a_stopping_server_is_refused_with_503(rt):
             return [Route("/submit", submit, methods=["POST"])]
 
     await routes.end_all(rt)
-    with pytest.raises(state.Stopping):
+    with pytest.raises(sessions.Stopping):
         await routes.submit(rt, ask(rt, "c1", "too late"))
     app = entry().build_app(rt, Submitting(), {"port": 8765})
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8765") as http:

@@ -16,8 +16,10 @@ import pytest
 from pydantic import BaseModel
 
 import routes
-import shared
+import shared_store
 import state
+import stores
+from events import Event
 from plugin_api import PluginContext
 from plugins._conversations import ConversationIndex
 from plugins.plugin_client_api import ApiPlugin
@@ -36,12 +38,12 @@ async def two(tmp_path, url: str, models, **kw) -> AsyncIterator[tuple[state.Run
     (tmp_path / "b").mkdir()
     # One audit key for both, as the README says for instances sharing grants: each honours the other's grants.
     kw["env"] = {"AGENT_AUDIT_KEY_FILE": str(tmp_path / "audit-key"), **kw.get("env", {})}
-    async with runtime(tmp_path / "a", models, store=shared.open_store(url, tmp_path / "a"), **kw) as a, \
-            runtime(tmp_path / "b", models, store=shared.open_store(url, tmp_path / "b"), **kw) as b:
+    async with runtime(tmp_path / "a", models, store=shared_store.open_store(url, tmp_path / "a"), **kw) as a, \
+            runtime(tmp_path / "b", models, store=shared_store.open_store(url, tmp_path / "b"), **kw) as b:
         yield a, b
 
 
-async def until_done(sub: AsyncIterator[state.Event], turn_id: str | None = None) -> list[state.Event]:
+async def until_done(sub: AsyncIterator[Event], turn_id: str | None = None) -> list[Event]:
     events = []
     async with asyncio.timeout(20):
         async for ev in sub:
@@ -52,7 +54,7 @@ async def until_done(sub: AsyncIterator[state.Event], turn_id: str | None = None
     return events
 
 
-def said(events: list[state.Event]) -> str:
+def said(events: list[Event]) -> str:
     return "".join(e.data.get("text", "") for e in events if e.name == "tok")
 
 
@@ -83,7 +85,7 @@ async def test_history_ids_and_streams_are_one_across_instances(tmp_path, fake_o
         listing = [(s.shorthand, s.client_id) for s in a.sessions.all()]
         assert listing == [(s.shorthand, s.client_id) for s in b.sessions.all()]
         assert sorted(c for _, c in listing) == ["alice", "bob", "carol", "dave"]
-        assert len({n for n, _ in listing}) == 4 and min(n for n, _ in listing) == state.FIRST_SHORTHAND
+        assert len({n for n, _ in listing}) == 4 and min(n for n, _ in listing) == stores.FIRST_SHORTHAND
         await sub_b.aclose()
 
 
@@ -128,7 +130,7 @@ async def test_simultaneous_turns_on_two_instances_run_one_at_a_time(tmp_path, f
         await sub.aclose()
 
 
-async def until_done_both(sub: AsyncIterator[state.Event], turns: set[str]) -> list[state.Event]:
+async def until_done_both(sub: AsyncIterator[Event], turns: set[str]) -> list[Event]:
     events, left = [], set(turns)
     async with asyncio.timeout(20):
         async for ev in sub:
@@ -199,7 +201,7 @@ async def test_a_grant_given_on_one_instance_allows_there_and_is_revoked_from_th
             add_plugin_tools(rt, "plugin_test", [recorder.tool("web_search", Query)], {"web_search": {"type": "read"}})
         sub = b.hub.subscribe("c1", None)
 
-        async def search(rt: state.Runtime, answer: str | None) -> list[state.Event]:
+        async def search(rt: state.Runtime, answer: str | None) -> list[Event]:
             fake_openai.script(tool_call("web_search", {"query": "q"}), text("done"))
             ran = await routes.submit(rt, ask(rt, "c1", "search", shell_payload(rt, "c1", None)))
             events = []
@@ -328,8 +330,8 @@ async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_
 ])
 def test_a_session_store_url_redis_would_misread_is_refused_with_what_to_write(tmp_path, url, says) -> None:
     # redis-py itself would take "/abc" for database 0 and fail on the port with a traceback.
-    with pytest.raises(state.SessionError) as refused:
-        shared.open_store(url, tmp_path)
+    with pytest.raises(stores.SessionError) as refused:
+        shared_store.open_store(url, tmp_path)
     assert says in str(refused.value) and "secret" not in str(refused.value)
 
 

@@ -9,9 +9,9 @@ import pytest
 
 import build
 import routes
-import state
 import stores
 from config import ConfigError, SessionsConfig, load_config
+from sessions import TRUNCATED, SessionLimits, SessionManager, SessionPolicy
 from tests.conftest import ConfigDir, openai_model
 from tests.runtime import SHIPPED_NAMESPACES, ask
 
@@ -31,7 +31,7 @@ class Clock:
         self.now += days * DAY
 
 
-def policy(**sessions) -> state.SessionPolicy:
+def policy(**sessions) -> SessionPolicy:
     """The policy the server builds from `plugins-enabled.json` `sessions` (gate's client classes)."""
     return build.session_policy(SessionsConfig.model_validate(sessions), SHIPPED_NAMESPACES)
 
@@ -39,11 +39,11 @@ def policy(**sessions) -> state.SessionPolicy:
 @pytest.fixture
 async def manager():
     """Opens managers over SQLite files; closes whatever a test left open, failed or not."""
-    opened: list[state.SessionManager] = []
+    opened: list[SessionManager] = []
 
-    async def open_manager(path, clock, pol=None, **kw) -> state.SessionManager:
+    async def open_manager(path, clock, pol=None, **kw) -> SessionManager:
         """A manager over `path`, opened (bounds apply at its first `sweep()`, as in the server)."""
-        m = state.SessionManager(stores.SqliteStore(path), pol or policy(), clock=clock, **kw)
+        m = SessionManager(stores.SqliteStore(path), pol or policy(), clock=clock, **kw)
         opened.append(m)
         await m.open()
         return m
@@ -53,7 +53,7 @@ async def manager():
         await m.close()
 
 
-def stored_ids(m: state.SessionManager) -> set[str]:
+def stored_ids(m: SessionManager) -> set[str]:
     return {s.client_id for s in m.all()}
 
 
@@ -161,8 +161,8 @@ async def test_a_sweep_uses_the_classes_known_when_it_runs(manager, tmp_path):
     """Classes declared after the sessions were loaded (plugins load later) decide the sweep."""
     clock = Clock()
     owners: dict[str, str] = {}
-    limits = {"interactive": state.SessionLimits(None, 10), "other": state.SessionLimits(DAY, 10)}
-    pol = state.SessionPolicy(
+    limits = {"interactive": SessionLimits(None, 10), "other": SessionLimits(DAY, 10)}
+    pol = SessionPolicy(
         classify=lambda s: owners.get(s.client_id.split("-")[0], "other"), limits=limits.__getitem__
     )
     m = await manager(tmp_path / "s.db", clock, pol)
@@ -253,7 +253,7 @@ async def test_overlong_stored_messages_are_cut(manager, tmp_path):
     s = await m.get_or_create("alice", "m")
     s.history += [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "short"}]
     await m.save(s)
-    assert s.history[0]["content"] == "x" * 1000 + state.TRUNCATED and s.history[1]["content"] == "short"
+    assert s.history[0]["content"] == "x" * 1000 + TRUNCATED and s.history[1]["content"] == "short"
     await m.close()
 
 

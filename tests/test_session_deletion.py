@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 import routes
 import state
+import stores
 from tests.conftest import ROOT, free_port
 from tests.plugin_host import plugin, plugin_runtime
 from tests.runtime import ask, shell_payload
@@ -39,7 +40,7 @@ def deletions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, bool]]:
     original = routes.delete_session
 
     async def watched(rt: state.Runtime, client_id: str, *, remember: bool = True,
-                      announce: bool = True) -> state.Session | None:
+                      announce: bool = True) -> stores.Session | None:
         calls.append((client_id, remember, announce))
         return await original(rt, client_id, remember=remember, announce=announce)
 

@@ -25,7 +25,7 @@ import audit_log
 import build
 import decisions
 import grants
-import shared
+import shared_store
 import state
 import stores
 from approvals import MCP, Approver
@@ -314,7 +314,7 @@ async def test_two_instances_on_one_redis_post_a_gate_once_and_either_takes_the_
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         pair.append(await start(tmp_path / name, fake_openai, fake_slack,
-                                store=shared.open_store(redis_store, tmp_path / name)))
+                                store=shared_store.open_store(redis_store, tmp_path / name)))
     try:
         await fake_slack.until(lambda: fake_slack.connections >= 2)
         await pair[0].rt.sessions.get_or_create(PROXY_ID, "fake")

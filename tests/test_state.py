@@ -1,12 +1,13 @@
-"""state.py: the event hub (broadcast, replay, bounds) and the session stores."""
+"""events.py and stores.py: the event hub (broadcast, replay, bounds) and the session stores."""
 
 import asyncio
 
 import pytest
 
-import state
+import events
+import sessions
 import stores
-from state import trim_history
+from sessions import trim_history
 
 
 async def take(it, n):
@@ -14,7 +15,7 @@ async def take(it, n):
 
 
 async def test_every_subscriber_gets_every_event():
-    hub = state.EventHub()
+    hub = events.EventHub()
     a, b = hub.subscribe("s"), hub.subscribe("s")
     first_a, first_b = asyncio.ensure_future(take(a, 3)), asyncio.ensure_future(take(b, 3))
     await asyncio.sleep(0)
@@ -25,14 +26,14 @@ async def test_every_subscriber_gets_every_event():
 
 
 async def test_replay_after_last_event_id_is_exact():
-    hub = state.EventHub()
+    hub = events.EventHub()
     ids = [hub.publish("s", "tok", {"text": str(i)}).id for i in range(5)]
     got = await take(hub.subscribe("s", ids[1]), 3)
     assert [e.data["text"] for e in got] == ["2", "3", "4"]
 
 
 async def test_without_last_event_id_unseen_events_are_delivered_once():
-    hub = state.EventHub()
+    hub = events.EventHub()
     hub.tok("s", "before anyone listened")
     sub = hub.subscribe("s")
     assert (await anext(sub)).data["text"] == "before anyone listened"
@@ -43,8 +44,8 @@ async def test_without_last_event_id_unseen_events_are_delivered_once():
 
 
 async def test_buffer_is_bounded():
-    hub = state.EventHub()
-    for i in range(state.EVENT_BUFFER + 50):
+    hub = events.EventHub()
+    for i in range(events.EVENT_BUFFER + 50):
         hub.tok("s", str(i))
     got = await anext(hub.subscribe("s", 0))
     assert got.data["text"] == "50"
@@ -52,7 +53,7 @@ async def test_buffer_is_bounded():
 
 async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
     path = tmp_path / "s.db"
-    m = state.SessionManager(stores.SqliteStore(path))
+    m = sessions.SessionManager(stores.SqliteStore(path))
     await m.open()
     a = await m.get_or_create("alice", "m1")
     b = await m.get_or_create("bob", "m2")
@@ -60,7 +61,7 @@ async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
     await m.save(a)
     await m.delete("102")
     await m.close()
-    m2 = state.SessionManager(stores.SqliteStore(path))
+    m2 = sessions.SessionManager(stores.SqliteStore(path))
     await m2.open()
     assert [(s.client_id, s.shorthand, s.model) for s in m2.all()] == [("alice", 101, "m1")]
     assert m2.get("alice").history == [{"role": "user", "content": "hi"}]
@@ -72,7 +73,7 @@ async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
 
 def test_store_setting():
     assert isinstance(stores.open_store("memory", None), stores.MemoryStore)
-    with pytest.raises(state.SessionError, match="SESSION_STORE=postgres:… is not supported"):
+    with pytest.raises(stores.SessionError, match="SESSION_STORE=postgres:… is not supported"):
         stores.open_store("postgres://x", None)
 
 
@@ -91,7 +92,7 @@ def test_trim_never_separates_tool_call_from_result():
 
 
 async def test_idle_channels_are_bounded_but_followed_ones_stay():
-    hub = state.EventHub(max_idle_channels=3)
+    hub = events.EventHub(max_idle_channels=3)
     followed = hub.subscribe("watched")
     hub.publish("watched", "tok", {"text": "x"})
     assert (await anext(followed)).data == {"text": "x"}
@@ -105,7 +106,7 @@ async def test_idle_channels_are_bounded_but_followed_ones_stay():
 
 
 def test_observers_see_every_event_and_dropped_sessions(caplog):
-    hub = state.EventHub()
+    hub = events.EventHub()
     seen: list[tuple[str, str | None]] = []
 
     def broken(client_id, event):

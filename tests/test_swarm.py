@@ -18,8 +18,8 @@ from starlette.routing import BaseRoute, Route
 import build
 import client_classes
 import routes
-import state
 import stores
+import turns
 from api_client import AgentClient
 from config import ConfigError, load_config
 from registry import ToolError
@@ -229,14 +229,16 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         assert entry is not None and entry.gate == {"type": "agent_call", "operation": "write"}
         assert entry.tool.description.endswith("Agents: b") and "127.0.0.1" not in entry.tool.description
         # A swarm session may not call further, whatever the target.
+        call = entry.tool.coroutine
+        assert call is not None
         with pytest.raises(ToolError, match=r"^agent_call refused: it runs only as a tool call of a request"):
-            await rt.tools.executor("agent_call")(agent_url="b", message="x")  # outside a request: fails closed
-        with state.running(routes.Request("api-1", client_classes.API).turn()), \
+            await call(agent_url="b", message="x")  # outside a request: fails closed
+        with turns.running(routes.Request("api-1", client_classes.API).turn()), \
                 pytest.raises(ToolError, match="failed: cannot reach"):  # an API client's request: it tries
-            await rt.tools.executor("agent_call")(agent_url="b", message="x")
-        with state.running(routes.Request("api-swarm-12345678", client_classes.SWARM).turn()), \
+            await call(agent_url="b", message="x")
+        with turns.running(routes.Request("api-swarm-12345678", client_classes.SWARM).turn()), \
                 pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
-            await rt.tools.executor("agent_call")(agent_url="b", message="x")
+            await call(agent_url="b", message="x")
 
 
 async def test_api_plugin_refuses_an_admin_key_equal_to_the_api_key(tmp_path, fake_openai) -> None:

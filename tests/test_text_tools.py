@@ -9,7 +9,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 from agents import AFTER_RESULTS
-from state import trim_history
+from sessions import trim_history
 from tests.conftest import openai_model
 from tests.fakes.backend import error, text, tool_call
 from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn

@@ -1,0 +1,457 @@
+"""The live sessions: the manager (write-through to a SessionStore), their bounds, history trimming.
+
+A session's record and its persistence are `stores.py`'s; the manager holds the sessions in
+memory, hands out shorthand ids, runs one request at a time on each (`hold`), and expires and
+evicts them by client class (`SessionPolicy`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stores import FIRST_SHORTHAND, Session, SessionError, SessionStore
+
+logger = logging.getLogger("agent_mcp.state")
+
+#: Defaults of the session bounds (plugins-enabled.json `sessions`; see SessionPolicy).
+DEFAULT_MAX_SESSIONS = 1000
+DEFAULT_MAX_HISTORY = 1000
+DEFAULT_MAX_MESSAGE_CHARS = 200_000
+TRUNCATED = "\n…(truncated: longer than the stored message limit)"
+#: Seconds between two looks for turns whose instance died (shared stores; see SessionManager.recover).
+RECOVER_SECONDS = 1.0
+#: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
+MAX_GONE = 4096
+
+
+class Stopping(SessionError):
+    """This server is stopping and starts no more turns (HTTP: 503, so the request is sent again)."""
+
+
+def _starts_turn(msg: dict[str, Any]) -> bool:
+    # Results of text tool calls are user messages too, but they belong to the turn before them.
+    return msg.get("role") == "user" and not msg.get("tool_results")
+
+
+def trim_history(history: list[dict[str, Any]], max_messages: int) -> list[dict[str, Any]]:
+    """The last `max_messages` messages, starting at a user message so no tool result loses its call.
+
+    Older turns go whole (a turn: a user message and everything up to the next one); a single
+    turn longer than the limit is kept whole from its user message.
+    """
+    if len(history) <= max_messages:
+        return history
+    kept = history[-max_messages:]
+    for i, msg in enumerate(kept):
+        if _starts_turn(msg):
+            return kept[i:]
+    for i in range(len(history) - 1, -1, -1):
+        if _starts_turn(history[i]):
+            return history[i:]
+    return []
+
+
+#: What a turn's task is cancelled with when its instance lost the session's turn lease (shared stores).
+LEASE_LOST = "the session's turn lease was lost"
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds of one client class: idle seconds before a session expires (None: never) and how many are kept."""
+
+    idle_seconds: float | None = None
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """How long sessions live, how many are kept and how much history each stores.
+
+    `classify` names a session's client class; `limits` gives that class's bounds. Both are injected
+    (build.build_runtime wires the gate's client classes), so this module knows no client kinds.
+    """
+
+    classify: Callable[[Session], str] = lambda session: "default"
+    limits: Callable[[str], SessionLimits] = lambda kind: SessionLimits()
+    max_history: int = DEFAULT_MAX_HISTORY
+    max_message_chars: int = DEFAULT_MAX_MESSAGE_CHARS
+    #: Seconds between two sweeps of the running server (expiry, then caps).
+    sweep_seconds: float = 3600.0
+
+
+#: Session setting: the class of the client that created the session (bounds and listings, never privileges).
+CLIENT_CLASS = "client_class"
+
+#: Called with the client id of every session the manager forgets (deleted, expired or evicted).
+ForgetHook = Callable[[str], None]
+
+
+class SessionManager:
+    """The live sessions, their shorthand ids, write-through persistence, and their bounds.
+
+    Every session removed (by `delete`, expiry or eviction) passes through `_forget`, which runs
+    the `forgotten` hooks (the runtime drops the event channel and the rate-limit windows there).
+    A session is never expired or evicted while `busy`: its lock is held or `is_busy(client_id)`.
+    """
+
+    def __init__(self, store: SessionStore, policy: SessionPolicy | None = None,
+                 clock: Callable[[], float] = time.time, is_busy: Callable[[str], bool] | None = None):
+        self.store = store
+        self.policy = policy or SessionPolicy()
+        self.clock = clock
+        self.is_busy = is_busy
+        self.forgotten: list[ForgetHook] = []
+        #: Called with (client id, request id) for a request found to have died with its process.
+        self.interrupted: Callable[[str, str], None] | None = None
+        self._sessions: dict[str, Session] = {}
+        self._by_short: dict[int, str] = {}
+        self._last_short = FIRST_SHORTHAND - 1
+        self._unsaved: set[str] = set()  # added, never saved: their class's cap is checked at the first save
+        #: Per client class, its sessions from the least to the most recently active (eviction order).
+        self._lru: dict[str, OrderedDict[str, Session]] = {}
+        self._kind: dict[str, str] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._recoverer: asyncio.Task[None] | None = None
+        #: Why recently removed sessions went (client id → "deleted", …), so a client that comes back
+        #: is told instead of silently getting an empty session (bounded: MAX_GONE, oldest dropped).
+        self._gone: OrderedDict[str, str] = OrderedDict()
+
+    async def open(self) -> None:
+        """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them).
+
+        A shared store is only opened: its sessions are read when they are used (`refresh`, `hold`).
+        """
+        await self.store.open()
+        if self.store.shared:
+            return
+        sessions, last = await self.store.load()
+        for s in sessions:
+            self._add(s)
+        self._last_short = max(last, FIRST_SHORTHAND - 1)
+
+    async def close(self) -> None:
+        for task in (self._sweeper, self._recoverer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sweeper = self._recoverer = None
+        await self.store.close()
+
+    def start_sweeping(self) -> None:
+        """Sweep now, then every `policy.sweep_seconds` until `close()`.
+
+        Call it once every client class is known (classes declared by plugins: after they load).
+        """
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="session-sweeper")
+
+    async def _sweep_forever(self) -> None:
+        if self.store.shared:
+            self._recoverer = asyncio.create_task(self._recover_forever(), name="turn-recovery")
+        while True:
+            try:
+                await self.sweep()
+            except Exception:  # a failing store must not end the sweeping; the next round retries
+                logger.exception("session sweep failed")
+            await asyncio.sleep(self.policy.sweep_seconds)
+
+    async def _recover_forever(self) -> None:
+        """With a shared store: end, within seconds, the turns of instances that died (see `recover`)."""
+        while True:
+            await asyncio.sleep(RECOVER_SECONDS)
+            try:
+                await self.recover()
+            except SessionError:
+                pass  # the store is unreachable: said elsewhere; the next round tries again
+            except Exception:
+                logger.exception("looking for interrupted turns failed")
+
+    def get(self, client_id: str) -> Session | None:
+        return self._sessions.get(client_id)
+
+    def all(self) -> list[Session]:
+        return sorted(self._sessions.values(), key=lambda s: s.shorthand)
+
+    def count(self) -> int:
+        """How many sessions this instance knows (what `len(all())` says, without sorting them all)."""
+        return len(self._sessions)
+
+    def get_or_add(self, client_id: str, model: str, client_class: str | None = None) -> tuple[Session, bool]:
+        """The client's session, added in memory if new (then True), marked active now; the caller saves it.
+
+        A new session records `client_class`, the class of the client that created it (for its bounds).
+        """
+        session = self._sessions.get(client_id)
+        if session is not None:
+            self._touch(session)
+            return session, False
+        # A shared store hands the id out when the session is first saved (0 until then).
+        shorthand = 0 if self.store.shared else self._last_short + 1
+        self._last_short = max(self._last_short, shorthand)
+        now = self.clock()
+        settings = {CLIENT_CLASS: client_class} if client_class else {}
+        session = Session(client_id=client_id, shorthand=shorthand, model=model, created=now, updated=now,
+                          settings=settings)
+        self._add(session)
+        self._unsaved.add(client_id)
+        return session, True
+
+    def _add(self, session: Session) -> None:
+        self._sessions[session.client_id] = session
+        if session.shorthand:
+            self._by_short[session.shorthand] = session.client_id
+        self._place(session)
+
+    def _drop(self, client_id: str) -> Session:
+        """Remove a session from this instance's memory only."""
+        session = self._sessions.pop(client_id)
+        if self._by_short.get(session.shorthand) == client_id:
+            del self._by_short[session.shorthand]
+        self._unsaved.discard(client_id)
+        del self._lru[self._kind.pop(client_id)][client_id]
+        return session
+
+    def _take(self, session: Session, fresh: Session) -> None:
+        """Update a remembered session from a fresher stored copy (another instance changed it)."""
+        if self._by_short.get(session.shorthand) == session.client_id:
+            del self._by_short[session.shorthand]
+        session.take_from(fresh)
+        self._by_short[session.shorthand] = session.client_id
+
+    async def exists(self, client_id: str) -> bool:
+        """Whether the session exists (with a shared store: on any instance, now)."""
+        if self.store.shared:
+            return await self.store.fetch(client_id) is not None
+        return client_id in self._sessions
+
+    async def refresh(self) -> None:
+        """With a shared store: read every session again, since another instance may have added, changed
+        or removed any (listings and sweeps call this first). Sessions held by a request here are the
+        request's own copy and stay as they are."""
+        if not self.store.shared:
+            return
+        stored = {s.client_id: s for s in await self.store.fetch_all()}
+        for client_id, mine in list(self._sessions.items()):
+            if client_id not in stored and not mine.lock.locked() and client_id not in self._unsaved:
+                self._drop(client_id)
+        for client_id, fresh in stored.items():
+            mine = self._sessions.get(client_id)
+            if mine is None:
+                self._add(fresh)
+            elif not mine.lock.locked():
+                self._take(mine, fresh)
+
+    async def _reload(self, session: Session) -> bool:
+        """Read a held session again from a shared store; True when the store has none (a new session)."""
+        fresh = await self.store.fetch(session.client_id)
+        if fresh is not None:
+            self._unsaved.discard(session.client_id)
+            self._take(session, fresh)
+            return False
+        if session.client_id not in self._unsaved:  # removed by another instance since we saw it
+            kind = session.settings.get(CLIENT_CLASS)
+            session.history, session.settings, session.running = [], ({CLIENT_CLASS: kind} if kind else {}), None
+            if self._by_short.get(session.shorthand) == session.client_id:
+                del self._by_short[session.shorthand]
+            session.shorthand = 0
+            self._unsaved.add(session.client_id)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session: Session, turn_id: str,
+                   ended: Callable[[], None] | None = None) -> AsyncIterator[bool]:
+        """Hold `session` for one request; yields whether the session is new.
+
+        Requests on a session run one at a time, in the order they asked (on every instance of a
+        shared store: the store's lease, and the session is read again once held). While held, the
+        session is stored marked `running`, so a request that dies with its process is found and
+        ended (`recover`); on leaving it is saved, unless it was removed meanwhile. `ended` runs
+        after that save and before the session is let go, when the request finished without an
+        exception: its `done` then comes before anything the next request (on any instance) says.
+        """
+        async with session.lock, self.store.lease(session.client_id, turn_id):
+            created = await self._reload(session) if self.store.shared else session.client_id in self._unsaved
+            if session.running and self.interrupted is not None:
+                self.interrupted(session.client_id, session.running)  # its process died; say so first
+            session.running = turn_id
+            finished = False
+            try:
+                await self.save(session)
+                yield created
+                finished = True
+            finally:
+                session.running = None
+                if self._sessions.get(session.client_id) is session:
+                    await self.save(session)
+                if finished and ended is not None:
+                    ended()
+
+    async def recover(self) -> list[str]:
+        """End the requests whose process died while they ran (see `hold`): `interrupted` tells their
+        clients, and the sessions are marked free. Returns their client ids.
+
+        With a shared store these are the running sessions whose lease expired; otherwise (at start)
+        every session stored as running."""
+        if self.store.shared:
+            candidates = await self.store.orphans()
+        else:
+            candidates = [s.client_id for s in self._sessions.values() if s.running and not s.lock.locked()]
+        ended = []
+        for client_id in candidates:
+            session, _ = self.get_or_add(client_id, "")
+            async with session.lock, self.store.lease(client_id, "recover"):
+                if self.store.shared and await self._reload(session):
+                    self._drop(client_id)  # gone meanwhile
+                    continue
+                if session.running:
+                    if self.interrupted is not None:
+                        self.interrupted(client_id, session.running)
+                    session.running = None
+                    await self.save(session)
+                    ended.append(client_id)
+        if ended:
+            logger.warning("ended %d turn(s) interrupted by a stopped server: %s", len(ended), ", ".join(ended))
+        return ended
+
+    def _place(self, session: Session) -> None:
+        """Put the session last (most recently active) in its class's eviction order."""
+        kind = self._kind[session.client_id] = self.policy.classify(session)
+        self._lru.setdefault(kind, OrderedDict())[session.client_id] = session
+
+    def _reclassify(self) -> None:
+        """Sort every session into its class again (classes may have been declared since it was added)."""
+        self._lru.clear()
+        for s in sorted(self._sessions.values(), key=lambda s: (s.updated, s.shorthand)):
+            self._place(s)
+
+    def _touch(self, session: Session) -> None:
+        session.updated = self.clock()
+        self._lru[self._kind[session.client_id]].move_to_end(session.client_id)
+
+    async def get_or_create(self, client_id: str, model: str) -> Session:
+        """The client's session, created and saved if new."""
+        session, created = self.get_or_add(client_id, model)
+        if created:
+            await self.save(session)
+        return session
+
+    def resolve(self, ident: str) -> str | None:
+        """A full client id for a full id or a shorthand id ("101"), or None."""
+        ident = ident.strip()
+        if ident in self._sessions:
+            return ident
+        if ident.isdigit():
+            return self._by_short.get(int(ident))
+        return None
+
+    async def save(self, session: Session) -> None:
+        """Store the session (its history bounded first) as active now; a new one may evict its class's LRU."""
+        if self._sessions.get(session.client_id) is not session:
+            return
+        if not session.shorthand:
+            session.shorthand = await self.store.allocate_shorthand()
+            self._by_short[session.shorthand] = session.client_id
+        self._bound_history(session)
+        self._touch(session)
+        if await self.store.save(session, self._last_short, create=session.client_id in self._unsaved) is False:
+            self._drop(session.client_id)  # removed on another instance meanwhile: not brought back
+            return
+        if session.client_id in self._unsaved:
+            self._unsaved.discard(session.client_id)
+            kind = self._kind[session.client_id]
+            await self._evict(kind, self.policy.limits(kind).max_sessions, keep=session.client_id)
+
+    def _bound_history(self, session: Session) -> None:
+        """Drop the oldest whole turns beyond `max_history` messages; cut texts over `max_message_chars`."""
+        history, policy = session.history, self.policy
+        if len(history) > policy.max_history:
+            history[:] = trim_history(history, policy.max_history)
+        for msg in history:
+            content = msg.get("content")
+            if isinstance(content, str) and len(content) > policy.max_message_chars:
+                msg["content"] = content[: policy.max_message_chars] + TRUNCATED
+
+    async def delete(self, ident: str, remember: bool = True) -> Session:
+        """Forget a session; with `remember`, a client that comes back is told it was deleted
+        (`take_gone`). Throwaway sessions (the proxy's background tasks) are not remembered."""
+        client_id = self.resolve(ident)
+        if client_id is None:
+            raise SessionError(f"no session '{ident}'; use !session to list sessions")
+        return await self._forget(client_id, "deleted" if remember else None)
+
+    async def take_gone(self, client_id: str) -> str | None:
+        """Why `client_id`'s session was removed ("deleted", "expired", "evicted"), once, or None."""
+        if self.store.shared:
+            return await self.store.take_gone(client_id)
+        return self._gone.pop(client_id, None)
+
+    async def _forget(self, client_id: str, why: str | None) -> Session:
+        if why is not None and self.store.shared:
+            await self.store.mark_gone(client_id, why)
+        elif why is not None:
+            self._gone[client_id] = why
+            self._gone.move_to_end(client_id)
+            if len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
+        session = self._drop(client_id)
+        await self.store.delete(client_id)
+        for hook in list(self.forgotten):
+            try:
+                hook(client_id)
+            except Exception:
+                logger.exception("session hook %r failed for %s", hook, client_id)
+        return session
+
+    def busy(self, session: Session) -> bool:
+        """Whether a request runs on (or waits for) the session: then it is never expired or evicted."""
+        return (session.lock.locked() or (self.is_busy is not None and self.is_busy(session.client_id))
+                or (self.store.shared and session.running is not None))  # a turn on another instance
+
+    async def sweep(self) -> list[str]:
+        """Expire sessions idle longer than their class allows, then evict each class down to its cap.
+
+        Returns the client ids removed. Busy sessions are skipped (a later sweep takes them).
+        """
+        await self.refresh()
+        self._reclassify()
+        now = self.clock()
+        removed = []
+        for kind, members in list(self._lru.items()):
+            idle = self.policy.limits(kind).idle_seconds
+            if idle is not None:
+                removed += [s.client_id for s in list(members.values())
+                            if now - s.updated > idle and await self._remove_idle(s, "expired")]
+        if removed:
+            logger.info("expired %d idle session(s)", len(removed))
+        for kind in list(self._lru):
+            removed += await self._evict(kind, self.policy.limits(kind).max_sessions)
+        return removed
+
+    async def _evict(self, kind: str, cap: int, keep: str | None = None) -> list[str]:
+        """Forget the least recently active idle sessions of class `kind` beyond `cap` (never `keep`)."""
+        members = self._lru.get(kind, {})
+        excess = len(members) - cap
+        if excess <= 0:
+            return []
+        idle = (s for s in members.values() if s.client_id != keep and not self.busy(s))
+        victims = list(itertools.islice(idle, excess))  # the least recently active first
+        evicted = [s.client_id for s in victims if await self._remove_idle(s, "evicted")]
+        if evicted:
+            logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(evicted), kind, cap)
+        return evicted
+
+    async def _remove_idle(self, session: Session, why: str) -> bool:
+        """Forget `session` unless it is busy or already gone (another task may have run meanwhile)."""
+        if self._sessions.get(session.client_id) is not session or self.busy(session):
+            return False
+        await self._forget(session.client_id, why)
+        return True
