@@ -45,7 +45,7 @@ import stores
 from audit_chain import AuditError
 from config import CODE_DIR, AppConfig, ConfigError, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
-from plugin_loader import BasePlugin
+from plugin_api import BasePlugin
 from prompt import PROMPT_DIR
 
 logger = logging.getLogger("agent_mcp")

@@ -16,7 +16,7 @@ from rich.table import Table
 from agentctl_base import CommandBase
 from agentctl_files import InputError
 from config import ENABLED_FILE, SECRET_NAME, AppConfig
-from plugin_loader import check_plugin, is_enabled
+from plugin_checks import check_plugin, is_enabled
 
 SYMBOLS = {"ready": "✓", "disabled": "–", "problems": "✗", "available": "○"}
 STYLES = {"ready": "green", "disabled": "yellow", "problems": "red", "available": "dim"}

@@ -31,7 +31,8 @@ import stores
 import tracing
 import turns
 from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
-from plugin_loader import PluginLoader, is_enabled
+from plugin_checks import is_enabled
+from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
 from sessions import SessionLimits, SessionManager, SessionPolicy

@@ -8,10 +8,8 @@ class says how a gate of its clients is answered (`ClientClass.gate_wait`) and h
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import guard
 import sessions
@@ -62,11 +60,6 @@ def _owner_class(namespaces: dict[str, tuple[str, str]], client_id: str) -> str:
     return kind
 
 
-def request_class(namespaces: dict[str, tuple[str, str]], client_id: str, payload: dict[str, Any]) -> str:
-    """The class of a request: the shell's when its endpoint vouched for it, else its id's namespace's."""
-    return SHELL if payload.get("interactive") is True else client_class(client_id, namespaces)
-
-
 def session_class(namespaces: dict[str, tuple[str, str]], session: stores.Session) -> str:
     """The class a session is bounded and listed as: the class of the client that created it.
 
@@ -78,17 +71,6 @@ def session_class(namespaces: dict[str, tuple[str, str]], session: stores.Sessio
         return str(recorded)
     kind = _owner_class(namespaces, session.client_id)
     return SHELL if kind == UNKNOWN and sessions.CLIENT_CLASS not in session.settings else kind
-
-
-def new_turn(namespaces: dict[str, tuple[str, str]], client_id: str, payload: dict[str, Any] | None = None,
-             turn_id: str | None = None) -> turns.Turn:
-    """The turn of a request that enters now: its class and privileges from `payload` (see
-    `routes.process_request`), never from the client id; `model` is this turn's model, if any."""
-    payload = payload or {}
-    return turns.Turn(client_id, turn_id or uuid.uuid4().hex[:16], request_class(namespaces, client_id, payload),
-                      admin=payload.get("admin") is True, interactive=payload.get("interactive") is True,
-                      model=payload.get("model") or None,
-                      identity=identity if isinstance(identity := payload.get("identity"), str) and identity else None)
 
 
 def may_administer(turn: turns.Turn | None) -> bool:

@@ -1,4 +1,4 @@
-"""Plugins: the `BasePlugin` contract and the loader that validates, imports and starts them.
+"""Plugins: the loader that validates, imports and starts them (their contract, `BasePlugin`, is in plugin_api.py).
 
 Plugins are declared in `plugin-manifest.json` and switched on in `plugins-enabled.json`. The
 loader starts them in manifest `priority` order; a plugin that is misconfigured, fails to import
@@ -16,72 +16,27 @@ import logging
 import re
 import sys
 import traceback
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
-
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Any
 
 import client_classes
 import state
 import turns
-from config import CODE_DIR, AppConfig, EnabledConfig, field_problems
+from plugin_api import BasePlugin, PluginConfigError, PluginContext
+from plugin_checks import check_plugin, is_enabled, plugin_file, requirement_names
 
 logger = logging.getLogger("agent_mcp.plugins")
 
-M = TypeVar("M", bound=BaseModel)
-
-
-class PluginConfigError(Exception):
-    """A plugin's settings or credentials are missing or invalid; the message says what to set where.
-
-    Raised from `init()`, it is reported as the plugin's reason as is (no traceback location).
-    """
-
-
-class PluginSettings(BaseModel):
-    """Base of a plugin's typed `plugin_config` block: unknown keys are errors, `enabled` is always allowed."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-
-
-def parse_settings(plugin_name: str, model: type[M], config: dict[str, Any],
-                   env_defaults: dict[str, str | None] | None = None) -> M:
-    """A plugin's `plugin_config` block as `model`, unset fields taken from `env_defaults` (env values).
-
-    Raises PluginConfigError naming each bad field of `plugin_config.<plugin_name>`.
-    """
-    data = {k: v for k, v in (env_defaults or {}).items() if v}
-    data.update(config)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = field_problems(exc, "(block)")
-        raise PluginConfigError(f"plugin_config.{plugin_name} in plugins-enabled.json: {problems}") from None
-
-
-def _requirement_names(requirements: list[str]) -> set[str]:
-    names = set()
-    for text in requirements:
-        try:
-            names.add(canonicalize_name(Requirement(text).name))
-        except InvalidRequirement:
-            names.add(text)
-    return names
 
 
 def _metadata_mismatch(plugin: BasePlugin, entry: Any) -> list[str]:
     """Where the plugin class's own metadata (DESCRIPTION, DEPENDENCIES, ENV_VARS; optional) disagrees
     with its plugin-manifest.json entry: both are shown, so the author can make them one."""
     problems = []
-    if plugin.DEPENDENCIES and _requirement_names(plugin.DEPENDENCIES) != _requirement_names(entry.dependencies):
+    if plugin.DEPENDENCIES and requirement_names(plugin.DEPENDENCIES) != requirement_names(entry.dependencies):
         problems.append(f"DEPENDENCIES {sorted(plugin.DEPENDENCIES)} disagree with the manifest's dependencies "
                         f"{sorted(entry.dependencies)} (package names must match)")
     if plugin.ENV_VARS and set(plugin.ENV_VARS) != set(entry.env_vars):
@@ -92,70 +47,6 @@ def _metadata_mismatch(plugin: BasePlugin, entry: Any) -> list[str]:
         problems.append(f"DESCRIPTION {plugin.DESCRIPTION!r} disagrees with the manifest's description "
                         f"{entry.description!r}")
     return problems
-
-
-class BasePlugin(ABC):
-    """What every plugin is. Subclass it in `plugins/plugin_<type>_<name>.py`.
-
-    Before `init()` the loader sets `self.runtime` to the server's `state.Runtime`.
-    """
-
-    PLUGIN_NAME: str = ""
-    PLUGIN_VERSION: str = "0.0.0"
-    PLUGIN_TYPE: str = ""  # "data_tool" or "client_interface"
-    DESCRIPTION: str = ""
-    DEPENDENCIES: list[str] = []
-    ENV_VARS: list[str] = []
-    #: client_interface: the client-id prefixes this plugin's sessions use, and their client class
-    #: (`client_classes.CLASSES`: "api", "proxy", …), e.g. `{"api-": "api", "api-swarm-": "swarm"}`. A request
-    #: whose id no loaded plugin declared gets the least privilege ("unknown").
-    CLIENT_NAMESPACES: dict[str, str] = {}
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.runtime: state.Runtime | None = None
-
-    @property
-    def rt(self) -> state.Runtime:
-        """The runtime, for code that only runs after the loader has set it."""
-        assert self.runtime is not None, f"{self.PLUGIN_NAME}: runtime used before the loader set it"
-        return self.runtime
-
-    @abstractmethod
-    def init(self, config: dict[str, Any]) -> bool:
-        """Start with this plugin's `plugin_config` block; return False to be skipped. May be async."""
-
-    @abstractmethod
-    def shutdown(self) -> None:
-        """Close connections and stop background work. May be async."""
-
-    def get_tools(self) -> dict[str, Any]:
-        """data_tool: `{"lc": [StructuredTool, ...]}`."""
-        return {"lc": []}
-
-    def get_gate_tools(self) -> dict[str, Any]:
-        """data_tool: `{"tool_name": {"type": "search" | "drive" | ..., ...}}`."""
-        return {}
-
-    def get_routes(self) -> list[Any]:
-        """client_interface: Starlette routes served on this plugin's own port."""
-        return []
-
-    def get_config(self) -> dict[str, Any]:
-        """client_interface: `{"port": int, "host": str, "name": str, "token": str | None}`.
-
-        `"authenticates_requests": True` says the plugin checks a credential on every request itself,
-        so it may listen beyond loopback without a port token.
-        """
-        return {}
-
-    def get_commands(self) -> dict[str, Any]:
-        """Optional `!command` handlers: name → `async def handler(args: str) -> str`."""
-        return {}
-
-    def get_help(self) -> str:
-        """Optional section for `!help`."""
-        return ""
 
 
 @dataclass
@@ -174,67 +65,6 @@ class PluginReport:
 
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
-
-
-def dependency_problem(requirement: str) -> str | None:
-    """Why a pip requirement such as `slack-sdk>=3.30` is not satisfied, or None."""
-    try:
-        req = Requirement(requirement)
-    except InvalidRequirement:
-        return f"dependency '{requirement}' is not a valid requirement string"
-    try:
-        version = importlib.metadata.version(req.name)
-    except importlib.metadata.PackageNotFoundError:
-        return f"dependency '{req.name}' is not installed (pip install '{requirement}')"
-    if req.specifier and not req.specifier.contains(version, prereleases=True):
-        return f"dependency '{req.name}' is {version}, needs {req.specifier} (pip install '{requirement}')"
-    return None
-
-
-@dataclass
-class PluginCheck:
-    """One requirement of a plugin (`kind`: manifest, file, env_var, config_file, dependency) and its problem."""
-
-    kind: str
-    item: str
-    problem: str | None = None
-
-
-def plugin_file(cfg: AppConfig, name: str) -> Path | None:
-    """The plugin's file: `plugins/<file>` in the config dir first, then next to the code."""
-    entry = cfg.manifest.plugins.get(name)
-    if entry is None:
-        return None
-    for base in (cfg.config_dir, CODE_DIR):
-        candidate = base / "plugins" / entry.file
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def is_enabled(enabled: EnabledConfig, name: str) -> bool:
-    """Listed in `enabled_plugins` and not switched off with `"enabled": false` in its plugin_config."""
-    return name in enabled.enabled_plugins and enabled.plugin_config.get(name, {}).get("enabled", True) is not False
-
-
-def check_plugin(cfg: AppConfig, name: str) -> list[PluginCheck]:
-    """Each thing the plugin needs before it can start, with the problem (if any) and what to do."""
-    entry = cfg.manifest.plugins.get(name)
-    if entry is None:
-        return [PluginCheck("manifest", name, f"not declared in plugin-manifest.json (add an entry for '{name}')")]
-    checks = [
-        PluginCheck(
-            "file", f"plugins/{entry.file}", None if plugin_file(cfg, name) else f"file plugins/{entry.file} not found"
-        )
-    ]
-    checks += [
-        PluginCheck("env_var", v, None if cfg.env.get(v) else f"environment variable {v} is not set (add it to .env)")
-        for v in entry.env_vars
-    ]
-    checks += [PluginCheck("config_file", f, None if (cfg.config_dir / f).exists()
-                           else f"config file {f} not found in {cfg.config_dir}") for f in entry.config_files]
-    checks += [PluginCheck("dependency", d, dependency_problem(d)) for d in entry.dependencies]
-    return checks
 
 
 def _describe_import_error(exc: BaseException) -> str:
@@ -329,7 +159,7 @@ class PluginLoader:
         if problems:
             report.status, report.reasons = "invalid", problems
             return report
-        plugin.runtime = self.rt
+        plugin.context = PluginContext(self.rt, plugin)
         try:
             ok = await _maybe_await(plugin.init(self.rt.config.plugin_config(name)))
         except PluginConfigError as exc:

@@ -1,7 +1,8 @@
 """The request pipeline: `process_request()` for every client, `!command` dispatch, the `@model` prefix.
 
 Every front door (shell.py, the API, the proxy, Slack, swarm calls) hands its text to
-`submit()` / `process_request()`, which builds the request's `turns.Turn` once and passes it down;
+`submit()` / `process_request()` as a typed `Request`, from which the core builds the request's
+`turns.Turn` once and passes it down;
 commands are answered here (handlers in commands.py and gate.py), everything else becomes an LLM
 turn (agents.py). The runtime is assembled in build.py; HTTP helpers of the client plugins are in
 plugins/_http.py.
@@ -37,6 +38,44 @@ CANCEL_GRACE_SECONDS = 5
 
 
 @dataclass(frozen=True)
+class Request:
+    """One message a client hands in: who sends it, as which client class, and what it may do.
+
+    Built once by the client plugin that owns the client's namespace, which states the class here
+    (its `CLIENT_NAMESPACES` entry, or the shell's for the token-authenticated shell endpoint); the
+    core never derives it again from the client id. `process_request` builds the `Turn` from it.
+    """
+
+    client_id: str
+    #: The client class (client_classes.CLASSES) the plugin vouches for.
+    kind: str
+    text: str = ""
+    #: Answer this request's LLM turn with this registry model (the session keeps its own); None: the session's.
+    model: str | None = None
+    #: The model of a session this request creates; None or not a registry model: the server's default.
+    default_model: str | None = None
+    #: The client plugin authenticated an administrator (the API's admin token): see `client_classes.may_administer`.
+    admin: bool = False
+    #: The token-authenticated shell endpoint sent it: ★ commands and the `@model` gate bypass.
+    interactive: bool = False
+    #: Who the plugin proved the caller to be (`api:key`, `proxy:alice`): rate limits count by it.
+    identity: str | None = None
+    #: The history a session this request creates starts with (the proxy's earlier turns of a conversation).
+    history: tuple[dict[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in client_classes.CLASSES:
+            raise ValueError(f"Request: client class {self.kind!r} is not one of {', '.join(client_classes.CLASSES)}")
+
+    def turn(self, turn_id: str | None = None) -> turns.Turn:
+        """The request's turn: its class and privileges as stated here, never from the client id."""
+        # Only the boolean True a plugin sets vouches for anything (fail closed on a stray truthy value).
+        return turns.Turn(self.client_id, turn_id or uuid.uuid4().hex[:16], self.kind, admin=self.admin is True,
+                          interactive=self.interactive is True, model=self.model or None,
+                          identity=self.identity or None)
+
+
+@dataclass(frozen=True)
 class Submitted:
     """A submitted request: its turn id (carried by every event it produces) and its task."""
 
@@ -65,27 +104,20 @@ async def _cancel_here(requests: state.Requests, client_id: str, why: str | None
         await asyncio.wait(tasks, timeout=CANCEL_GRACE_SECONDS)
 
 
-async def submit(
-    rt: state.Runtime,
-    client_id: str,
-    text: str,
-    payload: dict[str, Any] | None = None,
-    *,
-    cancel_running: bool = True,
-) -> Submitted:
+async def submit(rt: state.Runtime, request: Request, *, cancel_running: bool = True) -> Submitted:
     """Start a request as a task and return it.
 
     With `cancel_running` (what shell.py and the API do) the client's running request is
     cancelled first; without it the new request waits until the session is free, so several
     requests on one session are answered one after another, each with its own events.
     """
+    client_id = request.client_id
     if cancel_running:
         await cancel_active_task(rt, client_id)
     if rt.closing:  # checked after the last await: end_all either refuses this request or sees its task
         raise sessions.Stopping(STOPPING)
     turn_id = uuid.uuid4().hex[:16]
-    task = asyncio.create_task(process_request(client_id, text, payload, rt=rt, turn_id=turn_id),
-                               name=f"request:{client_id}")
+    task = asyncio.create_task(process_request(request, rt=rt, turn_id=turn_id), name=f"request:{client_id}")
     untrack = _track(rt.active_tasks, client_id, task, turn_id)
     task.add_done_callback(lambda _: untrack())
     return Submitted(turn_id, task)
@@ -190,23 +222,18 @@ FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than i
                "read the stream as it comes)")
 
 
-async def run_turn(
-    rt: state.Runtime,
-    client_id: str,
-    text: str,
-    payload: dict[str, Any] | None = None,
-    *,
-    cancel_running: bool = False,
-) -> AsyncIterator[Event]:
-    """Submit `text` and yield the events of this request only, ending with its `done`.
+async def run_turn(rt: state.Runtime, request: Request, *, cancel_running: bool = False
+                   ) -> AsyncIterator[Event]:
+    """Submit the request and yield the events of this request only, ending with its `done`.
 
     For client plugins that answer one request per HTTP call or message (proxy, Slack, API
     `wait`, MCP). If the caller stops iterating early (its client went away), the request is
     cancelled. A request cancelled by a newer one ends with a `status` event whose data has
     `"cancelled": true`.
     """
+    client_id = request.client_id
     events = rt.hub.subscribe(client_id, rt.hub.last_id(client_id), report_gaps=True)
-    turn = await submit(rt, client_id, text, payload, cancel_running=cancel_running)
+    turn = await submit(rt, request, cancel_running=cancel_running)
     finished = False
     try:
         async for ev in events:
@@ -230,8 +257,7 @@ async def run_turn(
             turn.task.cancel()
 
 
-async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None, seconds: float,
-                    *, cancel_running: bool = False,
+async def wait_turn(rt: state.Runtime, request: Request, seconds: float, *, cancel_running: bool = False,
                     on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
     """Run one request to its end (or for `seconds`, then cancel it): `{"status", "text"}` with status
     complete, error, timeout or cancelled, and `"error"` when the agent reported one. `on_event` sees each
@@ -239,7 +265,7 @@ async def wait_turn(rt: state.Runtime, client_id: str, text: str, payload: dict[
     parts: list[str] = []
     error: str | None = None
     status = "complete"
-    async with contextlib.aclosing(run_turn(rt, client_id, text, payload, cancel_running=cancel_running)) as events:
+    async with contextlib.aclosing(run_turn(rt, request, cancel_running=cancel_running)) as events:
         try:
             async with asyncio.timeout(seconds):
                 async for ev in events:
@@ -265,31 +291,18 @@ _GONE = {"deleted": "with !session … delete or the API, maybe from another win
          "evicted": "the least recently used over its client class's cap"}
 
 
-async def process_request(
-    client_id: str,
-    text: str,
-    payload: dict[str, Any] | None = None,
-    *,
-    rt: state.Runtime | None = None,
-    turn_id: str | None = None,
-) -> None:
+async def process_request(request: Request, *, rt: state.Runtime, turn_id: str | None = None) -> None:
     """Handle one message of a client: commands, a command batch, or an LLM turn; then `done`.
 
-    Requests on one session run one at a time, in the order they were submitted. Payload keys:
-    `default_model` (the model of a session created now), `model` (answer this request's LLM
-    turn with that registry model; the session keeps its own model), `admin` (True only when the
-    client plugin authenticated an administrator; see `client_classes.may_administer`), `interactive` (True
-    only from the token-authenticated shell endpoint: ★ commands and the `@model` gate bypass).
-    The request's client class is the shell's when vouched interactive, else that of the plugin
-    namespace owning `client_id` (`client_classes.request_class`; an id no plugin owns gets the least
-    privilege). A plugin may call this directly (the spec's path): the request is then tracked
-    in `rt.active_tasks` like a submitted one, so a newer request or a delete cancels it.
+    Requests on one session run one at a time, in the order they were submitted. The request's
+    turn is built here, once, from what its plugin stated (`Request`). A plugin may call this
+    directly (the spec's path): the request is then tracked in `rt.active_tasks` like a submitted
+    one, so a newer request or a delete cancels it.
     """
-    rt = rt or state.current()
-    payload = payload or {}
-    wanted = payload.get("default_model")
-    model = wanted if isinstance(wanted, str) and wanted in rt.config.models else rt.config.default_model
-    turn = client_classes.new_turn(rt.client_namespaces, client_id, payload, turn_id)
+    client_id, text = request.client_id, request.text
+    wanted = request.default_model
+    model = wanted if wanted is not None and wanted in rt.config.models else rt.config.default_model
+    turn = request.turn(turn_id)
     task = asyncio.current_task()
     # A plugin may call this directly: then the request tracks itself (a submitted one is tracked already).
     untrack = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
@@ -304,7 +317,9 @@ async def process_request(
     with turns.running(turn):
         try:
             # Added without awaiting, so requests take the session in the order they arrived.
-            session, _ = rt.sessions.get_or_add(client_id, model, turn.kind)
+            session, added = rt.sessions.get_or_add(client_id, model, turn.kind)
+            if added and request.history:
+                session.history = [dict(m) for m in request.history]
             turn.session = session
             async with rt.sessions.hold(session, turn.id, end_turn) as created:  # saved (user message first) as it ends
                 started = True

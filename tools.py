@@ -128,12 +128,18 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
     return token, None
 
 
-async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, target_client_id: str = "") -> str:
-    """One swarm call (the agent_call tool): checks, then the remote turn, relayed live unless `!stream off`.
-    A refused or failed call raises ToolError."""
-    if client_classes.client_class(caller, rt.client_namespaces) == client_classes.SWARM:
+async def call_agent(rt: state.Runtime, turn: turns.Turn | None, ref: str, message: str,
+                     target_client_id: str = "") -> str:
+    """One swarm call (the agent_call tool) of `turn`: checks, then the remote turn, relayed live unless
+    `!stream off`. A refused or failed call raises ToolError. The one-hop rule reads the class the request's
+    plugin stated; a call outside any request, whose class nobody stated, is refused (fail closed)."""
+    if turn is None:
+        raise ToolError("agent_call refused: it runs only as a tool call of a request (nobody vouched for this "
+                        "caller's client class).")
+    if turn.kind == client_classes.SWARM:
         raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
                         "call each other at most 1 hop deep. Answer with what you know instead.")
+    caller = turn.client_id
     found = find_agent(rt.config.agents, ref)
     if found is None:
         raise ToolError(f"agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
@@ -181,7 +187,7 @@ async def call_agent(rt: state.Runtime, caller: str, ref: str, message: str, tar
 
 def _this_turn(rt: state.Runtime) -> turns.Turn:
     """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
-    return turns.current_turn() or client_classes.new_turn(rt.client_namespaces, "")
+    return turns.current_turn() or turns.Turn("", uuid.uuid4().hex[:16], client_classes.UNKNOWN)
 
 
 def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
@@ -308,7 +314,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
                 f"{models.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
-        return await call_agent(rt, _this_turn(rt).client_id, agent_url, message, target_client_id)
+        return await call_agent(rt, turns.current_turn(), agent_url, message, target_client_id)
 
     def tool(fn: Callable[..., Any], schema: type[BaseModel], description: str) -> StructuredTool:
         return StructuredTool.from_function(coroutine=fn, name=fn.__name__, description=description,

@@ -30,6 +30,7 @@ import build
 import client_classes
 import decisions
 import grants
+import routes
 import state
 import stores
 import tool_calls
@@ -80,8 +81,8 @@ async def run(args: argparse.Namespace) -> None:
                                                  [f"table_{n}"], "write"))
             store.add(grants.new_grant("s", grants.Decision(decisions.SESSION, "bench"), "db_query", "db",
                                              ["users"], "write"))
-            calls = {"baseline": (base, client_classes.new_turn(base.client_namespaces, "s")),
-                     "grant": (granted, client_classes.new_turn(granted.client_namespaces, "s"))}
+            calls = {"baseline": (base, routes.Request("s", client_classes.UNKNOWN).turn()),
+                     "grant": (granted, routes.Request("s", client_classes.UNKNOWN).turn())}
             for rt, turn in calls.values():
                 turn.session = rt.sessions.get("s")
             times: dict[str, list[float]] = {name: [] for name in calls}

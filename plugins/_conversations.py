@@ -16,7 +16,7 @@ reach the same fingerprint, neither keeps it (their next requests each start afr
 
 Fingerprints are stored in the session's settings (`FINGERPRINT`), so they persist with it and a
 restart continues conversations; the index is rebuilt from the stored sessions on first use, and
-a session's entry goes when the session does (`SessionManager.forgotten`). With several
+a session's entry goes when the session does (`plugin_api.SessionManager.forgotten`). With several
 instances on one Redis the index is kept there instead (`state.Runtime.values`), so a conversation
 continues on whichever instance its next request reaches; a claim there is atomic (GETDEL).
 
@@ -28,12 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sessions import SessionManager
-
-if TYPE_CHECKING:
-    import shared_values
+import plugin_api
 
 #: Session setting holding the fingerprint of the transcript the client will send next.
 FINGERPRINT = "proxy_fingerprint"
@@ -69,7 +66,7 @@ SHARED_SECONDS = 30 * 86400
 class ConversationIndex:
     """fingerprint → client id of the session whose conversation it continues."""
 
-    def __init__(self, sessions: SessionManager, prefix: str, values: shared_values.SharedValues | None = None):
+    def __init__(self, sessions: plugin_api.SessionManager, prefix: str, values: plugin_api.SharedValues | None = None):
         self.sessions = sessions
         self.prefix = prefix
         self.values = values

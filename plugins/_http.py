@@ -16,9 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import routes
-import state
-import stores
+import plugin_api
 from config import field_problems
 
 logger = logging.getLogger("agent_mcp.http")
@@ -37,7 +35,8 @@ def last_event_id(request: Request) -> int | None:
         return None
 
 
-def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str | None = None) -> EventSourceResponse:
+def event_stream(ctx: plugin_api.PluginContext, client_id: str, after: int | None,
+                 turn: str | None = None) -> EventSourceResponse:
     """An SSE response with every event of a session: `id:` lines, JSON data, keepalive comments.
 
     With `turn`, only that request's events are sent and the response ends after its last one.
@@ -45,29 +44,29 @@ def event_stream(rt: state.Runtime, client_id: str, after: int | None, turn: str
 
     async def events() -> AsyncIterator[ServerSentEvent]:
         try:
-            async with contextlib.aclosing(rt.hub.subscribe(client_id, after)) as subscription:
+            async with contextlib.aclosing(ctx.hub.subscribe(client_id, after)) as subscription:
                 async for ev in subscription:
                     if turn is not None and ev.turn != turn:
                         continue
                     yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
-                    if turn is not None and routes.ends_turn(ev):
+                    if turn is not None and plugin_api.ends_turn(ev):
                         return
-        except stores.SessionError as exc:  # the shared store went away: an error event and one log line
+        except plugin_api.SessionError as exc:  # the shared store went away: an error event and one log line
             logger.warning("event stream of %s ended early: %s", client_id, exc)
             yield ServerSentEvent(data=json.dumps({"message": f"the event stream was cut short: {exc}"},
                                                   ensure_ascii=False), event="error")
 
     return _Stream(
-        rt,
+        ctx,
         events(),
         ping=SSE_PING_SECONDS,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        shutdown_event=rt.stopping,
+        shutdown_event=ctx.stopping(),
     )
 
 
-def feed_stream(rt: state.Runtime, feed: AsyncIterator[tuple[str, dict[str, Any]]]) -> EventSourceResponse:
+def feed_stream(ctx: plugin_api.PluginContext, feed: AsyncIterator[tuple[str, dict[str, Any]]]) -> EventSourceResponse:
     """An SSE response of (event name, JSON data) pairs, such as the approver feed (approvals.py), with
     keepalive comments; it ends when the server stops."""
 
@@ -76,12 +75,12 @@ def feed_stream(rt: state.Runtime, feed: AsyncIterator[tuple[str, dict[str, Any]
             async with contextlib.aclosing(feed) as items:
                 async for name, data in items:
                     yield ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=name)
-        except stores.SessionError as exc:
+        except plugin_api.SessionError as exc:
             logger.warning("feed stream ended early: %s", exc)
             yield ServerSentEvent(data=json.dumps({"message": f"the stream was cut short: {exc}"}), event="error")
 
-    return _Stream(rt, events(), ping=SSE_PING_SECONDS, sep="\n",
-                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, shutdown_event=rt.stopping)
+    return _Stream(ctx, events(), ping=SSE_PING_SECONDS, sep="\n",
+                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, shutdown_event=ctx.stopping())
 
 
 class _Stream(EventSourceResponse):
@@ -89,18 +88,16 @@ class _Stream(EventSourceResponse):
     and waits for them before it lets sse-starlette's shutdown watcher cut what is left (a cut response is
     logged by uvicorn as an ERROR)."""
 
-    def __init__(self, rt: state.Runtime, *args: Any, **kwargs: Any):
+    def __init__(self, ctx: plugin_api.PluginContext, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._rt = rt
+        self._ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._rt.open_streams += 1
+        self._ctx.stream_opened()
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._rt.open_streams -= 1
-            if not self._rt.open_streams and self._rt.streams_done is not None:
-                self._rt.streams_done.set()
+            self._ctx.stream_closed()
 
 
 # ── Request bodies and disconnects ──────────────────────────────────────────────────────────

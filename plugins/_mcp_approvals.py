@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import stores
+import plugin_api
 
 HISTORY_LIMIT = 500
 KEPT_APPROVALS = 10_000
@@ -17,7 +17,7 @@ SHARED_SECONDS = 30 * 86400
 ABANDONED_AFTER = 60
 
 
-class ApprovalStore(stores.SqliteFile):
+class ApprovalStore(plugin_api.SqliteFile):
     """Every gate seen while the MCP server runs: pending ones in memory, all of them in SQLite."""
 
     SCHEMA = (

@@ -29,12 +29,9 @@ from typing import Any
 import mcp_types as types
 
 import approvals
-import client_classes
 import decisions
-import gate
 import grants
-import state
-import turns
+import plugin_api
 from audit_chain import AuditRecord
 
 logger = logging.getLogger("agent_mcp.mcp_client")
@@ -133,11 +130,11 @@ def _describe(fields: list[dict[str, Any]]) -> str:
     return "; ".join(parts) or "no fields (a yes or no)"
 
 
-def _status(rt: state.Runtime, client_id: str, text: str, **more: Any) -> None:
+def _status(rt: plugin_api.PluginContext, client_id: str, text: str, **more: Any) -> None:
     rt.hub.publish(client_id, "status", {"text": text, **more})
 
 
-async def ask(rt: state.Runtime, server: str, exposed: str, turn: turns.Turn | None,
+async def ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plugin_api.Turn | None,
               params: types.ElicitRequestParams, max_wait: float) -> types.ElicitResult:
     """Ask the human of `turn` the server's question as a gate; the result to send back (never raises)."""
     if not isinstance(params, types.ElicitRequestFormParams):
@@ -155,16 +152,16 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: turns.Turn | N
         return types.ElicitResult(action="decline")
     keeper = rt.gate
     message = params.message[:MESSAGE_CHARS]
-    wait = client_classes.CLASSES[turn.kind].gate_wait
+    wait = plugin_api.CLASSES[turn.kind].gate_wait
     route = keeper.desk.route(turn.kind, exposed, "tools", [exposed]) if keeper.desk is not None else None
     call = AuditRecord.call(client_id, exposed, OPERATION, args={"server": server, "message": message})
-    if wait == client_classes.NO_WAIT and route is None:
-        label = client_classes.CLIENT_LABELS[turn.kind]
-        keeper.audit(call.decision(client_classes.actor(turn), "declined (no one can answer)"))
+    if wait == plugin_api.NO_WAIT and route is None:
+        label = plugin_api.CLIENT_LABELS[turn.kind]
+        keeper.audit(call.decision(plugin_api.actor(turn), "declined (no one can answer)"))
         _status(rt, client_id, f"[ask ✗] {what} asked “{message[:120]}” during {exposed}, which {label} "
                                "cannot answer — declined")
         return types.ElicitResult(action="decline")
-    timeout = route.timeout if route else keeper.timeout if wait == client_classes.HUMAN_WAIT else keeper.api_timeout
+    timeout = route.timeout if route else keeper.timeout if wait == plugin_api.HUMAN_WAIT else keeper.api_timeout
     timeout = min(timeout, max_wait)
     asked = {"server": server, "message": message, "fields": fields, "summary": _describe(fields),
              "schema": params.requested_schema}
@@ -172,17 +169,17 @@ async def ask(rt: state.Runtime, server: str, exposed: str, turn: turns.Turn | N
     payload = {"tool_name": exposed, "tool_args": {**args, "operation_type": OPERATION}, "tables": [],
                "timeout_seconds": timeout, "grants": [], "elicitation": asked}
     routed = None if route is None else approvals.RoutedGate(
-        "", client_id, turn.kind, client_classes.CLIENT_LABELS[turn.kind], exposed, OPERATION, [],
+        "", client_id, turn.kind, plugin_api.CLIENT_LABELS[turn.kind], exposed, OPERATION, [],
         f"{what} asks: {message[:approvals.ARG_CHARS]}", approvals.trimmed(args), [], 0.0, 0.0,
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
-    with turns.running(turn):  # the callback may run outside the turn's task: its events carry the turn
-        decision, gate_id = await keeper.ask(client_id, payload, timeout, routed)
+    with plugin_api.running(turn):  # the callback may run outside the turn's task: its events carry the turn
+        decision, gate_id = await rt.ask_gate(client_id, payload, timeout, routed)
         return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
 
 
-async def _answered(rt: state.Runtime, keeper: gate.GateKeeper, client_id: str, exposed: str,
+async def _answered(rt: plugin_api.PluginContext, keeper: plugin_api.GateKeeper, client_id: str, exposed: str,
                     fields: list[dict[str, Any]], decision: grants.Decision, gate_id: str,
                     routed: approvals.RoutedGate | None, call: AuditRecord, limit: float) -> types.ElicitResult:
     """Close the question's gate (told to the session, audited) and say what goes back to the server."""

@@ -20,7 +20,7 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from config import field_problems
-from plugin_loader import PluginConfigError
+from plugin_api import PluginConfigError
 from plugins import _http
 from secret_files import SecretFileError, read_secret_file
 

@@ -22,9 +22,9 @@ from mcp.client.subscriptions import SubscriptionLost
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-import turns
+import plugin_api
+from plugin_api import ToolError
 from plugins._mcp_servers import HttpServer, StdioServer, format_result
-from registry import ToolError
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 STDERR_LINES_KEPT = 20
@@ -135,7 +135,7 @@ def _safe_url(url: str) -> str:
 
 
 #: async (connection, exposed tool name, the calling turn or None, params) → the result sent to the server.
-Elicit = Callable[["Connection", str, "turns.Turn | None", types.ElicitRequestParams],
+Elicit = Callable[["Connection", str, "plugin_api.Turn | None", types.ElicitRequestParams],
                   Awaitable[types.ElicitResult]]
 
 
@@ -149,7 +149,7 @@ class Connection:
         #: Asks the human of a calling turn an elicitation of the server (None: every one is declined).
         self._on_elicit = on_elicit
         #: Calls in flight: a number each → (the exposed tool, the turn that called it).
-        self._calls: dict[int, tuple[str, turns.Turn | None]] = {}
+        self._calls: dict[int, tuple[str, plugin_api.Turn | None]] = {}
         self._call_seq = 0
         self.status = "not started"
         self.error: str | None = None
@@ -416,10 +416,10 @@ class Connection:
 
     # ── calls ──
 
-    def _caller(self) -> tuple[str, turns.Turn | None]:
+    def _caller(self) -> tuple[str, plugin_api.Turn | None]:
         """The call an elicitation belongs to: the current turn's (when the SDK runs the callback in the
         caller's context), else the only session with calls in flight; ("", None) when it is ambiguous."""
-        turn = turns.current_turn()
+        turn = plugin_api.current_turn()
         mine = [c for c in self._calls.values() if turn is not None and c[1] is turn]
         if mine:
             return mine[0]
@@ -448,7 +448,7 @@ class Connection:
             assert client is not None
             self._call_seq += 1
             key = self._call_seq
-            self._calls[key] = (exposed, turns.current_turn())
+            self._calls[key] = (exposed, plugin_api.current_turn())
             try:
                 result = await client.call_tool(tool, arguments, read_timeout_seconds=self.spec.call_timeout)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:

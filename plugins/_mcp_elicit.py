@@ -24,8 +24,7 @@ import mcp_types as types
 
 import approvals
 import decisions
-import events
-import state
+import plugin_api
 from plugins._mcp_auth import HUMAN, Principal
 
 logger = logging.getLogger("agent_mcp.mcp_server")
@@ -97,16 +96,17 @@ class GateForms:
     """The elicitation forms of one `send_message` call: one per gate its turn raises, each closed when
     the gate is decided (here or elsewhere) or the call ends."""
 
-    def __init__(self, rt: state.Runtime, session: Any, request_id: Any, who: Principal,
+    def __init__(self, rt: plugin_api.PluginContext, session: Any, request_id: Any, who: Principal,
                  deciders: dict[str, str], notify: Callable[[str, float], None] | None = None):
-        self.rt, self.session, self.request_id, self.who = rt, session, request_id, who
+        self.ctx, self.session, self.request_id, self.who = rt, session, request_id, who
         self._deciders = deciders
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: Called with (gate id, seconds from the gate event to the form being sent) — for the bench.
         self._notify = notify
 
     @classmethod
-    def for_request(cls, rt: state.Runtime, ctx: Any, who: Principal, deciders: dict[str, str]) -> GateForms | None:
+    def for_request(cls, rt: plugin_api.PluginContext, ctx: Any, who: Principal,
+                    deciders: dict[str, str]) -> GateForms | None:
         """Forms for this request, or None when its client cannot be asked (no capability) or may not
         approve (an agent token)."""
         if who.role != HUMAN or ctx is None:
@@ -114,7 +114,7 @@ class GateForms:
         rc = ctx.request_context
         return cls(rt, rc.session, rc.request_id, who, deciders) if can_elicit(rc.session) else None
 
-    def on_event(self, ev: events.Event) -> None:
+    def on_event(self, ev: plugin_api.Event) -> None:
         """Follow the turn's events (routes.wait_turn's `on_event`)."""
         data = ev.data
         gate_id = str(data.get("gate_id", ""))
@@ -164,12 +164,12 @@ class GateForms:
             word, minutes = decision_of(result, offered)
         self._deciders[gate_id] = f"{self.who.label} (elicitation: {result.action})"
         try:
-            answered = await self.rt.gate.answer(
+            answered = await self.ctx.gate.answer(
                 gate_id, word, answerer=approvals.Approver(approvals.MCP, self.who.name), channel=CHANNEL,
                 by=f"mcp token '{self.who.name}'", minutes=minutes, content=content)
         except ValueError as exc:  # e.g. minutes out of range: fail closed
             logger.info("MCP elicitation answer for gate %s refused (%s): rejecting", gate_id[:8], exc)
-            answered = await self.rt.gate.answer(
+            answered = await self.ctx.gate.answer(
                 gate_id, decisions.REJECT, answerer=approvals.Approver(approvals.MCP, self.who.name), channel=CHANNEL,
                 by=f"mcp token '{self.who.name}'")
         if not answered.answered:

@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from config import ConfigError, read_json
-from registry import ToolError
+from plugin_api import ToolError
 
 # mcp_types and jsonschema are imported where a server's tools and results are handled: reading
 # mcp-servers.json (at every start with the plugin on) needs neither.

@@ -18,8 +18,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-import stores
-from events import Event
+import plugin_api
 from plugins import _http
 from plugins._conversations import Turn, content_text
 
@@ -158,7 +157,7 @@ class Output:
     def finished(self) -> bool:
         return self.ended is not None
 
-    def feed(self, ev: Event) -> tuple[str, str]:
+    def feed(self, ev: plugin_api.Event) -> tuple[str, str]:
         """(answer text, reasoning text) that this event adds; notes an error or the end."""
         content = thinking = ""
         if ev.name == "tok":
@@ -252,7 +251,7 @@ class Ollama:
     def whole(self, out: Output) -> JSONResponse:
         return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
 
-    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[Event]) -> Response:
+    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
         async def body() -> AsyncIterator[str]:
             async for content, thinking in pieces(out, first, events):
                 if out.error is not None:
@@ -300,7 +299,7 @@ class OpenAI:
             obj["usage"] = None  # the spec: null on every chunk but the last
         return sse(obj)
 
-    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[Event]) -> Response:
+    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
         async def body() -> AsyncIterator[ServerSentEvent]:
             yield self.chunk({"role": "assistant", "content": ""})
             async for content, thinking in pieces(out, first, events):
@@ -318,7 +317,7 @@ class OpenAI:
         return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
 
 
-async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[Event]
+async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]
                   ) -> AsyncIterator[tuple[str, str]]:
     """What a stream must write: `first` (already fed to `out`), then each later event's text, then
     the end or the error. After an error the rest of the turn (its `done`) is read without writing.
@@ -328,7 +327,7 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[Even
         while True:
             if out.error is not None:
                 yield "", ""
-                with contextlib.suppress(stores.SessionError):
+                with contextlib.suppress(plugin_api.SessionError):
                     async for _ in events:
                         pass
                 return
@@ -346,7 +345,7 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[Even
                         continue
                 else:
                     ev = await anext(events, None)
-            except stores.SessionError as exc:  # the shared store went away mid-answer: say so, one log line
+            except plugin_api.SessionError as exc:  # the shared store went away mid-answer: say so, one log line
                 logger.warning("an answer stream ended early: %s", exc)
                 out.error, out.error_status = f"the answer was cut short: {exc}", 503
                 continue
@@ -354,7 +353,7 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[Even
                 return
             content, thinking = out.feed(ev)
     finally:
-        with contextlib.suppress(stores.SessionError):
+        with contextlib.suppress(plugin_api.SessionError):
             await events.aclose()  # cancels the turn if the client went away before its end
 
 
@@ -367,16 +366,16 @@ class TurnPump:
     stays open until it is answered or expires (and is audited either way). `keep` holds the running pumps.
     """
 
-    def __init__(self, events: AsyncIterator[Event], out: Output, keep: set[asyncio.Task[None]]):
+    def __init__(self, events: AsyncIterator[plugin_api.Event], out: Output, keep: set[asyncio.Task[None]]):
         self.out = out
-        self._queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[plugin_api.Event | BaseException | None] = asyncio.Queue()
         self._wanted = asyncio.Event()
         self._detached = False
         self._task = asyncio.get_running_loop().create_task(self._run(events))
         keep.add(self._task)
         self._task.add_done_callback(keep.discard)
 
-    async def _run(self, events: AsyncIterator[Event]) -> None:
+    async def _run(self, events: AsyncIterator[plugin_api.Event]) -> None:
         try:
             async with contextlib.aclosing(events):
                 while True:
@@ -388,7 +387,7 @@ class TurnPump:
                         break
                     if not self._detached:
                         self._queue.put_nowait(ev)
-        except Exception as exc:  # (stores.SessionError: the shared store went away) for the reader to raise
+        except Exception as exc:  # (plugin_api.SessionError: the shared store went away) for the reader to raise
             self._queue.put_nowait(exc)
             return
         self._queue.put_nowait(None)
@@ -396,7 +395,7 @@ class TurnPump:
     def __aiter__(self) -> TurnPump:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> plugin_api.Event:
         if self._queue.empty():
             self._wanted.set()
         item = await self._queue.get()
@@ -425,7 +424,7 @@ class TurnPump:
         await asyncio.wait([self._task])
 
 
-async def first_output(events: AsyncIterator[Event]) -> Event:
+async def first_output(events: AsyncIterator[plugin_api.Event]) -> plugin_api.Event:
     """The turn's first event that says something to the client (not the echo of its own message)."""
     async for ev in events:
         if ev.name != "user":

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-import state
+import plugin_api
 from audit_chain import AuditRecord
 from config import (
     GATE_DEFAULTS_FILE,
@@ -45,7 +45,7 @@ class AdminError(Exception):
     """An admin request that cannot be done; the message says why and what to do (HTTP 400)."""
 
 
-async def handle(rt: state.Runtime, body: AdminBody) -> dict[str, Any]:
+async def handle(rt: plugin_api.PluginContext, body: AdminBody) -> dict[str, Any]:
     """Do one admin action; AdminError for one that cannot be done."""
     store = rt.gate.grants
     if body.action in ("revoke", "grants") and store is None:
@@ -75,7 +75,7 @@ async def _revoke(store: Any, which: str) -> list[str]:
     return ended
 
 
-def _save_gates(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
+def _save_gates(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str, Any]:
     target = rt.config.config_dir / GATE_DEFAULTS_FILE
     try:
         new = validate_data(GateDefaults, data, target)
@@ -90,7 +90,7 @@ def _save_gates(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
     return {"saved": str(path), "note": "in force at once for every session"}
 
 
-async def _save_models(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any]:
+async def _save_models(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str, Any]:
     target = rt.config.config_dir / MODELS_FILE
     try:
         models = validate_data(ModelsFile, data, target).models
@@ -107,7 +107,7 @@ async def _save_models(rt: state.Runtime, data: dict[str, Any]) -> dict[str, Any
     changed = [k for k, m in enabled.items() if k in rt.config.models and rt.config.models[k] != m]
     for key in changed:
         rt.config.models[key] = enabled[key]
-    await models.close_models(rt.llms, changed)  # rebuilt with the new settings at their next call
+    await rt.close_models(changed)  # rebuilt with the new settings at their next call
     later = sorted(set(enabled) ^ set(rt.config.models))
     rt.gate.audit(AuditRecord.config(ACTOR, MODELS_FILE, "saved", f"changed now: {', '.join(changed) or 'none'}; "
                                                                    f"at the next start: {', '.join(later) or 'none'}"))

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import approvals
 import decisions
+import plugin_api
 from plugins._slack_events import PREFIX
 from plugins._slack_text import escape
 
 if TYPE_CHECKING:
     from slack_sdk import WebClient
 
-    import state
 
 logger = logging.getLogger("agent_mcp.slack.approvals")
 
@@ -187,8 +187,8 @@ def notify(gate: approvals.RoutedGate) -> str:
 class SlackApprovals:
     """Posts routed gates to Slack and turns button clicks into answers (one per plugin instance)."""
 
-    def __init__(self, rt: state.Runtime, web: WebClient):
-        self.rt, self.web = rt, web
+    def __init__(self, rt: plugin_api.PluginContext, web: WebClient):
+        self.ctx, self.web = rt, web
         desk = rt.gate.desk
         assert desk is not None
         self.desk = desk
@@ -225,7 +225,7 @@ class SlackApprovals:
         where = targets(gate)
         if not where or gate.gate_id in self.posted:
             return
-        if self.rt.values is not None and not await self.rt.values.put(
+        if self.ctx.values is not None and not await self.ctx.values.put(
                 f"slack-gate:{gate.gate_id}", "1", max(1.0, gate.deadline - time.time()) + CLAIM_MARGIN,
                 only_new=True):
             return  # another instance posts it
@@ -308,7 +308,7 @@ class SlackApprovals:
         if gate is not None and channel in _approvers(gate, approvals.SLACK_CHANNEL):
             through = f"{approvals.SLACK_CHANNEL}:{channel}"
         try:
-            result = await self.rt.gate.answer(
+            result = await self.ctx.gate.answer(
                 gate_id, word, answerer=approvals.Approver(approvals.SLACK, user), channel=through,
                 minutes=decisions.DEFAULT_MINUTES if word == decisions.TIMED else None)
         except (ValueError, approvals.ApprovalError) as exc:

@@ -12,7 +12,7 @@ from tavily import AsyncTavilyClient
 from tavily import errors as tavily_errors
 
 from failures import Service, describe
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 DEFAULT_BASE_URL = "https://api.tavily.com"
 
@@ -52,8 +52,8 @@ class TavilyPlugin(BasePlugin):
         self.client: AsyncTavilyClient | None = None
 
     def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
-        env = self.runtime.config.env
+        assert self.context is not None
+        env = self.context.config.env
         self.settings = load_settings(self.PLUGIN_NAME, self.SETTINGS, config, env)
         self.client = make_client(self.settings, env)
         return True

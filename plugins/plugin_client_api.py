@@ -36,12 +36,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import approvals
-import client_classes
 import decisions
 import guard
-import routes
-import stores
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 
 PREFIX = "api-"
@@ -111,7 +109,7 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _session_row(s: stores.Session) -> dict[str, Any]:
+def _session_row(s: plugin_api.Session) -> dict[str, Any]:
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history)}
 
 
@@ -136,7 +134,7 @@ class ApiPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_api"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: client_classes.API, "api-swarm-": client_classes.SWARM}
+    CLIENT_NAMESPACES = {PREFIX: plugin_api.API, "api-swarm-": plugin_api.SWARM}
     DESCRIPTION = "JSON/SSE API for programs and swarm calls between agents"
     DEPENDENCIES = ["sse-starlette"]
 
@@ -151,7 +149,7 @@ class ApiPlugin(BasePlugin):
         self.cfg = parse_settings(self.PLUGIN_NAME, ApiConfig, config)
         self._key = self._env(self.cfg.token_env)
         if self._key is None:  # no anonymous API: a key of its own, kept the way the shell token is
-            path = self.rt.config.data_dir() / guard.API_KEY_FILE
+            path = self.ctx.config.data_dir() / guard.API_KEY_FILE
             new = not path.exists()
             try:
                 self._key = guard.ensure_token_file(path, self.cfg.token_env)
@@ -171,7 +169,7 @@ class ApiPlugin(BasePlugin):
         self._key = None
 
     def _env(self, name: str) -> str | None:
-        return (self.runtime.config.env.get(name) if self.runtime else None) or None
+        return (self.context.config.env.get(name) if self.context else None) or None
 
     def _token(self) -> str | None:
         return self._key
@@ -215,21 +213,20 @@ class ApiPlugin(BasePlugin):
         return admin is not None and given is not None and hmac.compare_digest(given, admin.encode())
 
     def _visible(self, client_id: str, admin: bool) -> bool:
-        """API callers see the API namespace (their sessions and swarm sessions); an admin sees all."""
-        return admin or client_classes.client_class(client_id, self.rt.client_namespaces) in (client_classes.API,
-                                                                                             client_classes.SWARM)
+        """API callers see this plugin's namespaces (their sessions and swarm sessions); an admin sees all."""
+        return admin or self.client_class(client_id) != plugin_api.UNKNOWN
 
     async def _remember(self, turn_id: str, client_id: str, after: int) -> None:
         self._turns[turn_id] = (client_id, after)
         while len(self._turns) > KEPT_TURNS:
             self._turns.popitem(last=False)
-        if self.rt.values is not None:  # several instances: the stream may be asked for on another one
-            await self.rt.values.put(f"api-turn:{turn_id}", json.dumps([client_id, after]), TURN_SECONDS)
+        if self.ctx.values is not None:  # several instances: the stream may be asked for on another one
+            await self.ctx.values.put(f"api-turn:{turn_id}", json.dumps([client_id, after]), TURN_SECONDS)
 
     async def _recall(self, turn_id: str) -> tuple[str, int] | None:
         known = self._turns.get(turn_id)
-        if known is None and self.rt.values is not None:
-            stored = await self.rt.values.get(f"api-turn:{turn_id}")
+        if known is None and self.ctx.values is not None:
+            stored = await self.ctx.values.get(f"api-turn:{turn_id}")
             known = tuple(json.loads(stored)) if stored else None  # type: ignore[assignment]
         return known
 
@@ -244,13 +241,14 @@ class ApiPlugin(BasePlugin):
         client_id = api_client_id(body.client_id) if body.client_id else f"{PREFIX}{uuid.uuid4().hex[:8]}"
         admin = self._is_admin(request)
         # Rate limits follow the key, not the client id a caller picks.
-        payload = {"default_model": body.default_model, "admin": admin, "identity": "api:admin" if admin else "api:key"}
+        asked = self.ctx.request(client_id, body.text, default_model=body.default_model, admin=admin,
+                                 identity="api:admin" if admin else "api:key")
         # A caller's W3C trace context (another agent's agent_call): this turn's spans join its trace.
-        traced = self.rt.tracing.continuing(request.headers.get("traceparent"))
+        traced = self.ctx.tracing.continuing(request.headers.get("traceparent"))
         if body.wait:
             with traced:
                 answer = await _http.unless_disconnected(
-                    request, routes.wait_turn(self.rt, client_id, body.text, payload, timeout, cancel_running=True))
+                    request, self.ctx.wait_turn(asked, timeout, cancel_running=True))
             if answer is None:
                 return Response(status_code=499)
             if answer["status"] == "error":  # the message in `text` too, as the original API answers
@@ -259,9 +257,9 @@ class ApiPlugin(BasePlugin):
                 answer["note"] = (f"timeout {body.timeout:g} s is above this server's limit; waited at most "
                                   f"{timeout:g} s (plugin_config.plugin_client_api.max_wait_seconds)")
             return JSONResponse({"client_id": client_id, **answer})
-        after = self.rt.hub.last_id(client_id)
+        after = self.ctx.hub.last_id(client_id)
         with traced:
-            turn = await routes.submit(self.rt, client_id, body.text, payload)
+            turn = await self.ctx.submit(asked)
         await self._remember(turn.id, client_id, after)
         return JSONResponse({"client_id": client_id, "status": "accepted", "turn_id": turn.id, "after": after})
 
@@ -275,34 +273,32 @@ class ApiPlugin(BasePlugin):
                 raise _http.BadRequest(404, f"unknown turn_id '{turn_id[:40]}' for client {client_id}: use the "
                                              "turn_id that POST /api/v1/submit returned")
             after = known[1] if after is None else after
-        return _http.event_stream(self.rt, client_id, after, turn_id)
+        return _http.event_stream(self.ctx, client_id, after, turn_id)
 
     async def gate_answer(self, request: Request) -> Response:
         gate_id = request.path_params["gate_id"]
         body = await _http.read_json(request, _GateBody)
-        owner = await self.rt.gate.owner(gate_id)
+        owner = await self.ctx.gate.owner(gate_id)
         admin = self._is_admin(request)
         decision = _SCOPES[body.scope] if body.approve else decisions.REJECT
-        if self.rt.gate.desk is not None and (await self.rt.gate.desk.get(gate_id)) != (None, None):
+        if self.ctx.gate.desk is not None and (await self.ctx.gate.desk.get(gate_id)) != (None, None):
             return await self._answer_routed(gate_id, decision, body, admin)
         try:
             # Only gates of API sessions: a shell user's gate is never answered from here.
-            answered = owner is not None and client_classes.client_class(owner, self.rt.client_namespaces) \
-                == client_classes.API \
-                and await self.rt.gate.resolve(
+            answered = owner is not None and self.client_class(owner) == plugin_api.API and await self.ctx.gate.resolve(
                 gate_id, decision, by=f"api ({'admin key' if admin else owner})", minutes=body.minutes,
                 may_grant=admin)
         except ValueError as exc:
             return _error(400, str(exc))
         if not answered:
             return _error(404, f"unknown gate '{gate_id[:64]}': it was answered, timed out "
-                               f"(after {self.rt.gate.api_timeout:g} s) or never existed")
+                               f"(after {self.ctx.gate.api_timeout:g} s) or never existed")
         return JSONResponse({"status": "ok"})
 
     async def _answer_routed(self, gate_id: str, decision: str, body: _GateBody, admin: bool) -> Response:
         """A gate routed to approvers (approvals.py): the admin key answers when the operator named it."""
         try:
-            result = await self.rt.gate.answer(
+            result = await self.ctx.gate.answer(
                 gate_id, decision, answerer=approvals.Approver(approvals.API, approvals.ADMIN) if admin else None,
                 channel="api", by="api (key)", minutes=body.minutes, may_grant=admin)
         except ValueError as exc:
@@ -318,10 +314,10 @@ class ApiPlugin(BasePlugin):
         if not self._is_admin(request):
             raise _http.BadRequest(404, "no approvals for this key: they are answered with the admin key "
                                         "(send X-Admin-Key)")
-        if self.rt.gate.desk is None:
+        if self.ctx.gate.desk is None:
             raise _http.BadRequest(404, "no gates are routed to approvers: add an 'approvals' section to "
                                         "plugins-enabled.json (docs/approvals.md)")
-        return self.rt.gate.desk
+        return self.ctx.gate.desk
 
     async def approvals(self, request: Request) -> Response:
         """The open gates routed to the admin key (approvals.RoutedGate each), soonest deadline first."""
@@ -338,7 +334,7 @@ class ApiPlugin(BasePlugin):
                 if name == approvals.CLOSED or _ADMIN_APPROVER in data.get("approvers", ()):
                     yield name, data
 
-        return _http.feed_stream(self.rt, mine())
+        return _http.feed_stream(self.ctx, mine())
 
     async def stop(self, request: Request) -> Response:
         """Cancel a client's running request without starting another: `{"status": "OK", "cancelled"}`."""
@@ -346,30 +342,30 @@ class ApiPlugin(BasePlugin):
         client_id = api_client_id(body.client_id)
         if not self._visible(client_id, self._is_admin(request)):
             return _error(404, f"no session '{client_id}' you may stop")
-        return JSONResponse({"status": "OK", "cancelled": await routes.stop(self.rt, client_id),
+        return JSONResponse({"status": "OK", "cancelled": await self.ctx.stop(client_id),
                              "client_id": client_id})
 
     async def sessions(self, request: Request) -> Response:
         admin = self._is_admin(request)
-        await self.rt.sessions.refresh()
-        rows = [_session_row(s) for s in self.rt.sessions.all() if self._visible(s.client_id, admin)]
+        await self.ctx.sessions.refresh()
+        rows = [_session_row(s) for s in self.ctx.sessions.all() if self._visible(s.client_id, admin)]
         return JSONResponse({"sessions": rows})
 
     async def health(self, request: Request) -> Response:
         admin = self._is_admin(request)
-        await self.rt.sessions.refresh()
-        count = sum(1 for s in self.rt.sessions.all() if self._visible(s.client_id, admin))
-        return JSONResponse({"status": "ok", "sessions": count, "models": list(self.rt.config.models)})
+        await self.ctx.sessions.refresh()
+        count = sum(1 for s in self.ctx.sessions.all() if self._visible(s.client_id, admin))
+        return JSONResponse({"status": "ok", "sessions": count, "models": list(self.ctx.config.models)})
 
     async def delete_session(self, request: Request) -> Response:
         sid = request.path_params["sid"]
-        await self.rt.sessions.refresh()
-        client_id = self.rt.sessions.resolve(sid)
+        await self.ctx.sessions.refresh()
+        client_id = self.ctx.sessions.resolve(sid)
         if client_id is None and CLIENT_ID.match(PREFIX + sid) and not sid.isdigit():
-            client_id = self.rt.sessions.resolve(PREFIX + sid)
+            client_id = self.ctx.sessions.resolve(PREFIX + sid)
         if client_id is None or not self._visible(client_id, self._is_admin(request)):
             return _error(404, f"Session '{sid[:140]}' not found")
-        await routes.delete_session(self.rt, client_id)
+        await self.ctx.delete_session(client_id)
         return JSONResponse({"status": "deleted", "client_id": client_id})
 
     async def not_found(self, request: Request) -> Response:

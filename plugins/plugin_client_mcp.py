@@ -18,18 +18,17 @@ Resources (JSON): `agentmcp://sessions`, `agentmcp://sessions/{id}/state`, `.../
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.context import ServerRequestContext
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
 from mcp.server.transport_security import TransportSecuritySettings
@@ -40,7 +39,6 @@ from mcp_types import (
     EmptyResult,
     ListResourcesResult,
     ListToolsResult,
-    Resource,
     SubscribeRequestParams,
     TextContent,
     Tool,
@@ -49,16 +47,10 @@ from mcp_types import (
 from pydantic import Field
 from starlette.routing import Mount
 
-import approvals
-import client_classes
-import decisions
-import events
 import gate_policy
 import guard
-import routes
-import stores
-import tool_calls
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http
 from plugins._mcp_approvals import HISTORY_LIMIT, KEPT_APPROVALS, ApprovalStore, SharedApprovals
 from plugins._mcp_auth import (
@@ -73,11 +65,11 @@ from plugins._mcp_auth import (
     mcp_client_id,
     request_principal,
 )
-from plugins._mcp_elicit import GateForms
+from plugins._mcp_resources import SCHEME, add_resources, check_read, resources_for, session_row
+from plugins._mcp_tools import add_tools
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 
-SCHEME = "agentmcp://"
 TOKENS_FILE = "mcp-tokens.json"
 #: JSON-RPC error of a tool call the gate or the rate limiter refused (seed 002's code, kept for its clients).
 POLICY_DENIED = -32950
@@ -96,9 +88,7 @@ TOOL_ROLES: dict[str, tuple[str, ...]] = {
     "get_gate_policy": (HUMAN,),
     "set_gate_default": (HUMAN,),
 }
-#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
-McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
-#: The signal to the other instances on one Redis (state.Runtime.signals): notify your subscribers of these URIs.
+#: The signal to the other instances on one Redis (ctx.signals): notify your subscribers of these URIs.
 NOTIFY_SIGNAL = "mcp-notify"
 
 
@@ -118,17 +108,13 @@ class McpServerConfig(PluginSettings, guard.ListenerSettings):
     kept_approvals: int = Field(default=KEPT_APPROVALS, ge=HISTORY_LIMIT)
 
 
-def _json(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, indent=1, default=str)
-
-
 class McpServerPlugin(BasePlugin):
     """Serves agent-mcp to MCP clients: people approving gates and agents calling tools."""
 
     PLUGIN_NAME = "plugin_client_mcp"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: client_classes.MCP}
+    CLIENT_NAMESPACES = {PREFIX: plugin_api.MCP}
     DESCRIPTION = "MCP server: sessions, approvals and the agent's tools over Streamable HTTP at /mcp"
     DEPENDENCIES = ["mcp", "aiosqlite"]
 
@@ -161,7 +147,7 @@ class McpServerPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         self.cfg = parse_settings(self.PLUGIN_NAME, McpServerConfig, config)
-        rt = self.rt
+        rt = self.ctx
         self.token_path = Path(rt.config.config_dir) / self.cfg.token_file
         if not self.token_path.exists():
             create_token_file(self.token_path)
@@ -239,10 +225,10 @@ class McpServerPlugin(BasePlugin):
         of this instance and (on one Redis) of the others."""
         unique = list(dict.fromkeys(uris))
         await self._notify_here(unique)
-        if self.rt.signals is not None and unique:
+        if self.ctx.signals is not None and unique:
             try:
-                await self.rt.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
-            except stores.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss this one
+                await self.ctx.signals.send(NOTIFY_SIGNAL, json.dumps(unique))
+            except plugin_api.SessionError:  # the store is unreachable (logged there): subscribers elsewhere miss it
                 pass
 
     async def _notified(self, subject: str) -> None:
@@ -260,7 +246,7 @@ class McpServerPlugin(BasePlugin):
     def _session_uris(self, client_id: str, *parts: str) -> list[str]:
         return [f"{SCHEME}sessions/{client_id}/{p}" for p in parts]
 
-    def _observe(self, client_id: str, event: events.Event | None) -> None:
+    def _observe(self, client_id: str, event: plugin_api.Event | None) -> None:
         """Event hub observer: gates opening and closing, turns ending, sessions appearing and going."""
         if event is None:  # session deleted
             self._known_sessions.discard(client_id)
@@ -278,9 +264,9 @@ class McpServerPlugin(BasePlugin):
             self._queue.put_nowait((self.store.record_open(row), self._at_once(self._pending_uris(client_id))))
         elif event.name == "status" and "gate_id" in event.data and "decision" in event.data:
             self._close(client_id, str(event.data["gate_id"]), str(event.data["decision"]))
-        elif routes.ends_turn(event):
+        elif plugin_api.ends_turn(event):
             uris = self._session_uris(client_id, "state", "history")
-            if client_id not in self._known_sessions and self.rt.sessions.get(client_id) is not None:
+            if client_id not in self._known_sessions and self.ctx.sessions.get(client_id) is not None:
                 self._known_sessions.add(client_id)
                 uris.append(f"{SCHEME}sessions")
             self._queue.put_nowait((self._close_stale(client_id, "turn ended"), tuple(uris)))
@@ -302,9 +288,9 @@ class McpServerPlugin(BasePlugin):
             return
         by = self._deciders.pop(gate_id, None)
         if by is None:
+            kind = self.ctx.client_class(client_id)
             by = "timeout" if decision == "timeout" else (
-                "gate closed" if decision == "cancelled"
-                else f"{client_classes.client_class(client_id, self.rt.client_namespaces)} client ({client_id})")
+                "gate closed" if decision == "cancelled" else f"{kind} client ({client_id})")
         self._queue.put_nowait((self.store.record_decision(gate_id, decision, by, time.time()),
                                 (*self._at_once(self._pending_uris(client_id)), f"{SCHEME}approvals/history",
                                  *self._session_uris(client_id, "approvals/history"))))
@@ -322,7 +308,7 @@ class McpServerPlugin(BasePlugin):
         """Record gates of a session that closed without a decision (turn cancelled, session deleted)."""
         assert self.store is not None
         for gate_id, row in list(self.store.pending.items()):
-            if row["session"] == client_id and await self.rt.gate.owner(gate_id) is None:
+            if row["session"] == client_id and await self.ctx.gate.owner(gate_id) is None:
                 self._deciders[gate_id] = why
                 self._close(client_id, gate_id, "cancelled")
 
@@ -350,8 +336,8 @@ class McpServerPlugin(BasePlugin):
             subscriptions=self.bus,
             middleware=[self._middleware],
         )
-        self._add_resources(mcp)
-        self._add_tools(mcp)
+        add_resources(self, mcp)
+        add_tools(self, mcp)
         low = mcp._lowlevel_server  # the SDK's documented way to serve resources/subscribe (no public API yet)
         low.add_request_handler("resources/subscribe", SubscribeRequestParams, self._subscribe)
         low.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, self._unsubscribe)
@@ -372,66 +358,24 @@ class McpServerPlugin(BasePlugin):
                 if who.role not in TOOL_ROLES[name]:
                     raise forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; this one is {who.role}")
                 return await call_next(ctx)
-            if who.role == AGENT and self.rt.tools.get(name) is not None:
+            if who.role == AGENT and self.ctx.tools.get(name) is not None:
                 return await self._call_agent_tool(who, name, params.get("arguments") or {})
             raise MCPError(INVALID_PARAMS, f"unknown tool '{name[:80]}'; tools/list shows the tools of this token")
         if method == "resources/list":
-            return ListResourcesResult(resources=self._resources_for(who))
+            return ListResourcesResult(resources=resources_for(self, who))
         if method == "resources/read":
-            self._check_read(who, str(params.get("uri", "")))
+            check_read(who, str(params.get("uri", "")))
         if method == "subscriptions/listen":
             wanted = ((params.get("notifications") or {}).get("resourceSubscriptions")) or []
             for uri in wanted:
-                self._check_read(who, str(uri))
+                check_read(who, str(uri))
         return await call_next(ctx)
-
-    # ── access ──
-
-    def _check_read(self, who: Principal, uri: str) -> str | None:
-        """The session a URI belongs to (None for server-wide ones); MCPError when `who` may not read it."""
-        rest = uri.removeprefix(SCHEME) if uri.startswith(SCHEME) else None
-        if rest is None:
-            raise MCPError(INVALID_PARAMS, f"unknown resource {uri[:120]}: agent-mcp resources start with {SCHEME}")
-        if rest == "sessions":
-            return None
-        if rest.startswith("sessions/"):
-            client_id = rest.removeprefix("sessions/").split("/", 1)[0]
-            if not who.may_read(client_id):
-                raise forbidden(f"token '{who.name}' ({who.role}) may read only its own session {who.session}")
-            return client_id
-        if who.role != HUMAN:
-            raise forbidden(f"{uri[:120]} needs a human token")
-        return None
-
-    def _resources_for(self, who: Principal) -> list[Resource]:
-        def res(uri: str, name: str, description: str) -> Resource:
-            return Resource(uri=uri, name=name, description=description, mime_type="application/json")
-
-        out = [res(f"{SCHEME}sessions", "sessions", "The sessions this token may see")]
-        if who.role == HUMAN:
-            out += [
-                res(f"{SCHEME}approvals/pending", "pending approvals", "Gates waiting for a decision, all sessions"),
-                res(f"{SCHEME}approvals/history", "approval history", "Decided gates: decision, who, when"),
-                res(f"{SCHEME}policy", "gate policy", "gate-defaults.json as in force"),
-            ]
-        for s in self.rt.sessions.all():
-            if who.may_read(s.client_id):
-                for part, label in (
-                    ("state", "state"),
-                    ("history", "history"),
-                    ("approvals/pending", "pending approvals"),
-                    ("approvals/history", "approval history"),
-                    ("grants", "grants"),
-                ):
-                    out.append(res(f"{SCHEME}sessions/{s.client_id}/{part}", f"{s.client_id} {label}",
-                                   f"Session {s.client_id} (#{s.shorthand}): {label}"))
-        return out
 
     def _list_tools(self, who: Principal, result: Any) -> ListToolsResult:
         tools = result.tools if isinstance(result, ListToolsResult) else ListToolsResult.model_validate(result).tools
         mine = [t for t in tools if who.role in TOOL_ROLES.get(t.name, ())]
         if who.role == AGENT:
-            for schema in self.rt.tools.openai_schemas():
+            for schema in self.ctx.tools.openai_schemas():
                 fn = schema["function"]
                 if fn["name"] not in TOOL_ROLES:
                     mine.append(Tool(name=fn["name"], description=fn.get("description") or "",
@@ -443,7 +387,7 @@ class McpServerPlugin(BasePlugin):
     async def _subscribe(self, ctx: ServerRequestContext[Any, Any], params: SubscribeRequestParams) -> EmptyResult:
         who = request_principal(ctx)
         uri = str(params.uri)
-        self._check_read(who, uri)
+        check_read(who, uri)
         session_id = self._mcp_session_id(ctx)
         mine = sum(1 for k in self._legacy if k[0] == session_id)
         if mine >= MAX_SUBSCRIPTIONS_PER_SESSION and (session_id, uri) not in self._legacy:
@@ -467,194 +411,9 @@ class McpServerPlugin(BasePlugin):
                                            "2026-07-28 clients use subscriptions/listen")
         return str(session_id)
 
-    # ── resources ──
-
-    async def _session(self, who: Principal, ident: str) -> stores.Session:
-        await self.rt.sessions.refresh()  # with several instances: as it is now
-        client_id = self.rt.sessions.resolve(ident)
-        session = self.rt.sessions.get(client_id) if client_id else None
-        if session is None or not who.may_read(session.client_id):
-            # Another session's existence is not confirmed to an agent token.
-            raise MCPError(INVALID_PARAMS, f"no session '{ident[:140]}' readable with this token")
-        return session
-
-    async def _pending(self, client_id: str | None = None) -> list[dict[str, Any]]:
-        assert self.store is not None
-        rows = [r for r in await self.store.open_rows() if client_id is None or r["session"] == client_id]
-        return sorted(rows, key=lambda r: r["opened_at"])
-
-    def _session_row(self, s: stores.Session) -> dict[str, Any]:
-        return {"session": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "created": s.created,
-                "client": client_classes.client_class(s.client_id, self.rt.client_namespaces)}
-
-    def _policy(self) -> dict[str, Any]:
-        return self.rt.gate.defaults.model_dump(mode="json")
-
-    def _add_resources(self, mcp: MCPServer) -> None:
-        plugin = self
-
-        @mcp.resource(f"{SCHEME}sessions", name="sessions", mime_type="application/json")
-        async def sessions() -> str:
-            who = request_principal()
-            await plugin.rt.sessions.refresh()
-            return _json([plugin._session_row(s) for s in plugin.rt.sessions.all() if who.may_read(s.client_id)])
-
-        @mcp.resource(f"{SCHEME}approvals/pending", name="pending approvals", mime_type="application/json")
-        async def pending_all() -> str:
-            plugin._check_read(request_principal(), f"{SCHEME}approvals/pending")
-            return _json(await plugin._pending())
-
-        @mcp.resource(f"{SCHEME}approvals/history", name="approval history", mime_type="application/json")
-        async def history_all() -> str:
-            plugin._check_read(request_principal(), f"{SCHEME}approvals/history")
-            assert plugin.store is not None
-            return _json(await plugin.store.history())
-
-        @mcp.resource(f"{SCHEME}policy", name="gate policy", mime_type="application/json")
-        async def policy() -> str:
-            plugin._check_read(request_principal(), f"{SCHEME}policy")
-            return _json(plugin._policy())
-
-        @mcp.resource(SCHEME + "sessions/{sid}/state", name="session state", mime_type="application/json")
-        async def session_state(sid: str) -> str:
-            s = await plugin._session(request_principal(), sid)
-            return _json({**plugin._session_row(s), "history_length": len(s.history),
-                          "busy": bool(plugin.rt.active_tasks.get(s.client_id)),
-                          "pending_approvals": len(await plugin._pending(s.client_id)),
-                          "gate_overrides": s.settings.get("gates", {})})
-
-        @mcp.resource(SCHEME + "sessions/{sid}/history", name="session history", mime_type="application/json")
-        async def session_history(sid: str) -> str:
-            s = await plugin._session(request_principal(), sid)
-            return _json(s.history)
-
-        @mcp.resource(SCHEME + "sessions/{sid}/approvals/pending", name="session pending approvals",
-                      mime_type="application/json")
-        async def session_pending(sid: str) -> str:
-            s = await plugin._session(request_principal(), sid)
-            return _json(await plugin._pending(s.client_id))
-
-        @mcp.resource(SCHEME + "sessions/{sid}/approvals/history", name="session approval history",
-                      mime_type="application/json")
-        async def session_approvals(sid: str) -> str:
-            s = await plugin._session(request_principal(), sid)
-            assert plugin.store is not None
-            return _json(await plugin.store.history(s.client_id))
-
-        @mcp.resource(SCHEME + "sessions/{sid}/grants", name="session grants", mime_type="application/json")
-        async def session_grants(sid: str) -> str:
-            """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
-            s = await plugin._session(request_principal(), sid)
-            store = plugin.rt.gate.grants
-            if store is not None:
-                await store.refresh(s.client_id)
-            return _json([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])
-
-    # ── tools ──
-
-    def _add_tools(self, mcp: MCPServer) -> None:
-        plugin = self
-
-        @mcp.tool()
-        async def send_message(text: str, session: str = "", model: str = "", timeout_seconds: float = 300,
-                               ctx: Context | None = None) -> dict[str, Any]:
-            """Send a message (or a !command) to a session and return the answer.
-
-            Human tokens name the session (created if new, in the mcp- namespace); agent tokens always
-            talk to their own session. `model` answers this turn with another registry model. A client
-            that declared the elicitation capability is asked each gate of the turn as a form.
-            """
-            who = request_principal()
-            forms = GateForms.for_request(plugin.rt, ctx, who, plugin._deciders)
-            try:
-                return await plugin._send(who, text, session, model, timeout_seconds,
-                                          forms.on_event if forms else None)
-            finally:
-                if forms is not None:
-                    await forms.close()
-
-        @mcp.tool()
-        async def create_session(name: str = "", model: str = "") -> dict[str, Any]:
-            """Create an MCP session (id mcp-<name>, a random name when empty) on `model` (default model if empty)."""
-            return plugin._create(name, model)
-
-        @mcp.tool()
-        async def delete_session(session: str) -> dict[str, Any]:
-            """Delete a session (full id or shorthand id): its history, running turns and event stream."""
-            await plugin.rt.sessions.refresh()
-            client_id = plugin.rt.sessions.resolve(session)
-            if client_id is None:
-                raise ToolError(f"no session '{session[:140]}'; read agentmcp://sessions for the list")
-            await routes.delete_session(plugin.rt, client_id)
-            return {"status": "deleted", "session": client_id}
-
-        @mcp.tool()
-        async def list_pending_approvals(session: str = "") -> list[dict[str, Any]]:
-            """Gates waiting for a decision (all the token may see, or one session's)."""
-            who = request_principal()
-            if session:
-                return await plugin._pending((await plugin._session(who, session)).client_id)
-            return [r for r in await plugin._pending() if who.may_read(r["session"])]
-
-        @mcp.tool()
-        async def answer_approval(
-            gate_id: str,
-            decision: McpDecision,
-            minutes: int = decisions.DEFAULT_MINUTES,
-            content: dict[str, Any] | None = None,
-        ) -> dict[str, Any]:
-            """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
-            for `minutes`); allow_session (the same for the rest of the session); allow_pattern (calls of
-            the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers.
-            A question of an MCP server agent-mcp uses (the request has `elicitation`): allow_once with
-            `content`, the values its `fields` ask for (without: the form's defaults); reject declines."""
-            who = request_principal()
-            owner = await plugin.rt.gate.owner(gate_id)
-            if owner is None:
-                raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
-                                "read agentmcp://approvals/pending")
-            plugin._deciders[gate_id] = who.label
-            try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
-                result = await plugin.rt.gate.answer(gate_id, decisions.MCP_WORDS[decision],
-                                                     by=f"mcp token '{who.name}'",
-                                                     answerer=approvals.Approver(approvals.MCP, who.name),
-                                                     channel="mcp", minutes=minutes, content=content)
-            except ValueError as exc:
-                plugin._deciders.pop(gate_id, None)
-                raise ToolError(str(exc)) from None
-            if not result.answered:
-                plugin._deciders.pop(gate_id, None)
-                if result.outcome == approvals.NOT_APPROVER:
-                    raise ToolError(f"gate '{gate_id[:64]}' is answered by its approvers "
-                                    f"({', '.join(result.approvers)}), and token '{who.name}' is not one of them; "
-                                    "nothing was changed")
-                first = f" ({result.first.describe()})" if result.first else ""
-                raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile{first}")
-            return {"status": "answered", "gate_id": gate_id, "session": owner, "decision": decision,
-                    "decided_by": who.label}
-
-        @mcp.tool()
-        async def get_gate_policy(session: str = "") -> dict[str, Any]:
-            """The gate defaults (gate-defaults.json) and, with `session`, that session's own overrides."""
-            out: dict[str, Any] = {"defaults": plugin._policy()}
-            if session:
-                s = await plugin._session(request_principal(), session)
-                out["session"] = {"session": s.client_id, "overrides": s.settings.get("gates", {})}
-            return out
-
-        @mcp.tool()
-        async def set_gate_default(section: Literal["tools", "db"], key: str,
-                                   operation: Literal["read", "write", "ddl", "both"],
-                                   allowed: bool) -> dict[str, Any]:
-            """Change a gate default for every session (saved in gate-defaults.json): `key` is a tool name
-            (section tools) or a table (section db), `*` for everything without its own entry; allowed=true
-            means the call runs without asking. `both` is read and write; `ddl` (CREATE, DROP, ALTER,
-            RENAME, TRUNCATE; section db only) is never covered by write and must be named."""
-            return await plugin._set_default(request_principal(), section, key, operation, allowed)
-
     async def _send(
         self, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
-        on_event: Callable[[events.Event], None] | None = None,
+        on_event: Callable[[plugin_api.Event], None] | None = None,
     ) -> dict[str, Any]:
         if who.role == AGENT:
             if session and mcp_client_id(session) != who.session:
@@ -670,26 +429,26 @@ class McpServerPlugin(BasePlugin):
             raise ToolError("text is empty: send a question or a !command")
         if len(text) > _http.MAX_TEXT:
             raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
-        if model and model not in self.rt.config.models:
-            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        payload: dict[str, Any] = {"admin": who.role == HUMAN, "model": model or None, "identity": f"mcp:{who.name}"}
+        if model and model not in self.ctx.config.models:
+            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.ctx.config.models)}")
+        request = self.ctx.request(client_id, text, admin=who.role == HUMAN, model=model or None,
+                                   identity=f"mcp:{who.name}")
         seconds = min(max(timeout_seconds, 1.0), self.cfg.max_wait_seconds)
-        return {"session": client_id, **await routes.wait_turn(self.rt, client_id, text, payload, seconds,
-                                                               on_event=on_event)}
+        return {"session": client_id, **await self.ctx.wait_turn(request, seconds, on_event=on_event)}
 
     def _create(self, name: str, model: str) -> dict[str, Any]:
         try:
             client_id = mcp_client_id(name or uuid.uuid4().hex[:8])
         except ValueError as exc:
             raise ToolError(str(exc)) from None
-        if self.rt.sessions.get(client_id) is not None:
+        if self.ctx.sessions.get(client_id) is not None:
             raise ToolError(f"session {client_id} already exists")
-        if model and model not in self.rt.config.models:
-            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.rt.config.models)}")
-        session, _ = self.rt.sessions.get_or_add(client_id, model or self.rt.config.default_model)
+        if model and model not in self.ctx.config.models:
+            raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(self.ctx.config.models)}")
+        session, _ = self.ctx.sessions.get_or_add(client_id, model or self.ctx.config.default_model)
         self._known_sessions.add(client_id)
-        self._queue.put_nowait((self.rt.sessions.save(session), (f"{SCHEME}sessions",)))
-        return self._session_row(session)
+        self._queue.put_nowait((self.ctx.sessions.save(session), (f"{SCHEME}sessions",)))
+        return session_row(self, session)
 
     async def _set_default(
         self, who: Principal, section: str, key: str, operation: str, allowed: bool
@@ -698,24 +457,24 @@ class McpServerPlugin(BasePlugin):
             change = gate_policy.PolicyChange.parse(section, key, operation, allowed, f"mcp token '{who.name}'")
         except gate_policy.PolicyError as exc:
             raise ToolError(str(exc)) from None
-        entry, note = await self.rt.gate.set_policy(change)
+        entry, note = await self.ctx.gate.set_policy(change)
         await self.notify(f"{SCHEME}policy")
         return {"section": section, "key": change.key, **entry.model_dump(), "note": note}
 
     async def _call_agent_tool(self, who: Principal, name: str, arguments: Any) -> Any:
         """An agent token calls one of the agent's tools: the model's pipeline (validation, rate limit,
         gate, executor); its outcome maps to the tool result, INVALID_PARAMS or -32950."""
-        rt = self.rt
+        rt = self.ctx
         assert who.session is not None
         client_id = who.session
         session = await rt.sessions.get_or_create(client_id, rt.config.default_model)
         if client_id not in self._known_sessions:
             self._known_sessions.add(client_id)
             await self.notify(f"{SCHEME}sessions")
-        turn = client_classes.new_turn(rt.client_namespaces, client_id)
+        turn = self.ctx.request(client_id).turn()
         turn.session = session
         try:
-            outcome = await tool_calls.execute_tool(rt, turn, name, arguments if isinstance(arguments, dict) else {})
+            outcome = await rt.execute_tool(turn, name, arguments if isinstance(arguments, dict) else {})
         finally:
             if turn.id in self._gated_turns:
                 self._gated_turns.discard(turn.id)

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import guard
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 
 class MetricsConfig(PluginSettings, guard.ListenerSettings):
@@ -47,7 +47,7 @@ class MetricsPlugin(BasePlugin):
 
     def init(self, config: dict[str, Any]) -> bool:
         self.cfg = parse_settings(self.PLUGIN_NAME, MetricsConfig, config)
-        if not self.rt.metrics.on:  # build_runtime collects metrics whenever this plugin is enabled
+        if not self.ctx.metrics.on:  # build_runtime collects metrics whenever this plugin is enabled
             raise PluginConfigError("metrics are not collected in this runtime; enable plugin_client_metrics in "
                                     "plugins-enabled.json before the server starts")
         return True
@@ -56,7 +56,7 @@ class MetricsPlugin(BasePlugin):
         pass
 
     def get_config(self) -> dict[str, Any]:
-        token = self.rt.config.env.get(self.cfg.token_env) or None
+        token = self.ctx.config.env.get(self.cfg.token_env) or None
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "Prometheus metrics", "token": token,
                 "allowed_hosts": self.cfg.allowed_hosts, "allowed_origins": self.cfg.allowed_origins,
                 "token_hint": f"the token is the server's {self.cfg.token_env} setting"}
@@ -66,4 +66,4 @@ class MetricsPlugin(BasePlugin):
 
     async def metrics(self, request: Request) -> Response:
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(self.rt.metrics.registry), headers={"Content-Type": content_type})
+        return Response(encode(self.ctx.metrics.registry), headers={"Content-Type": content_type})

@@ -23,10 +23,8 @@ from starlette.routing import Route
 
 import approvals
 import guard
-import routes
-import state
-import stores
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 from plugins import _http, _shell_admin
 
 CLIENT_ID = re.compile(_http.CLIENT_ID_PATTERN)
@@ -80,11 +78,11 @@ async def _json_body(request: Request, model: type[BaseModel]) -> Any:
         return _error(exc.status, str(exc))
 
 
-def _session_row(rt: state.Runtime, s: stores.Session) -> dict[str, Any]:
+def _session_row(rt: plugin_api.PluginContext, s: plugin_api.Session) -> dict[str, Any]:
     """A session for /sessions; `running`: a request of it runs or waits (a shell back online after a
     restart asks, to tell a turn that still runs from one the restart interrupted)."""
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),
-            "running": any(not t.done() for t in rt.active_tasks.get(s.client_id, ()))
+            "running": rt.busy(s.client_id)
                        or (rt.sessions.store.shared and s.running is not None)}  # a turn on another instance
 
 
@@ -111,7 +109,7 @@ class ShellpyPlugin(BasePlugin):
 
     def init(self, config: dict[str, Any]) -> bool:
         self.cfg = parse_settings(self.PLUGIN_NAME, ShellConfig, config)
-        rt = self.rt
+        rt = self.ctx
         self._token = rt.config.env.get(self.cfg.token_env) or None
         if self._token is None:
             path = rt.config.data_dir() / guard.SHELL_TOKEN_FILE
@@ -135,7 +133,7 @@ class ShellpyPlugin(BasePlugin):
 
     def _token_hint(self) -> str:
         """Where a 401's reader finds the token, without a path (the reader is nobody the server vouched for)."""
-        if self.rt.config.env.get(self.cfg.token_env):
+        if self.ctx.config.env.get(self.cfg.token_env):
             return f"the token is the server's {self.cfg.token_env} setting"
         name = guard.SHELL_TOKEN_FILE
         return (f"the token is in the file {name} of the server's data directory (data/{name} in its config dir "
@@ -161,8 +159,8 @@ class ShellpyPlugin(BasePlugin):
         if isinstance(body, JSONResponse):
             return body
         # Every request here carried the endpoint's token (the guard checked it): a person at shell.py.
-        await routes.submit(self.rt, body.client_id, body.text,
-                            {"default_model": body.default_model, "interactive": True, "identity": "shell"})
+        await self.ctx.submit(self.ctx.request(body.client_id, body.text, kind=plugin_api.SHELL, interactive=True,
+                                                default_model=body.default_model, identity="shell"))
         return JSONResponse({"status": "OK"})
 
     async def stop(self, request: Request) -> JSONResponse:
@@ -170,13 +168,13 @@ class ShellpyPlugin(BasePlugin):
         body = await _json_body(request, _StopBody)
         if isinstance(body, JSONResponse):
             return body
-        return JSONResponse({"status": "OK", "cancelled": await routes.stop(self.rt, body.client_id)})
+        return JSONResponse({"status": "OK", "cancelled": await self.ctx.stop(body.client_id)})
 
     async def stream(self, request: Request) -> Any:
         client_id = request.query_params.get("client_id", "")
         if not CLIENT_ID.match(client_id):
             return _error(400, "missing or invalid client_id query parameter")
-        return _http.event_stream(self.rt, client_id, _http.last_event_id(request))
+        return _http.event_stream(self.ctx, client_id, _http.last_event_id(request))
 
     async def gate_response(self, request: Request) -> JSONResponse:
         body = await _json_body(request, _GateBody)
@@ -184,7 +182,7 @@ class ShellpyPlugin(BasePlugin):
             return body
         window = approvals.Approver(approvals.SHELL, body.approver) if body.approver else None
         try:  # the shell's user is the human the gates ask: they may grant
-            result = await self.rt.gate.answer(body.gate_id, body.decision, by="shell", minutes=body.minutes,
+            result = await self.ctx.gate.answer(body.gate_id, body.decision, by="shell", minutes=body.minutes,
                                                answerer=window, channel="shell", content=body.content)
         except ValueError as exc:
             return _error(400, str(exc))
@@ -201,28 +199,28 @@ class ShellpyPlugin(BasePlugin):
         body = await _json_body(request, _ApproverBody)
         if isinstance(body, JSONResponse):
             return body
-        if self.rt.gate.desk is None:
+        if self.ctx.gate.desk is None:
             return _error(409, "no gates are routed to approvers: add an 'approvals' section to "
                                "plugins-enabled.json (docs/approvals.md)")
-        await self.rt.gate.desk.set_window(body.window, body.on)
-        shells = any(a.startswith("shell:") for g in await self.rt.gate.desk.pending() for a in g.approvers)
+        await self.ctx.gate.desk.set_window(body.window, body.on)
+        shells = any(a.startswith("shell:") for g in await self.ctx.gate.desk.pending() for a in g.approvers)
         return JSONResponse({"status": "OK", "on": body.on, "window": body.window,
                              "shell_approvers": self._shells_configured(), "pending_for_shells": shells})
 
     def _shells_configured(self) -> bool:
-        cfg = self.rt.config.enabled.approvals
+        cfg = self.ctx.config.enabled.approvals
         return any(e.shell or any(t.shell for t in (*e.tools.values(), *e.tables.values()))
                    for e in cfg.classes.values())
 
     async def approvals(self, request: Request) -> Any:
         """The approver feed (SSE `approval` / `approval_closed` events) for a window that opted in."""
         window = request.query_params.get("window", "")
-        desk = self.rt.gate.desk
+        desk = self.ctx.gate.desk
         if not CLIENT_ID.match(window):
             return _error(400, "missing or invalid window query parameter")
         if desk is None or not await desk.is_window(window):
             return _error(409, "this window is not an approver: !approver on")
-        return _http.feed_stream(self.rt, _for_shells(desk))
+        return _http.feed_stream(self.ctx, _for_shells(desk))
 
     async def admin(self, request: Request) -> JSONResponse:
         """agentctl's writes to what this server owns (plugins/_shell_admin.py), done and audited here."""
@@ -230,14 +228,12 @@ class ShellpyPlugin(BasePlugin):
         if isinstance(body, JSONResponse):
             return body
         try:
-            return JSONResponse(await _shell_admin.handle(self.rt, body))
+            return JSONResponse(await _shell_admin.handle(self.ctx, body))
         except _shell_admin.AdminError as exc:
             return _error(400, str(exc))
 
     async def health(self, request: Request) -> JSONResponse:
-        rt = self.rt
-        reports = rt.plugins.reports.values() if rt.plugins else []
-        plugins = {r.name: {"status": r.status, "reasons": r.reasons} for r in reports}
+        rt = self.ctx
         await rt.sessions.refresh()
         return JSONResponse({
             "status": "healthy",
@@ -245,23 +241,23 @@ class ShellpyPlugin(BasePlugin):
             "default_model": rt.config.default_model,
             "sessions": rt.sessions.count(),
             "instances": await rt.sessions.store.instances(),  # several on one Redis: how many are alive
-            "plugins": plugins,
+            "plugins": rt.plugin_reports(),
         })
 
     async def sessions(self, request: Request) -> JSONResponse:
         wanted = request.query_params.get("client_id")
-        await self.rt.sessions.refresh()
+        await self.ctx.sessions.refresh()
         if wanted is None:
-            return JSONResponse({"sessions": [_session_row(self.rt, s) for s in self.rt.sessions.all()]})
-        client_id = self.rt.sessions.resolve(wanted)
-        session = self.rt.sessions.get(client_id) if client_id else None
-        return JSONResponse({"sessions": [_session_row(self.rt, session)] if session else []})
+            return JSONResponse({"sessions": [_session_row(self.ctx, s) for s in self.ctx.sessions.all()]})
+        client_id = self.ctx.sessions.resolve(wanted)
+        session = self.ctx.sessions.get(client_id) if client_id else None
+        return JSONResponse({"sessions": [_session_row(self.ctx, session)] if session else []})
 
     async def delete_session(self, request: Request) -> JSONResponse:
-        rt = self.rt
+        rt = self.ctx
         await rt.sessions.refresh()
         client_id = rt.sessions.resolve(request.path_params["sid"])
         if client_id is None:
             return _error(404, f"session '{request.path_params['sid']}' not found")
-        await routes.delete_session(rt, client_id)
+        await rt.delete_session(client_id)
         return JSONResponse({"status": "OK", "deleted": client_id})

@@ -42,30 +42,16 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
-import client_classes
-import events
 import guard
-import routes
-import sessions
-import stores
-from plugin_loader import BasePlugin, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, parse_settings
 from plugins._slack_approvals import SlackApprovals
 from plugins._slack_events import PREFIX, SEEN_MEMORY, EventFilter, InboundMessage
-from plugins._slack_text import (
-    escape,
-    split_message,
-    to_mrkdwn,
-)
+from plugins._slack_reply import Reply, describe
 
 logger = logging.getLogger("agent_mcp.slack")
 
-WORKING = "_⏳ working…_"
 SLACK_CLIENT_ID = re.compile(r"^slack-(?P<channel>[A-Z0-9]+)-(?P<thread_ts>\d+\.\d+)$")
-#: Status lines: `[tool ▶] args` / `[tool ◀] result` / `[tool ↺] …` (the tool loop), `[gate ✗] tool …`
-#: and `[gate ✓] tool …` (gates), `[RATE LIMITED] tool …` (rate limits), `[tool ✗] why` (a refused call).
-STATUS_LINE = re.compile(r"^\[(?P<tag>[^\]]+)\]\s*(?P<rest>.*)$", re.DOTALL)
-GATE_HINT = ("_Tools that need approval cannot be approved from Slack: ask from shell.py, "
-             "or an operator can allow the tool there or in gate-defaults.json._")
 SHUTDOWN_GRACE = 3
 #: How long an event or message id stays claimed in Redis against repeats (several instances).
 DEDUPE_SECONDS = 3600
@@ -94,161 +80,6 @@ class SlackSettings(guard.ListenerSettings):
     ping_interval: float = Field(default=5, ge=0.2, le=60)
     #: Model of new Slack sessions (default: the server's default model).
     default_model: str | None = None
-
-
-# ── One answer in a thread ──────────────────────────────────────────────────────────────────
-
-
-class _Reply:
-    """An answer in a thread: placeholder, throttled live edits, then the final messages.
-
-    `feed()` only records events (it never waits on Slack), and `run()` makes every Web API call
-    of the answer in order, so a slow or rate-limited Slack never holds up the agent's stream.
-    """
-
-    def __init__(self, web: WebClient, settings: SlackSettings, channel: str, thread_ts: str):
-        self.web, self.settings = web, settings
-        self.channel, self.thread_ts = channel, thread_ts
-        self.ts: str | None = None
-        self.parts: list[str] = []
-        self.status = ""
-        self.errors: list[str] = []
-        self.notes: list[str] = []
-        self.cancelled = False
-        self.posted = 0
-        self._refused: set[str] = set()
-        self._shown = ""
-        self._changed = asyncio.Event()
-        self._finished = asyncio.Event()
-
-    def feed(self, ev: events.Event) -> None:
-        """Take one event of the request."""
-        if ev.name == "tok":
-            self.parts.append(str(ev.data.get("text", "")))
-        elif ev.name == "status" and ev.data.get("cancelled") is True:
-            self.cancelled = True
-        elif ev.name == "status":
-            self._tool_status(str(ev.data.get("text", "")))
-        elif ev.name == "error":
-            self.errors.append(str(ev.data.get("message", "")))
-        else:
-            return
-        self._changed.set()
-
-    def _tool_status(self, text: str) -> None:
-        """Show what a tool is doing in the placeholder; a refused or rate-limited call gets a note."""
-        m = STATUS_LINE.match(text.strip())
-        if m is None:
-            self.status = text.strip().splitlines()[0][:100] if text.strip() else ""
-            return
-        tag, rest = m["tag"], " ".join(m["rest"].split())
-        tool = rest.split(" ", 1)[0].rstrip(":")
-        if tag.endswith(" ▶"):
-            self.status = f"⚙️ running `{escape(tag[:-2])}`…"
-            return
-        self.status = ""
-        if tag == "gate ⏳":  # a gate routed to approvers (the buttons are posted by _slack_approvals)
-            self.status = f"🔐 waiting for approval of `{escape(tool)}`…"
-        elif tag == "gate ✗":  # the hint only where nobody could approve (not: an approver said no, or timed out)
-            hint = f"\n{GATE_HINT}" if "cannot give" in rest else ""
-            self._note(tool, f"⛔ Not run: {escape(rest[:300])}{hint}")
-        elif tag == "RATE LIMITED":
-            self._note(tool, f"⏳ Not run: {escape(rest[:300])}")
-        elif tag.endswith(" ✗"):
-            self._note(tag[:-2], f"⛔ Not run: `{escape(tag[:-2])}`: {escape(rest[:300])}\n{GATE_HINT}")
-
-    def _note(self, tool: str, text: str) -> None:
-        # One note per tool and answer: a model that retries a refused call does not flood the thread.
-        if tool not in self._refused:
-            self._refused.add(tool)
-            self.notes.append(text)
-
-    def finish(self) -> None:
-        """The request ended: post the final text now."""
-        self._finished.set()
-        self._changed.set()
-
-    def answer(self) -> str:
-        return "".join(self.parts).strip()
-
-    def _preview(self) -> str:
-        # The last line always says the answer is still coming (a tool running, or just working).
-        status = f"_{self.status}_" if self.status else WORKING
-        answer = self.answer()
-        if not answer:
-            return status
-        chunks = split_message(to_mrkdwn(answer), self.settings.max_message_chars - len(status) - 3)
-        return chunks[0] + ("\n…" if len(chunks) > 1 else "") + f"\n{status}"
-
-    def final_messages(self) -> list[str]:
-        """The messages of the finished answer, first one first."""
-        limit = self.settings.max_message_chars
-        answer = self.answer()
-        errors = [f"⚠️ {escape(e)}"[:limit] for e in self.errors]
-        messages = split_message(to_mrkdwn(answer), limit) if answer else []
-        if self.cancelled:
-            ending = "_(cancelled)_"
-            if messages and len(messages[-1]) + len(ending) < limit:
-                messages[-1] += f"\n{ending}"
-            else:
-                messages.append(ending)
-        messages += errors
-        return messages or ["_(no answer)_"]
-
-    async def run(self) -> None:
-        """Post the placeholder, edit it while the answer streams, then post the final messages."""
-        self.ts = await self._post(WORKING)
-        self._shown = WORKING
-        while not self._finished.is_set():
-            await self._changed.wait()
-            self._changed.clear()
-            await self._post_notes()
-            if self._finished.is_set():
-                break
-            await self._edit(self._preview())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._finished.wait(), self.settings.update_interval)
-        await self._post_notes()
-        first, *rest = self.final_messages()
-        if self.ts is None or not await self._edit(first):
-            await self._post(first)
-        for text in rest:
-            await self._post(text)
-
-    async def _post_notes(self) -> None:
-        while self.notes:
-            await self._post(self.notes.pop(0))
-
-    async def _post(self, text: str) -> str | None:
-        try:
-            resp = await asyncio.to_thread(
-                self.web.chat_postMessage,
-                channel=self.channel, thread_ts=self.thread_ts, text=text, unfurl_links=False, unfurl_media=False,
-            )
-        except (SlackClientError, OSError) as exc:
-            logger.warning("chat.postMessage in %s failed: %s", self.channel, _describe(exc))
-            return None
-        self.posted += 1
-        return str(resp.get("ts") or "") or None
-
-    async def _edit(self, text: str) -> bool:
-        if self.ts is None:
-            return False
-        if text == self._shown:
-            return True
-        try:
-            await asyncio.to_thread(self.web.chat_update, channel=self.channel, ts=self.ts, text=text)
-        except (SlackClientError, OSError) as exc:
-            logger.warning("chat.update in %s failed: %s", self.channel, _describe(exc))
-            return False
-        self._shown = text
-        return True
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, SlackApiError):
-        return f"Slack answered {exc.response.get('error', 'an error')!r}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -308,7 +139,7 @@ class SlackPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_client_slack"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: client_classes.SLACK}
+    CLIENT_NAMESPACES = {PREFIX: plugin_api.SLACK}
     DESCRIPTION = "Slack thread bot: Socket Mode in, chat.postMessage out"
     DEPENDENCIES = ["slack-sdk>=3.30", "slackify-markdown>=0.2.4"]
     ENV_VARS = ["SLACK_BOT_TOKEN", "SLACK_APP_TOKEN"]
@@ -342,7 +173,7 @@ class SlackPlugin(BasePlugin):
 
     async def init(self, config: dict[str, Any]) -> bool:
         self.settings = parse_settings(self.PLUGIN_NAME, SlackSettings, config)
-        env = self.rt.config.env
+        env = self.ctx.config.env
         bot_token, app_token = env.get("SLACK_BOT_TOKEN", "").strip(), env.get("SLACK_APP_TOKEN", "").strip()
         if not bot_token.startswith("xoxb-"):
             logger.error("plugin_client_slack: SLACK_BOT_TOKEN must be the app's bot token (xoxb-…), "
@@ -367,8 +198,8 @@ class SlackPlugin(BasePlugin):
             proxy=proxy, logger=logging.getLogger("agent_mcp.slack.socket"),
         )
         self.socket.proxy = proxy
-        if self.rt.gate.desk is not None:
-            self.approvals = SlackApprovals(self.rt, self.web)
+        if self.ctx.gate.desk is not None:
+            self.approvals = SlackApprovals(self.ctx, self.web)
             self._approvals_task = asyncio.create_task(self.approvals.run(), name="slack:approvals")
         self.socket.message_listeners.append(self._on_frame)
         self.socket.socket_mode_request_listeners.append(self._on_request)
@@ -381,8 +212,8 @@ class SlackPlugin(BasePlugin):
             return False
         except OSError as exc:
             logger.warning("plugin_client_slack: cannot reach Slack at %s (%s); retrying in the background",
-                           base_url, _describe(exc))
-            self.problem = f"cannot reach Slack: {_describe(exc)}"
+                           base_url, describe(exc))
+            self.problem = f"cannot reach Slack: {describe(exc)}"
             self._connecting = asyncio.create_task(self._connect_with_retries(), name="slack:connect")
             return True
         except Exception:
@@ -408,7 +239,7 @@ class SlackPlugin(BasePlugin):
 
         def unreachable(retry: RetryCallState) -> None:
             exc = retry.outcome.exception() if retry.outcome else None
-            self.problem = f"cannot reach Slack: {_describe(exc) if exc else 'unknown error'}"
+            self.problem = f"cannot reach Slack: {describe(exc) if exc else 'unknown error'}"
 
         try:
             async for attempt in AsyncRetrying(
@@ -452,7 +283,7 @@ class SlackPlugin(BasePlugin):
         self.problem = "stopped"
 
     def get_config(self) -> dict[str, Any]:
-        env = self.runtime.config.env if self.runtime else {}
+        env = self.context.config.env if self.context else {}
         return {
             "host": self.settings.host,
             "port": self.settings.port,
@@ -491,7 +322,7 @@ class SlackPlugin(BasePlugin):
         try:
             client.send_socket_mode_response(SocketModeResponse(req.envelope_id, payload=payload))
         except Exception as exc:  # the connection is being replaced: Slack delivers the event again
-            logger.warning("slack: could not acknowledge an envelope (%s); it will be redelivered", _describe(exc))
+            logger.warning("slack: could not acknowledge an envelope (%s); it will be redelivered", describe(exc))
         self._call_in_loop(self._dispatch, req.type, req.payload)
 
     def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
@@ -507,7 +338,7 @@ class SlackPlugin(BasePlugin):
         if kind != "events_api" or self.filter is None:
             self._ignore(f"{kind} envelope")
             return
-        if self.rt.values is not None:  # several instances: Slack may deliver a repeat to another one
+        if self.ctx.values is not None:  # several instances: Slack may deliver a repeat to another one
             self._pending_events.add(asyncio.ensure_future(self._dispatch_shared(payload)))
             return
         self._handle(self.filter.accept(payload))
@@ -523,10 +354,10 @@ class SlackPlugin(BasePlugin):
     async def _dispatch_shared(self, payload: dict[str, Any]) -> None:
         """`_dispatch` when instances share a store: a thread is the bot's when its session exists on any
         instance, and an event or message is handled by the first instance that claims it in Redis."""
-        values, event = self.rt.values, payload.get("event") or {}
+        values, event = self.ctx.values, payload.get("event") or {}
         try:
             thread = f"{PREFIX}{event.get('channel')}-{event.get('thread_ts')}"
-            if event.get("thread_ts") and await self.rt.sessions.exists(thread):
+            if event.get("thread_ts") and await self.ctx.sessions.exists(thread):
                 self._shared_threads[thread] = None
                 while len(self._shared_threads) > SEEN_MEMORY:
                     self._shared_threads.popitem(last=False)
@@ -540,7 +371,7 @@ class SlackPlugin(BasePlugin):
                     f"slack-message:{accepted.channel}:{accepted.ts}", "1", DEDUPE_SECONDS, only_new=True):
                 accepted = "message already handled (by another instance)"
             self._handle(accepted)
-        except stores.SessionError as exc:
+        except plugin_api.SessionError as exc:
             logger.error("slack: an event was not handled: %s", exc)
         finally:
             self._pending_events.discard(asyncio.current_task())  # type: ignore[arg-type]
@@ -557,7 +388,7 @@ class SlackPlugin(BasePlugin):
 
     def _is_bot_thread(self, client_id: str) -> bool:
         return (client_id in self._latest or client_id in self._shared_threads
-                or self.rt.sessions.get(client_id) is not None)
+                or self.ctx.sessions.get(client_id) is not None)
 
     def _start_answer(self, msg: InboundMessage) -> None:
         previous = self._latest.get(msg.client_id)
@@ -578,17 +409,17 @@ class SlackPlugin(BasePlugin):
             await asyncio.wait([previous])
         if self._stopping or self.web is None:
             return
-        reply = _Reply(self.web, self.settings, msg.channel, msg.thread_ts)
+        reply = Reply(self.web, self.settings, msg.channel, msg.thread_ts)
         poster = asyncio.create_task(reply.run(), name=f"slack-post:{msg.client_id}")
-        payload = {"default_model": self.settings.default_model, "channel_id": msg.channel,
-                   "thread_ts": msg.thread_ts, "user_id": msg.user, "identity": f"slack:{msg.user}"}
+        asked = self.ctx.request(msg.client_id, msg.text, default_model=self.settings.default_model,
+                                 identity=f"slack:{msg.user}")
         try:
-            async for ev in routes.run_turn(self.rt, msg.client_id, msg.text, payload, cancel_running=False):
+            async for ev in self.ctx.run_turn(asked, cancel_running=False):
                 reply.feed(ev)
         except asyncio.CancelledError:
             poster.cancel()
             raise
-        except sessions.Stopping as exc:  # the server stopped before this message's turn could start
+        except plugin_api.Stopping as exc:  # the server stopped before this message's turn could start
             reply.errors.append(str(exc))
         except Exception as exc:
             logger.exception("slack: request of %s failed", msg.client_id)
@@ -603,8 +434,8 @@ class SlackPlugin(BasePlugin):
 
     # ── HTTP ──
 
-    def _sessions(self) -> list[stores.Session]:
-        return [s for s in self.rt.sessions.all() if s.client_id.startswith(PREFIX)]
+    def _sessions(self) -> list[plugin_api.Session]:
+        return [s for s in self.ctx.sessions.all() if s.client_id.startswith(PREFIX)]
 
     def _connected(self) -> bool:
         return self.socket is not None and self.socket.is_connected()

@@ -23,9 +23,7 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-import client_classes
-import gate
-import turns
+import plugin_api
 from config import ConfigError
 from database import (
     ACCOUNT_VARS,
@@ -37,8 +35,7 @@ from database import (
     run_query,
 )
 from db_results import format_outcome
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
-from registry import ToolError
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, ToolError, parse_settings
 
 logger = logging.getLogger("agent_mcp.mysql")
 
@@ -52,7 +49,7 @@ db_query mode: {mode}"""
 
 
 #: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
-ADMIN_ACCESS = turns.DbAccess("approval", frozenset({(gate.ANY_TABLE, gate.WRITE)}))
+ADMIN_ACCESS = plugin_api.DbAccess("approval", frozenset({(plugin_api.ANY_TABLE, plugin_api.WRITE)}))
 
 
 class MySQLSettings(PluginSettings):
@@ -84,10 +81,10 @@ class MySQLPlugin(BasePlugin):
         self.db: Database | None = None
 
     async def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
+        assert self.context is not None
         limits = parse_settings(self.PLUGIN_NAME, MySQLSettings, config)
-        env = dict(self.runtime.config.env)
-        accounts = read_accounts(self.runtime.config.data_dir() / ACCOUNTS_FILE)
+        env = dict(self.context.config.env)
+        accounts = read_accounts(self.context.config.data_dir() / ACCOUNTS_FILE)
         if accounts:  # made by `agentctl db-setup`: its runner and grantor replace MYSQL_USER/MYSQL_PASS
             env = {**{k: v for k, v in env.items() if k not in ACCOUNT_VARS}, **accounts}
         try:
@@ -121,8 +118,8 @@ class MySQLPlugin(BasePlugin):
     async def db_query(self, sql: str) -> str:
         """Run SQL; a result table with its row count or `OK — rows affected: N`; ToolError when a statement failed
         (with the results of those that ran)."""
-        turn = turns.current_turn()
-        outcome = await run_query(self._database(), sql, turn.db_access if turn else None, self.rt.metrics)
+        turn = plugin_api.current_turn()
+        outcome = await run_query(self._database(), sql, turn.db_access if turn else None, self.ctx.metrics)
         if outcome.error is not None:
             raise ToolError(format_outcome(outcome, marker=""))
         return format_outcome(outcome)
@@ -151,10 +148,10 @@ class MySQLPlugin(BasePlugin):
         return (f"Database (plugin_database_mysql, {where}):\n"
                 "  !db <sql>                   run SQL directly, without the model or a gate (shell / admin API only)")
 
-    async def cmd_db(self, turn: turns.Turn, args: str) -> str:
+    async def cmd_db(self, turn: plugin_api.Turn, args: str) -> str:
         """!db <sql> — run SQL directly (privileged: no gate)."""
-        if not client_classes.may_administer(turn):
-            return client_classes.refusal("!db", turn)
+        if not plugin_api.may_administer(turn):
+            return plugin_api.refusal("!db", turn)
         db = self._database()
         if not args.strip():
             return DB_USAGE.format(where=db.settings.where(), mode=db.describe_mode())

@@ -19,9 +19,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import client_classes
-import turns
-from plugin_loader import BasePlugin, PluginSettings, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, PluginSettings, parse_settings
 from plugins._mcp_servers import (
     McpTool,
     _args_model,
@@ -65,11 +64,11 @@ class McpClientPlugin(BasePlugin):
         self.changed = asyncio.Event()
 
     async def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
+        assert self.context is not None
         parse_settings(
             self.PLUGIN_NAME, PluginSettings, config
         )  # no settings but `enabled` (servers: mcp-servers.json)
-        app = self.runtime.config
+        app = self.context.config
         self.config_file = app.path(MCP_SERVERS_FILE)
         servers = load_servers(self.config_file)
         for name, spec in servers.servers.items():
@@ -83,13 +82,13 @@ class McpClientPlugin(BasePlugin):
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))
 
-    async def _elicitation(self, conn: Connection, exposed: str, turn: turns.Turn | None,
+    async def _elicitation(self, conn: Connection, exposed: str, turn: plugin_api.Turn | None,
                            params: types.ElicitRequestParams) -> types.ElicitResult:
         """A server's question during a tool call: asked as a gate of the calling turn (plugins/_mcp_asks.py)."""
         from plugins import _mcp_asks
-        assert self.runtime is not None
-        with turns.running(turn):  # what it tells the session belongs to the turn (its client's stream)
-            return await _mcp_asks.ask(self.runtime, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
+        assert self.context is not None
+        with plugin_api.running(turn):  # what it tells the session belongs to the turn (its client's stream)
+            return await _mcp_asks.ask(self.context, conn.name, exposed or f"{conn.name} (a tool)", turn, params,
                                        max(1.0, conn.spec.call_timeout - 5))
 
     # ── tools ──
@@ -110,8 +109,8 @@ class McpClientPlugin(BasePlugin):
 
     def _collect(self) -> tuple[list[McpTool], dict[str, dict[str, Any]]]:
         """Every server's tools and their gates; a name already taken is skipped and remembered."""
-        assert self.runtime is not None
-        registry = self.runtime.tools
+        assert self.context is not None
+        registry = self.context.tools
         tools: list[McpTool] = []
         gates: dict[str, dict[str, Any]] = {}
         routes: dict[str, tuple[str, str]] = {}
@@ -146,15 +145,13 @@ class McpClientPlugin(BasePlugin):
 
     def _server_changed(self, conn: Connection) -> None:
         """A server connected, failed, died or changed its tools: update /health and the registry."""
-        assert self.runtime is not None
-        report = self.runtime.plugins.reports.get(self.PLUGIN_NAME) if self.runtime.plugins else None
-        if report is not None:
-            report.reasons = [f"MCP server '{c.name}' {c.status}: {c.error}"
-                              for c in self.servers.values() if c.error and c.status != "connected"]
+        assert self.context is not None
+        self.context.report_problems([f"MCP server '{c.name}' {c.status}: {c.error}"
+                                      for c in self.servers.values() if c.error and c.status != "connected"])
         if self.enabled and conn.status == "connected":  # registered: keep the registry in step
             tools, gates = self._collect()
             try:
-                self.runtime.tools.replace_plugin_tools(self.PLUGIN_NAME, {"lc": tools}, gates)
+                self.context.tools.replace_plugin_tools(self.PLUGIN_NAME, {"lc": tools}, gates)
             except Exception:
                 logger.exception("MCP server %s: its new tool list could not be registered", conn.name)
         self.changed.set()
@@ -170,12 +167,12 @@ class McpClientPlugin(BasePlugin):
                 "  !mcp                        list MCP servers, their status and tools\n"
                 "  !mcp reconnect <server>     restart one server's connection")
 
-    async def cmd_mcp(self, turn: turns.Turn, args: str) -> str:
+    async def cmd_mcp(self, turn: plugin_api.Turn, args: str) -> str:
         """!mcp [reconnect <server>] — the MCP servers, their status and their tools."""
         words = args.split()
-        admin = client_classes.may_administer(turn)
+        admin = plugin_api.may_administer(turn)
         if words and words[0] == "reconnect" and not admin:
-            return client_classes.refusal("!mcp reconnect", turn)
+            return plugin_api.refusal("!mcp reconnect", turn)
         if words and words[0] == "reconnect":
             if len(words) != 2 or words[1] not in self.servers:
                 return f"Use: !mcp reconnect <server>  (servers: {', '.join(self.servers) or 'none'})"
@@ -196,7 +193,7 @@ class McpClientPlugin(BasePlugin):
         by_server: dict[str, list[str]] = {}
         for exposed, (server, _) in self._routes.items():
             by_server.setdefault(server, []).append(exposed)
-        assert self.runtime is not None
+        assert self.context is not None
         for conn in self.servers.values():
             flags = ", ".join(filter(None, [f"protocol {conn.protocol}" if conn.protocol else "",
                                             "trusted" if conn.spec.trusted else ""]))
@@ -205,7 +202,7 @@ class McpClientPlugin(BasePlugin):
             if conn.error:
                 lines.append(f"    why: {conn.error}" if admin else "    why: see !mcp in the shell (operators only)")
             for exposed in by_server.get(conn.name, []):
-                entry = self.runtime.tools.entry(exposed)
+                entry = self.context.tools.entry(exposed)
                 op = entry.gate.get("operation", "?") if entry else "not registered"
                 desc = entry.tool.description.splitlines()[0] if entry and entry.tool.description else ""
                 lines.append(f"    {exposed:<30} {op:<6} {desc}")

@@ -31,11 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-import client_classes
 import guard
-import routes
-from events import Event
-from plugin_loader import BasePlugin, parse_settings
+import plugin_api
+from plugin_api import BasePlugin, parse_settings
 from plugins import _http
 from plugins._conversations import ConversationIndex, Turn, fingerprint, seed
 from plugins._proxy_identity import Caller, Identities, IdentityError, IdentitySettings, config_extra
@@ -102,7 +100,7 @@ class LlamaProxyPlugin(BasePlugin):
     PLUGIN_NAME = "plugin_proxy_llama"
     PLUGIN_VERSION = "1.0.0"
     PLUGIN_TYPE = "client_interface"
-    CLIENT_NAMESPACES = {PREFIX: client_classes.PROXY}
+    CLIENT_NAMESPACES = {PREFIX: plugin_api.PROXY}
     DESCRIPTION = "Ollama- and OpenAI-compatible proxy (open-webui, Enchanted, LM Studio, SDKs)"
     DEPENDENCIES = ["sse-starlette"]
 
@@ -121,18 +119,18 @@ class LlamaProxyPlugin(BasePlugin):
 
     @functools.cached_property
     def conversations(self) -> ConversationIndex:
-        return ConversationIndex(self.rt.sessions, PREFIX, self.rt.values)
+        return ConversationIndex(self.ctx.sessions, PREFIX, self.ctx.values)
 
     @functools.cached_property
     def identities(self) -> Identities:
-        env = self.runtime.config.env if self.runtime else {}
+        env = self.context.config.env if self.context else {}
         return Identities(self.cfg, env.get(self.cfg.token_env) or None)
 
     def shutdown(self) -> None:
         """Nothing to release: every request's turn ends with its connection."""
 
     def get_config(self) -> dict[str, Any]:
-        env = self.runtime.config.env if self.runtime else {}
+        env = self.context.config.env if self.context else {}
         return {"host": self.cfg.host, "port": self.cfg.port, "name": "Ollama/OpenAI proxy",
                 "token": env.get(self.cfg.token_env) or None, "allowed_hosts": self.cfg.allowed_hosts,
                 "allowed_origins": self.cfg.allowed_origins, **config_extra(self.identities)}
@@ -215,7 +213,7 @@ class LlamaProxyPlugin(BasePlugin):
     def model_names(self) -> dict[str, str | None]:
         """Listed name → registry key for that model, or None for the agent on the session's model."""
         names: dict[str, str | None] = {tagged(self.cfg.model_name): None}
-        for key in self.rt.config.models:
+        for key in self.ctx.config.models:
             names.setdefault(tagged(key), key)
         return names
 
@@ -255,7 +253,7 @@ class LlamaProxyPlugin(BasePlugin):
     async def show(self, request: Request) -> Response:
         body = await read_body(request, OllamaShow)
         name, key = self._resolve(body.model or body.name)
-        registry = self.rt.config.models.get(key or self.rt.config.default_model)
+        registry = self.ctx.config.models.get(key or self.ctx.config.default_model)
         about = f"agent-mcp on {key}" if key else "agent-mcp on the session's model (!model to switch)"
         return JSONResponse({
             "modelfile": f"# {about}" + (f": {registry.description}" if key and registry else ""),
@@ -318,25 +316,24 @@ class LlamaProxyPlugin(BasePlugin):
                 return f"{PREFIX}{caller.slug}"
         return None
 
-    async def _session_of(self, request: Request, transcript: list[Turn]) -> tuple[str, str | None]:
-        """(client id, scope) of the session this request continues or starts; the scope is None when
-        the session is not told by the transcript (forwarded headers, `sessions_by: "address"`)."""
+    async def _session_of(self, request: Request, transcript: list[Turn]
+                          ) -> tuple[str, str | None, tuple[dict[str, Any], ...]]:
+        """(client id, scope, history) of the session this request continues or starts; the scope is None
+        when the session is not told by the transcript (forwarded headers, `sessions_by: "address"`); the
+        history is what a session started now begins with (the client's earlier turns)."""
         by_header = self._by_header(request)
         if by_header is not None or self.cfg.sessions_by == "address":
-            self.rt.metrics.proxy_conversation("header" if by_header is not None else "address")
-            return by_header or self._address(request), None
+            self.ctx.metrics.proxy_conversation("header" if by_header is not None else "address")
+            return by_header or self._address(request), None, ()
         scope, prior = self._caller(request).scope, transcript[:-1]
         client_id = await self.conversations.claim(fingerprint(scope, prior)) if prior else None
-        self.rt.metrics.proxy_conversation("new" if client_id is None else "matched")
-        if client_id is None:
-            client_id = f"{PREFIX}{uuid.uuid4().hex[:16]}"
-            session, _ = self.rt.sessions.get_or_add(client_id, self.rt.config.default_model, client_classes.PROXY)
-            session.history = seed(prior)
-            await self.rt.sessions.save(session)
-        return client_id, scope
+        self.ctx.metrics.proxy_conversation("new" if client_id is None else "matched")
+        if client_id is None:  # the request creates the session, with the conversation so far
+            return f"{PREFIX}{uuid.uuid4().hex[:16]}", scope, tuple(seed(prior))
+        return client_id, scope, ()
 
-    async def _then_remember(self, events: AsyncIterator[Event], out: Output, client_id: str, scope: str,
-                             transcript: list[Turn]) -> AsyncIterator[Event]:
+    async def _then_remember(self, events: AsyncIterator[plugin_api.Event], out: Output, client_id: str, scope: str,
+                             transcript: list[Turn]) -> AsyncIterator[plugin_api.Event]:
         """`events`, remembering the transcript the client will send back next when the turn ends well:
         before its `done` is passed on, so the client cannot send it before it is known (and stored)."""
         async with contextlib.aclosing(events):
@@ -346,7 +343,8 @@ class LlamaProxyPlugin(BasePlugin):
                     await self.conversations.remember(client_id, fingerprint(scope, [*transcript, answer]))
                 yield ev
 
-    async def _then_forget(self, events: AsyncIterator[Event], client_id: str) -> AsyncIterator[Event]:
+    async def _then_forget(self, events: AsyncIterator[plugin_api.Event], client_id: str
+                           ) -> AsyncIterator[plugin_api.Event]:
         """`events`; then, once the request has ended, the throwaway session is deleted."""
         try:
             async for ev in events:
@@ -354,7 +352,7 @@ class LlamaProxyPlugin(BasePlugin):
         finally:
             await events.aclose()
             # A request cut short is cancelled and cleaned up first; nobody else follows the id: no notice.
-            await routes.delete_session(self.rt, client_id, remember=False, announce=False)
+            await self.ctx.delete_session(client_id, remember=False, announce=False)
 
     async def _answer(self, request: Request, fmt: Ollama | OpenAI, transcript: list[Turn], key: str | None,
                       stream: bool) -> Response:
@@ -366,15 +364,15 @@ class LlamaProxyPlugin(BasePlugin):
             raise ProxyError(413, f"the message is {len(text)} characters; the limit is {MAX_PROMPT}")
         out = Output(self.cfg.status_lines, text)
         # Rate limits follow who is asking, proven, not the session (a new chat is a new session).
-        payload: dict[str, Any] = {"identity": f"proxy:{self._caller(request).identity}"}
-        if key:
-            payload["model"] = key
+        identity = f"proxy:{self._caller(request).identity}"
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
             client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
-            events = self._then_forget(routes.run_turn(self.rt, client_id, text, payload), client_id)
+            asked = self.ctx.request(client_id, text, model=key, identity=identity)
+            events = self._then_forget(self.ctx.run_turn(asked), client_id)
         else:
-            client_id, scope = await self._session_of(request, transcript)
-            events = routes.run_turn(self.rt, client_id, text, payload)
+            client_id, scope, history = await self._session_of(request, transcript)
+            asked = self.ctx.request(client_id, text, model=key, identity=identity, history=history)
+            events = self.ctx.run_turn(asked)
             if scope is not None:
                 events = self._then_remember(events, out, client_id, scope, transcript)
         events = TurnPump(events, out, self._pumps)  # a gate waiting for approvers outlives a client that left

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
-from plugin_loader import BasePlugin, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginSettings, parse_settings
 
 if TYPE_CHECKING:
     from ddgs import DDGS

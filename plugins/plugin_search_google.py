@@ -17,7 +17,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 from failures import Service, describe, failure
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.google_search")
 
@@ -100,8 +100,8 @@ class GoogleSearchPlugin(BasePlugin):
         self.client: genai.Client | None = None
 
     def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
-        env = self.runtime.config.env
+        assert self.context is not None
+        env = self.context.config.env
         self.settings = parse_settings(self.PLUGIN_NAME, GoogleSearchSettings, config,
                                        {"base_url": env.get("GOOGLE_GEMINI_BASE_URL")})
         key = env.get("GEMINI_API_KEY")

@@ -17,7 +17,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 from failures import Service, describe
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.xai_search")
 
@@ -119,8 +119,8 @@ class XaiSearchPlugin(BasePlugin):
         self.client: openai.AsyncOpenAI | None = None
 
     def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
-        env = self.runtime.config.env
+        assert self.context is not None
+        env = self.context.config.env
         self.settings = parse_settings(self.PLUGIN_NAME, XaiSettings, config, {"base_url": env.get("XAI_BASE_URL")})
         key = env.get("XAI_API_KEY")
         if not key:

@@ -36,7 +36,7 @@ from langchain_core.tools import StructuredTool
 from pydantic import BaseModel, Field
 
 from failures import Service, describe, failure
-from plugin_loader import BasePlugin, PluginConfigError, PluginSettings, parse_settings
+from plugin_api import BasePlugin, PluginConfigError, PluginSettings, parse_settings
 
 logger = logging.getLogger("agent_mcp.plugins.google_drive")
 
@@ -420,8 +420,8 @@ class GoogleDrivePlugin(BasePlugin):
         self.drive: DriveFolder | None = None
 
     def init(self, config: dict[str, Any]) -> bool:
-        assert self.runtime is not None
-        env = self.runtime.config.env
+        assert self.context is not None
+        env = self.context.config.env
         self.settings = parse_settings(self.PLUGIN_NAME, DriveSettings, config,
                                        {"base_url": env.get("DRIVE_BASE_URL"), "ca_bundle": env.get("DRIVE_CA_BUNDLE")})
         folder_id = (env.get("FOLDER_ID") or "").strip()
@@ -430,7 +430,7 @@ class GoogleDrivePlugin(BasePlugin):
                                     "(the last part of the folder's URL)")
         if self.settings.ca_bundle and not Path(self.settings.ca_bundle).is_file():
             raise PluginConfigError(f"ca_bundle {self.settings.ca_bundle} is not a file")
-        creds = load_credentials(self.runtime.config.config_dir, self.settings.subject)
+        creds = load_credentials(self.context.config.config_dir, self.settings.subject)
         options = {"api_endpoint": self.settings.base_url} if self.settings.base_url else None
         # Static discovery: the Drive v3 document ships with the library, so building makes no request.
         service = build("drive", "v3", credentials=creds, client_options=options, static_discovery=True,

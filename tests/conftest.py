@@ -82,7 +82,7 @@ def gemini_model(backend: FakeGemini, **extra: Any) -> dict[str, Any]:
 ONE_TOOL_PLUGIN = textwrap.dedent('''
     from langchain_core.tools import StructuredTool
     from pydantic import BaseModel, Field
-    from plugin_loader import BasePlugin
+    from plugin_api import BasePlugin
 
 
     class _Args(BaseModel):

@@ -13,7 +13,8 @@ import build
 import state
 import stores
 from config import load_config
-from plugin_loader import BasePlugin, PluginReport
+from plugin_api import BasePlugin
+from plugin_loader import PluginReport
 from registry import ToolError
 from tests.conftest import ConfigDir
 

@@ -49,9 +49,19 @@ def shell_payload(rt: state.Runtime, client_id: str, payload: dict[str, Any] | N
     return payload
 
 
+def ask(rt: state.Runtime, client_id: str, text: str, payload: dict[str, Any] | None = None) -> routes.Request:
+    """The typed request a client plugin would build for `client_id`, the test standing in for the plugin that
+    owns the id's namespace (its class; the shell's when `payload` says `interactive`); `payload` keys are
+    the request's fields (model, default_model, admin, interactive, identity)."""
+    payload = payload or {}
+    owner = client_classes.client_class(client_id, rt.client_namespaces)
+    kind = client_classes.SHELL if payload.get("interactive") is True else owner
+    return routes.Request(client_id, kind, text, **payload)
+
+
 def request_turn(rt: state.Runtime, client_id: str) -> turns.Turn:
     """The turn a request of `client_id` runs as (a bare id: a vouched shell.py request), with its session."""
-    turn = client_classes.new_turn(rt.client_namespaces, client_id, shell_payload(rt, client_id, None))
+    turn = ask(rt, client_id, "", shell_payload(rt, client_id, None)).turn()
     turn.session = rt.sessions.get(client_id)
     return turn
 
@@ -67,10 +77,7 @@ async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, 
     """One tool call through tool_calls.execute_tool, as the request `as_request` set up for `client_id`, else
     as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
     current = turns.current_turn()
-    if current is not None and current.client_id == client_id:
-        turn = current
-    else:
-        turn = client_classes.new_turn(rt.client_namespaces, client_id)
+    turn = current if current is not None and current.client_id == client_id else ask(rt, client_id, "").turn()
     turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
     return (await tool_calls.execute_tool(rt, turn, name, args)).text
 
@@ -138,7 +145,7 @@ async def turn(rt: state.Runtime, text: str, client_id: str = "c1", payload: dic
                answer: str | None = None) -> tuple[str, list[Event]]:
     """Submit and collect the events up to the turn's `done`, answering gates with `answer` if given."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    await routes.submit(rt, client_id, text, shell_payload(rt, client_id, payload))
+    await routes.submit(rt, ask(rt, client_id, text, shell_payload(rt, client_id, payload)))
     events = []
     async for ev in sub:
         events.append(ev)

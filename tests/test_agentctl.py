@@ -27,7 +27,7 @@ SHELLPY = "plugin_client_shellpy"
 KEYS = ("OPENAI_API_KEY", "XAI_API_KEY", "GEMINI_API_KEY", "SLACK_BOT_TOKEN", "SLACK_APP_TOKEN", "AGENTCTL_TEST_KEY")
 
 READY_PLUGIN = '''
-from plugin_loader import BasePlugin
+from plugin_api import BasePlugin
 
 class P(BasePlugin):
     PLUGIN_NAME = "{name}"

@@ -13,6 +13,7 @@ import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,9 +24,16 @@ from tests.conftest import ROOT
 CORE = ("decisions", "config", "secret_files", "sql", "sql_shape", "guard", "failures", "metrics", "tracing",
         "chat_openai", "text_calls", "prompt", "registry", "stores", "sessions", "turns", "events", "shared_link",
         "shared_store", "shared_events", "shared_gates", "shared_values", "grants", "audit_log", "approvals", "budget",
-        "client_classes", "gate_policy", "gate", "rate_limits", "state", "gate_commands", "plugin_loader", "api_client",
+        "client_classes", "gate_policy", "gate", "rate_limits", "state", "gate_commands", "plugin_checks", "api_client",
         "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles", "db_results", "database", "routes",
-        "commands", "build")
+        "plugin_api", "plugin_loader", "commands", "build")
+#: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
+#: formats that hold no runtime (decision words, approver and audit records, gate-policy changes, settings and
+#: secret files, failure texts, listener settings, the database library and its results). Everything else of
+#: the server a plugin reaches through its PluginContext.
+PLUGIN_SURFACE = ("plugin_api",)
+LIBRARIES = ("decisions", "config", "secret_files", "failures", "guard", "grants", "approvals", "audit_chain",
+             "gate_policy", "database", "db_results")
 
 #: Imports for type annotations that still point up a layer, to be removed (issue 30 item 4): the runtime type
 #: (state.Runtime) is annotated with the plugin loader, which takes the whole runtime itself (plugins get it as
@@ -147,3 +155,31 @@ def imported_alone() -> dict[str, str]:
 @pytest.mark.parametrize("module", CORE)
 def test_each_core_module_imports_alone(module: str, imported_alone: dict[str, str]) -> None:
     assert imported_alone[module] == "", imported_alone[module]
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every top-level name `path` imports, at any depth (functions, TYPE_CHECKING blocks included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "plugins").glob("*.py")), ids=lambda p: p.name)
+def test_a_plugin_imports_of_the_core_only_the_plugin_surface(path: Path) -> None:
+    core = {p.stem for p in ROOT.glob("*.py")}
+    outside = _all_imports(path) & core - set(PLUGIN_SURFACE) - set(LIBRARIES)
+    assert not outside, (f"plugins/{path.name} imports {', '.join(sorted(outside))}: a plugin reaches the server "
+                         "through plugin_api (its PluginContext, self.ctx) only")
+
+
+def test_every_member_of_the_plugin_context_is_documented_in_writing_a_plugin() -> None:
+    import plugin_api
+
+    documented = (ROOT / "docs" / "plugins.md").read_text()
+    context = [n for n in vars(plugin_api.PluginContext) if not n.startswith("_")]
+    missing = [n for n in context if f"`{n}" not in documented]
+    assert not missing, f"docs/plugins.md does not document PluginContext.{', '.join(missing)}"

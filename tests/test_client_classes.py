@@ -28,11 +28,10 @@ from config import DEFAULTS_DIR, load_config
 from events import Event
 from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import hang, text, tool_call
-from tests.runtime import Recorder, add_plugin_tools
+from tests.runtime import Recorder, add_plugin_tools, ask
 
 ACME = textwrap.dedent('''
-    import routes
-    from plugin_loader import BasePlugin
+    from plugin_api import BasePlugin
     from starlette.routing import Route
 
 
@@ -51,8 +50,9 @@ ACME = textwrap.dedent('''
             return [Route("/", lambda request: None)]
 
         async def ask(self, client_id, text):
-            """What a plugin of the spec does: hand the text to process_request, no payload."""
-            await routes.process_request(client_id, text, rt=self.rt)
+            """What a plugin of the spec does: hand its typed request to process_request; `ctx.request` states
+            the class its own namespaces declare (none: the least privilege)."""
+            await self.ctx.process_request(self.ctx.request(client_id, text))
 ''')
 
 
@@ -132,7 +132,7 @@ async def test_only_a_vouched_shell_request_skips_gates_with_at_model(acme, fake
     rt, _ = acme
     for payload, ran in ((None, False), ({"admin": True}, False), ({"interactive": True}, True)):
         fake_openai.script(tool_call("web_search", {"query": json.dumps(payload)}), text("done"))
-        answer = await routes.wait_turn(rt, "c1", "@fake search please", payload, 30)
+        answer = await routes.wait_turn(rt, ask(rt, "c1", "@fake search please", payload), 30)
         assert answer["status"] == "complete"
         assert bool(rt.recorder.calls) == ran, payload
     assert [c[1]["query"] for c in rt.recorder.calls] == ['{"interactive": true}']

@@ -24,7 +24,6 @@ import pymysql
 import pytest
 
 import agentctl
-import client_classes
 import database
 import db_roles
 import gate
@@ -33,7 +32,7 @@ import turns
 from config import DEFAULTS_DIR
 from database import Database, DatabaseSettings, query_text, read_accounts
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
-from tests.runtime import SHIPPED_NAMESPACES, execute, with_events
+from tests.runtime import SHIPPED_NAMESPACES, ask, execute, with_events
 from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
 from tests.sql_cases import SQL_CORPUS
 
@@ -441,8 +440,7 @@ async def test_start_up_says_in_one_line_why_an_account_cannot_be_limited(
         async with plugin_runtime(tmp_path / "classic", {PLUGIN: {}}, fx.env(enforced=False)) as rt:
             mysql = plugin(rt, PLUGIN)
             assert mysql.db.mode == database.CLASSIFIER_ONLY
-            admin = client_classes.new_turn(rt.client_namespaces, "admin", {"interactive": True})
-            status = await mysql.cmd_db(admin, "")
+            status = await mysql.cmd_db(ask(rt, "admin", "", {"interactive": True}).turn(), "")
             assert "classifier only" in status and "agentctl db-setup" in status
             sql = "SELECT COUNT(*) FROM information_schema.tables"
             text = await execute(rt, PROXY_CLIENT, "db_query", {"sql": sql})

@@ -24,6 +24,7 @@ from tests.runtime import (
     Recorder,
     add_plugin_tools,
     as_request,
+    ask,
     execute,
     runtime,
     turn,
@@ -42,9 +43,9 @@ async def test_client_classes_come_from_the_namespaces_plugins_declare(tmp_path,
         classes = {kind: client_classes.client_class(cid, spaces) for kind, cid in CLIENTS.items()}
         # A bare id belongs to no plugin: only the shell endpoint's vouching makes a request the shell's.
         assert classes == {**{k: k for k in CLIENTS}, "shell": client_classes.UNKNOWN}
-        assert client_classes.request_class(spaces, CLIENTS["shell"], {"interactive": True}) == client_classes.SHELL
+        assert ask(rt, CLIENTS["shell"], "", {"interactive": True}).turn().kind == client_classes.SHELL
         # the shell acts anywhere
-        assert client_classes.request_class(spaces, "api-x", {"interactive": True}) == client_classes.SHELL
+        assert ask(rt, "api-x", "", {"interactive": True}).turn().kind == client_classes.SHELL
         rt.client_namespaces.clear()  # no plugin loaded: nobody vouches for any id
         assert {client_classes.client_class(cid, spaces) for cid in CLIENTS.values()} == {client_classes.UNKNOWN}
 
@@ -233,7 +234,7 @@ async def test_a_new_submit_cancels_a_waiting_gate_and_cleans_it(grt, fake_opena
     grt.gate.timeout = 30
     fake_openai.script(tool_call("web_search", {"query": "q"}))
     sub = grt.hub.subscribe("c1", grt.hub.last_id("c1"))
-    await routes.submit(grt, "c1", "search something", {"interactive": True})
+    await routes.submit(grt, ask(grt, "c1", "search something", {"interactive": True}))
     async for ev in sub:
         if ev.name == "gate":
             break

@@ -127,7 +127,7 @@ def test_a_proxy_with_user_keys_refuses_every_request_without_one(keyed):
 
 
 def test_bad_identity_settings_are_refused_with_the_field_named(tmp_path):
-    from plugin_loader import PluginConfigError
+    from plugin_api import PluginConfigError
     from plugins.plugin_proxy_llama import LlamaProxyPlugin
 
     for settings, words in (({"user_keys": {ALICE: "alice"}}, "sha256:"),

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-import client_classes
 import gate_commands
 import shared_store
 import state
 import tool_calls
 import turns
-from tests.runtime import Recorder, add_plugin_tools, runtime
+from tests.runtime import Recorder, add_plugin_tools, ask, runtime
 
 MODELS = {"m": {"model_id": "x", "type": "OPENAI", "host": "http://127.0.0.1:9/v1", "env_key": None}}
 LIMITS = {"vault": {"calls": 2, "window_seconds": 600, "auto_disable": False},
@@ -38,7 +37,7 @@ def _tools(rt: state.Runtime) -> Recorder:
 
 async def _call(rt: state.Runtime, client_id: str, identity: str | None, tool: str) -> str:
     """One tool call as a request of `client_id` from the proxy or API, proven to be `identity`."""
-    turn = client_classes.new_turn(rt.client_namespaces, client_id, {"identity": identity} if identity else None)
+    turn = ask(rt, client_id, "", {"identity": identity} if identity else None).turn()
     session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
     turn = dataclasses.replace(turn, session=session)
     with turns.running(turn):
@@ -96,7 +95,7 @@ async def test_only_an_operator_lifts_an_auto_disable(tmp_path: Path, payload: d
         await _call(rt, "llama-alice-1", "proxy:alice", "probe_get")
         assert (await _call(rt, "llama-alice-2", "proxy:alice", "probe_get")).startswith("RATE LIMIT")
         client_id = "llama-alice-3" if not may else "me"
-        turn = client_classes.new_turn(rt.client_namespaces, client_id, payload)
+        turn = ask(rt, client_id, "", payload).turn()
         turn.session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
         answer = await gate_commands.cmd_ratelimit(rt, turn, "enable probe proxy|proxy:alice")
         if may:

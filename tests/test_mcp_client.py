@@ -27,7 +27,7 @@ from config import ConfigError, load_config
 from registry import ToolError
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
-from tests.runtime import execute, shell_payload
+from tests.runtime import ask, execute, shell_payload
 from tests.turns import answer, run_turn
 
 PLUGIN = "plugin_mcp_client"
@@ -237,7 +237,7 @@ async def test_stdio_tools_become_registry_tools_with_the_servers_schema_and_gat
         text("all done"),
     )
     sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
-    await routes.submit(rt, "c1", "use the tools", {"interactive": True})
+    await routes.submit(rt, ask(rt, "c1", "use the tools", {"interactive": True}))
     async for ev in sub:
         if ev.name == "done":
             break
@@ -282,7 +282,8 @@ async def test_streamable_http_server_with_a_token_from_the_environment(make_rt,
 
 
 async def routes_command(rt: state.Runtime, line: str) -> str:
-    events = [ev async for ev in routes.run_turn(rt, "c1", line, shell_payload(rt, "c1", None))]  # as the shell
+    asked = ask(rt, "c1", line, shell_payload(rt, "c1", None))  # as the shell
+    events = [ev async for ev in routes.run_turn(rt, asked)]
     return "".join(e.data.get("text", "") for e in events if e.name == "tok")
 
 

@@ -31,6 +31,7 @@ from shell_client import ShellClient
 from shell_ui import gate_panel
 from tests.conftest import ConfigDir, openai_model
 from tests.fakes.backend import text, tool_call
+from tests.runtime import ask
 from tests.test_gate_e2e import tool_results
 from tests.test_mcp_client import (
     make_rt,  # noqa: F401  (a fixture)
@@ -112,7 +113,7 @@ async def test_with_nobody_to_ask_the_question_is_declined(make_rt, fake_openai,
     fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
     client_id = "nobody-1"  # no plugin vouches for this id: its class cannot answer gates
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    await routes.submit(rt, client_id, "book Hamlet", {})
+    await routes.submit(rt, ask(rt, client_id, "book Hamlet", {}))
     statuses: list[str] = []
     async with asyncio.timeout(WAIT):
         async for ev in sub:
@@ -157,7 +158,7 @@ async def test_a_question_routed_to_approvers_is_answered_by_a_shell_approver_wi
         fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Booked."))
         client_id = "nobody-2"
         sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-        await routes.submit(rt, client_id, "book Hamlet", {})
+        await routes.submit(rt, ask(rt, client_id, "book Hamlet", {}))
         async with asyncio.timeout(WAIT):
             opened = await anext(aiter(feed))
         asked = opened.gate

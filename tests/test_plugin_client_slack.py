@@ -22,7 +22,7 @@ import shared_store
 import state
 import stores
 from config import DEFAULTS_DIR, GatePermission, load_config
-from plugin_loader import BasePlugin
+from plugin_api import BasePlugin
 from plugins._slack_text import split_message, to_mrkdwn
 from tests.conftest import ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, text, tool_call

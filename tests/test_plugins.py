@@ -16,7 +16,7 @@ from tests.turns import answer, run_turn
 GOOD = textwrap.dedent('''
     from langchain_core.tools import StructuredTool
     from pydantic import BaseModel, Field
-    from plugin_loader import BasePlugin
+    from plugin_api import BasePlugin
 
 
     class _Args(BaseModel):
@@ -52,7 +52,7 @@ GOOD = textwrap.dedent('''
 ''')
 
 FAILS_IN_INIT = textwrap.dedent('''
-    from plugin_loader import BasePlugin
+    from plugin_api import BasePlugin
 
     class Boom(BasePlugin):
         PLUGIN_NAME = "plugin_test_boom"

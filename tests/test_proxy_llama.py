@@ -27,7 +27,7 @@ from langchain_ollama import ChatOllama
 from langchain_ollama._utils import validate_model
 from langchain_openai import ChatOpenAI
 
-from plugin_loader import PluginConfigError
+from plugin_api import PluginConfigError
 from plugins._proxy_identity import key_digest
 from plugins.plugin_proxy_llama import LlamaProxyPlugin
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import build
+import plugin_api
 import plugin_loader
 import routes
 import sessions
@@ -21,7 +22,7 @@ from config import load_config
 from events import Event
 from tests.conftest import ConfigDir, gemini_model, openai_model
 from tests.fakes.backend import error, hang, malformed, text, tool_call
-from tests.runtime import SHIPPED_NAMESPACES, entry, shell_payload
+from tests.runtime import SHIPPED_NAMESPACES, ask, entry, shell_payload
 from tests.waiting import until
 
 
@@ -45,7 +46,7 @@ async def rt(tmp_path, fake_openai, fake_gemini):
 async def turn(rt: state.Runtime, text_: str, client_id: str = "c1") -> tuple[str, list[Event]]:
     """Submit and collect this client's events up to the turn's `done`: (answer text, events)."""
     sub = rt.hub.subscribe(client_id, rt.hub.last_id(client_id))
-    await routes.submit(rt, client_id, text_, shell_payload(rt, client_id, None))
+    await routes.submit(rt, ask(rt, client_id, text_, shell_payload(rt, client_id, None)))
     events = []
     async for ev in sub:
         events.append(ev)
@@ -183,7 +184,7 @@ async def test_new_submit_cancels_the_running_turn_cleanly(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("partial ", "never finished", hold=hold))
     sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
-    await routes.submit(rt, "c1", "slow question")
+    await routes.submit(rt, ask(rt, "c1", "slow question"))
     assert [(await anext(sub)).data["text"] for _ in range(2)] == ["slow question", "partial "]  # its echo first
     out, events = await turn(rt, "quick question")
     hold.set()
@@ -207,7 +208,7 @@ async def test_plugin_command_signature_and_conflicts(rt):
     async def who(turn: turns.Turn, args: str) -> str:
         return f"{turn.client_id} asked {args}"
 
-    class Commands(plugin_loader.BasePlugin):
+    class Commands(plugin_api.BasePlugin):
         PLUGIN_TYPE = "data_tool"
 
         def __init__(self, name: str, commands: dict) -> None:
@@ -256,8 +257,8 @@ def _queued(session: stores.Session) -> int:
 async def test_run_turn_queues_requests_on_one_session_each_with_its_own_answer(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("first ", "answer", hold=hold))
-    first = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "one")))
-    second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "two")))
+    first = asyncio.create_task(_collect(routes.run_turn(rt, ask(rt, "c1", "one"))))
+    second = asyncio.create_task(_collect(routes.run_turn(rt, ask(rt, "c1", "two"))))
     await until(lambda: bool(fake_openai.requests), "the first request at the model")  # its client is built first
     session = rt.sessions.get("c1")
     assert session is not None
@@ -275,7 +276,7 @@ async def test_run_turn_queues_requests_on_one_session_each_with_its_own_answer(
 async def test_run_turn_cancels_its_request_when_the_caller_leaves(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("partial ", "rest", hold=hold))
-    events = routes.run_turn(rt, "c1", "slow")
+    events = routes.run_turn(rt, ask(rt, "c1", "slow"))
     assert [(await anext(events)).data["text"] for _ in range(2)] == ["slow", "partial "]
     (task,) = rt.active_tasks["c1"]
     await events.aclose()  # cancels the request, which the held model answer cannot outrun
@@ -290,9 +291,9 @@ async def test_run_turn_cancels_its_request_when_the_caller_leaves(rt, fake_open
 async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("partial ", "rest", hold=hold))
-    events = routes.run_turn(rt, "c1", "slow")
+    events = routes.run_turn(rt, ask(rt, "c1", "slow"))
     assert [(await anext(events)).data["text"] for _ in range(2)] == ["slow", "partial "]
-    await routes.submit(rt, "c1", "replacement")
+    await routes.submit(rt, ask(rt, "c1", "replacement"))
     last = [ev async for ev in events][-1]
     hold.set()
     assert last.name == "status" and last.data == {"text": "[cancelled]", "cancelled": True}
@@ -301,9 +302,9 @@ async def test_run_turn_ends_when_a_newer_submit_cancels_it(rt, fake_openai):
 async def test_a_stopping_server_ends_the_running_and_the_waiting_turns_with_error_and_done(rt, fake_openai):
     hold = threading.Event()
     fake_openai.script(text("partial ", "rest", hold=hold))
-    first = routes.run_turn(rt, "c1", "slow")  # as the proxy, Slack and MCP send: queued
+    first = routes.run_turn(rt, ask(rt, "c1", "slow"))  # as the proxy, Slack and MCP send: queued
     assert [(await anext(first)).data["text"] for _ in range(2)] == ["slow", "partial "]
-    second = asyncio.create_task(_collect(routes.run_turn(rt, "c1", "waiting")))
+    second = asyncio.create_task(_collect(routes.run_turn(rt, ask(rt, "c1", "waiting"))))
     session = rt.sessions.get("c1")
     assert session is not None
     await until(lambda: _queued(session) == 1, "the second request waiting for the session")
@@ -327,13 +328,13 @@ async def test_a_turn_asked_of_a_stopping_server_is_refused_with_503(rt):
         @staticmethod
         def get_routes() -> list[Route]:
             async def submit(request):
-                await routes.submit(rt, "c1", (await request.json())["text"])
+                await routes.submit(rt, ask(rt, "c1", (await request.json())["text"]))
                 return JSONResponse({"status": "OK"})
             return [Route("/submit", submit, methods=["POST"])]
 
     await routes.end_all(rt)
     with pytest.raises(sessions.Stopping):
-        await routes.submit(rt, "c1", "too late")
+        await routes.submit(rt, ask(rt, "c1", "too late"))
     app = entry().build_app(rt, Submitting(), {"port": 8765})
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8765") as http:
         answer = await http.post("/submit", json={"text": "too late"})
@@ -343,16 +344,16 @@ async def test_a_turn_asked_of_a_stopping_server_is_refused_with_503(rt):
 
 async def test_payload_model_answers_one_turn_and_keeps_the_session_model(rt, fake_openai, fake_gemini):
     fake_gemini.script(text("from ", "gemini"))
-    out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "gem"}))
+    out, events = await _collect(routes.run_turn(rt, ask(rt, "c1", "hi", {"model": "gem"})))
     assert out == "from gemini" and fake_gemini.requests[-1].last_user_text == "hi" and fake_openai.requests == []
     session = rt.sessions.get("c1")
     assert session.model == "fake"
     # Commands still act on the session itself, and the next turn is back on the session's model.
-    out, _ = await _collect(routes.run_turn(rt, "c1", "!model", {"model": "gem"}))
+    out, _ = await _collect(routes.run_turn(rt, ask(rt, "c1", "!model", {"model": "gem"})))
     assert [line.split()[0] for line in out.splitlines() if "(current)" in line] == ["fake"]
-    out, _ = await _collect(routes.run_turn(rt, "c1", "again"))
+    out, _ = await _collect(routes.run_turn(rt, ask(rt, "c1", "again")))
     assert out == "echo: again" and [m["content"] for m in session.history][:2] == ["hi", "from gemini"]
-    out, events = await _collect(routes.run_turn(rt, "c1", "hi", {"model": "nosuch"}))
+    out, events = await _collect(routes.run_turn(rt, ask(rt, "c1", "hi", {"model": "nosuch"})))
     assert [e.name for e in events] == ["user", "error", "done"] and "unknown model 'nosuch'" in events[1].data[
         "message"
     ]
@@ -366,8 +367,8 @@ async def test_the_first_requests_of_a_new_session_keep_their_order(rt, fake_ope
         return await save(*args, **kwargs)
 
     monkeypatch.setattr(rt.sessions.store, "save", slow_save)
-    first = asyncio.create_task(_collect(routes.run_turn(rt, "brand-new", "one")))
-    second = asyncio.create_task(_collect(routes.run_turn(rt, "brand-new", "two")))
+    first = asyncio.create_task(_collect(routes.run_turn(rt, ask(rt, "brand-new", "one"))))
+    second = asyncio.create_task(_collect(routes.run_turn(rt, ask(rt, "brand-new", "two"))))
     (out1, _), (out2, _) = await asyncio.gather(first, second)
     assert (out1, out2) == ("echo: one", "echo: two")
     assert [r.last_user_text for r in fake_openai.requests] == ["one", "two"]

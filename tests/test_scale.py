@@ -20,11 +20,12 @@ import shared_store
 import state
 import stores
 from events import Event
+from plugin_api import PluginContext
 from plugins._conversations import ConversationIndex
 from plugins.plugin_client_api import ApiPlugin
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
-from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, runtime, shell_payload
+from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, ask, runtime, shell_payload
 
 
 class Query(BaseModel):
@@ -62,14 +63,14 @@ async def test_history_ids_and_streams_are_one_across_instances(tmp_path, fake_o
         # A turn submitted on A streams to a subscriber on B.
         sub_b = b.hub.subscribe("alice", None)
         fake_openai.script(text("Hello ", "Alice."))
-        ran = await routes.submit(a, "alice", "my name is Alice", shell_payload(a, "alice", None))
+        ran = await routes.submit(a, ask(a, "alice", "my name is Alice", shell_payload(a, "alice", None)))
         events = await until_done(sub_b, ran.id)
         assert [e.name for e in events] == ["user", "tok", "tok", "done"] and said(events) == "Hello Alice."
         ids = [e.id for e in events]
         assert ids == sorted(ids) and len(set(ids)) == len(ids)
         # History written on A is read on B: B's turn sends it to the model.
         fake_openai.script(text("You are Alice."))
-        ran = await routes.submit(b, "alice", "what is my name?", shell_payload(b, "alice", None))
+        ran = await routes.submit(b, ask(b, "alice", "what is my name?", shell_payload(b, "alice", None)))
         assert said(await until_done(sub_b, ran.id)) == "You are Alice."
         sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
         assert sent == ["my name is Alice", "Hello Alice.", "what is my name?"]
@@ -77,7 +78,7 @@ async def test_history_ids_and_streams_are_one_across_instances(tmp_path, fake_o
         for rt, cid in ((a, "bob"), (b, "carol"), (a, "dave")):
             fake_openai.script(text("hi"))
             sub = rt.hub.subscribe(cid, rt.hub.last_id(cid))
-            await until_done(sub, (await routes.submit(rt, cid, "hi", shell_payload(rt, cid, None))).id)
+            await until_done(sub, (await routes.submit(rt, ask(rt, cid, "hi", shell_payload(rt, cid, None)))).id)
             await sub.aclose()
         await a.sessions.refresh()
         await b.sessions.refresh()
@@ -95,7 +96,7 @@ async def test_a_gate_raised_on_one_instance_is_answered_on_the_other(tmp_path, 
             add_plugin_tools(rt, "plugin_test", [recorder.tool("web_search", Query)], {"web_search": {"type": "read"}})
         fake_openai.script(tool_call("web_search", {"query": "redis"}), text("Found it."))
         sub_b = b.hub.subscribe("c1", None)
-        ran = await routes.submit(a, "c1", "search", shell_payload(a, "c1", None))
+        ran = await routes.submit(a, ask(a, "c1", "search", shell_payload(a, "c1", None)))
         async with asyncio.timeout(20):
             async for ev in sub_b:
                 if ev.name == "gate":
@@ -116,8 +117,8 @@ async def test_simultaneous_turns_on_two_instances_run_one_at_a_time(tmp_path, f
         sub = a.hub.subscribe("c1", None)
         # Queued, not replacing each other (as the proxy, Slack and MCP send): both are answered.
         first, second = await asyncio.gather(
-            routes.submit(a, "c1", "first", shell_payload(a, "c1", None), cancel_running=False),
-            routes.submit(b, "c1", "second", shell_payload(b, "c1", None), cancel_running=False))
+            routes.submit(a, ask(a, "c1", "first", shell_payload(a, "c1", None)), cancel_running=False),
+            routes.submit(b, ask(b, "c1", "second", shell_payload(b, "c1", None)), cancel_running=False))
         events = [e for e in await until_done_both(sub, {first.id, second.id}) if e.name in ("user", "tok", "done")]
         # Each turn's events come together: user, its tokens, done; then the other turn.
         turns = [e.turn for e in events]
@@ -187,7 +188,7 @@ async def test_proxy_conversations_and_api_turns_are_known_to_every_instance(tmp
         assert await on_b.claim("mark-3") is None
         # An API turn submitted on A can be streamed by its id on B.
         api_a, api_b = ApiPlugin(), ApiPlugin()
-        api_a.runtime, api_b.runtime = a, b
+        api_a.context, api_b.context = PluginContext(a, api_a), PluginContext(b, api_b)
         await api_a._remember("turn-1", "api-x", 12345)
         assert await api_b._recall("turn-1") == ("api-x", 12345) and await api_b._recall("turn-2") is None
 
@@ -202,7 +203,7 @@ async def test_a_grant_given_on_one_instance_allows_there_and_is_revoked_from_th
 
         async def search(rt: state.Runtime, answer: str | None) -> list[Event]:
             fake_openai.script(tool_call("web_search", {"query": "q"}), text("done"))
-            ran = await routes.submit(rt, "c1", "search", shell_payload(rt, "c1", None))
+            ran = await routes.submit(rt, ask(rt, "c1", "search", shell_payload(rt, "c1", None)))
             events = []
             async with asyncio.timeout(20):
                 async for ev in sub:
@@ -219,9 +220,9 @@ async def test_a_grant_given_on_one_instance_allows_there_and_is_revoked_from_th
         granted = await search(b, None)  # a turn of that session on B: the grant answers
         assert not [e for e in granted if e.name == "gate"] and any("allowed by grant" in e.data.get("text", "")
                                                                      for e in granted)
-        listing = await routes.wait_turn(b, "c1", "!grants", shell_payload(b, "c1", None), 20)
+        listing = await routes.wait_turn(b, ask(b, "c1", "!grants", shell_payload(b, "c1", None)), 20)
         assert "this session" in listing["text"] and "granted by shell" in listing["text"]
-        revoked = await routes.wait_turn(b, "c1", "!grants revoke all", shell_payload(b, "c1", None), 20)
+        revoked = await routes.wait_turn(b, ask(b, "c1", "!grants revoke all", shell_payload(b, "c1", None)), 20)
         assert revoked["text"].startswith("Revoked")
         again = await search(a, "reject")  # on A the next call asks again
         assert [e.name for e in again].count("gate") == 1 and len(recorder.calls) == 2
@@ -241,7 +242,7 @@ async def test_revoking_all_grants_reaches_those_given_on_another_instance(tmp_p
         async def search(rt: state.Runtime, client: str, answer: str) -> list[str]:
             sub = rt.hub.subscribe(client, None)
             fake_openai.script(tool_call("web_search", {"query": "q"}), text("done"))
-            ran = await routes.submit(rt, client, "search", shell_payload(rt, client, None))
+            ran = await routes.submit(rt, ask(rt, client, "search", shell_payload(rt, client, None)))
             names = []
             async with asyncio.timeout(20):
                 async for ev in sub:
@@ -262,7 +263,7 @@ async def test_revoking_all_grants_reaches_those_given_on_another_instance(tmp_p
         assert len(revoked["revoked"]) == 2
         assert (await search(a, "c1", "reject")).count("gate") == 1  # A asks again
         assert (await search(a, "c2", "allow_session")).count("gate") == 1
-        mine = await routes.wait_turn(b, "c2", "!grants revoke all", shell_payload(b, "c2", None), 20)
+        mine = await routes.wait_turn(b, ask(b, "c2", "!grants revoke all", shell_payload(b, "c2", None)), 20)
         assert mine["text"].startswith("Revoked"), mine  # B had not met c2's new grant
         assert (await search(a, "c2", "reject")).count("gate") == 1
 
@@ -272,7 +273,7 @@ async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
         fake_openai.script(text("slow ", "answer", delay=0.5))
         sub = a.hub.subscribe("c1", a.hub.last_id("c1"))
-        ran = await routes.submit(a, "c1", "take your time", shell_payload(a, "c1", None))
+        ran = await routes.submit(a, ask(a, "c1", "take your time", shell_payload(a, "c1", None)))
         async with asyncio.timeout(20):
             async for ev in sub:
                 if ev.name == "tok":
@@ -298,7 +299,7 @@ async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_
 
         async def first_token_of(rt: state.Runtime, text_: str) -> str:
             fake_openai.script(text("never ", "ending ", "story", delay=5))
-            ran = await routes.submit(rt, "c1", text_, shell_payload(rt, "c1", None))
+            ran = await routes.submit(rt, ask(rt, "c1", text_, shell_payload(rt, "c1", None)))
             async with asyncio.timeout(20):
                 async for ev in sub:
                     if ev.turn == ran.id and ev.name == "tok":
@@ -307,7 +308,7 @@ async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_
 
         slow = await first_token_of(a, "tell me everything")
         fake_openai.script(text("short answer"))
-        newer = await routes.submit(b, "c1", "never mind", shell_payload(b, "c1", None), cancel_running=True)
+        newer = await routes.submit(b, ask(b, "c1", "never mind", shell_payload(b, "c1", None)), cancel_running=True)
         events = await until_done_both(sub, {newer.id})
         assert {"text": "[cancelled]", "cancelled": True} in [e.data for e in events if e.turn == slow]
         assert said([e for e in events if e.turn == newer.id]) == "short answer"
@@ -342,14 +343,14 @@ async def test_an_instance_that_lost_its_turn_lease_does_not_write_over_what_cam
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
         fake_openai.script(text("late ", "answer", hold=hold))
         sub = b.hub.subscribe("c1", None)
-        first = await routes.submit(a, "c1", "first", shell_payload(a, "c1", None))
+        first = await routes.submit(a, ask(a, "c1", "first", shell_payload(a, "c1", None)))
         assert [e.name for e in [await anext(sub), await anext(sub)]] == ["user", "tok"]  # the model answers
         # What a pause longer than the lease looks like from outside: the lease is gone.
         link = a.sessions.store.link
         await link.client.delete(link.key("lease", "c1"))
         ended = await until_done(sub, first.id)  # another instance ends the turn it thinks is dead
         assert [e.name for e in ended][-2:] == ["error", "done"]
-        second = await routes.submit(b, "c1", "second", shell_payload(b, "c1", None), cancel_running=False)
+        second = await routes.submit(b, ask(b, "c1", "second", shell_payload(b, "c1", None)), cancel_running=False)
         assert said(await until_done(sub, second.id)) == "echo: second"
         hold.set()  # the paused instance wakes up
         with contextlib.suppress(asyncio.CancelledError):

@@ -236,7 +236,7 @@ def test_a_secret_file_others_may_read_is_refused_with_the_path_and_the_fix(tmp_
 
 
 def test_a_world_readable_mcp_token_file_stops_the_mcp_plugin(tmp_path: Path) -> None:
-    from plugin_loader import PluginConfigError
+    from plugin_api import PluginConfigError
     from plugins._mcp_auth import load_tokens
 
     path = tmp_path / "mcp-tokens.json"

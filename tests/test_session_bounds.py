@@ -13,7 +13,7 @@ import stores
 from config import ConfigError, SessionsConfig, load_config
 from sessions import TRUNCATED, SessionLimits, SessionManager, SessionPolicy
 from tests.conftest import ConfigDir, openai_model
-from tests.runtime import SHIPPED_NAMESPACES
+from tests.runtime import SHIPPED_NAMESPACES, ask
 
 DAY = 86400.0
 
@@ -291,13 +291,13 @@ async def test_the_server_expires_through_the_delete_path(manager, tmp_path, fak
     try:
         for cid in ("api-running", "api-idle", "me"):  # the sweep looks at api-running first
             shell = {"interactive": True} if cid == "me" else None  # as the shell endpoint vouches
-            answer = await routes.wait_turn(rt, cid, "!help", shell, 30)
+            answer = await routes.wait_turn(rt, ask(rt, cid, "!help", shell), 30)
             assert answer["status"] == "complete"
         rt.rate_limiter.disabled["api-idle"] = {"search"}
         assert "api-idle" in rt.hub._channels
         clock.advance(2)
         # A request submitted (in rt.active_tasks) that has not yet touched its session.
-        queued = await routes.submit(rt, "api-running", "!help", cancel_running=False)
+        queued = await routes.submit(rt, ask(rt, "api-running", "!help"), cancel_running=False)
         assert await rt.sessions.sweep() == ["api-idle"]
         assert "api-idle" not in rt.hub._channels and "api-idle" not in rt.rate_limiter.disabled
         assert rt.sessions.get("me") is not None  # the shell

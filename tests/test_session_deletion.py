@@ -20,7 +20,7 @@ import state
 import stores
 from tests.conftest import ROOT, free_port
 from tests.plugin_host import plugin, plugin_runtime
-from tests.runtime import shell_payload
+from tests.runtime import ask, shell_payload
 
 ADMIN = "admin-key-for-the-deletion-test"
 
@@ -50,7 +50,7 @@ def deletions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, bool]]:
 
 async def _answer(rt: state.Runtime, client_id: str, text: str) -> str:
     """Run `text` as an interactive request of `client_id` to its end: its answer."""
-    answer = await routes.wait_turn(rt, client_id, text, shell_payload(rt, client_id, None), 30)
+    answer = await routes.wait_turn(rt, ask(rt, client_id, text, shell_payload(rt, client_id, None)), 30)
     assert answer["status"] == "complete", answer
     return str(answer["text"])
 
@@ -74,7 +74,7 @@ async def test_every_entry_point_deletes_through_routes_delete_session(rt, delet
 
     # The proxy's background task prompts run on a session of their own, deleted once answered, unannounced.
     proxy = plugin(rt, "plugin_proxy_llama")
-    events = proxy._then_forget(routes.run_turn(rt, "llama-x-task-1", "!help"), "llama-x-task-1")
+    events = proxy._then_forget(routes.run_turn(rt, ask(rt, "llama-x-task-1", "!help")), "llama-x-task-1")
     assert [ev.name async for ev in events][-1] == "done"
     assert deletions[-1] == ("llama-x-task-1", False, False)
     assert not [s.client_id for s in rt.sessions.all()]
@@ -102,7 +102,11 @@ def test_only_routes_delete_session_calls_the_session_managers_delete() -> None:
             if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) and _calls_sessions_delete(function):
                 callers.setdefault(path.name, set()).add(function.name)
     assert callers == {"routes.py": {"delete_session"}}
-    # The MCP server's delete tool (not driven above: it needs an MCP connection) is one of its callers.
-    mcp = ast.parse((ROOT / "plugins/plugin_client_mcp.py").read_text())
+    # The MCP server's delete tool (not driven above: it needs an MCP connection) is one of its callers, through
+    # the plugin's context.
+    mcp = ast.parse((ROOT / "plugins/_mcp_tools.py").read_text())
     tool = next(f for f in ast.walk(mcp) if isinstance(f, ast.AsyncFunctionDef) and f.name == "delete_session")
-    assert "routes.delete_session(" in ast.unparse(tool)
+    assert "ctx.delete_session(" in ast.unparse(tool)
+    door = ast.parse((ROOT / "plugin_api.py").read_text())
+    method = next(f for f in ast.walk(door) if isinstance(f, ast.AsyncFunctionDef) and f.name == "delete_session")
+    assert "routes.delete_session(" in ast.unparse(method)

@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 
 import build
 import client_classes
+import routes
 import stores
 import turns
 from api_client import AgentClient
@@ -230,9 +231,12 @@ async def test_stream_command_and_the_depth_guard(tmp_path, fake_openai) -> None
         # A swarm session may not call further, whatever the target.
         call = entry.tool.coroutine
         assert call is not None
-        with pytest.raises(ToolError, match="failed: cannot reach"):  # no session: not a swarm, so it tries
+        with pytest.raises(ToolError, match=r"^agent_call refused: it runs only as a tool call of a request"):
+            await call(agent_url="b", message="x")  # outside a request: fails closed
+        with turns.running(routes.Request("api-1", client_classes.API).turn()), \
+                pytest.raises(ToolError, match="failed: cannot reach"):  # an API client's request: it tries
             await call(agent_url="b", message="x")
-        with turns.running(client_classes.new_turn(rt.client_namespaces, "api-swarm-12345678")), \
+        with turns.running(routes.Request("api-swarm-12345678", client_classes.SWARM).turn()), \
                 pytest.raises(ToolError, match=r"^agent_call refused: this conversation is itself an agent_call"):
             await call(agent_url="b", message="x")
 

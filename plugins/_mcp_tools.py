@@ -1,0 +1,124 @@
+"""The MCP server's management tools: talk to sessions, answer gates, read and set the gate policy.
+
+Split from plugin_client_mcp.py, which builds the server and calls `add_tools`; what a tool does
+beyond checking its arguments (sending, creating, changing a default) stays a method of the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+import approvals
+import decisions
+from plugins._mcp_auth import request_principal
+from plugins._mcp_elicit import GateForms
+from plugins._mcp_resources import pending, policy_of, read_session
+
+if TYPE_CHECKING:
+    from plugins.plugin_client_mcp import McpServerPlugin
+
+#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
+McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
+
+
+
+def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
+    """Serve the management tools (TOOL_ROLES says which token may call which) on `mcp`."""
+    @mcp.tool()
+    async def send_message(text: str, session: str = "", model: str = "", timeout_seconds: float = 300,
+                           ctx: Context | None = None) -> dict[str, Any]:
+        """Send a message (or a !command) to a session and return the answer.
+
+        Human tokens name the session (created if new, in the mcp- namespace); agent tokens always
+        talk to their own session. `model` answers this turn with another registry model. A client
+        that declared the elicitation capability is asked each gate of the turn as a form.
+        """
+        who = request_principal()
+        forms = GateForms.for_request(plugin.ctx, ctx, who, plugin._deciders)
+        try:
+            return await plugin._send(who, text, session, model, timeout_seconds,
+                                      forms.on_event if forms else None)
+        finally:
+            if forms is not None:
+                await forms.close()
+
+    @mcp.tool()
+    async def create_session(name: str = "", model: str = "") -> dict[str, Any]:
+        """Create an MCP session (id mcp-<name>, a random name when empty) on `model` (default model if empty)."""
+        return plugin._create(name, model)
+
+    @mcp.tool()
+    async def delete_session(session: str) -> dict[str, Any]:
+        """Delete a session (full id or shorthand id): its history, running turns and event stream."""
+        await plugin.ctx.sessions.refresh()
+        client_id = plugin.ctx.sessions.resolve(session)
+        if client_id is None:
+            raise ToolError(f"no session '{session[:140]}'; read agentmcp://sessions for the list")
+        await plugin.ctx.delete_session(client_id)
+        return {"status": "deleted", "session": client_id}
+
+    @mcp.tool()
+    async def list_pending_approvals(session: str = "") -> list[dict[str, Any]]:
+        """Gates waiting for a decision (all the token may see, or one session's)."""
+        who = request_principal()
+        if session:
+            return await pending(plugin, (await read_session(plugin, who, session)).client_id)
+        return [r for r in await pending(plugin) if who.may_read(r["session"])]
+
+    @mcp.tool()
+    async def answer_approval(
+        gate_id: str,
+        decision: McpDecision,
+        minutes: int = decisions.DEFAULT_MINUTES,
+        content: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
+        for `minutes`); allow_session (the same for the rest of the session); allow_pattern (calls of
+        the same shape: the request's `shape`); or reject. The gate's `grants` lists what it offers.
+        A question of an MCP server agent-mcp uses (the request has `elicitation`): allow_once with
+        `content`, the values its `fields` ask for (without: the form's defaults); reject declines."""
+        who = request_principal()
+        owner = await plugin.ctx.gate.owner(gate_id)
+        if owner is None:
+            raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
+                            "read agentmcp://approvals/pending")
+        plugin._deciders[gate_id] = who.label
+        try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
+            result = await plugin.ctx.gate.answer(gate_id, decisions.MCP_WORDS[decision], by=f"mcp token '{who.name}'",
+                                                 answerer=approvals.Approver(approvals.MCP, who.name),
+                                                 channel="mcp", minutes=minutes, content=content)
+        except ValueError as exc:
+            plugin._deciders.pop(gate_id, None)
+            raise ToolError(str(exc)) from None
+        if not result.answered:
+            plugin._deciders.pop(gate_id, None)
+            if result.outcome == approvals.NOT_APPROVER:
+                raise ToolError(f"gate '{gate_id[:64]}' is answered by its approvers "
+                                f"({', '.join(result.approvers)}), and token '{who.name}' is not one of them; "
+                                "nothing was changed")
+            first = f" ({result.first.describe()})" if result.first else ""
+            raise ToolError(f"gate '{gate_id[:64]}' was answered meanwhile{first}")
+        return {"status": "answered", "gate_id": gate_id, "session": owner, "decision": decision,
+                "decided_by": who.label}
+
+    @mcp.tool()
+    async def get_gate_policy(session: str = "") -> dict[str, Any]:
+        """The gate defaults (gate-defaults.json) and, with `session`, that session's own overrides."""
+        out: dict[str, Any] = {"defaults": policy_of(plugin)}
+        if session:
+            s = await read_session(plugin, request_principal(), session)
+            out["session"] = {"session": s.client_id, "overrides": s.settings.get("gates", {})}
+        return out
+
+    @mcp.tool()
+    async def set_gate_default(section: Literal["tools", "db"], key: str,
+                               operation: Literal["read", "write", "ddl", "both"],
+                               allowed: bool) -> dict[str, Any]:
+        """Change a gate default for every session (saved in gate-defaults.json): `key` is a tool name
+        (section tools) or a table (section db), `*` for everything without its own entry; allowed=true
+        means the call runs without asking. `both` is read and write; `ddl` (CREATE, DROP, ALTER,
+        RENAME, TRUNCATE; section db only) is never covered by write and must be named."""
+        return await plugin._set_default(request_principal(), section, key, operation, allowed)
