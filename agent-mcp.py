@@ -199,7 +199,7 @@ def build_app(rt: state.Runtime, plugin: BasePlugin, cfg: dict[str, Any]) -> ASG
                  allowed_origins=cfg.get("allowed_origins", ()), unavailable=rt.unavailable)
 
 
-def _prepare_servers(rt: state.Runtime, drain: float) -> list[tuple[_Server, socket.socket, str]]:
+def _prepare_servers(rt: build.Server, drain: float) -> list[tuple[_Server, socket.socket, str]]:
     assert rt.plugins is not None
     prepared: list[tuple[_Server, socket.socket, str]] = []
     try:

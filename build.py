@@ -7,6 +7,7 @@ import functools
 import logging
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import agents
 import approvals
@@ -53,7 +54,16 @@ def event_buffer(env: Mapping[str, str]) -> int:
     return int(raw)
 
 
-async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> state.Runtime:
+@dataclass
+class Server(state.Runtime):
+    """The assembled server: the runtime and the plugin loader, which holds the runtime to give each plugin its
+    context. The composition root owns this type, so the runtime that the modules below are typed with does not
+    name the loader above them (no type-level circle)."""
+
+    plugins: PluginLoader | None = None
+
+
+async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> Server:
     """The object graph of one server instance, with sessions loaded and core tools registered."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     # Before anything opens:
@@ -64,7 +74,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     link = sessions.store.link if isinstance(sessions.store, shared_store.RedisStore) else None
     buffer = event_buffer(config.env)
     hub = shared_events.RedisEventHub(link, buffer) if link else events.EventHub(buffer=buffer)
-    rt = state.Runtime(
+    rt = Server(
         config=config,
         sessions=sessions,
         client_namespaces=namespaces,
@@ -107,6 +117,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.start_sweeping()
     rt.tool_checks += [rt.rate_limiter.check, rt.gate.check]  # rate limit first, then the human
     rt.plugins = PluginLoader(rt)
+    rt.own_credentials = rt.plugins.client_credentials
     ctx = command_context(rt)
     for name, handler in commands.COMMANDS.items():
         rt.commands[name] = turns.Command(functools.partial(handler, ctx), usage=turns.usage_of(handler))
@@ -115,7 +126,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     return rt
 
 
-def command_context(rt: state.Runtime) -> commands.Context:
+def command_context(rt: Server) -> commands.Context:
     """The pieces of the runtime the server's own `!commands` use (looked up at each call where a test or a
     reload may replace them: the rate limiter; routes.delete_session, which tests watch)."""
     return commands.Context(
@@ -187,7 +198,7 @@ def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]
                          max_message_chars=bounds.max_message_chars, sweep_seconds=bounds.sweep_minutes * 60)
 
 
-async def close_runtime(rt: state.Runtime) -> None:
+async def close_runtime(rt: Server) -> None:
     """End running turns (routes.end_all), shut plugins down (reverse order) and close the session store."""
     await routes.end_all(rt)
     if rt.plugins:

@@ -15,7 +15,7 @@ The loader builds one context per plugin before `init()`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
@@ -44,6 +44,7 @@ from client_classes import (
 from config import AppConfig, field_problems
 from events import Event, EventHub
 from gate import ANY_TABLE, DDL, WRITE, GateKeeper
+from plugin_checks import PluginReport
 from registry import ToolError, ToolRegistry
 from routes import Request, Submitted, ends_turn
 from sessions import SessionManager, Stopping
@@ -179,9 +180,10 @@ class PluginContext:
     the whole runtime to a core function, it calls the method here that does the one thing.
     """
 
-    def __init__(self, rt: state.Runtime, plugin: BasePlugin) -> None:
+    def __init__(self, rt: state.Runtime, plugin: BasePlugin, reports: Mapping[str, PluginReport]) -> None:
         self._rt = rt
         self._plugin = plugin
+        self._reports = reports  # the loader's start reports, by plugin name
 
     # ── settings ──
 
@@ -268,12 +270,12 @@ class PluginContext:
 
     def plugin_reports(self) -> dict[str, dict[str, Any]]:
         """How each plugin started: name → {"status", "reasons"} (what /health shows)."""
-        reports = self._rt.plugins.reports.values() if self._rt.plugins else []
+        reports = self._reports.values()
         return {r.name: {"status": r.status, "reasons": r.reasons} for r in reports}
 
     def report_problems(self, reasons: list[str]) -> None:
         """Replace this plugin's reasons on its start report (what /health shows), e.g. a server it lost."""
-        report = self._rt.plugins.reports.get(self._plugin.PLUGIN_NAME) if self._rt.plugins else None
+        report = self._reports.get(self._plugin.PLUGIN_NAME)
         if report is not None:
             report.reasons = reasons
 

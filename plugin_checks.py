@@ -6,13 +6,27 @@ plugins without importing the server.
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
 from config import CODE_DIR, AppConfig, EnabledConfig
+
+
+@dataclass
+class PluginReport:
+    """What happened to one plugin at start: loaded, disabled, invalid or failed, and why."""
+
+    name: str
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    priority: int = 0
+
+    def line(self) -> str:
+        why = f": {'; '.join(self.reasons)}" if self.reasons else ""
+        return f"{self.name} [{self.status}]{why}"
 
 
 def requirement_names(requirements: list[str]) -> set[str]:

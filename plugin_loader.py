@@ -17,7 +17,6 @@ import re
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,7 +25,7 @@ import client_classes
 import state
 import turns
 from plugin_api import BasePlugin, PluginConfigError, PluginContext
-from plugin_checks import check_plugin, is_enabled, plugin_file, requirement_names
+from plugin_checks import PluginReport, check_plugin, is_enabled, plugin_file, requirement_names
 
 logger = logging.getLogger("agent_mcp.plugins")
 
@@ -47,20 +46,6 @@ def _metadata_mismatch(plugin: BasePlugin, entry: Any) -> list[str]:
         problems.append(f"DESCRIPTION {plugin.DESCRIPTION!r} disagrees with the manifest's description "
                         f"{entry.description!r}")
     return problems
-
-
-@dataclass
-class PluginReport:
-    """What happened to one plugin at start: loaded, disabled, invalid or failed, and why."""
-
-    name: str
-    status: str
-    reasons: list[str] = field(default_factory=list)
-    priority: int = 0
-
-    def line(self) -> str:
-        why = f": {'; '.join(self.reasons)}" if self.reasons else ""
-        return f"{self.name} [{self.status}]{why}"
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -159,7 +144,7 @@ class PluginLoader:
         if problems:
             report.status, report.reasons = "invalid", problems
             return report
-        plugin.context = PluginContext(self.rt, plugin)
+        plugin.context = PluginContext(self.rt, plugin, self.reports)
         try:
             ok = await _maybe_await(plugin.init(self.rt.config.plugin_config(name)))
         except PluginConfigError as exc:
@@ -243,6 +228,11 @@ class PluginLoader:
 
     def client_plugins(self) -> list[BasePlugin]:
         return [p for p in self.loaded if p.PLUGIN_TYPE == "client_interface"]
+
+    def client_credentials(self) -> set[str]:
+        """The port and admin tokens the loaded client plugins accept."""
+        return {token for p in self.client_plugins() for k in ("token", "admin_token")
+                if (token := p.get_config().get(k))}
 
     async def _shutdown_one(self, plugin: BasePlugin) -> None:
         self._forget_namespaces(plugin.PLUGIN_NAME)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) woul
     from config import AppConfig
     from events import EventHub
     from gate import GateKeeper, ToolCheck
-    from plugin_loader import PluginLoader
     from prompt import PromptTree
     from rate_limits import RateLimiter
     from registry import ToolRegistry
@@ -40,6 +40,10 @@ if TYPE_CHECKING:  # annotations only: importing these (langchain, sqlglot) woul
 Requests = dict[str, dict[asyncio.Task[None], str]]
 
 
+def _no_credentials() -> set[str]:
+    return set()
+
+
 @dataclass
 class Runtime:
     """Everything one server instance owns. Built once, passed to every module that needs it."""
@@ -52,7 +56,6 @@ class Runtime:
     #: The gate keeper (pending gates included) and the rate limiter.
     gate: GateKeeper
     rate_limiter: RateLimiter
-    plugins: PluginLoader | None = None
     #: `!command` name (lower case, no `!`) → Command.
     commands: dict[str, Command] = field(default_factory=dict)
     #: model key → LangChain chat model, built once and reused.
@@ -67,6 +70,9 @@ class Runtime:
     windows: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: Client-id namespaces declared by the loaded client plugins: prefix → (client class, plugin).
     client_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: The credentials the loaded client plugins accept (their port and admin tokens), which are never sent to
+    #: another agent (tools.target_token); the plugin loader provides it (build.build_runtime).
+    own_credentials: Callable[[], set[str]] = field(default_factory=lambda: _no_credentials)
     #: Set when the server stops, so endless event streams end (sse-starlette's shutdown event).
     stopping: anyio.Event = field(default_factory=anyio.Event)
     #: Event-stream responses not yet complete, and the event a stopping server waits on until none is left.

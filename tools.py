@@ -119,9 +119,7 @@ def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str
         return None, f"{target.token_env} (the token of agent '{name}') is not set; an operator puts it into .env"
     models = [k for k, m in rt.config.models.items() if m.env_key == target.token_env]
     own = {v for k, v in env.items() if k != target.token_env and SECRET_NAME.search(k) and v}
-    for plugin in rt.plugins.client_plugins() if rt.plugins else []:
-        cfg = plugin.get_config()
-        own |= {cfg[k] for k in ("token", "admin_token") if cfg.get(k)}
+    own |= rt.own_credentials()
     if models or token in own:
         return None, (f"the token in {target.token_env} is one of this server's own credentials, which are never sent "
                       f"to another agent; an operator gives agent '{name}' a token it issued itself (agents.json)")

@@ -14,7 +14,7 @@ import state
 import stores
 from config import load_config
 from plugin_api import BasePlugin
-from plugin_loader import PluginReport
+from plugin_checks import PluginReport
 from registry import ToolError
 from tests.conftest import ConfigDir
 

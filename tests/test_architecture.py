@@ -35,12 +35,6 @@ PLUGIN_SURFACE = ("plugin_api",)
 LIBRARIES = ("decisions", "config", "secret_files", "failures", "guard", "grants", "approvals", "audit_chain",
              "gate_policy", "database", "db_results")
 
-#: Imports for type annotations that still point up a layer, to be removed (issue 30 item 4): the runtime type
-#: (state.Runtime) is annotated with the plugin loader, which takes the whole runtime itself (plugins get it as
-#: `self.runtime`), so state cannot move above it yet. Nothing may be added here.
-TYPE_ONLY_UPWARDS = {"state": {"plugin_loader"}}
-
-
 def _imports(module: str) -> tuple[set[str], set[str], list[str]]:
     """(core modules imported at module level, those imported for type checkers only, under
     `if TYPE_CHECKING:`, and core modules imported inside functions)."""
@@ -68,10 +62,7 @@ def _imports(module: str) -> tuple[set[str], set[str], list[str]]:
 
 def test_the_core_import_graph_has_no_cycle_and_no_function_level_imports() -> None:
     found = {m: _imports(m) for m in CORE}
-    graph = {m: top | (typing - TYPE_ONLY_UPWARDS.get(m, set())) for m, (top, typing, _) in found.items()}
-    for module, left in TYPE_ONLY_UPWARDS.items():
-        assert left <= found[module][1], f"{module} no longer imports {', '.join(sorted(left - found[module][1]))}" \
-            " for types: take it out of TYPE_ONLY_UPWARDS"
+    graph = {m: top | typing for m, (top, typing, _) in found.items()}
     for module in CORE:
         assert found[module][2] == [], f"{module} imports a core module inside a function"
     order: list[str] = []

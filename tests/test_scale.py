@@ -188,7 +188,7 @@ async def test_proxy_conversations_and_api_turns_are_known_to_every_instance(tmp
         assert await on_b.claim("mark-3") is None
         # An API turn submitted on A can be streamed by its id on B.
         api_a, api_b = ApiPlugin(), ApiPlugin()
-        api_a.context, api_b.context = PluginContext(a, api_a), PluginContext(b, api_b)
+        api_a.context, api_b.context = PluginContext(a, api_a, {}), PluginContext(b, api_b, {})
         await api_a._remember("turn-1", "api-x", 12345)
         assert await api_b._recall("turn-1") == ("api-x", 12345) and await api_b._recall("turn-2") is None
 
