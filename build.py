@@ -121,8 +121,9 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     ctx = command_context(rt)
     for name, handler in commands.COMMANDS.items():
         rt.commands[name] = turns.Command(functools.partial(handler, ctx), usage=turns.usage_of(handler))
+    parts = gate_commands.Parts(gate=rt.gate, rate_limiter=rt.rate_limiter, sessions=rt.sessions, tools=rt.tools)
     for name, handler in gate_commands.COMMANDS.items():
-        rt.commands[name] = turns.Command(functools.partial(handler, rt), usage=turns.usage_of(handler))
+        rt.commands[name] = turns.Command(functools.partial(handler, parts), usage=turns.usage_of(handler))
     return rt
 
 

@@ -8,17 +8,30 @@ a gate goes to the audit log as a "policy" record.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import state
 import stores
 import turns
 from client_classes import actor, may_administer, refusal
 from gate import ANY_TABLE, DB_OPERATIONS, META, OPERATIONS, GateKeeper, gate_type
-from rate_limits import whom
+from rate_limits import RateLimiter, whom
+from sessions import SessionManager
 
 if TYPE_CHECKING:  # annotations only: the registry imports langchain
     from registry import ToolRegistry
+
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the gate commands use of the server, given once by build.py instead of the whole runtime."""
+
+    gate: GateKeeper
+    rate_limiter: RateLimiter
+    sessions: SessionManager
+    tools: ToolRegistry
+
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -54,7 +67,7 @@ _AUTOAIDB_USAGE = (
 )
 
 
-async def cmd_autoaidb(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
+async def cmd_autoaidb(ctx: Parts, turn: turns.Turn, args: str) -> str:
     """!autoAIdb [status | <table> [read|write|ddl] <bool> | <read|write|ddl> <bool>] — database gates"""
     session = turn.session
     words = args.split()
@@ -62,8 +75,8 @@ async def cmd_autoaidb(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     parts = [w if i == 0 and len(words) > 1 and w.lower() not in DB_OPERATIONS else w.lower()
              for i, w in enumerate(words)]
     if not parts or parts == ["status"]:
-        rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(rt.gate, session, 'db', k)}"
-                for k in rt.gate.keys("db", session)]
+        rows = [f"  {_DB_LABELS.get(k, k)}: {_perm_line(ctx.gate, session, 'db', k)}"
+                for k in ctx.gate.keys("db", session)]
         return ("Database gates of this session (gate-defaults.json, then this session's changes):\n"
                 + "\n".join(rows or ["  (no entries: every table is gated)"]))
     if not may_administer(turn):
@@ -79,8 +92,8 @@ async def cmd_autoaidb(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
         keys, ops = [parts[0]], list(OPERATIONS)
     else:
         return f"ERROR: Invalid arguments\n{_AUTOAIDB_USAGE}"
-    rt.gate.override(session, "db", keys, ops, value, actor(turn))
-    await rt.sessions.save(session)
+    ctx.gate.override(session, "db", keys, ops, value, actor(turn))
+    await ctx.sessions.save(session)
     what = "every table (* and __meta__)" if len(keys) > 1 else keys[0]
     return f"autoAIdb {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
@@ -111,19 +124,19 @@ def _autogate_status(keeper: GateKeeper, session: stores.Session, groups: dict[s
     return "\n".join(lines)
 
 
-async def cmd_autogate(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
+async def cmd_autogate(ctx: Parts, turn: turns.Turn, args: str) -> str:
     """!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>] — tool gates"""
     session = turn.session
     parts = args.split()
-    groups = _tool_groups(rt.tools)
+    groups = _tool_groups(ctx.tools)
     if not parts or parts == ["status"]:
-        return _autogate_status(rt.gate, session, groups)
+        return _autogate_status(ctx.gate, session, groups)
     name = parts[0]
     if len(parts) == 1:
         if name.lower() in groups:
-            return _autogate_status(rt.gate, session, {name.lower(): groups[name.lower()]})
-        if name in rt.tools.names():
-            return f"{name}: {_perm_line(rt.gate, session, 'tools', name)}"
+            return _autogate_status(ctx.gate, session, {name.lower(): groups[name.lower()]})
+        if name in ctx.tools.names():
+            return f"{name}: {_perm_line(ctx.gate, session, 'tools', name)}"
     if not may_administer(turn):
         return refusal("!autogate", turn)
     value = parse_bool(parts[-1])
@@ -133,21 +146,21 @@ async def cmd_autogate(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
         names, ops, what = [ANY_TABLE], [name.lower()], "DEFAULT (*)"
     else:
         ops = [parts[1].lower()] if len(parts) == 3 else list(OPERATIONS)
-        if name in rt.tools.names():
+        if name in ctx.tools.names():
             names, what = [name], name
         elif name.lower() in groups:
             names, what = groups[name.lower()], f"{name.lower()} ({', '.join(groups[name.lower()])})"
         else:
             return (f"ERROR: Unknown tool or gate type '{name}'\nGate types: {', '.join(sorted(groups))}\n"
-                    f"Tools: {', '.join(rt.tools.names())}")
-        if gate_type(rt.tools.entry(names[0])) == "db":
+                    f"Tools: {', '.join(ctx.tools.names())}")
+        if gate_type(ctx.tools.entry(names[0])) == "db":
             return "ERROR: database tools are gated per table: use !autoAIdb"
-    rt.gate.override(session, "tools", names, ops, value, actor(turn))
-    await rt.sessions.save(session)
+    ctx.gate.override(session, "tools", names, ops, value, actor(turn))
+    await ctx.sessions.save(session)
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
-async def cmd_autoaisysprompt(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
+async def cmd_autoaisysprompt(ctx: Parts, turn: turns.Turn, args: str) -> str:
     """!autoAISysPrompt [read|write] [bool] — gates of reading / editing the system prompt"""
     session = turn.session
     parts = args.lower().split()
@@ -155,7 +168,7 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: turns.Turn, args: str) ->
     if not parts:
         return "\n".join(
             f"autoAISysPrompt {op}:{' ' if op == 'read' else ''} "
-            f"{'OFF (auto-allow)' if rt.gate.allowed(session, 'tools', tool, op) else 'ON (human gates)'}"
+            f"{'OFF (auto-allow)' if ctx.gate.allowed(session, 'tools', tool, op) else 'ON (human gates)'}"
             for op, tool in targets.items())
     if len(parts) == 1 and parts[0] in targets:
         return f"ERROR: Missing boolean value: !autoAISysPrompt {parts[0]} <true|false>"
@@ -165,37 +178,37 @@ async def cmd_autoaisysprompt(rt: state.Runtime, turn: turns.Turn, args: str) ->
         return "ERROR: Invalid arguments\nUsage: !autoAISysPrompt [read|write] <true|false>"
     if not may_administer(turn):
         return refusal("!autoAISysPrompt", turn)
-    rt.gate.override(session, "tools", [targets[op]], [op], value, actor(turn))
-    await rt.sessions.save(session)
+    ctx.gate.override(session, "tools", [targets[op]], [op], value, actor(turn))
+    await ctx.sessions.save(session)
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
-async def cmd_ratelimit(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
+async def cmd_ratelimit(ctx: Parts, turn: turns.Turn, args: str) -> str:
     """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for you (★ enable)"""
     parts = args.lower().split()
     caller = whom(turn)
     if not parts:
-        kinds = {gate_type(e) for e in rt.tools.entries()}
+        kinds = {gate_type(e) for e in ctx.tools.entries()}
         return (f"Rate limits (plugins-enabled.json rate_limits, per tool type, counted for {caller}):\n"
-                + await rt.rate_limiter.describe(turn.rate_key, kinds))
+                + await ctx.rate_limiter.describe(turn.rate_key, kinds))
     if len(parts) in (2, 3) and parts[0] == "enable":
         if not may_administer(turn):  # else auto_disable would stop nobody: the caller lifts it itself
             return refusal("!ratelimit enable", turn)
         key = args.split()[2] if len(parts) == 3 else turn.rate_key  # another caller's, as its refusal names it
         caller = f"'{key}'" if len(parts) == 3 else caller
-        if await rt.rate_limiter.reenable(key, parts[1]):
+        if await ctx.rate_limiter.reenable(key, parts[1]):
             return f"{parts[1]} tools are enabled again for {caller}."
         return f"{parts[1]} tools are not disabled for {caller}."
     return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type> [<caller>]"
 
 
-async def cmd_grants(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
+async def cmd_grants(ctx: Parts, turn: turns.Turn, args: str) -> str:
     """!grants [revoke <id>|all] — this session's grants (who, scope, expiry, uses), or end them now
 
     The shell and admin API clients may revoke a grant of any session by its id (from another
     window while that session's turn runs: its next call asks again).
     """
-    store = rt.gate.grants
+    store = ctx.gate.grants
     if store is None:
         return "Grants are not kept by this server."
     parts = args.split()
@@ -216,8 +229,8 @@ async def cmd_grants(rt: state.Runtime, turn: turns.Turn, args: str) -> str:
     return f"Revoked {', '.join(g.id for g in ended)}: the next such call asks again."
 
 
-#: The gate commands: name → handler (rt, turn, args).
-COMMANDS: dict[str, Callable[[state.Runtime, turns.Turn, str], Awaitable[str]]] = {
+#: The gate commands: name → handler (parts, turn, args).
+COMMANDS: dict[str, Callable[[Parts, turns.Turn, str], Awaitable[str]]] = {
     "autoaidb": cmd_autoaidb, "autogate": cmd_autogate, "autoaisysprompt": cmd_autoaisysprompt,
     "ratelimit": cmd_ratelimit, "grants": cmd_grants,
 }

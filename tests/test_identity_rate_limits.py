@@ -97,7 +97,8 @@ async def test_only_an_operator_lifts_an_auto_disable(tmp_path: Path, payload: d
         client_id = "llama-alice-3" if not may else "me"
         turn = ask(rt, client_id, "", payload).turn()
         turn.session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
-        answer = await gate_commands.cmd_ratelimit(rt, turn, "enable probe proxy|proxy:alice")
+        parts = gate_commands.Parts(rt.gate, rt.rate_limiter, rt.sessions, rt.tools)
+        answer = await gate_commands.cmd_ratelimit(parts, turn, "enable probe proxy|proxy:alice")
         if may:
             assert answer == "probe tools are enabled again for 'proxy|proxy:alice'."
             assert (await _call(rt, "llama-alice-4", "proxy:alice", "probe_get")).startswith("RATE LIMIT EXCEEDED")
