@@ -261,7 +261,6 @@ async def _compare_prompts(rt: state.Runtime) -> None:
 async def serve(config: AppConfig) -> int:
     """Run until a signal arrives or a server stops; returns the process exit code."""
     rt = await build.build_runtime(config)
-    state.set_current(rt)
     try:
         assert rt.plugins is not None
         store = rt.sessions.store
@@ -348,7 +347,6 @@ async def serve(config: AppConfig) -> int:
         return 0
     finally:
         await build.close_runtime(rt)
-        state.set_current(None)
         logger.info("agent-mcp stopped")
 
 

@@ -1,8 +1,7 @@
-"""The runtime: everything one server instance owns, and the process-global installation of it.
+"""The runtime: everything one server instance owns.
 
 One `Runtime` per server instance owns every mutable object; it is built once (see
-`build.build_runtime`) and passed in. `set_current()` installs it for the code that still reaches
-it through `current()` (routes.process_request called without one).
+`build.build_runtime`) and passed in.
 """
 
 from __future__ import annotations
@@ -94,18 +93,3 @@ class Runtime:
     def unavailable(self) -> str | None:
         """Why this instance cannot serve requests now (its shared store is unreachable), or None."""
         return self.link.unavailable_message() if self.link is not None else None
-
-
-_current: Runtime | None = None
-
-
-def set_current(rt: Runtime | None) -> None:
-    """Install the runtime `current()` returns."""
-    global _current
-    _current = rt
-
-
-def current() -> Runtime:
-    if _current is None:
-        raise RuntimeError("no agent-mcp runtime is running")
-    return _current

@@ -108,7 +108,6 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
         (path / "plugins-enabled.json").write_text(json.dumps(enabled))
     rt = await build.build_runtime(load_config(path), store=store or stores.MemoryStore())
     rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
-    state.set_current(rt)
     try:
         for name in plugins:
             assert rt.plugins is not None
@@ -117,7 +116,6 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
         yield rt
     finally:
         await build.close_runtime(rt)
-        state.set_current(None)
 
 
 class Recorder:

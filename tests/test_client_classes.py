@@ -65,7 +65,6 @@ async def acme(tmp_path: Path, fake_openai: Any):
     cfg.write()
     shutil.copytree(DEFAULTS_DIR / ".system_prompt", tmp_path / ".system_prompt")
     rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
-    state.set_current(rt)
     assert rt.plugins is not None
     report = await rt.plugins.load("plugin_client_acme")
     assert report.status == "loaded", report.line()
@@ -76,7 +75,6 @@ async def acme(tmp_path: Path, fake_openai: Any):
         yield rt, rt.plugins.loaded[-1]
     finally:
         await build.close_runtime(rt)
-        state.set_current(None)
 
 
 class _Query(BaseModel):

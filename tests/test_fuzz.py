@@ -121,7 +121,6 @@ class Server:
     async def start(self) -> None:
         # The real store (SQLite in the temporary data dir), as a user runs it.
         self.rt = rt = await build.build_runtime(self.config)
-        state.set_current(rt)
         assert rt.plugins is not None
         for name in PLUGINS:
             report = await rt.plugins.load(name)
@@ -151,7 +150,6 @@ class Server:
         if self.rt is None:
             return
         await build.close_runtime(self.rt)
-        state.set_current(None)
 
 
 

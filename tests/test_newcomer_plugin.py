@@ -19,7 +19,6 @@ from starlette.applications import Starlette
 
 import build
 import sessions
-import state
 import stores
 from config import DEFAULTS_DIR, load_config
 from tests.conftest import ROOT, ConfigDir, openai_model
@@ -56,7 +55,6 @@ async def newcomer(tmp_path: Path, fake_openai: Any):
     assert _touched(tmp_path) == ["plugin-manifest.json", "plugins/plugin_client_echo.py",
                                   "plugins/plugin_tool_words.py"]
     rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
-    state.set_current(rt)
     assert rt.plugins is not None
     for name in NEW_FILES:
         report = await rt.plugins.load(name)
@@ -65,7 +63,6 @@ async def newcomer(tmp_path: Path, fake_openai: Any):
         yield rt, next(p for p in rt.plugins.loaded if p.PLUGIN_NAME == "plugin_client_echo")
     finally:
         await build.close_runtime(rt)
-        state.set_current(None)
 
 
 async def test_a_new_client_plugin_runs_a_new_gated_tool_with_a_new_setting(newcomer, fake_openai) -> None:

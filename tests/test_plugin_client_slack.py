@@ -89,7 +89,6 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
     }
     cfg.env = env if env is not None else {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
     rt = await build.build_runtime(load_config(cfg.write().path), store=store or stores.MemoryStore())
-    state.set_current(rt)
     assert rt.plugins is not None
     await rt.plugins.load("plugin_client_slack")
     plugin = next((p for p in rt.plugins.loaded if p.PLUGIN_NAME == "plugin_client_slack"), None)
@@ -98,7 +97,6 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
 
 async def stop_slack(rt: state.Runtime) -> None:
     await build.close_runtime(rt)
-    state.set_current(None)
 
 
 @pytest.fixture

@@ -37,10 +37,8 @@ async def rt(tmp_path, fake_openai, fake_gemini):
     cfg.env = {"FAKE_GEMINI_KEY": "k"}
     runtime = await build.build_runtime(load_config(cfg.write().path), store=stores.MemoryStore())
     runtime.client_namespaces.update(SHIPPED_NAMESPACES)
-    state.set_current(runtime)
     yield runtime
     await build.close_runtime(runtime)
-    state.set_current(None)
 
 
 async def turn(rt: state.Runtime, text_: str, client_id: str = "c1") -> tuple[str, list[Event]]:

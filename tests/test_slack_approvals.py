@@ -85,7 +85,6 @@ async def start(path: Path, llm: FakeOpenAI, slack: FakeSlack, store: stores.Ses
         cfg.enabled_extra = {"approvals": approvals_section}
     cfg.env = {"SLACK_BOT_TOKEN": BOT_TOKEN, "SLACK_APP_TOKEN": APP_TOKEN}
     rt = await build.build_runtime(load_config(cfg.write().path), store=store or stores.MemoryStore())
-    state.set_current(rt)
     rt.client_namespaces.update(SHIPPED_NAMESPACES)
     recorder = Recorder()
     tools = [recorder.tool(n, _Args) for n in ("db_query", "web_search", "file_edit")]
@@ -100,7 +99,6 @@ async def start(path: Path, llm: FakeOpenAI, slack: FakeSlack, store: stores.Ses
 
 async def stop(bot: Bot) -> None:
     await build.close_runtime(bot.rt)
-    state.set_current(None)
 
 
 @pytest.fixture
