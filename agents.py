@@ -31,7 +31,7 @@ import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
-from models import chat_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
+from models import HistoryCache, chat_model, content_text, model_window, router_wants_tools, stream_once
 from sessions import trim_history
 from text_calls import (
     TextCallFilter,
@@ -82,6 +82,11 @@ class Request:
     count: Callable[[str], int]
     notes: set[str] = field(default_factory=set)
 
+    @functools.cached_property
+    def system_message(self) -> SystemMessage:
+        """The system prompt as one message object for every call of the turn (its body dict is built once)."""
+        return SystemMessage(self.system)
+
     @classmethod
     def build(cls, cfg: ModelConfig, prompt: PromptTree, tools: list[StructuredTool], window: int) -> Request:
         """The system prompt for these tools (in `text` tool mode with their manifest; in `native` mode
@@ -94,11 +99,11 @@ class Request:
         schemas = sum(count(_schema(t)[1]) for t in tools) if native else 0
         return cls(cfg, system, budget.MESSAGE_OVERHEAD + count(system) + schemas, window, count)
 
-    def fit(self, history: list[dict[str, Any]], tighter: float = 1.0) -> budget.Fit:
+    def fit(self, history: list[dict[str, Any]], cache: HistoryCache, tighter: float = 1.0) -> budget.Fit:
         """The history this call sends (after `max_context` in messages, the window in tokens)."""
         try:
             return budget.fit(trim_history(history, self.cfg.max_context), self.fixed_tokens, self.window,
-                              self.cfg.answer_share, self.count, tighter)
+                              self.cfg.answer_share, self.count, tighter, cache.tokens(self.count))
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
@@ -108,15 +113,16 @@ class Request:
         still says the context was exceeded, once more with a tighter budget. With `final`, the history goes
         as plain conversation (no tool calls, no tool messages) followed by the request for the final answer."""
         tighter = 1.0
+        cache = history_cache(session)
         while True:
             # The final request is fitted as sent: its question and results, not the turn's calls it replaces.
-            fitted = self.fit(session.history if final is None else final.conversation(session.history), tighter)
+            fitted = self.fit(session.history if final is None else final.conversation(session.history), cache,
+                              tighter)
             note = fitted.note()
             if note and note not in self.notes:  # each new shortening once per turn
                 self.notes.add(note)
                 status(session.client_id, note)
-            history = fitted.history
-            context = [SystemMessage(self.system), *to_lc_messages(history)]
+            context = [self.system_message, *cache.messages(fitted.history)]
             try:
                 return await call(llm, self.cfg, context, session.client_id, hold)
             except Exception as exc:
@@ -125,6 +131,13 @@ class Request:
                 tighter = budget.RETRY_SHARE
                 status(session.client_id, "[context] the backend said the request exceeds its context window: "
                                           "sending it again with less history (the stored history is unchanged)")
+
+
+def history_cache(session: stores.Session) -> HistoryCache:
+    """The session's HistoryCache, made at its first request."""
+    if session.cache is None:
+        session.cache = HistoryCache()
+    return session.cache
 
 
 async def context_report(session: stores.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
@@ -136,7 +149,7 @@ async def context_report(session: stores.Session, config: AppConfig, prompt: Pro
     request = Request.build(cfg, prompt, tools.for_model(cfg), window)
     line = f"Context of '{key}': {window:,}-token window ({source}), {cfg.answer_share:.0%} kept for the answer"
     try:
-        fitted = request.fit(session.history)
+        fitted = request.fit(session.history, history_cache(session))
     except LLMError as exc:
         return f"{line}.\n{exc}"
     note = fitted.note()
