@@ -56,8 +56,23 @@ class RawCompletions:
             value = params.pop(argument, None)
             if value is not None:
                 options[option] = value
-        return await self._client.post("/chat/completions", body=params, cast_to=object, options=options,
-                                       stream=True, stream_cls=self.stream_cls)
+        content = _encoded(params, options)
+        return await self._client.post("/chat/completions", body=params if content is None else None, content=content,
+                                       cast_to=object, options=options, stream=True, stream_cls=self.stream_cls)
+
+
+def _encoded(params: dict[str, Any], options: dict[str, Any]) -> bytes | None:
+    """The body as the JSON bytes the SDK would send (compact, UTF-8), written by orjson with `extra_body`
+    merged in as the SDK merges it: 0.03 ms instead of the SDK's `json.dumps`' 0.7 ms for a body with 1,000
+    history messages (issue 31). None for what orjson cannot write (an integer beyond 64 bits, an SDK
+    object): the SDK writes that body itself."""
+    extra = options.get("extra_json")
+    try:
+        content = orjson.dumps({**params, **extra} if extra else params)
+    except TypeError:
+        return None
+    options.pop("extra_json", None)
+    return content
 
 
 class ChunkStream(AsyncStream[object]):
@@ -143,13 +158,15 @@ def _remembering_class() -> type:
             payload = super()._get_request_payload([], stop=stop, **kwargs)
             if "messages" not in payload:  # the Responses API: its input is built differently, left to LangChain
                 return super()._get_request_payload(input_, stop=stop, **kwargs)
-            payload["messages"] = [self._message_dict(m) for m in self._convert_input(input_).to_messages()]
+            memo = self._converted  # a private attribute: read once, pydantic's lookup of it costs 3 µs
+            dicts = []
+            for message in self._convert_input(input_).to_messages():
+                known = memo.get(id(message))
+                dicts.append(known[1] if known is not None and known[0]() is message else self._convert(message))
+            payload["messages"] = dicts
             return payload
 
-        def _message_dict(self, message: Any) -> dict[str, Any]:
-            known = self._converted.get(id(message))
-            if known is not None and known[0]() is message:
-                return known[1]
+        def _convert(self, message: Any) -> dict[str, Any]:
             converted = super()._get_request_payload([message])["messages"][0]
             key, memo = id(message), self._converted
             memo[key] = (weakref.ref(message, lambda _, key=key: memo.pop(key, None)), converted)

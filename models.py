@@ -223,7 +223,7 @@ def _to_lc(msg: dict[str, Any]) -> BaseMessage | None:
 class _Derived:
     """What one stored message becomes: its LangChain message, and its tokens by one counter."""
 
-    __slots__ = ("msg", "content", "calls", "lc", "counter", "tokens")
+    __slots__ = ("calls", "content", "counter", "lc", "msg", "tokens")
 
     def __init__(self, msg: dict[str, Any]):
         self.msg, self.content, self.calls = msg, msg.get("content"), msg.get("tool_calls")
@@ -247,9 +247,8 @@ class HistoryCache:
         self._entries: dict[int, _Derived] = {}
 
     def _entry(self, msg: dict[str, Any]) -> _Derived:
-        entry = self._entries.get(id(msg))
-        if entry is None or entry.msg is not msg or entry.content is not msg.get("content") \
-                or entry.calls is not msg.get("tool_calls"):
+        entry = self._entries.get(id(msg))  # an entry holds its message: no other object has that id meanwhile
+        if entry is None or entry.content is not msg.get("content") or entry.calls is not msg.get("tool_calls"):
             entry = self._entries[id(msg)] = _Derived(msg)
         return entry
 

@@ -8,7 +8,9 @@ HTTP 400 when one is too long.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from starlette.routing import Route
 
 import budget
 from config import DEFAULTS_DIR, ModelConfig
+from models import HistoryCache, to_lc_messages
 from tests.conftest import ROOT, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
@@ -88,6 +91,33 @@ def test_what_cannot_fit_is_refused_with_what_to_do() -> None:
     huge = [{"role": "user", "content": "word " * 20_000}]
     with pytest.raises(budget.DoesNotFit, match="Send a shorter message, or raise context_tokens"):
         budget.fit(huge, fixed_tokens=1500, window=4096, answer_share=0.25, count=estimate)
+
+
+def test_the_history_cache_follows_edits_and_trims() -> None:
+    """Each message is converted and counted once across turns; an edited message again, a dropped one is let go."""
+    history = conversation(30, tool_every=3)
+    cache = HistoryCache()
+    first = cache.messages(history)
+    measure = cache.tokens(estimate)
+    assert [measure(m) for m in history] == [budget.message_tokens(m, estimate) for m in history]
+    assert all(a is b for a, b in zip(cache.messages(history), first, strict=True))  # the same objects again
+    assert budget.fit(history, 1500, 4096, 0.25, estimate, measure=measure) == budget.fit(history, 1500, 4096, 0.25,
+                                                                                          estimate)
+    history[0]["content"] = "short"  # edited in place, the value replaced (as SessionManager's cut of a long text)
+    history[1]["tool_calls"] = [{"id": "c0", "name": "t", "args": {"q": 9}}]
+    history[3] = {**history[3], "content": "a new answer"}
+    edited = cache.messages(history)
+    assert edited == to_lc_messages(history) and edited[2] is first[2] and edited[4] is first[4]
+    assert (edited[0].content, edited[1].tool_calls[0]["args"], edited[3].content) == ("short", {"q": 9},
+                                                                                       "a new answer")
+    assert [measure(m) for m in history[:4]] == [budget.message_tokens(m, estimate) for m in history[:4]]
+    assert cache.tokens(exact)(history[3]) == budget.message_tokens(history[3], exact)  # another model's counter
+    gone = weakref.ref(first[4])
+    del first, edited
+    history[:] = history[-6:]  # trimmed
+    assert cache.messages(history) == to_lc_messages(history)
+    gc.collect()
+    assert gone() is None  # the cache no longer holds what left the history
 
 
 @pytest.mark.parametrize(("status", "message", "overflow"), [
