@@ -104,7 +104,8 @@ async def test_what_a_store_writes_reads_back_as_it_was(tmp_path):
     await m.open()
     a = await m.get_or_create("alice", "m1")
     a.history += [{"role": "user", "content": "ü 😀 \u2028 \x01 \"quoted\""},
-                  {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "t", "args": {"n": 1.5e-7}}]}]
+                  {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "t",
+                                                                        "args": {"n": 1.5e-7}}]}]
     b = await m.get_or_create("bob", "m1")
     b.history.append({"role": "assistant", "content": "", "tool_calls": [{"id": "c2", "name": "t",
                                                                            "args": {"big": 2**70}}]})
