@@ -200,7 +200,7 @@ def fit(history: Sequence[dict[str, Any]], fixed_tokens: int, window: int, answe
     for turn in reversed(turns):
         turn_cut: list[int] = []
         sized = [(_cut(m, result_cap, count, turn_cut) if _is_result(m) and tokens_of(m) > result_cap
-                  else m) for m in turn]
+                  else m) for m in turn] if any(map(_is_result, turn)) else turn
         tokens = sum(map(tokens_of, sized))
         if used + tokens > budget:
             if kept:  # older turns go whole
