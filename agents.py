@@ -107,13 +107,13 @@ class Request:
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session,
+    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session, cache: HistoryCache,
                    hold: TextCallFilter | None, final: _Final | None = None) -> AIMessageChunk:
-        """One model call (`call`) with the fitted history, any shortening told by `status`; when the backend
-        still says the context was exceeded, once more with a tighter budget. With `final`, the history goes
-        as plain conversation (no tool calls, no tool messages) followed by the request for the final answer."""
+        """One model call (`call`) with the fitted history (its messages converted and counted through `cache`),
+        any shortening told by `status`; when the backend still says the context was exceeded, once more with a
+        tighter budget. With `final`, the history goes as plain conversation (no tool calls, no tool messages)
+        followed by the request for the final answer."""
         tighter = 1.0
-        cache = history_cache(session)
         while True:
             # The final request is fitted as sent: its question and results, not the turn's calls it replaces.
             fitted = self.fit(session.history if final is None else final.conversation(session.history), cache,
@@ -133,11 +133,23 @@ class Request:
                                           "sending it again with less history (the stored history is unchanged)")
 
 
-def history_cache(session: stores.Session) -> HistoryCache:
-    """The session's HistoryCache, made at its first request."""
-    if session.cache is None:
-        session.cache = HistoryCache()
-    return session.cache
+#: Sessions whose HistoryCache is kept (the most recently active). A cache holds about 1.7 KB per message
+#: (a LangChain message and its body dict; the texts are the history's own): 64 sessions of the default
+#: 1,000 messages keep about 110 MB at most.
+MAX_HISTORY_CACHES = 64
+
+
+def history_cache(caches: OrderedDict[str, HistoryCache], client_id: str) -> HistoryCache:
+    """The HistoryCache of session `client_id` in `caches`, made at its first turn; the least recently used
+    beyond MAX_HISTORY_CACHES is let go (its session's next turn converts and counts its history again)."""
+    cache = caches.get(client_id)
+    if cache is None:
+        cache = caches[client_id] = HistoryCache()
+        if len(caches) > MAX_HISTORY_CACHES:
+            caches.popitem(last=False)
+    else:
+        caches.move_to_end(client_id)
+    return cache
 
 
 async def context_report(session: stores.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
@@ -149,7 +161,7 @@ async def context_report(session: stores.Session, config: AppConfig, prompt: Pro
     request = Request.build(cfg, prompt, tools.for_model(cfg), window)
     line = f"Context of '{key}': {window:,}-token window ({source}), {cfg.answer_share:.0%} kept for the answer"
     try:
-        fitted = request.fit(session.history, history_cache(session))
+        fitted = request.fit(session.history, HistoryCache())
     except LLMError as exc:
         return f"{line}.\n{exc}"
     note = fitted.note()
@@ -228,6 +240,7 @@ class _Loop:
     bound: Any  # the model with the turn's tools bound (native tool mode)
     tools: list[StructuredTool]
     request: Request
+    cache: HistoryCache  # the session's messages as converted and counted for its earlier requests
     #: Signature of each tool call made in this turn → its result (an identical call is not run again).
     done: dict[str, str] = field(default_factory=dict)
     #: (tool, result) of each call that ran, for the answer of last resort.
@@ -290,7 +303,7 @@ async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session,
         return await stream_once(llm, cfg, context, client_id, rt.hub.tok, rt.metrics, rt.tracing, hold)
 
     return _Loop(turn, session, rt.hub, model_call, functools.partial(execute_tool, rt), rt.prompt, llm, bound,
-                 tools, Request.build(cfg, rt.prompt, tools, window))
+                 tools, Request.build(cfg, rt.prompt, tools, window), history_cache(rt.histories, session.client_id))
 
 
 #: Tool object → (the tool, its OpenAI function schema, that schema as JSON), least recently used first. Every
@@ -348,7 +361,7 @@ async def _round(loop: _Loop) -> str | None:
     hub, history, client_id = loop.hub, loop.session.history, loop.turn.client_id
     by_name = loop.by_name
     hold = TextCallFilter() if by_name else None
-    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, hold)
+    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, loop.cache, hold)
     text = content_text(reply.content)
     calls, broken = _native_calls(reply)
     if hold is not None:
@@ -425,7 +438,7 @@ async def _final_answer(loop: _Loop) -> str:
     final = _Final([(name, preview(result, FINAL_RESULT_CHARS)) for name, result in loop.results], loop.by_name)
     why = "the model wrote no answer"
     try:
-        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, hold, final)
+        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, loop.cache, hold, final)
     except ContextFull:
         reply, why = AIMessageChunk(content=""), "even the question and the tool results do not fit the window"
     text = content_text(reply.content)

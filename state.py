@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -67,6 +68,9 @@ class Runtime:
     started: float = field(default_factory=time.time)
     #: model key → (context window in tokens, where that number comes from), found at first use.
     windows: dict[str, tuple[int, str]] = field(default_factory=dict)
+    #: client id → what the agent made of its session's history (models.HistoryCache), for the sessions that
+    #: took a turn most recently (agents.history_cache), least recent first.
+    histories: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     #: Client-id namespaces declared by the loaded client plugins: prefix → (client class, plugin).
     client_namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: The credentials the loaded client plugins accept (their port and admin tokens), which are never sent to

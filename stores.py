@@ -50,9 +50,6 @@ class Session:
     running: str | None = None
     # Held by the request running on this session; later requests wait their turn.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
-    #: What the agent made of the history's messages for its last request (models.HistoryCache), kept with
-    #: the session so the next turn reuses it; never stored.
-    cache: Any = field(default=None, repr=False, compare=False)
 
     def to_record(self) -> dict[str, Any]:
         return {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import agents
 import budget
 from config import DEFAULTS_DIR, ModelConfig
 from models import HistoryCache, to_lc_messages
@@ -118,6 +120,29 @@ def test_the_history_cache_follows_edits_and_trims() -> None:
     assert cache.messages(history) == to_lc_messages(history)
     gc.collect()
     assert gone() is None  # the cache no longer holds what left the history
+
+
+async def test_a_turn_converts_only_the_messages_new_since_the_last(tmp_path: Path) -> None:
+    with FakeOpenAI() as backend:
+        async with runtime(tmp_path, {"small": openai_model(backend)}) as rt:
+            await turn(rt, "first question")
+            history = rt.sessions.get("c1").history
+            kept = rt.histories["c1"].messages(history)
+            await turn(rt, "second question")
+            again = rt.histories["c1"].messages(history[:len(kept)])
+            sent = backend.requests[-1].json["messages"]
+    assert all(a is b for a, b in zip(again, kept, strict=True)) and len(kept) == 2
+    assert [m["content"] for m in sent[1:]] == ["first question", "echo: first question", "second question"]
+
+
+def test_only_the_most_recently_active_sessions_keep_their_history_cache() -> None:
+    caches: OrderedDict[str, HistoryCache] = OrderedDict()
+    first = agents.history_cache(caches, "s0")
+    for i in range(1, agents.MAX_HISTORY_CACHES):
+        agents.history_cache(caches, f"s{i}")
+    assert agents.history_cache(caches, "s0") is first  # used again: the most recent now
+    agents.history_cache(caches, "newcomer")
+    assert len(caches) == agents.MAX_HISTORY_CACHES and "s1" not in caches and caches["s0"] is first
 
 
 @pytest.mark.parametrize(("status", "message", "overflow"), [
