@@ -178,8 +178,8 @@ def _remembering_class() -> type:
 def raw_streams(llm: Any) -> Any:
     """`llm` (a ChatOpenAI) with its streamed Chat Completions calls going through `RawCompletions`.
 
-    A function, not a subclass: langchain_openai stays imported only where an OpenAI-type model is
-    built (the warm-up does it before serving)."""
+    A function, so that it applies to any ChatOpenAI: `openai_chat_model`'s, or a stock one (the tests and
+    benchmarks compare the two)."""
     if not isinstance(llm.async_client, RawCompletions):
         llm.async_client = RawCompletions(llm.async_client, llm.root_async_client)
     return llm
