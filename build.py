@@ -72,6 +72,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     # Before anything opens:
     rules = approvals.ApprovalRules(config.enabled.approvals, client_classes.CLASSES, [client_classes.SHELL])
+    registry, prompt = ToolRegistry(), PromptTree(config.path(PROMPT_DIR)).load()
     sessions = SessionManager(store or shared_store.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                               session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
@@ -88,7 +89,6 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
         raise
     found, from_env = observability(config)
     spans = spans or from_env
-    registry, prompt = ToolRegistry(), PromptTree(config.path(PROMPT_DIR)).load()
     limiter = rate_limits.RateLimiter(config.enabled.rate_limits, hub)
     llms: dict[str, Any] = {}
     windows: dict[str, tuple[int, str]] = {}
