@@ -41,7 +41,8 @@ Requests = dict[str, dict[asyncio.Task[None], str]]
 
 @dataclass
 class Runtime:
-    """Everything one server instance owns. Built once, passed to every module that needs it."""
+    """Everything one server instance owns. Built once (build.py); only the request entry (routes.py) and the
+    plugins' contexts take it whole, everything else gets the parts it uses."""
 
     config: AppConfig
     sessions: SessionManager
