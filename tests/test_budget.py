@@ -127,9 +127,9 @@ async def test_a_turn_converts_only_the_messages_new_since_the_last(tmp_path: Pa
         async with runtime(tmp_path, {"small": openai_model(backend)}) as rt:
             await turn(rt, "first question")
             history = rt.sessions.get("c1").history
-            kept = rt.histories["c1"].messages(history)
+            kept = rt.agent.histories["c1"].messages(history)
             await turn(rt, "second question")
-            again = rt.histories["c1"].messages(history[:len(kept)])
+            again = rt.agent.histories["c1"].messages(history[:len(kept)])
             sent = backend.requests[-1].json["messages"]
     assert all(a is b for a, b in zip(again, kept, strict=True)) and len(kept) == 2
     assert [m["content"] for m in sent[1:]] == ["first question", "echo: first question", "second question"]
