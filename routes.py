@@ -193,19 +193,26 @@ async def delete_session(rt: state.Runtime, client_id: str, *, remember: bool = 
                          announce: bool = True) -> stores.Session | None:
     """The one way a session is deleted, whoever asks: the shell's, API's and MCP server's delete,
     `!session <id> delete` (another session now, its own once it has answered: `Turn.ends_session`) and the
-    proxy's throwaway task sessions. Its requests are cancelled, then the session manager forgets it, whose
+    proxy's throwaway task sessions. Its requests here are cancelled, then the session manager forgets it, whose
     `forgotten` hooks drop the rest (event channel, rate-limit windows, grants, the proxy's conversation
-    index), as they do for an expired or evicted session.
+    index), as they do for an expired or evicted session; then those on other instances are cancelled.
 
     With `remember`, a client that comes back is told (see SessionManager.delete); with `announce`, every
     window still following the id is told now (a throwaway session has none). A session already gone:
     only its event channel is dropped, and None returned.
     """
-    await cancel_active_task(rt, client_id)
-    if rt.sessions.get(client_id) is None:
+    await _cancel_here(rt.active_tasks, client_id)
+    session = rt.sessions.get(client_id)
+    if session is not None:
+        await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
+    if rt.signals is not None:
+        # Only once the store has forgotten it: a request running on another instance then ends after the
+        # deletion, so its last save is refused and that instance forgets the session too. Told first, it could
+        # save just before the deletion and keep the deleted session (and its history) in its memory.
+        await rt.signals.send("cancel", client_id)
+    if session is None:
         rt.hub.drop(client_id)
         return None
-    session = await rt.sessions.delete(client_id, remember)  # its `forgotten` hooks drop the rest
     if announce:
         # Every window still following the id is told now, not only with its next message: the event opens the
         # id's next channel, which their subscriptions move on to. It belongs to no turn (not the deleting one's).

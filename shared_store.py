@@ -29,9 +29,11 @@ GONE_SECONDS = 30 * 86400
 
 
 #: Save a session (one round trip): its hash, the index by shorthand id, the running set; unless it must
-#: exist already (ARGV[6] = 0) and another instance removed it, or it is saved under a turn lease (ARGV[7])
-#: that this instance no longer holds.
-_SAVE = """if ARGV[6] == '0' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+#: exist already (ARGV[6] = 0) and the store no longer holds that session, or it is saved under a turn lease
+#: (ARGV[7]) that this instance no longer holds. "That session" is its shorthand id, never handed out twice:
+#: a session another instance removed, and one created anew under its client id since, both refuse the save
+#: of a copy an instance kept in memory (the deleted history must not come back into the new session).
+_SAVE = """if ARGV[6] == '0' and redis.call('HGET', KEYS[1], 'shorthand') ~= ARGV[2] then return 0 end
 if ARGV[7] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[7] then return 0 end
 redis.call('HSET', KEYS[1], 'shorthand', ARGV[2], 'updated', ARGV[3], 'record', ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])

@@ -271,7 +271,8 @@ async def test_revoking_all_grants_reaches_those_given_on_another_instance(tmp_p
 async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_on_another(tmp_path, fake_openai,
                                                                                          redis_store) -> None:
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
-        fake_openai.script(text("slow ", "answer", delay=0.5))
+        # The answer never ends by itself (no hold.set()): only the delete ends A's turn, however slow B is.
+        fake_openai.script(text("slow ", "answer", hold=threading.Event()))
         sub = a.hub.subscribe("c1", a.hub.last_id("c1"))
         ran = await routes.submit(a, ask(a, "c1", "take your time", shell_payload(a, "c1", None)))
         async with asyncio.timeout(20):
@@ -289,6 +290,26 @@ async def test_a_session_deleted_on_one_instance_is_not_saved_again_by_its_turn_
         assert not await a.sessions.exists("c1") and a.sessions.get("c1") is None
         await b.sessions.refresh()
         assert b.sessions.all() == []
+        await sub.aclose()
+
+
+async def test_a_copy_of_a_deleted_session_another_instance_kept_never_overwrites_the_new_one(tmp_path, fake_openai,
+                                                                                             redis_store) -> None:
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        fake_openai.script(text("noted"))
+        sub = a.hub.subscribe("c1", a.hub.last_id("c1"))
+        ran = await routes.submit(a, ask(a, "c1", "my secret", shell_payload(a, "c1", None)))
+        await until_done(sub, ran.id)
+        kept = a.sessions.get("c1")  # A learns of a deletion elsewhere only when it next reads the store
+        await b.sessions.refresh()
+        await routes.delete_session(b, "c1")
+        anew = await b.sessions.get_or_create("c1", "fake")  # the client starts over, under the same id
+        # A saves its copy without reading the store first (what a command or an MCP tool call on it does).
+        await a.sessions.save(kept)
+        assert a.sessions.get("c1") is None
+        await b.sessions.refresh()
+        stored = b.sessions.get("c1")
+        assert stored.history == [] and stored.shorthand == anew.shorthand != kept.shorthand
         await sub.aclose()
 
 
