@@ -140,13 +140,22 @@ class Link:
 
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
-        """One Redis round trip (counted): connection failures become StoreUnavailable (and Redis is noted down)."""
+        """One Redis round trip (counted): connection failures become StoreUnavailable (and Redis is noted down).
+
+        A task cancelled during the call ends there even when redis-py lost the cancellation: it sends through
+        asyncio.wait_for, which on Python 3.11 returns the result instead when the send has just finished. Lost,
+        the task would run on: a stopped or deleted session's turn, or the session manager's recovery loop,
+        which closing the store then waits for forever."""
+        task = asyncio.current_task()
+        asked = task.cancelling() if task is not None else 0
         self.metrics.redis_round_trip()
         try:
             yield
         except self.lost as exc:
             self.metrics.redis_failed()
             raise self.unavailable(exc) from None
+        if task is not None and task.cancelling() > asked:
+            raise asyncio.CancelledError
 
     async def _ping_until_back(self) -> None:
         while self.down is not None:

@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 import routes
+import shared_link
 import shared_store
 import state
 import stores
@@ -311,6 +312,31 @@ async def test_a_copy_of_a_deleted_session_another_instance_kept_never_overwrite
         stored = b.sessions.get("c1")
         assert stored.history == [] and stored.shorthand == anew.shorthand != kept.shorthand
         await sub.aclose()
+
+
+async def test_a_task_cancelled_during_a_redis_call_ends_there(redis_store) -> None:
+    """redis-py sends a command through asyncio.wait_for, which on Python 3.11 drops a cancellation that comes
+    just as the send finishes. Such a task ran on: closing the store waited forever for its recovery loop."""
+    link = shared_link.Link(redis_store)
+    await link.open()
+
+    async def calls() -> None:
+        while True:
+            with link.calling():
+                await link.client.ping()
+
+    try:
+        for n in range(40):  # cancelled at 40 moments across a few round trips
+            task = asyncio.create_task(calls())
+            await asyncio.sleep(n * 0.000075)
+            task.cancel()
+            ended = (await asyncio.wait([task], timeout=2))[0]
+            while not task.done():  # it ran on: ended for good before the test fails
+                task.cancel()
+                await asyncio.wait([task], timeout=0.1)
+            assert ended, f"a task cancelled {n * 75} µs after it began its Redis calls ran on"
+    finally:
+        await link.close()
 
 
 async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_another(tmp_path, fake_openai,
