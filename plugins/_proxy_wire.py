@@ -311,18 +311,23 @@ class OpenAI:
 
     def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
         async def body() -> AsyncIterator[bytes]:
-            yield self.chunk({"role": "assistant", "content": ""})
+            # Events that are ready together go out in one write (one send through sse_starlette and the
+            # server, one read for the client): the role chunk with the first text, the end with [DONE].
+            role = self.chunk({"role": "assistant", "content": ""})
+            if not (any(first) or out.finished):
+                yield role  # no text yet: the role chunk goes at once, alone
+                role = b""
             async for content, thinking in pieces(out, first, events):
                 if out.error is not None:
-                    yield sse(self.error_body(*out.failure()))
+                    piece = sse(self.error_body(*out.failure()))
                 elif out.finished:
-                    yield self.chunk({}, "stop")
-                    if self.include_usage:
-                        yield sse({**self.head, "choices": [], "usage": out.usage()})
-                    yield SSE_DONE
+                    usage = sse({**self.head, "choices": [], "usage": out.usage()}) if self.include_usage else b""
+                    piece = self.chunk({}, "stop") + usage + SSE_DONE
                 else:  # (an empty content chunk: the keepalive while a gate waits)
-                    yield self.chunk({"content": content} if content or not thinking
-                                     else {"reasoning_content": thinking})
+                    piece = self.chunk({"content": content} if content or not thinking
+                                       else {"reasoning_content": thinking})
+                yield role + piece
+                role = b""
 
         return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
 
