@@ -21,8 +21,8 @@ HEAVY = {
     "langchain_google_genai": "agents.chat_model: a GEMINI model",
     "google.genai": "plugin_search_google",
     "googleapiclient": "plugin_storage_googledrive",
-    "mcp": "an MCP plugin that serves, or connects to a server",
-    "mcp_types": "an MCP plugin that serves, or connects to a server",
+    "mcp": "plugin_client_mcp: the first request to its port; plugin_mcp_client: a server in mcp-servers.json",
+    "mcp_types": "plugin_client_mcp: the first request to its port; plugin_mcp_client: a server in mcp-servers.json",
     "jsonschema": "plugins/_mcp_servers.py: a connected MCP server's tools",
     "ddgs": "plugin_search_ddgs: its first search",
     "primp": "plugin_search_ddgs: its first search",
@@ -33,9 +33,9 @@ HEAVY = {
     "websockets": "nothing: no front door speaks WebSocket",
 }
 
-#: Plugins an idle server with every plugin enabled loads without keys, minus plugin_client_mcp (it serves MCP).
+#: Plugins an idle server with every plugin enabled loads without keys.
 PLUGINS = ["plugin_client_shellpy", "plugin_client_api", "plugin_proxy_llama", "plugin_client_metrics",
-           "plugin_search_ddgs", "plugin_mcp_client"]
+           "plugin_search_ddgs", "plugin_mcp_client", "plugin_client_mcp"]
 
 
 def _imported_after(modules: list[str]) -> set[str]:
