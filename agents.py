@@ -31,7 +31,7 @@ import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
-from models import chat_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
+from models import built_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
 from sessions import trim_history
 from text_calls import (
     TextCallFilter,
@@ -261,8 +261,8 @@ async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session,
     """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
     says no), and the pieces of the runtime the rounds use."""
     cfg = rt.config.models[key]
-    llm = chat_model(rt.llms, rt.config, key, rt.metrics.on or rt.tracing.on)
     tools = rt.tools.for_model(cfg)
+    llm = await built_model(rt.llms, rt.config, key, rt.metrics.on or rt.tracing.on, tools)
     if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
         tools = []
     if tools and cfg.tool_mode == "native":  # ChatOpenAI takes the schemas as they are; other models the tools

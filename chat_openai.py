@@ -114,7 +114,7 @@ def raw_streams(llm: Any) -> Any:
     """`llm` (a ChatOpenAI) with its streamed Chat Completions calls going through `RawCompletions`.
 
     A function, not a subclass: langchain_openai stays imported only where an OpenAI-type model is
-    built (the warm-up does it before serving)."""
+    built (models.chat_model, at the model's first use)."""
     if not isinstance(llm.async_client, RawCompletions):
         llm.async_client = RawCompletions(llm.async_client, llm.root_async_client)
     return llm

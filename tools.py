@@ -254,7 +254,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     async def llm_clean_text(model: str, prompt: str) -> str:
         cfg = delegate(model)
         try:
-            llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
+            llm = await models.built_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
             async with asyncio.timeout(cfg.llm_call_timeout):
                 reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
@@ -278,7 +278,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             raise ToolError(f"unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}")
         if tool in NOT_DELEGABLE:
             raise ToolError(f"{tool} cannot be delegated; call it yourself.")
-        llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
+        llm = await models.built_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
             async with asyncio.timeout(cfg.llm_call_timeout):

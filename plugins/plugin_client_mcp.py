@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib
 import json
 import logging
 import time
@@ -161,8 +160,7 @@ class McpServerPlugin(BasePlugin):
         runs for as long as the plugin does (uvicorn runs the app without lifespan)."""
         async with self._building:
             if self.server is None:
-                module = await asyncio.to_thread(importlib.import_module, "plugins._mcp_app")
-                server: McpApp = module.McpApp(self, self._tokens, f"http://{self._url_host()}:{self.cfg.port}/mcp")
+                server = await asyncio.to_thread(self._build_sdk_app)
                 ready = asyncio.Event()
                 # A task of the plugin's, not of the request that happened to be first (its context stays out).
                 manager = asyncio.get_running_loop().create_task(
@@ -175,6 +173,11 @@ class McpServerPlugin(BasePlugin):
                 self._tasks.append(manager)
                 self.server = server
         return self.server.app
+
+    def _build_sdk_app(self) -> McpApp:
+        from plugins._mcp_app import McpApp
+
+        return McpApp(self, self._tokens, f"http://{self._url_host()}:{self.cfg.port}/mcp")
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
