@@ -25,6 +25,7 @@ from langchain_core.tools import StructuredTool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 import budget
+import chat_openai
 import tracing
 from config import AppConfig, ModelConfig, resolve_api_key
 from llm_errors import LLMError, describe_llm_error, failure_kind, llm_error_kind, retryable
@@ -87,8 +88,6 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
     if cfg.type == "OPENAI":
         import openai
         from langchain_openai import ChatOpenAI
-
-        import chat_openai
 
         # Streamed through the SDK's raw path: no pydantic object per chunk, no request transform (chat_openai).
         llm = chat_openai.raw_streams(ChatOpenAI(
@@ -159,8 +158,6 @@ async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool]) -> None:
     first run builds caches), and nothing leaves the process."""
     import openai
     from langchain_openai import ChatOpenAI
-
-    import chat_openai
 
     messages = [SystemMessage("dry run"), HumanMessage("dry run")]
 
