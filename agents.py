@@ -1,8 +1,8 @@
 """The LLM turn: the tool-calling loop, from the user's message to the final answer.
 
-`dispatch_llm()` runs one turn of a session: the system prompt plus the session history go to the
+`Agent.dispatch_llm()` runs one turn of a session: the system prompt plus the session history go to the
 model with its tools bound; text streams to the session's subscribers as it arrives; tool calls go
-through `tool_calls.execute_tool()` (the runtime's checks, then the executor) and their results back
+through the tool pipeline (`tool_calls.ToolPipeline`: the checks, then the executor) and their results back
 to the model, up to `MAX_TOOL_ITERATIONS` rounds. Every failure becomes an `error` event that says why.
 The chat models and their calls are `models.py`; what a failure means, `llm_errors.py`.
 """
@@ -10,7 +10,6 @@ The chat models and their calls are `models.py`; what a failure means, `llm_erro
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import uuid
@@ -26,13 +25,12 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 import budget
 import client_classes
 import events
-import state
 import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
 from models import built_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
-from sessions import trim_history
+from sessions import SessionManager, trim_history
 from text_calls import (
     TextCallFilter,
     TextCalls,
@@ -44,18 +42,22 @@ from text_calls import (
     tool_manifest,
     without_spans,
 )
-from tool_calls import ToolOutcome, execute_tool, preview
+from tool_calls import ToolOutcome, ToolPipeline, preview
 
 if TYPE_CHECKING:
+    from langchain_core.language_models import BaseChatModel
+
+    from metrics import Metrics
     from prompt import PromptTree
     from registry import ToolRegistry
+    from tracing import Tracing
 
 logger = logging.getLogger("agent_mcp.agents")
 
 #: One streamed model call with the session's stream and the telemetry bound (models.stream_once):
 #: (model, its config, the messages, the session's client id, the text-call filter) → the reply.
 ModelCall = Callable[[Any, ModelConfig, list[BaseMessage], str, TextCallFilter | None], Awaitable[AIMessageChunk]]
-#: One tool call through the pipeline (tool_calls.execute_tool): (turn, tool name, arguments) → its outcome.
+#: One tool call through the pipeline (tool_calls.ToolPipeline.execute): (turn, tool name, arguments) → its outcome.
 ToolCall = Callable[[turns.Turn, str, dict[str, Any]], Awaitable[ToolOutcome]]
 #: A line for a session's status stream: (client id, text).
 Status = Callable[[str, str], None]
@@ -257,29 +259,6 @@ class _Loop:
         return True
 
 
-async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
-    """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
-    says no), and the pieces of the runtime the rounds use."""
-    cfg = rt.config.models[key]
-    tools = rt.tools.for_model(cfg)
-    llm = await built_model(rt.llms, rt.config, key, rt.metrics.on or rt.tracing.on, tools)
-    if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
-        tools = []
-    if tools and cfg.tool_mode == "native":  # ChatOpenAI takes the schemas as they are; other models the tools
-        bound = llm.bind_tools([_schema(t)[0] for t in tools] if cfg.type == "OPENAI" else tools)
-    else:
-        bound = llm
-    window, _ = await model_window(rt.windows, key, cfg)
-    await budget.load_tokenizer()  # at the first turn only: off the event loop
-
-    async def model_call(llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
-                         hold: TextCallFilter | None) -> AIMessageChunk:
-        return await stream_once(llm, cfg, context, client_id, rt.hub.tok, rt.metrics, rt.tracing, hold)
-
-    return _Loop(turn, session, rt.hub, model_call, functools.partial(execute_tool, rt), rt.prompt, llm, bound,
-                 tools, Request.build(cfg, rt.prompt, tools, window))
-
-
 #: Tool object → (the tool, its OpenAI function schema, that schema as JSON), least recently used first. Every
 #: turn binds and counts the same tools: converting them again was about 0.4 ms of a turn's 8.5 ms of server
 #: CPU (issue 31). The entry keeps its tool, so an id is never mistaken for a later object's.
@@ -457,38 +436,81 @@ async def agentic_lc(loop: _Loop) -> str:
     return await _final_answer(loop)
 
 
-async def dispatch_llm(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
-    """Run one LLM turn of `text` on the turn's model (default: the session's).
+@dataclass
+class Agent:
+    """The LLM turns of one instance and exactly what they use (built once by build.py): the configuration,
+    the sessions and their streams, the system prompt, the tool pipeline (its registry holds the tools), the
+    chat models and their windows (kept across turns), the telemetry, and whether the server is stopping."""
 
-    On failure the history is rolled back to how it was before the turn (the user message
-    included) and the client gets an `error` event; cancellation rolls back too and propagates.
-    """
-    session = turn.session
-    assert session is not None
-    key = turn.model or session.model
-    mark = len(session.history)
-    session.history.append({"role": "user", "content": text})
-    await rt.sessions.save(session)  # kept if this server dies before answering (see SessionManager.hold)
-    cfg = rt.config.models.get(key)
-    attributes = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "agent-mcp",
-                  "gen_ai.request.model": cfg.model_id if cfg else key, "agent_mcp.client_class": turn.kind}
-    try:
-        with rt.metrics.turn(turn.kind, key), rt.tracing.span("invoke_agent agent-mcp", attributes) as span:
-            rt.tracing.text(span, "gen_ai.input.messages", text)
-            rt.tracing.text(span, "gen_ai.output.messages", await agentic_lc(await _prepare(rt, turn, session, key)))
-    except asyncio.CancelledError:
-        # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
-        del session.history[mark + 1 if rt.closing else mark:]
-        raise
-    except Exception as exc:
-        if not from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
-            logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
-        del session.history[mark:]
-        message = describe_llm_error(exc, key, cfg)
-        logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
-        if not client_classes.may_administer(turn):
-            # Proxy, Slack and API users learn what failed, not where the backends live.
-            message = client_classes.without_locations(rt.config, message)
-        rt.hub.error(session.client_id, message, llm_error_kind(exc))
-    else:
-        session.history[:] = trim_history(session.history, rt.config.models[key].max_context)
+    config: AppConfig
+    sessions: SessionManager
+    hub: events.EventHub
+    prompt: PromptTree
+    pipeline: ToolPipeline
+    #: model key → LangChain chat model, built once and reused (the runtime's `llms`).
+    llms: dict[str, BaseChatModel]
+    #: model key → (context window in tokens, where that number comes from) (the runtime's `windows`).
+    windows: dict[str, tuple[int, str]]
+    metrics: Metrics
+    tracing: Tracing
+    #: Whether the server is stopping (the runtime's `closing`, set by routes.end_all), read when a turn is cancelled.
+    closing: Callable[[], bool]
+
+    async def _prepare(self, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
+        """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
+        says no), and the pieces the rounds use."""
+        cfg = self.config.models[key]
+        tools = self.pipeline.tools.for_model(cfg)
+        llm = await built_model(self.llms, self.config, key, self.metrics.on or self.tracing.on, tools)
+        if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
+            tools = []
+        if tools and cfg.tool_mode == "native":  # ChatOpenAI takes the schemas as they are; other models the tools
+            bound = llm.bind_tools([_schema(t)[0] for t in tools] if cfg.type == "OPENAI" else tools)
+        else:
+            bound = llm
+        window, _ = await model_window(self.windows, key, cfg)
+        await budget.load_tokenizer()  # at the first turn only: off the event loop
+
+        async def model_call(llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
+                             hold: TextCallFilter | None) -> AIMessageChunk:
+            return await stream_once(llm, cfg, context, client_id, self.hub.tok, self.metrics, self.tracing, hold)
+
+        return _Loop(turn, session, self.hub, model_call, self.pipeline.execute, self.prompt, llm, bound,
+                     tools, Request.build(cfg, self.prompt, tools, window))
+
+    async def dispatch_llm(self, turn: turns.Turn, text: str) -> None:
+        """Run one LLM turn of `text` on the turn's model (default: the session's).
+
+        On failure the history is rolled back to how it was before the turn (the user message
+        included) and the client gets an `error` event; cancellation rolls back too and propagates.
+        """
+        session = turn.session
+        assert session is not None
+        key = turn.model or session.model
+        mark = len(session.history)
+        session.history.append({"role": "user", "content": text})
+        await self.sessions.save(session)  # kept if this server dies before answering (see SessionManager.hold)
+        cfg = self.config.models.get(key)
+        attributes = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "agent-mcp",
+                      "gen_ai.request.model": cfg.model_id if cfg else key, "agent_mcp.client_class": turn.kind}
+        try:
+            with self.metrics.turn(turn.kind, key), self.tracing.span("invoke_agent agent-mcp", attributes) as span:
+                self.tracing.text(span, "gen_ai.input.messages", text)
+                answer = await agentic_lc(await self._prepare(turn, session, key))
+                self.tracing.text(span, "gen_ai.output.messages", answer)
+        except asyncio.CancelledError:
+            # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
+            del session.history[mark + 1 if self.closing() else mark:]
+            raise
+        except Exception as exc:
+            if not from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
+                logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
+            del session.history[mark:]
+            message = describe_llm_error(exc, key, cfg)
+            logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
+            if not client_classes.may_administer(turn):
+                # Proxy, Slack and API users learn what failed, not where the backends live.
+                message = client_classes.without_locations(self.config, message)
+            self.hub.error(session.client_id, message, llm_error_kind(exc))
+        else:
+            session.history[:] = trim_history(session.history, self.config.models[key].max_context)
