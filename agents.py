@@ -10,6 +10,7 @@ The chat models and their calls are `models.py`; what a failure means, `llm_erro
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
@@ -29,7 +30,7 @@ import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
-from models import built_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
+from models import HistoryCache, built_model, content_text, model_window, router_wants_tools, stream_once
 from sessions import SessionManager, trim_history
 from text_calls import (
     TextCallFilter,
@@ -84,6 +85,11 @@ class Request:
     count: Callable[[str], int]
     notes: set[str] = field(default_factory=set)
 
+    @functools.cached_property
+    def system_message(self) -> SystemMessage:
+        """The system prompt as one message object for every call of the turn (its body dict is built once)."""
+        return SystemMessage(self.system)
+
     @classmethod
     def build(cls, cfg: ModelConfig, prompt: PromptTree, tools: list[StructuredTool], window: int) -> Request:
         """The system prompt for these tools (in `text` tool mode with their manifest; in `native` mode
@@ -96,29 +102,30 @@ class Request:
         schemas = sum(count(_schema(t)[1]) for t in tools) if native else 0
         return cls(cfg, system, budget.MESSAGE_OVERHEAD + count(system) + schemas, window, count)
 
-    def fit(self, history: list[dict[str, Any]], tighter: float = 1.0) -> budget.Fit:
+    def fit(self, history: list[dict[str, Any]], cache: HistoryCache, tighter: float = 1.0) -> budget.Fit:
         """The history this call sends (after `max_context` in messages, the window in tokens)."""
         try:
             return budget.fit(trim_history(history, self.cfg.max_context), self.fixed_tokens, self.window,
-                              self.cfg.answer_share, self.count, tighter)
+                              self.cfg.answer_share, self.count, tighter, cache.tokens(self.count))
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session,
+    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session, cache: HistoryCache,
                    hold: TextCallFilter | None, final: _Final | None = None) -> AIMessageChunk:
-        """One model call (`call`) with the fitted history, any shortening told by `status`; when the backend
-        still says the context was exceeded, once more with a tighter budget. With `final`, the history goes
-        as plain conversation (no tool calls, no tool messages) followed by the request for the final answer."""
+        """One model call (`call`) with the fitted history (its messages converted and counted through `cache`),
+        any shortening told by `status`; when the backend still says the context was exceeded, once more with a
+        tighter budget. With `final`, the history goes as plain conversation (no tool calls, no tool messages)
+        followed by the request for the final answer."""
         tighter = 1.0
         while True:
             # The final request is fitted as sent: its question and results, not the turn's calls it replaces.
-            fitted = self.fit(session.history if final is None else final.conversation(session.history), tighter)
+            fitted = self.fit(session.history if final is None else final.conversation(session.history), cache,
+                              tighter)
             note = fitted.note()
             if note and note not in self.notes:  # each new shortening once per turn
                 self.notes.add(note)
                 status(session.client_id, note)
-            history = fitted.history
-            context = [SystemMessage(self.system), *to_lc_messages(history)]
+            context = [self.system_message, *cache.messages(fitted.history)]
             try:
                 return await call(llm, self.cfg, context, session.client_id, hold)
             except Exception as exc:
@@ -127,6 +134,25 @@ class Request:
                 tighter = budget.RETRY_SHARE
                 status(session.client_id, "[context] the backend said the request exceeds its context window: "
                                           "sending it again with less history (the stored history is unchanged)")
+
+
+#: Sessions whose HistoryCache is kept (the most recently active). A cache holds about 1.7 KB per message
+#: (a LangChain message and its body dict; the texts are the history's own): 64 sessions of the default
+#: 1,000 messages keep about 110 MB at most.
+MAX_HISTORY_CACHES = 64
+
+
+def history_cache(caches: OrderedDict[str, HistoryCache], client_id: str) -> HistoryCache:
+    """The HistoryCache of session `client_id` in `caches`, made at its first turn; the least recently used
+    beyond MAX_HISTORY_CACHES is let go (its session's next turn converts and counts its history again)."""
+    cache = caches.get(client_id)
+    if cache is None:
+        cache = caches[client_id] = HistoryCache()
+        if len(caches) > MAX_HISTORY_CACHES:
+            caches.popitem(last=False)
+    else:
+        caches.move_to_end(client_id)
+    return cache
 
 
 async def context_report(session: stores.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
@@ -138,7 +164,7 @@ async def context_report(session: stores.Session, config: AppConfig, prompt: Pro
     request = Request.build(cfg, prompt, tools.for_model(cfg), window)
     line = f"Context of '{key}': {window:,}-token window ({source}), {cfg.answer_share:.0%} kept for the answer"
     try:
-        fitted = request.fit(session.history)
+        fitted = request.fit(session.history, HistoryCache())
     except LLMError as exc:
         return f"{line}.\n{exc}"
     note = fitted.note()
@@ -217,6 +243,7 @@ class _Loop:
     bound: Any  # the model with the turn's tools bound (native tool mode)
     tools: list[StructuredTool]
     request: Request
+    cache: HistoryCache  # the session's messages as converted and counted for its earlier requests
     #: Signature of each tool call made in this turn → its result (an identical call is not run again).
     done: dict[str, str] = field(default_factory=dict)
     #: (tool, result) of each call that ran, for the answer of last resort.
@@ -314,7 +341,7 @@ async def _round(loop: _Loop) -> str | None:
     hub, history, client_id = loop.hub, loop.session.history, loop.turn.client_id
     by_name = loop.by_name
     hold = TextCallFilter() if by_name else None
-    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, hold)
+    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, loop.cache, hold)
     text = content_text(reply.content)
     calls, broken = _native_calls(reply)
     if hold is not None:
@@ -391,7 +418,7 @@ async def _final_answer(loop: _Loop) -> str:
     final = _Final([(name, preview(result, FINAL_RESULT_CHARS)) for name, result in loop.results], loop.by_name)
     why = "the model wrote no answer"
     try:
-        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, hold, final)
+        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, loop.cache, hold, final)
     except ContextFull:
         reply, why = AIMessageChunk(content=""), "even the question and the tool results do not fit the window"
     text = content_text(reply.content)
@@ -455,6 +482,9 @@ class Agent:
     tracing: Tracing
     #: Whether the server is stopping (the runtime's `closing`, set by routes.end_all), read when a turn is cancelled.
     closing: Callable[[], bool]
+    #: client id → what the turns made of its session's history, for the sessions that took a turn most recently
+    #: (`history_cache`), least recent first.
+    histories: OrderedDict[str, HistoryCache] = field(default_factory=OrderedDict)
 
     async def _prepare(self, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
         """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
@@ -476,7 +506,8 @@ class Agent:
             return await stream_once(llm, cfg, context, client_id, self.hub.tok, self.metrics, self.tracing, hold)
 
         return _Loop(turn, session, self.hub, model_call, self.pipeline.execute, self.prompt, llm, bound,
-                     tools, Request.build(cfg, self.prompt, tools, window))
+                     tools, Request.build(cfg, self.prompt, tools, window),
+                     history_cache(self.histories, session.client_id))
 
     async def dispatch_llm(self, turn: turns.Turn, text: str) -> None:
         """Run one LLM turn of `text` on the turn's model (default: the session's).
