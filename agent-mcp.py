@@ -270,7 +270,6 @@ async def serve(config: AppConfig) -> int:
             await _compare_prompts(rt)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
-        # Each model's client is built at its first use, in a worker thread (models.built_model).
         started = time.monotonic()
         windows = await asyncio.gather(*(models.model_window(rt.windows, key, cfg)
                                          for key, cfg in config.models.items()))
@@ -331,6 +330,9 @@ async def serve(config: AppConfig) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop, True)
         tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock, _ in prepared]
+        # The default model is built while the ports already answer, so its first turn finds it ready (other
+        # models at their first use): the ports do not wait for the model library's imports, the first turn does not.
+        warming = asyncio.create_task(rt.agent.warm(config.default_model), name="warm-up")
         for _, _, where in prepared:
             logger.info("listening: %s", where)
         logger.info("agent-mcp ready: %d plugin(s) loaded, %d with problems, default model %s",
@@ -340,7 +342,8 @@ async def serve(config: AppConfig) -> int:
         gc.freeze()
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop()  # one server stopped (or a signal came): stop the rest
-        await asyncio.gather(*tasks, *ending, return_exceptions=True)
+        warming.cancel()
+        await asyncio.gather(*tasks, *ending, warming, return_exceptions=True)
         return 0
     finally:
         await build.close_runtime(rt)

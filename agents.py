@@ -486,6 +486,15 @@ class Agent:
     #: (`history_cache`), least recent first.
     histories: OrderedDict[str, HistoryCache] = field(default_factory=OrderedDict)
 
+    async def warm(self, key: str) -> None:
+        """Build model `key` before a turn needs it (`built_model`: in a worker thread). One that cannot be
+        built is left to its first turn, which says why."""
+        try:
+            await built_model(self.llms, self.config, key, self.metrics.on or self.tracing.on,
+                              self.pipeline.tools.for_model(self.config.models[key]))
+        except LLMError as exc:
+            logger.warning("model %s is not prepared: %s", key, exc)
+
     async def _prepare(self, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
         """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
         says no), and the pieces the rounds use."""

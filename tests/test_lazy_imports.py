@@ -20,8 +20,9 @@ from tests.plugin_host import PROXY_ENV, SERVICE_ENV
 HEAVY = {
     "redis": "shared_link.Link: a redis:// SESSION_STORE",
     "sqlglot": "sql.py: the first SQL statement parsed (a db tool)",
-    "openai": "models.built_model: the first OpenAI-type model used (or plugin_search_xai with its key)",
-    "langchain_openai": "models.built_model: the first OpenAI-type model used",
+    "openai": "models.built_model: the default model once the ports listen (Agent.warm), another at its first use "
+              "(or plugin_search_xai with its key)",
+    "langchain_openai": "models.built_model: the default model once the ports listen, another at its first use",
     "langchain_google_genai": "models.built_model: a GEMINI model used",
     "google.genai": "plugin_search_google",
     "googleapiclient": "plugin_storage_googledrive",
@@ -70,7 +71,8 @@ def test_heavy_libraries_wait_until_they_are_used(modules: list[str]) -> None:
 
 #: What agent-mcp.serve does before its ports listen, on a runtime with every plugin of the manifest enabled
 #: (keys absent, as `make bench-growth` measures idle RSS): the plugins started, each model's context window
-#: and reachability looked up. Then the first turn on the OpenAI-type model, which brings `openai` in.
+#: and reachability looked up. Then what it does once they listen: the default model (OpenAI-type) built,
+#: which brings `openai` in.
 _STARTED = textwrap.dedent("""
     import asyncio, json
     from pathlib import Path
@@ -93,11 +95,11 @@ _STARTED = textwrap.dedent("""
 """).replace("LOADED", repr(PLUGINS))
 
 
-def test_a_started_server_with_every_plugin_holds_none_until_used() -> None:
+def test_a_started_server_with_every_plugin_holds_only_its_default_models_library() -> None:
     imported = _held_after(_STARTED.replace("USE", "pass"))
     assert not imported, _too_early(imported)
-    used = _held_after(_STARTED.replace("USE", "await models.built_model(rt.llms, rt.config, 'unused')"))
-    assert used == {"openai", "langchain_openai"}
+    warm = "await rt.agent.warm(rt.config.default_model); assert rt.config.default_model in rt.llms"
+    assert _held_after(_STARTED.replace("USE", warm)) == {"openai", "langchain_openai"}
 
 
 def test_the_check_sees_an_import() -> None:
