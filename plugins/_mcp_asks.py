@@ -140,19 +140,10 @@ async def ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plu
     if not isinstance(params, types.ElicitRequestFormParams):
         logger.info("MCP server %s asked for a URL elicitation: declined (not supported)", server)
         return types.ElicitResult(action="decline")
-    if turn is None:
-        logger.info("MCP server '%s' asked a question during %s, but no single turn called it: declined",
-                    server, exposed)
-        return types.ElicitResult(action="decline")
-    # The callback may run outside the turn's task: its events carry the turn, and the plugin reaches the
-    # session (plugin_scope.py) as the turn's servant.
-    with plugin_api.running(turn):
-        return await _ask(rt, server, exposed, turn, params, max_wait)
-
-
-async def _ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plugin_api.Turn,
-               params: types.ElicitRequestFormParams, max_wait: float) -> types.ElicitResult:
     what = f"MCP server '{server}'"
+    if turn is None:
+        logger.info("%s asked a question during %s, but no single turn called it: declined", what, exposed)
+        return types.ElicitResult(action="decline")
     client_id = turn.client_id
     try:
         fields = fields_of(params.requested_schema)
@@ -183,8 +174,9 @@ async def _ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: pl
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
-    decision, gate_id = await rt.ask_gate(client_id, payload, timeout, routed)
-    return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
+    with plugin_api.running(turn):  # the callback may run outside the turn's task: its events carry the turn
+        decision, gate_id = await rt.ask_gate(client_id, payload, timeout, routed)
+        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
 
 
 async def _answered(rt: plugin_api.PluginContext, keeper: plugin_api.GateKeeper, client_id: str, exposed: str,
