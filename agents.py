@@ -1,8 +1,8 @@
 """The LLM turn: the tool-calling loop, from the user's message to the final answer.
 
-`dispatch_llm()` runs one turn of a session: the system prompt plus the session history go to the
+`Agent.dispatch_llm()` runs one turn of a session: the system prompt plus the session history go to the
 model with its tools bound; text streams to the session's subscribers as it arrives; tool calls go
-through `tool_calls.execute_tool()` (the runtime's checks, then the executor) and their results back
+through the tool pipeline (`tool_calls.ToolPipeline`: the checks, then the executor) and their results back
 to the model, up to `MAX_TOOL_ITERATIONS` rounds. Every failure becomes an `error` event that says why.
 The chat models and their calls are `models.py`; what a failure means, `llm_errors.py`.
 """
@@ -26,13 +26,12 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 import budget
 import client_classes
 import events
-import state
 import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
-from models import chat_model, content_text, model_window, router_wants_tools, stream_once, to_lc_messages
-from sessions import trim_history
+from models import HistoryCache, chat_model, content_text, model_window, router_wants_tools, stream_once
+from sessions import SessionManager, trim_history
 from text_calls import (
     TextCallFilter,
     TextCalls,
@@ -44,18 +43,22 @@ from text_calls import (
     tool_manifest,
     without_spans,
 )
-from tool_calls import ToolOutcome, execute_tool, preview
+from tool_calls import ToolOutcome, ToolPipeline, preview
 
 if TYPE_CHECKING:
+    from langchain_core.language_models import BaseChatModel
+
+    from metrics import Metrics
     from prompt import PromptTree
     from registry import ToolRegistry
+    from tracing import Tracing
 
 logger = logging.getLogger("agent_mcp.agents")
 
 #: One streamed model call with the session's stream and the telemetry bound (models.stream_once):
 #: (model, its config, the messages, the session's client id, the text-call filter) → the reply.
 ModelCall = Callable[[Any, ModelConfig, list[BaseMessage], str, TextCallFilter | None], Awaitable[AIMessageChunk]]
-#: One tool call through the pipeline (tool_calls.execute_tool): (turn, tool name, arguments) → its outcome.
+#: One tool call through the pipeline (tool_calls.ToolPipeline.execute): (turn, tool name, arguments) → its outcome.
 ToolCall = Callable[[turns.Turn, str, dict[str, Any]], Awaitable[ToolOutcome]]
 #: A line for a session's status stream: (client id, text).
 Status = Callable[[str, str], None]
@@ -82,6 +85,11 @@ class Request:
     count: Callable[[str], int]
     notes: set[str] = field(default_factory=set)
 
+    @functools.cached_property
+    def system_message(self) -> SystemMessage:
+        """The system prompt as one message object for every call of the turn (its body dict is built once)."""
+        return SystemMessage(self.system)
+
     @classmethod
     def build(cls, cfg: ModelConfig, prompt: PromptTree, tools: list[StructuredTool], window: int) -> Request:
         """The system prompt for these tools (in `text` tool mode with their manifest; in `native` mode
@@ -94,29 +102,30 @@ class Request:
         schemas = sum(count(_schema(t)[1]) for t in tools) if native else 0
         return cls(cfg, system, budget.MESSAGE_OVERHEAD + count(system) + schemas, window, count)
 
-    def fit(self, history: list[dict[str, Any]], tighter: float = 1.0) -> budget.Fit:
+    def fit(self, history: list[dict[str, Any]], cache: HistoryCache, tighter: float = 1.0) -> budget.Fit:
         """The history this call sends (after `max_context` in messages, the window in tokens)."""
         try:
             return budget.fit(trim_history(history, self.cfg.max_context), self.fixed_tokens, self.window,
-                              self.cfg.answer_share, self.count, tighter)
+                              self.cfg.answer_share, self.count, tighter, cache.tokens(self.count))
         except budget.DoesNotFit as exc:
             raise ContextFull(f"the request does not fit the model's context window: {exc}") from None
 
-    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session,
+    async def send(self, call: ModelCall, status: Status, llm: Any, session: stores.Session, cache: HistoryCache,
                    hold: TextCallFilter | None, final: _Final | None = None) -> AIMessageChunk:
-        """One model call (`call`) with the fitted history, any shortening told by `status`; when the backend
-        still says the context was exceeded, once more with a tighter budget. With `final`, the history goes
-        as plain conversation (no tool calls, no tool messages) followed by the request for the final answer."""
+        """One model call (`call`) with the fitted history (its messages converted and counted through `cache`),
+        any shortening told by `status`; when the backend still says the context was exceeded, once more with a
+        tighter budget. With `final`, the history goes as plain conversation (no tool calls, no tool messages)
+        followed by the request for the final answer."""
         tighter = 1.0
         while True:
             # The final request is fitted as sent: its question and results, not the turn's calls it replaces.
-            fitted = self.fit(session.history if final is None else final.conversation(session.history), tighter)
+            fitted = self.fit(session.history if final is None else final.conversation(session.history), cache,
+                              tighter)
             note = fitted.note()
             if note and note not in self.notes:  # each new shortening once per turn
                 self.notes.add(note)
                 status(session.client_id, note)
-            history = fitted.history
-            context = [SystemMessage(self.system), *to_lc_messages(history)]
+            context = [self.system_message, *cache.messages(fitted.history)]
             try:
                 return await call(llm, self.cfg, context, session.client_id, hold)
             except Exception as exc:
@@ -125,6 +134,25 @@ class Request:
                 tighter = budget.RETRY_SHARE
                 status(session.client_id, "[context] the backend said the request exceeds its context window: "
                                           "sending it again with less history (the stored history is unchanged)")
+
+
+#: Sessions whose HistoryCache is kept (the most recently active). A cache holds about 1.7 KB per message
+#: (a LangChain message and its body dict; the texts are the history's own): 64 sessions of the default
+#: 1,000 messages keep about 110 MB at most.
+MAX_HISTORY_CACHES = 64
+
+
+def history_cache(caches: OrderedDict[str, HistoryCache], client_id: str) -> HistoryCache:
+    """The HistoryCache of session `client_id` in `caches`, made at its first turn; the least recently used
+    beyond MAX_HISTORY_CACHES is let go (its session's next turn converts and counts its history again)."""
+    cache = caches.get(client_id)
+    if cache is None:
+        cache = caches[client_id] = HistoryCache()
+        if len(caches) > MAX_HISTORY_CACHES:
+            caches.popitem(last=False)
+    else:
+        caches.move_to_end(client_id)
+    return cache
 
 
 async def context_report(session: stores.Session, config: AppConfig, prompt: PromptTree, tools: ToolRegistry,
@@ -136,7 +164,7 @@ async def context_report(session: stores.Session, config: AppConfig, prompt: Pro
     request = Request.build(cfg, prompt, tools.for_model(cfg), window)
     line = f"Context of '{key}': {window:,}-token window ({source}), {cfg.answer_share:.0%} kept for the answer"
     try:
-        fitted = request.fit(session.history)
+        fitted = request.fit(session.history, HistoryCache())
     except LLMError as exc:
         return f"{line}.\n{exc}"
     note = fitted.note()
@@ -215,6 +243,7 @@ class _Loop:
     bound: Any  # the model with the turn's tools bound (native tool mode)
     tools: list[StructuredTool]
     request: Request
+    cache: HistoryCache  # the session's messages as converted and counted for its earlier requests
     #: Signature of each tool call made in this turn → its result (an identical call is not run again).
     done: dict[str, str] = field(default_factory=dict)
     #: (tool, result) of each call that ran, for the answer of last resort.
@@ -255,29 +284,6 @@ class _Loop:
         self.corrected = True
         self.hub.status(self.turn.client_id, f"[tools] {what}; told the model once how to call")
         return True
-
-
-async def _prepare(rt: state.Runtime, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
-    """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
-    says no), and the pieces of the runtime the rounds use."""
-    cfg = rt.config.models[key]
-    llm = chat_model(rt.llms, rt.config, key, rt.metrics.on or rt.tracing.on)
-    tools = rt.tools.for_model(cfg)
-    if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
-        tools = []
-    if tools and cfg.tool_mode == "native":  # ChatOpenAI takes the schemas as they are; other models the tools
-        bound = llm.bind_tools([_schema(t)[0] for t in tools] if cfg.type == "OPENAI" else tools)
-    else:
-        bound = llm
-    window, _ = await model_window(rt.windows, key, cfg)
-    await budget.load_tokenizer()  # at the first turn only: off the event loop
-
-    async def model_call(llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
-                         hold: TextCallFilter | None) -> AIMessageChunk:
-        return await stream_once(llm, cfg, context, client_id, rt.hub.tok, rt.metrics, rt.tracing, hold)
-
-    return _Loop(turn, session, rt.hub, model_call, functools.partial(execute_tool, rt), rt.prompt, llm, bound,
-                 tools, Request.build(cfg, rt.prompt, tools, window))
 
 
 #: Tool object → (the tool, its OpenAI function schema, that schema as JSON), least recently used first. Every
@@ -335,7 +341,7 @@ async def _round(loop: _Loop) -> str | None:
     hub, history, client_id = loop.hub, loop.session.history, loop.turn.client_id
     by_name = loop.by_name
     hold = TextCallFilter() if by_name else None
-    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, hold)
+    reply = await loop.request.send(loop.model_call, hub.status, loop.bound, loop.session, loop.cache, hold)
     text = content_text(reply.content)
     calls, broken = _native_calls(reply)
     if hold is not None:
@@ -412,7 +418,7 @@ async def _final_answer(loop: _Loop) -> str:
     final = _Final([(name, preview(result, FINAL_RESULT_CHARS)) for name, result in loop.results], loop.by_name)
     why = "the model wrote no answer"
     try:
-        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, hold, final)
+        reply = await request.send(loop.model_call, hub.status, loop.llm, loop.session, loop.cache, hold, final)
     except ContextFull:
         reply, why = AIMessageChunk(content=""), "even the question and the tool results do not fit the window"
     text = content_text(reply.content)
@@ -457,38 +463,85 @@ async def agentic_lc(loop: _Loop) -> str:
     return await _final_answer(loop)
 
 
-async def dispatch_llm(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
-    """Run one LLM turn of `text` on the turn's model (default: the session's).
+@dataclass
+class Agent:
+    """The LLM turns of one instance and exactly what they use (built once by build.py): the configuration,
+    the sessions and their streams, the system prompt, the tool pipeline (its registry holds the tools), the
+    chat models and their windows (kept across turns), the telemetry, and whether the server is stopping."""
 
-    On failure the history is rolled back to how it was before the turn (the user message
-    included) and the client gets an `error` event; cancellation rolls back too and propagates.
-    """
-    session = turn.session
-    assert session is not None
-    key = turn.model or session.model
-    mark = len(session.history)
-    session.history.append({"role": "user", "content": text})
-    await rt.sessions.save(session)  # kept if this server dies before answering (see SessionManager.hold)
-    cfg = rt.config.models.get(key)
-    attributes = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "agent-mcp",
-                  "gen_ai.request.model": cfg.model_id if cfg else key, "agent_mcp.client_class": turn.kind}
-    try:
-        with rt.metrics.turn(turn.kind, key), rt.tracing.span("invoke_agent agent-mcp", attributes) as span:
-            rt.tracing.text(span, "gen_ai.input.messages", text)
-            rt.tracing.text(span, "gen_ai.output.messages", await agentic_lc(await _prepare(rt, turn, session, key)))
-    except asyncio.CancelledError:
-        # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
-        del session.history[mark + 1 if rt.closing else mark:]
-        raise
-    except Exception as exc:
-        if not from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
-            logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
-        del session.history[mark:]
-        message = describe_llm_error(exc, key, cfg)
-        logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
-        if not client_classes.may_administer(turn):
-            # Proxy, Slack and API users learn what failed, not where the backends live.
-            message = client_classes.without_locations(rt.config, message)
-        rt.hub.error(session.client_id, message, llm_error_kind(exc))
-    else:
-        session.history[:] = trim_history(session.history, rt.config.models[key].max_context)
+    config: AppConfig
+    sessions: SessionManager
+    hub: events.EventHub
+    prompt: PromptTree
+    pipeline: ToolPipeline
+    #: model key → LangChain chat model, built once and reused (the runtime's `llms`).
+    llms: dict[str, BaseChatModel]
+    #: model key → (context window in tokens, where that number comes from) (the runtime's `windows`).
+    windows: dict[str, tuple[int, str]]
+    metrics: Metrics
+    tracing: Tracing
+    #: Whether the server is stopping (the runtime's `closing`, set by routes.end_all), read when a turn is cancelled.
+    closing: Callable[[], bool]
+    #: client id → what the turns made of its session's history, for the sessions that took a turn most recently
+    #: (`history_cache`), least recent first.
+    histories: OrderedDict[str, HistoryCache] = field(default_factory=OrderedDict)
+
+    async def _prepare(self, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
+        """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
+        says no), and the pieces the rounds use."""
+        cfg = self.config.models[key]
+        llm = chat_model(self.llms, self.config, key, self.metrics.on or self.tracing.on)
+        tools = self.pipeline.tools.for_model(cfg)
+        if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
+            tools = []
+        if tools and cfg.tool_mode == "native":  # ChatOpenAI takes the schemas as they are; other models the tools
+            bound = llm.bind_tools([_schema(t)[0] for t in tools] if cfg.type == "OPENAI" else tools)
+        else:
+            bound = llm
+        window, _ = await model_window(self.windows, key, cfg)
+        await budget.load_tokenizer()  # at the first turn only: off the event loop
+
+        async def model_call(llm: Any, cfg: ModelConfig, context: list[BaseMessage], client_id: str,
+                             hold: TextCallFilter | None) -> AIMessageChunk:
+            return await stream_once(llm, cfg, context, client_id, self.hub.tok, self.metrics, self.tracing, hold)
+
+        return _Loop(turn, session, self.hub, model_call, self.pipeline.execute, self.prompt, llm, bound,
+                     tools, Request.build(cfg, self.prompt, tools, window),
+                     history_cache(self.histories, session.client_id))
+
+    async def dispatch_llm(self, turn: turns.Turn, text: str) -> None:
+        """Run one LLM turn of `text` on the turn's model (default: the session's).
+
+        On failure the history is rolled back to how it was before the turn (the user message
+        included) and the client gets an `error` event; cancellation rolls back too and propagates.
+        """
+        session = turn.session
+        assert session is not None
+        key = turn.model or session.model
+        mark = len(session.history)
+        session.history.append({"role": "user", "content": text})
+        await self.sessions.save(session)  # kept if this server dies before answering (see SessionManager.hold)
+        cfg = self.config.models.get(key)
+        attributes = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "agent-mcp",
+                      "gen_ai.request.model": cfg.model_id if cfg else key, "agent_mcp.client_class": turn.kind}
+        try:
+            with self.metrics.turn(turn.kind, key), self.tracing.span("invoke_agent agent-mcp", attributes) as span:
+                self.tracing.text(span, "gen_ai.input.messages", text)
+                answer = await agentic_lc(await self._prepare(turn, session, key))
+                self.tracing.text(span, "gen_ai.output.messages", answer)
+        except asyncio.CancelledError:
+            # Replaced by a newer message: as if never asked. The server stopping: as if it died (the question stays).
+            del session.history[mark + 1 if self.closing() else mark:]
+            raise
+        except Exception as exc:
+            if not from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
+                logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
+            del session.history[mark:]
+            message = describe_llm_error(exc, key, cfg)
+            logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
+            if not client_classes.may_administer(turn):
+                # Proxy, Slack and API users learn what failed, not where the backends live.
+                message = client_classes.without_locations(self.config, message)
+            self.hub.error(session.client_id, message, llm_error_kind(exc))
+        else:
+            session.history[:] = trim_history(session.history, self.config.models[key].max_context)

@@ -181,10 +181,13 @@ def _cut(msg: dict[str, Any], tokens: int, count: Callable[[str], int], report: 
 
 
 def fit(history: Sequence[dict[str, Any]], fixed_tokens: int, window: int, answer_share: float,
-        count: Callable[[str], int], tighter: float = 1.0) -> Fit:
+        count: Callable[[str], int], tighter: float = 1.0,
+        measure: Callable[[dict[str, Any]], int] | None = None) -> Fit:
     """The newest whole turns of `history` that fit beside `fixed_tokens` (system prompt and tool
     schemas), leaving `answer_share` of the window for the answer; `tighter` < 1 shrinks the budget
-    (the retry after a backend said the context was exceeded)."""
+    (the retry after a backend said the context was exceeded). `measure`: `message_tokens` by `count`,
+    remembered per message (models.HistoryCache); without it every message is counted again."""
+    tokens_of = measure or functools.partial(message_tokens, count=count)
     budget = int((window * (1 - answer_share) - SAFETY_TOKENS) * tighter) - fixed_tokens
     turns = _turns(history)
     if budget <= 0:
@@ -196,9 +199,9 @@ def fit(history: Sequence[dict[str, Any]], fixed_tokens: int, window: int, answe
     used = 0
     for turn in reversed(turns):
         turn_cut: list[int] = []
-        sized = [(_cut(m, result_cap, count, turn_cut) if _is_result(m) and message_tokens(m, count) > result_cap
-                  else m) for m in turn]
-        tokens = sum(message_tokens(m, count) for m in sized)
+        sized = [(_cut(m, result_cap, count, turn_cut) if _is_result(m) and tokens_of(m) > result_cap
+                  else m) for m in turn] if any(map(_is_result, turn)) else turn
+        tokens = sum(map(tokens_of, sized))
         if used + tokens > budget:
             if kept:  # older turns go whole
                 break

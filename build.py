@@ -8,6 +8,7 @@ import logging
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import agents
 import approvals
@@ -29,6 +30,8 @@ import shared_store
 import shared_values
 import state
 import stores
+import tool_calls
+import tools
 import tracing
 import turns
 from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
@@ -37,7 +40,6 @@ from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
 from sessions import SessionLimits, SessionManager, SessionPolicy
-from tools import make_core_tools
 
 logger = logging.getLogger("agent_mcp.build")
 
@@ -63,43 +65,64 @@ class Server(state.Runtime):
     plugins: PluginLoader | None = None
 
 
-async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None) -> Server:
-    """The object graph of one server instance, with sessions loaded and core tools registered."""
+async def build_runtime(config: AppConfig, store: stores.SessionStore | None = None,
+                        spans: tracing.Tracing | None = None) -> Server:
+    """The object graph of one server instance, with sessions loaded and core tools registered. `spans`: where
+    its traces go (default: `observability`, from the environment)."""
     namespaces: dict[str, tuple[str, str]] = {}  # filled by the plugin loader as client plugins load
     # Before anything opens:
     rules = approvals.ApprovalRules(config.enabled.approvals, client_classes.CLASSES, [client_classes.SHELL])
+    registry, prompt = ToolRegistry(), PromptTree(config.path(PROMPT_DIR)).load()
     sessions = SessionManager(store or shared_store.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
                               session_policy(config.enabled.sessions, namespaces))
     await sessions.open()
     link = sessions.store.link if isinstance(sessions.store, shared_store.RedisStore) else None
     buffer = event_buffer(config.env)
     hub = shared_events.RedisEventHub(link, buffer) if link else events.EventHub(buffer=buffer)
+    keeper = gate.GateKeeper.from_env(config.gates, hub, config.env, config.config_dir)
+    keeper.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
+                                      key_file=audit_chain.key_path(config.data_dir(), config.env))
+    try:
+        await keeper.grants.open()
+    except BaseException:
+        await sessions.close()
+        raise
+    found, from_env = observability(config)
+    spans = spans or from_env
+    limiter = rate_limits.RateLimiter(config.enabled.rate_limits, hub)
+    llms: dict[str, Any] = {}
+    windows: dict[str, tuple[int, str]] = {}
+    hide = functools.partial(client_classes.without_locations, config)
+    checks: list[gate.ToolCheck] = [limiter.check, keeper.check]  # rate limit first, then the human
+    pipeline = tool_calls.ToolPipeline(registry, hub.status, hide, checks, found, spans)
     rt = Server(
         config=config,
         sessions=sessions,
         client_namespaces=namespaces,
         hub=hub,
         link=link,
-        tools=ToolRegistry(),
-        prompt=PromptTree(config.path(PROMPT_DIR)).load(),
-        gate=gate.GateKeeper.from_env(config.gates, hub, config.env, config.config_dir),
-        rate_limiter=rate_limits.RateLimiter(config.enabled.rate_limits, hub),
+        tools=registry,
+        prompt=prompt,
+        gate=keeper,
+        rate_limiter=limiter,
+        pipeline=pipeline,
+        # `closing` is read when a turn is cancelled, long after `rt` is bound here.
+        agent=agents.Agent(config, sessions, hub, prompt, pipeline, llms, windows, found, spans, lambda: rt.closing),
+        llms=llms,
+        windows=windows,
+        metrics=found,
+        tracing=spans,
     )
-    for tool in make_core_tools(rt):
-        rt.tools.register(tool, gate=CORE_GATES.get(tool.name))
-    rt.gate.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
-                                       key_file=audit_chain.key_path(config.data_dir(), config.env))
-    try:
-        await rt.gate.grants.open()
-    except BaseException:
-        await sessions.close()
-        raise
+    rt.plugins = PluginLoader(rt)
+    swarm = tools.Swarm(config, rt.plugins.client_credentials, sessions, hub, spans)
+    for tool in tools.make_core_tools(tools.CoreParts(config, prompt, pipeline, llms, windows, found, spans, swarm)):
+        registry.register(tool, gate=CORE_GATES.get(tool.name))
     if rules.configured:  # else no gate is routed: every class behaves as the spec says
-        rt.gate.desk = approvals.ApprovalDesk(rules, rt.hub, shared_gates.SharedApprovals(link) if link else None)
-    rt.metrics, rt.tracing = observability(rt)
-    rt.gate.metrics, rt.gate.tracing = rt.metrics, rt.tracing
+        keeper.desk = approvals.ApprovalDesk(rules, hub, shared_gates.SharedApprovals(link) if link else None)
+    found.watch(rt.levels)
+    rt.gate.metrics, rt.gate.tracing = found, spans
     if link is not None:
-        link.metrics = rt.metrics
+        link.metrics = found
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared = shared_gates.GateRelay(link), shared_values.SharedLimits(link)
         rt.values = shared_values.SharedValues(link)
@@ -115,9 +138,6 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.interrupted = functools.partial(routes.interrupted, rt.hub)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
-    rt.tool_checks += [rt.rate_limiter.check, rt.gate.check]  # rate limit first, then the human
-    rt.plugins = PluginLoader(rt)
-    rt.own_credentials = rt.plugins.client_credentials
     ctx = command_context(rt)
     for name, handler in commands.COMMANDS.items():
         rt.commands[name] = turns.Command(functools.partial(handler, ctx), usage=turns.usage_of(handler))
@@ -155,27 +175,14 @@ def instance_name(config: AppConfig) -> str:
     return f"{socket.gethostname()}:{port}"
 
 
-def observability(rt: state.Runtime) -> tuple[metrics.Metrics, tracing.Tracing]:
-    """The runtime's metrics (metrics.OFF unless the metrics listener is enabled) and traces (tracing.OFF
-    unless an OTLP endpoint is configured and the otel extra installed)."""
-    config = rt.config
+def observability(config: AppConfig) -> tuple[metrics.Metrics, tracing.Tracing]:
+    """An instance's metrics (metrics.OFF unless the metrics listener is enabled; build_runtime has them read the
+    runtime's levels) and traces (tracing.OFF unless an OTLP endpoint is configured and the otel extra installed)."""
     instance = instance_name(config)
     spans = tracing.from_env(config.env, instance)
     if not is_enabled(config.enabled, METRICS_PLUGIN):
         return metrics.OFF, spans
-    found = metrics.Metrics(instance, models=config.models)
-
-    def levels() -> dict[str, float]:
-        grants_store = rt.gate.grants
-        return {"sessions_stored": len(rt.sessions.all()),
-                "sessions_running": sum(1 for tasks in list(rt.active_tasks.values()) if tasks),
-                "sse_subscribers": rt.open_streams,
-                "grants_active": sum(len(grants_store.active(s)) for s in list(grants_store.grants))
-                if grants_store is not None else 0,
-                "gates_pending": len(rt.gate.pending)}
-
-    found.watch(levels)
-    return found, spans
+    return metrics.Metrics(instance, models=config.models), spans
 
 
 def session_policy(bounds: SessionsConfig, namespaces: dict[str, tuple[str, str]] | None = None

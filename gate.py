@@ -1,8 +1,9 @@
 """Human approval gates: the gate keeper decides, asks and records whether a tool call may run.
 
 Every tool call passes the rate limiter (`rate_limits.RateLimiter.check`) and then the gate
-(`GateKeeper.check`; both installed in `Runtime.tool_checks`, in that order) before its executor
-runs. The keeper is also the only writer of gate policy (`set_policy`, `replace_policy`, `override`).
+(`GateKeeper.check`; both checks of the tool pipeline, `tool_calls.ToolPipeline.checks`, in that order)
+before its executor runs. The keeper is also the only writer of gate policy (`set_policy`, `replace_policy`,
+`override`).
 Client classes live in `client_classes.py`, the gate `!commands` in `gate_commands.py`.
 
 A tool's gate comes from its declaration (`get_gate_tools()` of its plugin, or the core tools'
@@ -506,7 +507,7 @@ class GateKeeper:
 def _covers(turn: turns.Turn, section: str, source: str, keys: Iterable[str] = (), op: str = "",
             allows: Callable[[str, str], bool] | None = None) -> None:
     """Record on the turn what a `db` call's decision covers, for the database to enforce (db_roles.py);
-    a refusal after this leaves it unused, and execute_tool clears it before the next call."""
+    a refusal after this leaves it unused, and the tool pipeline clears it before the next call."""
     if section == "db":
         turn.db_access = turns.DbAccess(source, frozenset((k, op) for k in keys), allows)
 

@@ -58,10 +58,9 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
         )
     sampling = {"temperature": cfg.temperature} if cfg.temperature is not None else {}
     if cfg.type == "OPENAI":
-        from langchain_openai import ChatOpenAI
-
-        # Streamed through the SDK's raw path: no pydantic object per chunk, no request transform (chat_openai).
-        llm = chat_openai.raw_streams(ChatOpenAI(
+        # Streamed through the SDK's raw path: no pydantic object per chunk, no request transform, each
+        # message converted into the body once (chat_openai).
+        llm = chat_openai.openai_chat_model(
             model=cfg.model_id,
             base_url=cfg.host,
             api_key=api_key,
@@ -80,7 +79,7 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
             # one LangChain would load and keep for the process (about 1 MiB each).
             http_client=openai.DefaultHttpxClient(verify=_tls_context()),
             **sampling,
-        ))
+        )
     else:
         from langchain_google_genai import ChatGoogleGenerativeAI
 
@@ -151,16 +150,14 @@ async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: l
     """One streamed call through a copy of the model's client whose transport answers in memory:
     the request body, the SDK's chunk parsing and LangChain's chunk merging all run once (their
     first run builds caches), and nothing leaves the process."""
-    from langchain_openai import ChatOpenAI
-
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=_DRY_ANSWER, headers={"content-type": "text/event-stream"})
 
     with openai.DefaultHttpxClient(verify=_tls_context()) as unused:  # see chat_model's http_client
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-            dry = chat_openai.raw_streams(ChatOpenAI(
+            dry = chat_openai.openai_chat_model(
                 model=cfg.model_id, base_url="http://dry.invalid/v1", api_key="dry", streaming=True, max_retries=0,
-                stream_chunk_timeout=None, http_async_client=http, http_client=unused))
+                stream_chunk_timeout=None, http_async_client=http, http_client=unused)
             async for _ in (dry.bind_tools(tools) if tools else dry).astream(messages):
                 pass
 
@@ -202,23 +199,76 @@ def content_text(content: Any) -> str:
 
 
 def to_lc_messages(history: list[dict[str, Any]]) -> list[BaseMessage]:
-    """OpenAI-style history dicts as LangChain messages."""
-    out: list[BaseMessage] = []
-    for msg in history:
-        role, content = msg.get("role"), msg.get("content") or ""
-        if role == "user":
-            out.append(HumanMessage(content))
-        elif role == "assistant":
-            calls = [
-                {"name": c["name"], "args": c.get("args", {}), "id": c["id"], "type": "tool_call"}
-                for c in msg.get("tool_calls", [])
-            ]
-            out.append(AIMessage(content, tool_calls=calls))
-        elif role == "tool":
-            out.append(ToolMessage(content, tool_call_id=msg["tool_call_id"], name=msg.get("name")))
-        elif role == "system":
-            out.append(SystemMessage(content))
-    return out
+    """OpenAI-style history dicts as LangChain messages (a message of another role has none)."""
+    return [lc for lc in map(_to_lc, history) if lc is not None]
+
+
+def _to_lc(msg: dict[str, Any]) -> BaseMessage | None:
+    role, content = msg.get("role"), msg.get("content") or ""
+    if role == "user":
+        return HumanMessage(content)
+    if role == "assistant":
+        calls = [
+            {"name": c["name"], "args": c.get("args", {}), "id": c["id"], "type": "tool_call"}
+            for c in msg.get("tool_calls", [])
+        ]
+        return AIMessage(content, tool_calls=calls)
+    if role == "tool":
+        return ToolMessage(content, tool_call_id=msg["tool_call_id"], name=msg.get("name"))
+    if role == "system":
+        return SystemMessage(content)
+    return None
+
+
+class _Derived:
+    """What one stored message becomes: its LangChain message, and its tokens by one counter."""
+
+    __slots__ = ("calls", "content", "counter", "lc", "msg", "tokens")
+
+    def __init__(self, msg: dict[str, Any]):
+        self.msg, self.content, self.calls = msg, msg.get("content"), msg.get("tool_calls")
+        self.lc = _to_lc(msg)
+        self.counter: Callable[[str], int] | None = None
+        self.tokens = 0
+
+
+class HistoryCache:
+    """The LangChain message and the token count of each message of one session's history, kept across
+    turns, so a turn converts and counts only the messages that are new since the last request.
+
+    Keyed by the message dict itself (each entry holds it, so its id is never another's). An entry is used
+    only while the dict still holds the same `content` and `tool_calls` objects: code that edits a stored
+    message replaces those values (as SessionManager's cut of a long text does), and the message is then
+    converted and counted again. Messages no longer in the history are forgotten as it changes. With the
+    OpenAI-type model's memo of each LangChain message's body dict (chat_openai), a turn at 1,000 messages
+    no longer rebuilds 1,000 messages twice and recounts their tokens (issue 31)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Derived] = {}
+
+    def _entry(self, msg: dict[str, Any]) -> _Derived:
+        entry = self._entries.get(id(msg))  # an entry holds its message: no other object has that id meanwhile
+        if entry is None or entry.content is not msg.get("content") or entry.calls is not msg.get("tool_calls"):
+            entry = self._entries[id(msg)] = _Derived(msg)
+        return entry
+
+    def tokens(self, count: Callable[[str], int]) -> Callable[[dict[str, Any]], int]:
+        """budget.message_tokens by `count`, remembered per message."""
+        def measure(msg: dict[str, Any]) -> int:
+            entry = self._entry(msg)
+            if entry.counter is not count:
+                entry.counter, entry.tokens = count, budget.message_tokens(msg, count)
+            return entry.tokens
+        return measure
+
+    def messages(self, history: list[dict[str, Any]]) -> list[BaseMessage]:
+        """`to_lc_messages(history)`, the same message objects as last time for the messages not changed since.
+        Entries of messages not in `history` are dropped once they outnumber it (the history was trimmed,
+        the older turns no longer fit, a fresher copy was read from a shared store)."""
+        out = [lc for lc in (self._entry(m).lc for m in history) if lc is not None]
+        if len(self._entries) > 2 * len(history) + 16:
+            self._entries = {id(m): self._entries[id(m)] for m in history}
+        return out
 
 
 # ── Calls ───────────────────────────────────────────────────────────────────────────────────

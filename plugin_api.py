@@ -53,7 +53,7 @@ from sessions import Stopping
 from shared_link import Link
 from shared_values import PluginValues
 from stores import Session, SessionError, SqliteFile
-from tool_calls import ToolOutcome, execute_tool
+from tool_calls import ToolOutcome
 from turns import DbAccess, Turn, current_turn, running
 
 __all__ = [
@@ -258,7 +258,8 @@ class PluginContext:
 
     async def execute_tool(self, turn: Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
         """One call of an agent tool for `turn`, through the model's own pipeline (checks, gate, executor)."""
-        return await execute_tool(self._rt, turn, name, args)
+        self._scope.check(turn.client_id)
+        return await self._rt.pipeline.execute(turn, name, args)
 
     async def ask_gate(self, client_id: str, payload: dict[str, Any], seconds: float,
                        routed: Any = None) -> tuple[str, str]:

@@ -1,8 +1,8 @@
 """The per-caller rate limiter: sliding windows per (identity, tool type), the first tool check.
 
-Installed in `Runtime.tool_checks` before the human gate (`RateLimiter.check`); a tool's
-rate-limit type is its gate type (`gate.gate_type`). With a shared store the windows live in
-Redis (`shared_values.SharedLimits`).
+Installed in the tool pipeline's checks (`tool_calls.ToolPipeline.checks`) before the human gate
+(`RateLimiter.check`); a tool's rate-limit type is its gate type (`gate.gate_type`). With a shared
+store the windows live in Redis (`shared_values.SharedLimits`).
 """
 
 from __future__ import annotations

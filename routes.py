@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import agents
 import client_classes
 import sessions
 import state
@@ -381,7 +380,7 @@ def interrupted(hub: EventHub, client_id: str, turn_id: str, message: str = INTE
 
 async def _process(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     """Answer the request: its `!command` lines, and its other text with an LLM turn. The one step past
-    `process_request` that keeps the runtime, which the agent loop (agents.dispatch_llm) takes."""
+    `process_request` that keeps the runtime; the LLM turn goes to the runtime's agent loop (agents.Agent)."""
 
     async def command(line: str) -> None:
         out = await run_command(rt.commands, turn, line)
@@ -392,7 +391,7 @@ async def _process(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
         if isinstance(asked, str):
             rt.hub.tok(turn.client_id, asked)
         else:
-            await agents.dispatch_llm(rt, *asked)
+            await rt.agent.dispatch_llm(*asked)
 
     stripped = text.strip()
     lines = text.split("\n")

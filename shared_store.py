@@ -132,7 +132,7 @@ class RedisStore(stores.SessionStore):
         with self.link.calling():
             return bool(await self._save(keys, [
                 session.client_id, session.shorthand, session.updated,
-                json.dumps(session.to_record(), ensure_ascii=False), int(bool(session.running)), int(create),
+                session.to_json(), int(bool(session.running)), int(create),
                 self._held.get(session.client_id, "")]))
 
     async def delete(self, client_id: str) -> None:

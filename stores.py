@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiosqlite
+import orjson
 
 logger = logging.getLogger("agent_mcp.state")
 
@@ -59,6 +60,18 @@ class Session:
             "created": self.created,
             **({"running": self.running} if self.running else {}),
         }
+
+    def to_json(self) -> str:
+        """The record as JSON, as a store keeps it.
+
+        orjson, not `json.dumps`: a turn saves its session three times (taken, the question, the answer),
+        each the whole history; at 1,000 messages `json.dumps` took 0.7 ms a save, orjson 0.04 ms (issue 31).
+        What orjson refuses (an integer beyond 64 bits in a tool call's arguments) goes through `json`; NaN
+        and infinities, which `json` would write as tokens no JSON parser but Python's reads, become null."""
+        try:
+            return orjson.dumps(self.to_record(), option=orjson.OPT_NON_STR_KEYS).decode()
+        except TypeError:
+            return json.dumps(self.to_record(), ensure_ascii=False)
 
     @classmethod
     def from_record(cls, client_id: str, shorthand: int, record: dict[str, Any], updated: float) -> Session:
@@ -240,7 +253,7 @@ class SqliteStore(SqliteFile, SessionStore):
         async with self._writing():
             await db.execute(
                 "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
-                (session.client_id, session.shorthand, json.dumps(session.to_record()), session.updated),
+                (session.client_id, session.shorthand, session.to_json(), session.updated),
             )
             await db.execute(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)

@@ -1,30 +1,32 @@
-"""The one tool-call pipeline: validate the arguments, run the runtime's checks (rate limit, gate),
-run the tool, and hand back a `ToolOutcome` the model can read.
+"""The one tool-call pipeline: validate the arguments, run the checks (rate limit, gate), run the tool,
+and hand back a `ToolOutcome` the model can read.
 
-The agent loop (agents.py), the delegation tool (tools.py) and the MCP server all call `execute_tool`.
+`ToolPipeline` is built once per instance (build.py); the agent loop (agents.py), the delegation tool
+(tools.py) and the MCP server all call its `execute`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from langchain_core.tools import StructuredTool
 from pydantic import ValidationError
 
-import client_classes
 import gate
-import state
 import stores
 import turns
 from config import field_problems
+from metrics import OFF as NO_METRICS
+from metrics import Metrics
 from registry import ToolError, ToolRegistry
+from tracing import OFF as NO_TRACING
+from tracing import Tracing
 
 logger = logging.getLogger("agent_mcp.tool_calls")
 
@@ -52,27 +54,40 @@ class ToolOutcome:
     problem: str = ""
 
 
-async def execute_tool(rt: state.Runtime, turn: turns.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
-    """Run one tool call of `turn`: validate the arguments → the runtime's checks (rate limit, gate)
-    → the executor. The one pipeline of the agent loop and the MCP server alike: the entry that takes
-    the runtime and hands each step the pieces it uses.
+@dataclass
+class ToolPipeline:
+    """The tool-call pipeline of one instance and exactly what it uses: the registry, the checks, the
+    session's status stream, how a failure's text loses its locations, and the telemetry of each call."""
 
-    Every failure is an outcome the model can read; only cancellation escapes.
-    """
-    entry = rt.tools.entry(name)
-    label = name if entry is not None else "other"  # a name a model made up is no metric label or span name
-    with rt.tracing.span(f"execute_tool {label}", {"gen_ai.operation.name": "execute_tool",
-                                                    "gen_ai.tool.name": label}) as span:
-        rt.tracing.text(span, "gen_ai.tool.call.arguments", json.dumps(args, ensure_ascii=False, default=str))
-        started = time.perf_counter()
-        outcome = await _checked_tool(rt.tools, rt.tool_checks, turn, name, args, rt.hub.status,
-                                      functools.partial(client_classes.without_locations, rt.config))
-        ran = None if outcome.status in ("refused", "invalid") else time.perf_counter() - started
-        refusal = outcome.refusal.kind if outcome.refusal else None
-        rt.metrics.tool_call(label, outcome.status, refusal, ran, gate.gate_type(entry) if refusal else "")
-        rt.tracing.note(span, agent_mcp__tool__outcome=outcome.status, error__type=refusal)
-        rt.tracing.text(span, "gen_ai.tool.call.result", outcome.text)
-        return outcome
+    tools: ToolRegistry
+    #: A line for a session's status stream: (client id, text) (events.EventHub.status).
+    status: Callable[[str, str], None]
+    #: A failure's text without the locations in it (client_classes.without_locations with the config).
+    hide: Callable[[str], str]
+    #: Checks run in order on validated arguments before the executor (rate limit, then gate); see gate.ToolCheck.
+    checks: list[gate.ToolCheck] = field(default_factory=list)
+    metrics: Metrics = NO_METRICS
+    tracing: Tracing = NO_TRACING
+
+    async def execute(self, turn: turns.Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
+        """Run one tool call of `turn`: validate the arguments → the checks (rate limit, gate) → the executor.
+        The one pipeline of the agent loop and the MCP server alike.
+
+        Every failure is an outcome the model can read; only cancellation escapes.
+        """
+        entry = self.tools.entry(name)
+        label = name if entry is not None else "other"  # a name a model made up is no metric label or span name
+        with self.tracing.span(f"execute_tool {label}", {"gen_ai.operation.name": "execute_tool",
+                                                          "gen_ai.tool.name": label}) as span:
+            self.tracing.text(span, "gen_ai.tool.call.arguments", json.dumps(args, ensure_ascii=False, default=str))
+            started = time.perf_counter()
+            outcome = await _checked_tool(self.tools, self.checks, turn, name, args, self.status, self.hide)
+            ran = None if outcome.status in ("refused", "invalid") else time.perf_counter() - started
+            refusal = outcome.refusal.kind if outcome.refusal else None
+            self.metrics.tool_call(label, outcome.status, refusal, ran, gate.gate_type(entry) if refusal else "")
+            self.tracing.note(span, agent_mcp__tool__outcome=outcome.status, error__type=refusal)
+            self.tracing.text(span, "gen_ai.tool.call.result", outcome.text)
+            return outcome
 
 
 async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], turn: turns.Turn, name: str,

@@ -11,6 +11,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -19,18 +20,24 @@ from pydantic import BaseModel, Field
 
 import client_classes
 import models
-import state
-import tool_calls
 import turns
 from api_client import AgentClient, AgentClientError, AgentTimeout
-from config import SECRET_NAME, AgentTarget
+from config import SECRET_NAME, AgentTarget, AppConfig
 from llm_errors import describe_llm_error
 from prompt import PromptError
 from registry import ToolError
 from text_calls import try_force_tool_calls
+from tool_calls import ToolPipeline
 
 if TYPE_CHECKING:
+    from langchain_core.language_models import BaseChatModel
+
     from config import ModelConfig
+    from events import EventHub
+    from metrics import Metrics
+    from prompt import PromptTree
+    from sessions import SessionManager
+    from tracing import Tracing
 
 # ── Core tools ──────────────────────────────────────────────────────────────────────────────
 
@@ -109,24 +116,39 @@ def _agents_listing(agents: dict[str, AgentTarget]) -> str:
         or "none configured (an operator lists them in agents.json)"
 
 
-def target_token(rt: state.Runtime, name: str, target: AgentTarget) -> tuple[str | None, str | None]:
-    """(token to present to the target or None, problem) — never one of this server's own credentials."""
+def target_token(config: AppConfig, own_credentials: Callable[[], set[str]], name: str, target: AgentTarget
+                 ) -> tuple[str | None, str | None]:
+    """(token to present to the target or None, problem) — never one of this server's own credentials (its
+    secrets in `config.env`, the models' keys, and `own_credentials()`: the loaded client plugins' tokens)."""
     if target.token_env is None:
         return None, None
-    env = rt.config.env
+    env = config.env
     token = env.get(target.token_env)
     if not token:
         return None, f"{target.token_env} (the token of agent '{name}') is not set; an operator puts it into .env"
-    models = [k for k, m in rt.config.models.items() if m.env_key == target.token_env]
+    models = [k for k, m in config.models.items() if m.env_key == target.token_env]
     own = {v for k, v in env.items() if k != target.token_env and SECRET_NAME.search(k) and v}
-    own |= rt.own_credentials()
+    own |= own_credentials()
     if models or token in own:
         return None, (f"the token in {target.token_env} is one of this server's own credentials, which are never sent "
                       f"to another agent; an operator gives agent '{name}' a token it issued itself (agents.json)")
     return token, None
 
 
-async def call_agent(rt: state.Runtime, turn: turns.Turn | None, ref: str, message: str,
+@dataclass(frozen=True)
+class Swarm:
+    """What agent_call uses of its instance: the configured agents, the credentials never sent to them (the
+    loaded client plugins' tokens), the caller's session (its `!stream` setting) and stream, and the trace
+    context that goes along."""
+
+    config: AppConfig
+    own_credentials: Callable[[], set[str]]
+    sessions: SessionManager
+    hub: EventHub
+    tracing: Tracing
+
+
+async def call_agent(swarm: Swarm, turn: turns.Turn | None, ref: str, message: str,
                      target_client_id: str = "") -> str:
     """One swarm call (the agent_call tool) of `turn`: checks, then the remote turn, relayed live unless
     `!stream off`. A refused or failed call raises ToolError. The one-hop rule reads the class the request's
@@ -138,23 +160,23 @@ async def call_agent(rt: state.Runtime, turn: turns.Turn | None, ref: str, messa
         raise ToolError("agent_call refused: this conversation is itself an agent_call from another agent, and agents "
                         "call each other at most 1 hop deep. Answer with what you know instead.")
     caller = turn.client_id
-    found = find_agent(rt.config.agents, ref)
+    found = find_agent(swarm.config.agents, ref)
     if found is None:
         raise ToolError(f"agent_call refused: '{ref}' is not a configured agent, and only configured agents may be "
-                        f"called. Configured: {_agents_listing(rt.config.agents)}.")
+                        f"called. Configured: {_agents_listing(swarm.config.agents)}.")
     name, target = found
-    token, problem = target_token(rt, name, target)
+    token, problem = target_token(swarm.config, swarm.own_credentials, name, target)
     if problem:
         raise ToolError(f"agent_call refused: {problem}.")
     if target_client_id and not _REMOTE_ID.match(target_client_id):
         raise ToolError("target_client_id may use 1-100 letters, digits and . _ : @ - only; leave it empty normally.")
     remote = swarm_client_id(caller, target.url, target_client_id)
-    session = rt.sessions.get(caller)
+    session = swarm.sessions.get(caller)
     relay = session is None or session.settings.get(AGENT_CALL_STREAM, True) is not False
     # `or ""`: without a token of its own the call carries none (never this server's API_KEY or key file).
     # The trace context of this tool call's span goes along, so the other agent's turn joins this trace.
     client = AgentClient(target.url, remote, api_key=token or "", default_timeout=target.timeout,
-                         headers=rt.tracing.headers())
+                         headers=swarm.tracing.headers())
     parts: list[str] = []
     error = ended = None
     try:
@@ -162,20 +184,20 @@ async def call_agent(rt: state.Runtime, turn: turns.Turn | None, ref: str, messa
             if ev.name == "tok":
                 parts.append(ev.text)
                 if relay:
-                    rt.hub.tok(caller, ev.text)
+                    swarm.hub.tok(caller, ev.text)
             elif ev.name == "error":
                 error = ev.text
             elif ev.ends_turn:
                 ended = ev.name
             elif ev.name == "status" and relay and ev.text:
-                rt.hub.status(caller, f"[{name}] {ev.text}")
+                swarm.hub.status(caller, f"[{name}] {ev.text}")
     except AgentTimeout:
         error = f"no answer within {target.timeout:g} s (the timeout of '{name}' in agents.json)"
     except AgentClientError as exc:
         error = str(exc)
     answer = "".join(parts)
     if relay and answer and not answer.endswith("\n"):
-        rt.hub.tok(caller, "\n\n")  # the caller's own answer starts on a new paragraph
+        swarm.hub.tok(caller, "\n\n")  # the caller's own answer starts on a new paragraph
     if ended not in (None, "done"):
         error = "the remote turn was cancelled (a newer message replaced it)"
     if error is not None:
@@ -183,13 +205,34 @@ async def call_agent(rt: state.Runtime, turn: turns.Turn | None, ref: str, messa
     return f"Answer of agent '{name}' (its session {remote}):\n{answer}"
 
 
-def _this_turn(rt: state.Runtime) -> turns.Turn:
-    """The turn a core tool runs in (tool_calls.execute_tool sets it); outside one, nobody's (least privilege)."""
+def _this_turn() -> turns.Turn:
+    """The turn a core tool runs in (the tool pipeline sets it); outside one, nobody's (least privilege)."""
     return turns.current_turn() or turns.Turn("", uuid.uuid4().hex[:16], client_classes.UNKNOWN)
 
 
-def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
-    """The tools every instance has, as closures over its runtime (gates in CORE_GATES)."""
+@dataclass(frozen=True)
+class CoreParts:
+    """What the core tools use of their instance (built once by build.py): the configuration, the system
+    prompt, the tool pipeline (its registry lists the tools and gives the delegated one), the chat models and
+    their windows, the telemetry the models report to, what agent_call uses, and when the instance started."""
+
+    config: AppConfig
+    prompt: PromptTree
+    pipeline: ToolPipeline
+    #: model key → LangChain chat model, built once and reused (the runtime's `llms`).
+    llms: dict[str, BaseChatModel]
+    #: model key → (context window in tokens, where that number comes from) (the runtime's `windows`).
+    windows: dict[str, tuple[int, str]]
+    metrics: Metrics
+    tracing: Tracing
+    swarm: Swarm
+    started: float = field(default_factory=time.time)
+
+
+def make_core_tools(parts: CoreParts) -> list[StructuredTool]:
+    """The tools every instance has, as closures over the parts of it they use (gates in CORE_GATES)."""
+    config, tree, registry, windows = parts.config, parts.prompt, parts.pipeline.tools, parts.windows
+    usage = parts.metrics.on or parts.tracing.on  # chat models report their token counts when either listens
 
     async def get_system_info() -> str:
         turn = turns.current_turn()
@@ -200,14 +243,13 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         lines = [
             f"Local time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
             f"Host: {host}",
-            f"Uptime: {int(time.time() - rt.started)} s",
+            f"Uptime: {int(time.time() - parts.started)} s",
             f"Session: {client_id or '-'}" + (f" (#{session.shorthand}, model {session.model})" if session else ""),
-            f"Tools: {', '.join(rt.tools.names())}",
+            f"Tools: {', '.join(registry.names())}",
         ]
         return "\n".join(lines)
 
     async def read_system_prompt(section: str = "") -> str:
-        tree = rt.prompt
         if not section.strip():
             rows = [
                 f"{i:>3} {'  ' * s.depth}{s.name}{' [container]' if s.is_container else ''} — {s.description}"
@@ -223,7 +265,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         section: str, operation: str, content: str = "", target: str = "", confirm_overwrite: bool = False
     ) -> str:
         try:
-            return rt.prompt.apply(section, operation, content, target, confirm_overwrite)
+            return tree.apply(section, operation, content, target, confirm_overwrite)
         except PromptError as exc:
             return f"Prompt update rejected: {exc}"
 
@@ -231,21 +273,21 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
         turn = turns.current_turn()
         session = turn.session if turn else None
         rows = []
-        for key, m in rt.config.models.items():
+        for key, m in config.models.items():
             mark = " (this session's model)" if session and session.model == key else ""
             rows.append(
                 f"- {key}{mark}: {m.type} {m.model_id}; delegation {'YES' if m.tool_call_available else 'no'}, "
                 f"timeout {m.llm_call_timeout:g} s, max_context {m.max_context}"
-                + (f", window {rt.windows[key][0]:,} tokens ({rt.windows[key][1]})" if key in rt.windows else "")
+                + (f", window {windows[key][0]:,} tokens ({windows[key][1]})" if key in windows else "")
                 + (f"\n  {m.description}" if m.description else "")
             )
         return ("Models (llm_clean_text / llm_clean_tool accept only those with delegation YES):\n"
                 + "\n".join(rows))
 
     def delegate(model: str) -> ModelConfig:
-        cfg = rt.config.models.get(model)
+        cfg = config.models.get(model)
         if cfg is None:
-            raise ToolError(f"unknown model '{model}'. Models: {', '.join(rt.config.models)} (llm_list).")
+            raise ToolError(f"unknown model '{model}'. Models: {', '.join(config.models)} (llm_list).")
         if not cfg.tool_call_available:
             raise ToolError(f"model '{model}' does not accept delegation (tool_call_available is false). "
                             f"Pick another model from llm_list, or the user can enable it with !llm_call {model} true.")
@@ -254,7 +296,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     async def llm_clean_text(model: str, prompt: str) -> str:
         cfg = delegate(model)
         try:
-            llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
+            llm = models.chat_model(parts.llms, config, model, usage)
             async with asyncio.timeout(cfg.llm_call_timeout):
                 reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
@@ -266,19 +308,19 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
     def tool_instructions(tool: StructuredTool) -> str:
         for ident in (f"tool-{tool.name.replace('_', '-')}", f"tool_{tool.name}"):
             try:
-                return rt.prompt.render(ident)
+                return tree.render(ident)
             except PromptError:
                 continue
         return f"Call the tool {tool.name} once to do what the user asks. {tool.description}"
 
     async def llm_clean_tool(model: str, tool: str, arguments: str) -> str:
         cfg = delegate(model)
-        target = rt.tools.get(tool)
+        target = registry.get(tool)
         if target is None:
-            raise ToolError(f"unknown tool '{tool}'. Available tools: {', '.join(rt.tools.names())}")
+            raise ToolError(f"unknown tool '{tool}'. Available tools: {', '.join(registry.names())}")
         if tool in NOT_DELEGABLE:
             raise ToolError(f"{tool} cannot be delegated; call it yourself.")
-        llm = models.chat_model(rt.llms, rt.config, model, rt.metrics.on or rt.tracing.on)
+        llm = models.chat_model(parts.llms, config, model, usage)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
             async with asyncio.timeout(cfg.llm_call_timeout):
@@ -294,7 +336,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
             return f"{model} did not call {tool}; it answered: {said}"
         call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": calls[0]["args"]}
         # The call goes through the normal pipeline: rate limit, gate, executor (outside the timeout).
-        result = (await tool_calls.execute_tool(rt, _this_turn(rt), tool, call["args"])).text
+        result = (await parts.pipeline.execute(_this_turn(), tool, call["args"])).text
         if native:
             messages += [AIMessage(said, tool_calls=[{**call, "type": "tool_call"}]),
                          ToolMessage(result, tool_call_id=call["id"], name=tool)]
@@ -312,7 +354,7 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
                 f"{models.content_text(final.content)}")
 
     async def agent_call(agent_url: str, message: str, target_client_id: str = "") -> str:
-        return await call_agent(rt, turns.current_turn(), agent_url, message, target_client_id)
+        return await call_agent(parts.swarm, turns.current_turn(), agent_url, message, target_client_id)
 
     def tool(fn: Callable[..., Any], schema: type[BaseModel], description: str) -> StructuredTool:
         return StructuredTool.from_function(coroutine=fn, name=fn.__name__, description=description,
@@ -333,5 +375,5 @@ def make_core_tools(rt: state.Runtime) -> list[StructuredTool]:
              "Let another model make one call of one tool from a plain description, then summarise the result."),
         tool(agent_call, _AgentCallArgs,
              "Ask another agent-mcp agent, which answers with its own model and tools and remembers your earlier "
-             f"messages to it. Agents: {_agents_listing(rt.config.agents)}"),
+             f"messages to it. Agents: {_agents_listing(config.agents)}"),
     ]

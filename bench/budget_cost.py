@@ -6,7 +6,8 @@ its real system prompt, and a 50-message history (user questions, answers, tool 
 results). Times `Request.fit` (what every model call runs) against `to_lc_messages` on the same
 history (the conversion every call ran before), in the same run:
 
-  warm: the steady state, every text already counted once (a turn adds one or two messages);
+  warm: the steady state, every message already counted once (the session's models.HistoryCache;
+        a turn adds one or two messages);
   cold: the first fit after start, every message counted.
 
     python bench/budget_cost.py [--repeat 2000]
@@ -70,11 +71,11 @@ async def run(repeat: int) -> None:
                 cfg = rt.config.models[key]
                 window, _ = await models.model_window(rt.windows, key, cfg)
                 request = agents.Request.build(cfg, rt.prompt, rt.tools.for_model(cfg), window)
-                past = history(50)
+                past, cache = history(50), models.HistoryCache()
                 start = time.perf_counter()
-                fitted = request.fit(past)  # first count of every message
+                fitted = request.fit(past, cache)  # first count of every message
                 cold = time.perf_counter() - start
-                warm = timed(lambda r=request, h=past: r.fit(h), repeat)
+                warm = timed(lambda r=request, h=past, c=cache: r.fit(h, c), repeat)
                 convert = timed(lambda h=past: models.to_lc_messages(h), repeat)
                 print(f"| {key} ({cfg.model_id}) | {budget.counter_for(cfg)[1]} | {request.window:,} "
                       f"| {request.fixed_tokens:,} | {fitted.prompt_tokens - request.fixed_tokens:,} "

@@ -2,8 +2,8 @@
 """What a grant costs per tool call: matching the session's grants and appending to the audit log.
 
 One runtime in one process (a temporary data dir, the real SQLite audit file). The same `db_query`
-call runs through `tool_calls.execute_tool` two ways, interleaved call by call: allowed by gate-defaults
-(the baseline: no grant lookup, nothing audited) and allowed by a grant of its session (the lookup
+call runs through the tool pipeline (`rt.pipeline.execute`) two ways, interleaved call by call: allowed by
+gate-defaults (the baseline: no grant lookup, nothing audited) and allowed by a grant of its session (the lookup
 among `--grants` other grants of that session, the use counted and written, one audit record
 appended with its hash). Prints p50 and p99 of both and of the difference.
 
@@ -33,7 +33,6 @@ import grants
 import routes
 import state
 import stores
-import tool_calls
 from config import load_config
 from tests.conftest import ConfigDir
 
@@ -90,7 +89,7 @@ async def run(args: argparse.Namespace) -> None:
             for i in range(args.calls + 100):
                 for name, (rt, turn) in calls.items():
                     started = time.perf_counter()
-                    outcome = await tool_calls.execute_tool(rt, turn, "db_query", sql)
+                    outcome = await rt.pipeline.execute(turn, "db_query", sql)
                     elapsed = time.perf_counter() - started
                     assert outcome.status == "ok", outcome.text
                     if i >= 100:  # warm-up

@@ -8,7 +8,8 @@ OpenAI backend (tests/fakes, 32 tokens per answer) and reads the server's CPU ti
 1. history: turns on sessions holding 10 / 100 / 1,000 messages (seeded into the SQLite store),
    the model's context window large enough that the fit keeps all of them (so the fit counts every
    message each turn); server CPU per turn, and the whole turn against the same request (same
-   history) sent to the fake backend directly with ChatOpenAI set up as the server sets it up.
+   history) sent to the fake backend directly with ChatOpenAI set up as the server sets it up
+   (chat_openai.openai_chat_model, the history's message objects kept from call to call).
 2. sessions: 100 / 10,000 / 100,000 sessions seeded into the SQLite store with SQL (a few
    messages each; the shell class's cap raised so that none is evicted); start-up time, RSS, a new
    session's first turn, a turn on an existing session, and `!session` (the list of all).
@@ -108,9 +109,8 @@ def start(cfg: ConfigDir, timeout: float = 600) -> tuple[AgentServer, float]:
 
 async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace) -> None:
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-    from langchain_openai import ChatOpenAI
 
-    from chat_openai import raw_streams
+    from chat_openai import openai_chat_model
     from config import DEFAULTS_DIR
     from prompt import PromptTree
 
@@ -120,8 +120,8 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
     seed(cfg.path / "data" / "sessions.sqlite3", [(f"hist{n}", history(n)) for n in sizes])
     server, _ = start(cfg)
     pid = server.proc.pid  # type: ignore[union-attr]
-    llm = raw_streams(ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
-                                 max_retries=1, stream_chunk_timeout=None))  # a stale pooled connection
+    llm = openai_chat_model(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
+                            max_retries=1, stream_chunk_timeout=None)  # a stale pooled connection
     system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
     paths = {n: ServerPath(server.url, TOKEN, f"hist{n}") for n in sizes}
     msgs = {n: [SystemMessage(system)] + [(HumanMessage if m["role"] == "user" else AIMessage)(m["content"])
@@ -176,14 +176,16 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
 
 
 async def library_cost(llm: Any, messages: list[Any], rounds: int = 20) -> float:
-    """CPU seconds the libraries the server uses spend building one request with these messages
-    (LangChain's payload and the JSON body; the openai SDK's request transform is skipped since
-    chat_openai.raw_streams), in this process."""
-    from openai._utils._json import openapi_dumps
+    """CPU seconds the libraries the server uses spend building one request with these messages, in this
+    process, as at a turn of the server: LangChain's payload (each message object converted once, the same
+    objects every time: chat_openai.openai_chat_model), then its JSON body (orjson, as chat_openai sends it;
+    the openai SDK's request transform is skipped since chat_openai.raw_streams)."""
+    import orjson
 
+    llm._get_request_payload(messages)  # the history's conversions, made at its earlier turns
     began = time.process_time()
     for _ in range(rounds):
-        openapi_dumps(llm._get_request_payload(messages))
+        orjson.dumps(llm._get_request_payload(messages))
     return (time.process_time() - began) / rounds
 
 

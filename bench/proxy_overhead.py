@@ -14,8 +14,10 @@ open-webui's new chats and SDK programs send them: each agent-mcp request starts
 For each path: the first request after the server said it was ready (cold), then, after a
 warm-up, the median and p95 time to the first and to the last token at concurrency 1 (sequential,
 interleaved round by round) and at `--concurrency` clients at once, the added time over direct
-at each, and streams per second at each. Only 127.0.0.1 is used. With two or more cores it runs in
-two placements, one after the other, each with servers of its own:
+at each, and streams per second at each. Each round also streams as many answers of one token
+through each path: their server CPU against the full streams' gives the cost of each further
+streamed token apart from the stream's own (as `make bench` does for the shell). Only 127.0.0.1
+is used. With two or more cores it runs in two placements, one after the other, each with servers of its own:
 
   split:  both servers pinned to core 1 (the same one core), the client and the fake to core 0;
   shared: the client and the fake on core 1 too (`taskset`-style affinity), so every path's client,
@@ -47,10 +49,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.turn_overhead import cpu_seconds, pct  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model  # noqa: E402
-from tests.fakes.backend import tokens  # noqa: E402
+from tests.fakes.backend import RecordedRequest, TextReply, tokens  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 
 _conversations = itertools.count()
+
+#: The question whose answer is one token: the same stream without its tokens, for the cost per further token.
+SHORT = "one word"
 
 
 class Target:
@@ -68,10 +73,11 @@ class Target:
         self.busy_streams_per_second = 0.0
         self.pid: int | None = None  # the server process in the path, for its CPU time
         self.cpu = 0.0
+        self.short_cpu = 0.0  # server CPU of as many streams whose answer is one token
 
-    async def stream(self) -> tuple[float, float]:
+    async def stream(self, question: str = "say something") -> tuple[float, float]:
         """Time to the first and to the last content token of one streamed answer in a new conversation."""
-        prompt = [{"role": "user", "content": f"say something #{next(_conversations)}"}]
+        prompt = [{"role": "user", "content": f"{question} #{next(_conversations)}"}]
         start = time.perf_counter()
         first = last = 0.0
         resp = await self.client.chat.completions.create(model=self.model, messages=prompt, stream=True)
@@ -150,7 +156,10 @@ async def run(args: argparse.Namespace, placement: str) -> None:
     if pinned:
         os.sched_setaffinity(0, {0} if placement == "split" else {1})
     exe = args.litellm_exe
-    with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
+    def reply(req: RecordedRequest) -> TextReply:
+        return tokens(1 if req.last_user_text.startswith(SHORT) else args.tokens)
+
+    with FakeOpenAI(default_reply=reply) as backend, tempfile.TemporaryDirectory() as tmp:
         paths = [Target("direct", backend.base_url, "fake-model")]
         servers, procs = [], []
         for name, code in [("agent-mcp proxy", None)] + ([("agent-mcp proxy (baseline)", args.baseline)]
@@ -191,6 +200,10 @@ async def run(args: argparse.Namespace, placement: str) -> None:
                         p.first.append(first)
                         p.last.append(last)
                     p.cpu += cpu_seconds(p.pid) - before if p.pid else 0.0
+                    before = cpu_seconds(p.pid) if p.pid else 0.0
+                    for _ in range(per_round):
+                        await p.stream(SHORT)
+                    p.short_cpu += cpu_seconds(p.pid) - before if p.pid else 0.0
             for p in paths:
                 p.streams_per_second = len(p.first) / sum(p.last)
                 await p.busy(args.concurrency, args.per_client)
@@ -218,13 +231,15 @@ async def run(args: argparse.Namespace, placement: str) -> None:
               f"| {p.busy_streams_per_second:.0f} |")
     print(
         "\n| path | first request after start, whole answer (ms) | warm p50 (ms) | ratio | server CPU per stream (ms) "
-        "| per token (µs) |"
+        "| per token (µs) | one-token stream (ms) | each further token (µs) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for p in paths[1:]:
-        warm = statistics.median(p.last)
+        warm, n = statistics.median(p.last), len(p.first)
+        further = (p.cpu - p.short_cpu) / n / max(1, args.tokens - 1)
         print(f"| {p.name} | {p.cold * 1e3:.1f} | {warm * 1e3:.1f} | {p.cold / warm:.2f}× "
-              f"| {p.cpu / len(p.first) * 1e3:.1f} | {p.cpu / len(p.first) / args.tokens * 1e6:.0f} |")
+              f"| {p.cpu / n * 1e3:.1f} | {p.cpu / n / args.tokens * 1e6:.0f} | {p.short_cpu / n * 1e3:.1f} "
+              f"| {further * 1e6:.0f} |")
     theirs = next((p for p in paths if p.name == "LiteLLM proxy"), None)
     for ours in paths[1:]:
         if ours is theirs:

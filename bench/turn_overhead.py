@@ -4,7 +4,7 @@
 Both paths run in the same process run, interleaved round by round, against one instant fake
 OpenAI backend (32 tokens per answer):
 
-  direct: `ChatOpenAI.astream`, set up as the server sets it up (chat_openai.raw_streams, no
+  direct: `ChatOpenAI.astream`, set up as the server sets it up (chat_openai.openai_chat_model, no
           per-chunk clock of LangChain's) → fake backend
   server: POST /submit → agent-mcp (subprocess) → ChatOpenAI.astream → fake → SSE `tok` … `done`
 
@@ -31,15 +31,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from langchain_core.messages import HumanMessage, SystemMessage
-from langchain_openai import ChatOpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from chat_openai import raw_streams  # noqa: E402
+from chat_openai import openai_chat_model  # noqa: E402
 from config import DEFAULTS_DIR  # noqa: E402
 from prompt import PromptTree  # noqa: E402
 from tests.conftest import AgentServer, ConfigDir, openai_model  # noqa: E402
@@ -60,7 +60,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def direct_turn(llm: ChatOpenAI, system: str, i: int) -> tuple[float, float]:
+async def direct_turn(llm: Any, system: str, i: int) -> tuple[float, float]:
     start = time.perf_counter()
     first = None
     async for chunk in llm.astream([SystemMessage(system), HumanMessage(f"question {i}")]):
@@ -157,8 +157,8 @@ async def run(args: argparse.Namespace) -> None:
                 servers.append(Server(name, AgentServer(cfg.write(), code=code).start()))
                 if pinned:
                     os.sched_setaffinity(servers[-1].pid, {1})
-            llm = raw_streams(ChatOpenAI(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
-                                         max_retries=1, stream_chunk_timeout=None))  # a stale pooled connection
+            llm = openai_chat_model(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
+                                    max_retries=1, stream_chunk_timeout=None)  # a stale pooled connection
             system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
             for s in servers:
                 await s.path.open()

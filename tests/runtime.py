@@ -22,7 +22,7 @@ import client_classes
 import routes
 import state
 import stores
-import tool_calls
+import tracing
 import turns
 from config import DEFAULTS_DIR, load_config
 from events import Event
@@ -74,22 +74,22 @@ def as_request(rt: state.Runtime, client_id: str) -> Iterator[None]:
 
 
 async def execute(rt: state.Runtime, client_id: str, name: str, args: dict[str, Any]) -> str:
-    """One tool call through tool_calls.execute_tool, as the request `as_request` set up for `client_id`, else
-    as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
+    """One tool call through the runtime's tool pipeline (`rt.pipeline`), as the request `as_request` set up for
+    `client_id`, else as a request nobody vouched for (the class of the id's namespace): the text the model reads."""
     current = turns.current_turn()
     turn = current if current is not None and current.client_id == client_id else ask(rt, client_id, "").turn()
     turn = dataclasses.replace(turn, session=rt.sessions.get(client_id))
-    return (await tool_calls.execute_tool(rt, turn, name, args)).text
+    return (await rt.pipeline.execute(turn, name, args)).text
 
 
 @contextlib.asynccontextmanager
 async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | None = None,
                   gates: dict[str, Any] | None = None, rate_limits: dict[str, Any] | None = None,
                   agents: dict[str, Any] | None = None, plugins: tuple[str, ...] = (),
-                  store: stores.SessionStore | None = None, approvals: dict[str, Any] | None = None
-                  ) -> AsyncIterator[state.Runtime]:
+                  store: stores.SessionStore | None = None, approvals: dict[str, Any] | None = None,
+                  spans: tracing.Tracing | None = None) -> AsyncIterator[state.Runtime]:
     """A runtime with its own copy of the system prompt (tools may edit it) and memory sessions
-    (or `store`'s).
+    (or `store`'s), and its traces in `spans` when given.
 
     `plugins` (shipped plugin names) are enabled and loaded; each must load.
     """
@@ -106,7 +106,7 @@ async def runtime(path: Path, models: dict[str, Any], *, env: dict[str, str] | N
         enabled = json.loads((path / "plugins-enabled.json").read_text())
         enabled.update({k: v for k, v in extra.items() if v is not None})
         (path / "plugins-enabled.json").write_text(json.dumps(enabled))
-    rt = await build.build_runtime(load_config(path), store=store or stores.MemoryStore())
+    rt = await build.build_runtime(load_config(path), store=store or stores.MemoryStore(), spans=spans)
     rt.client_namespaces.update(SHIPPED_NAMESPACES)  # as if every shipped client plugin were loaded
     try:
         for name in plugins:

@@ -24,8 +24,8 @@ from tests.conftest import ROOT
 CORE = ("decisions", "config", "secret_files", "audit_chain", "sql", "sql_shape", "guard", "failures", "metrics",
         "tracing", "chat_openai", "text_calls", "prompt", "registry", "stores", "sessions", "turns", "events",
         "shared_link", "shared_store", "shared_events", "shared_gates", "shared_values", "grants", "audit_log",
-        "approvals", "budget", "client_classes", "gate_policy", "gate", "rate_limits", "state", "gate_commands",
-        "plugin_checks", "api_client", "llm_errors", "models", "tool_calls", "agents", "tools", "db_roles",
+        "approvals", "budget", "client_classes", "gate_policy", "gate", "rate_limits", "llm_errors", "models",
+        "tool_calls", "agents", "state", "gate_commands", "plugin_checks", "api_client", "tools", "db_roles",
         "db_results", "database", "routes", "plugin_scope", "plugin_api", "plugin_loader", "commands", "build")
 #: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
 #: formats that hold no runtime (decision words, approver and audit records, gate-policy changes, settings and

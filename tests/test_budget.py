@@ -8,7 +8,10 @@ HTTP 400 when one is too long.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import agents
 import budget
 from config import DEFAULTS_DIR, ModelConfig
+from models import HistoryCache, to_lc_messages
 from tests.conftest import ROOT, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
@@ -88,6 +93,56 @@ def test_what_cannot_fit_is_refused_with_what_to_do() -> None:
     huge = [{"role": "user", "content": "word " * 20_000}]
     with pytest.raises(budget.DoesNotFit, match="Send a shorter message, or raise context_tokens"):
         budget.fit(huge, fixed_tokens=1500, window=4096, answer_share=0.25, count=estimate)
+
+
+def test_the_history_cache_follows_edits_and_trims() -> None:
+    """Each message is converted and counted once across turns; an edited message again, a dropped one is let go."""
+    history = conversation(30, tool_every=3)
+    cache = HistoryCache()
+    first = cache.messages(history)
+    measure = cache.tokens(estimate)
+    assert [measure(m) for m in history] == [budget.message_tokens(m, estimate) for m in history]
+    assert all(a is b for a, b in zip(cache.messages(history), first, strict=True))  # the same objects again
+    assert budget.fit(history, 1500, 4096, 0.25, estimate, measure=measure) == budget.fit(history, 1500, 4096, 0.25,
+                                                                                          estimate)
+    history[0]["content"] = "short"  # edited in place, the value replaced (as SessionManager's cut of a long text)
+    history[1]["tool_calls"] = [{"id": "c0", "name": "t", "args": {"q": 9}}]
+    history[3] = {**history[3], "content": "a new answer"}
+    edited = cache.messages(history)
+    assert edited == to_lc_messages(history) and edited[2] is first[2] and edited[4] is first[4]
+    assert (edited[0].content, edited[1].tool_calls[0]["args"], edited[3].content) == ("short", {"q": 9},
+                                                                                       "a new answer")
+    assert [measure(m) for m in history[:4]] == [budget.message_tokens(m, estimate) for m in history[:4]]
+    assert cache.tokens(exact)(history[3]) == budget.message_tokens(history[3], exact)  # another model's counter
+    gone = weakref.ref(first[4])
+    del first, edited
+    history[:] = history[-6:]  # trimmed
+    assert cache.messages(history) == to_lc_messages(history)
+    gc.collect()
+    assert gone() is None  # the cache no longer holds what left the history
+
+
+async def test_a_turn_converts_only_the_messages_new_since_the_last(tmp_path: Path) -> None:
+    with FakeOpenAI() as backend:
+        async with runtime(tmp_path, {"small": openai_model(backend)}) as rt:
+            await turn(rt, "first question")
+            history = rt.sessions.get("c1").history
+            kept = rt.agent.histories["c1"].messages(history)
+            await turn(rt, "second question")
+            again = rt.agent.histories["c1"].messages(history[:len(kept)])
+            sent = backend.requests[-1].json["messages"]
+    assert all(a is b for a, b in zip(again, kept, strict=True)) and len(kept) == 2
+    assert [m["content"] for m in sent[1:]] == ["first question", "echo: first question", "second question"]
+
+
+def test_only_the_most_recently_active_sessions_keep_their_history_cache() -> None:
+    caches: OrderedDict[str, HistoryCache] = OrderedDict()
+    first = agents.history_cache(caches, "s0")
+    for i in range(1, agents.MAX_HISTORY_CACHES):
+        agents.history_cache(caches, f"s{i}")
+    assert agents.history_cache(caches, "s0") is first  # used again: the most recent now
+    agents.history_cache(caches, "newcomer")
+    assert len(caches) == agents.MAX_HISTORY_CACHES and "s1" not in caches and caches["s0"] is first
 
 
 @pytest.mark.parametrize(("status", "message", "overflow"), [

@@ -1,4 +1,5 @@
-"""chat_openai.raw_streams: the SDK's raw path sends what `create()` would and streams the same answer."""
+"""chat_openai: the SDK's raw path sends what `create()` would and streams the same answer; each message is
+converted into the body once, and the body is still LangChain's own conversion, byte for byte."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import httpx2
 import openai
 import pytest
@@ -13,7 +15,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from chat_openai import ChunkStream, RawCompletions, raw_streams
+from chat_openai import ChunkStream, RawCompletions, openai_chat_model, raw_streams
+from models import HistoryCache, to_lc_messages
 from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -38,7 +41,7 @@ MESSAGES = [SystemMessage("you are terse"), HumanMessage("hi ü 😀"), AIMessag
 def models(backend: FakeOpenAI, **extra: Any) -> tuple[ChatOpenAI, ChatOpenAI]:
     common: dict[str, Any] = {"model": "fake-model", "base_url": backend.base_url, "api_key": "k", "streaming": True,
                               "max_retries": 0, "stream_usage": True, **extra}
-    return ChatOpenAI(**common), raw_streams(ChatOpenAI(**common))
+    return ChatOpenAI(**common), openai_chat_model(**common)
 
 
 async def collect(llm: Any, messages: list[Any] = MESSAGES) -> Any:
@@ -89,6 +92,57 @@ async def test_calls_it_does_not_stream_go_through_create(backend: FakeOpenAI) -
     backend.script(TextReply(("whole",)))
     reply = await raw.ainvoke(MESSAGES)
     assert reply.content == "whole" and backend.requests[-1].json.get("stream") is not True
+
+
+_ANSWER = (b'data: {"id":"a","object":"chat.completion.chunk","created":0,"model":"m","choices":[{"index":0,'
+           b'"delta":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+
+
+def _long_history(n: int) -> list[dict[str, Any]]:
+    """User questions, answers (some calling a tool, with an empty text), tool results; text JSON escapes differ on."""
+    history: list[dict[str, Any]] = []
+    while len(history) < n:
+        i = len(history)
+        history.append({"role": "user", "content": f"question {i}: ü 😀 \u2028 \x01 \\ \"quoted\" </script>"})
+        if i % 3 == 0:
+            history.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": f"c{i}", "name": "lookup", "args": {"city": f"Zürich {i}", "days": i, "ratio": 0.1 * i}}]})
+            history.append({"role": "tool", "tool_call_id": f"c{i}", "name": "lookup", "content": f"result\n{i}"})
+        history.append({"role": "assistant", "content": f"answer {i}:\n\t" + "word " * 40})
+    return history
+
+
+async def test_a_long_history_is_sent_as_langchain_converts_it_byte_for_byte() -> None:
+    """The body from the session's kept messages (HistoryCache, the model's memo of their dicts) is the body
+    LangChain builds from a fresh conversion and the SDK writes with `json.dumps` (`raw`: its key order is
+    LangChain's; the stock `create()` reorders the keys), at every turn, edits and trims included."""
+    sent: dict[str, list[bytes]] = {"stock": [], "raw": [], "ours": []}
+
+    def client(name: str) -> httpx.AsyncClient:
+        def answer(request: httpx.Request) -> httpx.Response:
+            sent[name].append(request.read())
+            return httpx.Response(200, content=_ANSWER, headers={"content-type": "text/event-stream"})
+        return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+    common: dict[str, Any] = {"model": "m", "base_url": "http://x.invalid/v1", "api_key": "k", "streaming": True,
+                              "max_retries": 0, "stream_usage": True, "temperature": 0.2}
+    stock = ChatOpenAI(**common, http_async_client=client("stock")).bind_tools([lookup])
+    raw = raw_streams(ChatOpenAI(**common, http_async_client=client("raw"))).bind_tools([lookup])
+    ours = openai_chat_model(**common, http_async_client=client("ours")).bind_tools([lookup])
+    history, cache, system = _long_history(1000), HistoryCache(), SystemMessage("you are terse ü")
+    for turn in range(4):
+        for llm, messages in ((stock, to_lc_messages(history)), (raw, to_lc_messages(history)),
+                              (ours, cache.messages(history))):
+            async for _ in llm.astream([system, *messages]):
+                pass
+        assert sent["ours"][-1] == sent["raw"][-1], turn
+        assert json.loads(sent["ours"][-1]) == json.loads(sent["stock"][-1]), turn
+        assert len(json.loads(sent["ours"][-1])["messages"]) == len(history) + 1
+        history += [{"role": "user", "content": f"turn {turn}"}, {"role": "assistant", "content": "ok"}]
+        history[turn]["content"] = f"edited {turn}"  # in place, the value replaced
+        history[-5] = {**history[-5], "content": "replaced"}
+        if turn == 2:
+            history[:] = history[-300:]  # trimmed
 
 
 class _Body(httpx2.AsyncByteStream):

@@ -4,7 +4,7 @@ Real MariaDB (127.0.0.1:3306, root without password; TEST_MYSQL_* override). Eac
 own database, accounts and roles (names with `dbenforce` and a random suffix) with the real
 `agentctl db-setup`, and drops them. The victim tables hold canary values; the corpus is
 tests/sql_attack_corpus.py plus every statement of tests/sql_cases.py, sent through the real
-`db_query` pipeline (tool_calls.execute_tool: gate, then the plugin) as a client that cannot ask a
+`db_query` pipeline (tool_calls.ToolPipeline: gate, then the plugin) as a client that cannot ask a
 person, so only what policy opens runs.
 """
 

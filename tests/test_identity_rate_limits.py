@@ -13,7 +13,6 @@ from pydantic import BaseModel
 import gate_commands
 import shared_store
 import state
-import tool_calls
 import turns
 from tests.runtime import Recorder, add_plugin_tools, ask, runtime
 
@@ -41,7 +40,7 @@ async def _call(rt: state.Runtime, client_id: str, identity: str | None, tool: s
     session, _ = rt.sessions.get_or_add(client_id, "m", turn.kind)
     turn = dataclasses.replace(turn, session=session)
     with turns.running(turn):
-        return (await tool_calls.execute_tool(rt, turn, tool, {"key": "k"})).text
+        return (await rt.pipeline.execute(turn, tool, {"key": "k"})).text
 
 
 async def _rotating_ids_share_one_window(rt: state.Runtime, rec: Recorder) -> None:

@@ -169,7 +169,7 @@ def test_metrics_are_off_by_default_and_cost_nothing(tmp_path, fake_openai) -> N
     from config import load_config
 
     config = load_config(cfg.write().path)
-    rt_metrics, spans = build.observability(type("R", (), {"config": config})())  # type: ignore[arg-type]
+    rt_metrics, spans = build.observability(config)
     assert rt_metrics is metrics.OFF and not spans.on
 
 

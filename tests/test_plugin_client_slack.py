@@ -345,7 +345,7 @@ async def test_a_refused_tool_call_gets_one_clear_note_and_the_answer_still_come
                                           "give — rejected")
         return gate.Refusal("denied", f"TOOL CALL REJECTED: {entry.tool.name} needs human approval")
 
-    bot.rt.tool_checks.append(refuse)
+    bot.rt.pipeline.checks.append(refuse)
     bot.llm.script(tool_call("get_system_info", {}), tool_call("get_system_info", {}), text("I could not look."))
     root = bot.ts()
     bot.slack.push_event(mention("what machine is this?", root))
@@ -363,7 +363,7 @@ async def test_a_rate_limited_tool_call_gets_a_note(bot):
                           f"[RATE LIMITED] {entry.tool.name} (system): 5 calls per 10 s; try again in 4 s")
         return gate.Refusal("rate_limited", "RATE LIMITED")
 
-    bot.rt.tool_checks.append(limit)
+    bot.rt.pipeline.checks.append(limit)
     bot.llm.script(tool_call("get_system_info", {}), text("Later, then."))
     root = bot.ts()
     bot.slack.push_event(mention("what machine is this?", root))

@@ -98,6 +98,26 @@ async def test_sqlite_store_keeps_sessions_ids_and_history(tmp_path):
     await m2.close()
 
 
+async def test_what_a_store_writes_reads_back_as_it_was(tmp_path):
+    """Records are written with orjson; what orjson refuses (an integer beyond 64 bits) goes through json."""
+    m = sessions.SessionManager(stores.SqliteStore(tmp_path / "s.db"))
+    await m.open()
+    a = await m.get_or_create("alice", "m1")
+    a.history += [{"role": "user", "content": "ü 😀 \u2028 \x01 \"quoted\""},
+                  {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "t",
+                                                                        "args": {"n": 1.5e-7}}]}]
+    b = await m.get_or_create("bob", "m1")
+    b.history.append({"role": "assistant", "content": "", "tool_calls": [{"id": "c2", "name": "t",
+                                                                           "args": {"big": 2**70}}]})
+    await m.save(a)
+    await m.save(b)
+    await m.close()
+    again = sessions.SessionManager(stores.SqliteStore(tmp_path / "s.db"))
+    await again.open()
+    assert again.get("alice").history == a.history and again.get("bob").history == b.history
+    await again.close()
+
+
 def test_store_setting():
     assert isinstance(stores.open_store("memory", None), stores.MemoryStore)
     with pytest.raises(stores.SessionError, match="SESSION_STORE=postgres:… is not supported"):

@@ -207,7 +207,8 @@ async def test_targets_never_get_this_servers_credentials(tmp_path, fake_openai)
     models = {"gpt": openai_model(fake_openai, env_key="OPENAI_API_KEY")}
     async with runtime(tmp_path, models, env=env, agents=agents) as rt:
         def token(name: str) -> tuple[str | None, str | None]:
-            return target_token(rt, name, rt.config.agents[name])
+            assert rt.plugins is not None
+            return target_token(rt.config, rt.plugins.client_credentials, name, rt.config.agents[name])
 
         assert token("peer") == ("peer-token", None)
         for name in ("copy", "model", "same"):

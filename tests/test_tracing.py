@@ -32,13 +32,13 @@ KEY_B = "tracing-test-key-of-b-0123456789"
 SECRET_QUESTION = "What is the secret number 7431?"
 
 
-def traced(rt: state.Runtime, name: str, content: bool = False) -> InMemorySpanExporter:
-    """Give `rt` a tracer provider of its own whose spans land in the returned exporter."""
+def traced(name: str, content: bool = False) -> tuple[tracing.Tracing, InMemorySpanExporter]:
+    """Spans for a runtime (`runtime(..., spans=…)`) from a tracer provider of their own, which land in the
+    returned exporter."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    rt.tracing = rt.gate.tracing = tracing.Tracing(provider, content=content)
-    return exporter
+    return tracing.Tracing(provider, content=content), exporter
 
 
 def by_name(spans: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:
@@ -74,16 +74,17 @@ async def test_one_trace_spans_two_instances_through_agent_call(tmp_path) -> Non
         port_b = free_port()
         (tmp_path / "b").mkdir()
         (tmp_path / "a").mkdir()
-        async with runtime(tmp_path / "b", {"gpt": openai_model(fake_b)}, env={"API_KEY": KEY_B}) as rt_b:
-            spans_b = traced(rt_b, "agent-b")
+        tracing_a, spans_a = traced("agent-a")
+        tracing_b, spans_b = traced("agent-b")
+        async with runtime(tmp_path / "b", {"gpt": openai_model(fake_b)}, env={"API_KEY": KEY_B},
+                           spans=tracing_b) as rt_b:
             rt_b.config.enabled.enabled_plugins.append("plugin_client_api")
             rt_b.config.enabled.plugin_config["plugin_client_api"] = {"port": port_b}
             assert rt_b.plugins is not None
             assert (await rt_b.plugins.load("plugin_client_api")).status == "loaded"
             async with serving_api(rt_b) as url_b, runtime(
                     tmp_path / "a", {"gpt": openai_model(fake_a)}, env={"B_TOKEN": KEY_B}, gates=ALL_OPEN,
-                    agents={"b": {"url": url_b, "token_env": "B_TOKEN"}}) as rt_a:
-                spans_a = traced(rt_a, "agent-a")
+                    agents={"b": {"url": url_b, "token_env": "B_TOKEN"}}, spans=tracing_a) as rt_a:
                 fake_a.script(tool_call("agent_call", {"agent_url": "b", "message": SECRET_QUESTION}),
                               text("B says ", "7431."))
                 fake_b.script(text("The number ", "is 7431."))
@@ -130,8 +131,9 @@ class _Args(BaseModel):
 
 async def test_a_gate_wait_is_a_span_and_content_only_when_turned_on(tmp_path, fake_openai) -> None:
     recorder = Recorder()
-    async with runtime(tmp_path, {"gpt": openai_model(fake_openai)}, gates={"db": {}, "tools": {}}) as rt:
-        spans = traced(rt, "agent", content=True)
+    traces, spans = traced("agent", content=True)
+    async with runtime(tmp_path, {"gpt": openai_model(fake_openai)}, gates={"db": {}, "tools": {}},
+                       spans=traces) as rt:
         add_plugin_tools(rt, "plugin_rec", [recorder.tool("write_thing", _Args)],
                          {"write_thing": {"type": "thing", "operation": "write"}})
         fake_openai.script(tool_call("write_thing", {"v": "1"}), text("Done."),
