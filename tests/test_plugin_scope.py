@@ -130,7 +130,8 @@ async def test_a_plugin_without_the_grant_neither_reads_nor_runs_nor_follows_nor
     request, before = ctx.request("c1", "hello"), rt.hub.last_id("c1")
     refused = [ctx.submit(request), ctx.process_request(request), ctx.wait_turn(request, 5), ctx.stop("c1"),
                ctx.cancel("c1"), ctx.delete_session("c1"), ctx.sessions.save(rt.sessions.get("c1")),
-               ctx.sessions.get_or_create("boss-2", "fake"), ctx.ask_gate("c1", {}, 1)]
+               ctx.sessions.get_or_create("boss-2", "fake"), ctx.ask_gate("c1", {}, 1),
+               ctx.execute_tool(request.turn(), "peek", {"other": "tiny-1"})]
     why = r"plugin_client_tiny may not reach session '(c1|boss-2)'.*\('tiny-'\).*all-sessions"
     for call in refused:
         with pytest.raises(ScopeError, match=why):
