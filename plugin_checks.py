@@ -61,7 +61,7 @@ ALL_SESSIONS = "all-sessions"
 #: sessions: grant → what it lets the plugin do.
 GRANTS = {
     ALL_SESSIONS: "reads and acts on every session, not only those of its own client-id namespaces "
-                    "(the shell, the API's admin key, the MCP server's human token)",
+                  "(the shell, the API's admin key, the MCP server's human token)",
 }
 
 

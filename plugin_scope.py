@@ -35,23 +35,31 @@ class Scope:
         self._namespaces = namespaces  # the runtime's: prefix → (class, plugin), filled as client plugins load
         self._sessions = sessions
 
-    def _prefixes(self) -> list[str]:
-        return [prefix for prefix, (_, owner) in self._namespaces.items() if owner == self.plugin]
+    def _prefixes(self) -> tuple[str, ...]:
+        return tuple(prefix for prefix, (_, owner) in self._namespaces.items() if owner == self.plugin)
 
     def owns(self, client_id: str) -> bool:
         """The session is in one of the plugin's namespaces (or the plugin may reach every session)."""
-        return self.everything or any(client_id.startswith(prefix) for prefix in self._prefixes())
+        return self.everything or client_id.startswith(self._prefixes())
 
-    def serves(self, client_id: str) -> bool:
-        """The code runs for a turn of this session that is running now (a tool the turn called): the turn is
-        the one holding the session, so a turn a plugin builds itself (`request(...).turn()`) does not count."""
+    def _served(self) -> str | None:
+        """The session of the turn the code runs for, while that turn runs (a tool the turn called): the turn
+        holding the session, so a turn a plugin builds itself (`request(...).turn()`) does not count."""
         turn = current_turn()
-        if turn is None or turn.client_id != client_id or turn.session is None:
-            return False
-        return self._sessions.get(client_id) is turn.session and turn.session.running == turn.id
+        if turn is None or turn.session is None:
+            return None
+        held = self._sessions.get(turn.client_id) is turn.session and turn.session.running == turn.id
+        return turn.client_id if held else None
 
     def sees(self, client_id: str) -> bool:
-        return self.owns(client_id) or self.serves(client_id)
+        return self.owns(client_id) or self._served() == client_id
+
+    def visible(self, sessions: list[Session]) -> list[Session]:
+        """Those of `sessions` the plugin sees."""
+        if self.everything:
+            return sessions
+        prefixes, served = self._prefixes(), self._served()
+        return [s for s in sessions if s.client_id.startswith(prefixes) or s.client_id == served]
 
     def check(self, client_id: str) -> None:
         """Raise ScopeError unless the plugin may act on the session `client_id`."""
@@ -86,8 +94,7 @@ class PluginSessions:
 
     def all(self) -> list[Session]:
         """The plugin's sessions this instance knows, by shorthand id."""
-        every = self._manager.all()
-        return every if self._scope.everything else [s for s in every if self._scope.sees(s.client_id)]
+        return self._scope.visible(self._manager.all())
 
     def count(self) -> int:
         return self._manager.count() if self._scope.everything else len(self.all())
