@@ -83,7 +83,7 @@ def _session_row(rt: plugin_api.PluginContext, s: plugin_api.Session) -> dict[st
     restart asks, to tell a turn that still runs from one the restart interrupted)."""
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),
             "running": rt.busy(s.client_id)
-                       or (rt.sessions.store.shared and s.running is not None)}  # a turn on another instance
+                       or (rt.sessions.shared and s.running is not None)}  # a turn on another instance
 
 
 async def _for_shells(desk: approvals.ApprovalDesk) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -240,7 +240,7 @@ class ShellpyPlugin(BasePlugin):
             "models": list(rt.config.models),
             "default_model": rt.config.default_model,
             "sessions": rt.sessions.count(),
-            "instances": await rt.sessions.store.instances(),  # several on one Redis: how many are alive
+            "instances": await rt.sessions.instances(),  # several on one Redis: how many are alive
             "plugins": rt.plugin_reports(),
         })
 

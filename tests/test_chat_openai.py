@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from chat_openai import ChunkStream, RawCompletions, openai_chat_model, raw_streams
+from chat_openai import RawCompletions, chunk_stream, openai_chat_model, raw_streams
 from models import HistoryCache, to_lc_messages
 from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
 from tests.fakes.openai_backend import FakeOpenAI
@@ -161,7 +161,7 @@ class _Body(httpx2.AsyncByteStream):
 async def _chunks(pieces: list[bytes]) -> tuple[list[Any], _Body]:
     body = _Body(pieces)
     response = httpx2.Response(200, stream=body, request=httpx2.Request("POST", "http://x/v1/chat/completions"))
-    stream = ChunkStream(cast_to=object, response=response, client=openai.AsyncOpenAI(api_key="k"))
+    stream = chunk_stream()(cast_to=object, response=response, client=openai.AsyncOpenAI(api_key="k"))
     return [chunk async for chunk in stream], body
 
 

@@ -836,14 +836,13 @@ def test_a_bad_setting_is_named_with_its_file(config, field):
         LlamaProxyPlugin().init(config)
 
 
-# ── Warm from the first request ─────────────────────────────────────────────────────────────
+# ── The first request after start ───────────────────────────────────────────────────────────
 
 
-async def test_the_first_request_after_start_finds_everything_built(tmp_path):
-    """Models are built (imports included) before any port listens, so the first chat request stalls
-    no listener: /health on the shell port keeps answering while it runs, and the log says the models
-    were ready before anything listened. How long the first request takes is measured by
-    bench/first_request.py, not asserted here (no timed assertions in the suite)."""
+async def test_the_first_request_after_start_stalls_no_listener(tmp_path):
+    """The first chat request builds its model (imports included) in a worker thread, so it stalls no
+    listener: /health on the shell port keeps answering while it runs. How long the first request takes
+    is measured by bench/first_request.py, not asserted here (no timed assertions in the suite)."""
     with FakeOpenAI() as gpt, FakeOpenAI() as other:
         p = _start(tmp_path, gpt, other)
         try:
@@ -868,5 +867,4 @@ async def test_the_first_request_after_start_finds_everything_built(tmp_path):
             assert answer.choices[0].message.content == "echo: hi"
             assert len(gaps) > 1, gaps  # /health answered while the first chat request ran
         finally:
-            log = p.server.stop()
-    assert log.index("models ready in") < log.index("listening:")
+            p.server.stop()
