@@ -2,9 +2,10 @@
 
 A plugin subclasses `BasePlugin` and reaches the running server only through `self.ctx`, its
 `PluginContext`: its requests (`request`, `submit`, `run_turn`, `wait_turn`, `stop`,
-`delete_session`), the event streams and the sessions, the gate keeper, the tool registry, the shared
-store of several instances (`values`, `signals`, `link`), metrics and tracing, and the settings. Of the
-sessions it reaches its own only (plugin_scope.py), unless the operator granted it every one.
+`delete_session`), the event streams and the sessions, the gates, the tool registry (read only), the
+shared store of several instances (`values`, `signals`, `link`), metrics and tracing, and the settings. Of
+the sessions, their gates and the client classes it reaches and vouches for its own only (plugin_scope.py),
+unless the operator granted it every one.
 The types those hand out (`Request`, `Turn`, `Event`, `Session`, …) and the client classes are
 exported here too. Besides this module a plugin imports libraries, and the core's vocabulary,
 record and file-format modules that hold no runtime (`LIBRARIES` in tests/test_architecture.py:
