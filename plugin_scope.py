@@ -14,6 +14,7 @@ Scoping is the contract of the plugin surface, not a sandbox: a plugin runs in t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
@@ -256,16 +257,21 @@ class PluginDesk:
         """The open routed gates the plugin sees, soonest deadline first."""
         return [g for g in await self._desk.pending() if self._scope.everything or self.shows(g)]
 
-    async def watch(self) -> AsyncIterator[approvals.FeedEvent]:
-        """The approver feed (`ApprovalDesk.watch`) of the gates the plugin sees, and their closings."""
+    def watch(self) -> AsyncIterator[approvals.FeedEvent]:
+        """The approver feed from this call on (`ApprovalDesk.watch`): the gates the plugin sees, and their
+        closings."""
+        return self._seen(self._desk.watch())
+
+    async def _seen(self, feed: AsyncIterator[approvals.FeedEvent]) -> AsyncIterator[approvals.FeedEvent]:
         told: set[str] = set()
-        async for ev in self._desk.watch():
-            if ev.gate is not None and (self._scope.everything or self.shows(ev.gate)):
-                told.add(ev.gate.gate_id)
-                yield ev
-            elif ev.closing is not None and (ev.closing.gate_id in told or self._scope.sees(ev.closing.session)):
-                told.discard(ev.closing.gate_id)
-                yield ev
+        async with contextlib.aclosing(feed):
+            async for ev in feed:
+                if ev.gate is not None and (self._scope.everything or self.shows(ev.gate)):
+                    told.add(ev.gate.gate_id)
+                    yield ev
+                elif ev.closing is not None and (ev.closing.gate_id in told or self._scope.sees(ev.closing.session)):
+                    told.discard(ev.closing.gate_id)
+                    yield ev
 
     async def wire(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """`watch()` as (event name, JSON data) pairs, for an SSE response."""
