@@ -270,11 +270,14 @@ async def serve(config: AppConfig) -> int:
             await _compare_prompts(rt)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
+        # Before any port listens, the default model is built (in a worker thread: `Agent.warm`), so "ready"
+        # means its first turn waits for no import; other models are built at their first use.
         started = time.monotonic()
-        windows = await asyncio.gather(*(models.model_window(rt.windows, key, cfg)
-                                         for key, cfg in config.models.items()))
+        _, *windows = await asyncio.gather(rt.agent.warm(config.default_model),
+                                           *(models.model_window(rt.windows, key, cfg)
+                                             for key, cfg in config.models.items()))
         logger.info(
-            "context windows (%.2f s): %s",
+            "default model ready in %.2f s; context windows: %s",
             time.monotonic() - started,
             ", ".join(
                 f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)
@@ -330,9 +333,6 @@ async def serve(config: AppConfig) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop, True)
         tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock, _ in prepared]
-        # The default model is built while the ports already answer, so its first turn finds it ready (other
-        # models at their first use): the ports do not wait for the model library's imports, the first turn does not.
-        warming = asyncio.create_task(rt.agent.warm(config.default_model), name="warm-up")
         for _, _, where in prepared:
             logger.info("listening: %s", where)
         logger.info("agent-mcp ready: %d plugin(s) loaded, %d with problems, default model %s",
@@ -342,8 +342,7 @@ async def serve(config: AppConfig) -> int:
         gc.freeze()
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop()  # one server stopped (or a signal came): stop the rest
-        warming.cancel()
-        await asyncio.gather(*tasks, *ending, warming, return_exceptions=True)
+        await asyncio.gather(*tasks, *ending, return_exceptions=True)
         return 0
     finally:
         await build.close_runtime(rt)

@@ -20,9 +20,9 @@ from tests.plugin_host import PROXY_ENV, SERVICE_ENV
 HEAVY = {
     "redis": "shared_link.Link: a redis:// SESSION_STORE",
     "sqlglot": "sql.py: the first SQL statement parsed (a db tool)",
-    "openai": "models.built_model: the default model once the ports listen (Agent.warm), another at its first use "
-              "(or plugin_search_xai with its key)",
-    "langchain_openai": "models.built_model: the default model once the ports listen, another at its first use",
+    "openai": "models.built_model: the default model before the ports listen (Agent.warm), another at its first "
+              "use (or plugin_search_xai with its key)",
+    "langchain_openai": "models.built_model: the default model before the ports listen, another at its first use",
     "langchain_google_genai": "models.built_model: a GEMINI model used",
     "google.genai": "plugin_search_google",
     "googleapiclient": "plugin_storage_googledrive",
@@ -71,8 +71,7 @@ def test_heavy_libraries_wait_until_they_are_used(modules: list[str]) -> None:
 
 #: What agent-mcp.serve does before its ports listen, on a runtime with every plugin of the manifest enabled
 #: (keys absent, as `make bench-growth` measures idle RSS): the plugins started, each model's context window
-#: and reachability looked up. Then what it does once they listen: the default model (OpenAI-type) built,
-#: which brings `openai` in.
+#: and reachability looked up, the default model (OpenAI-type) built, which brings `openai` in.
 _STARTED = textwrap.dedent("""
     import asyncio, json
     from pathlib import Path
