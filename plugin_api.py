@@ -2,9 +2,10 @@
 
 A plugin subclasses `BasePlugin` and reaches the running server only through `self.ctx`, its
 `PluginContext`: its requests (`request`, `submit`, `run_turn`, `wait_turn`, `stop`,
-`delete_session`), the event streams and the sessions, the gate keeper, the tool registry, the shared
-store of several instances (`values`, `signals`, `link`), metrics and tracing, and the settings. Of the
-sessions it reaches its own only (plugin_scope.py), unless the operator granted it every one.
+`delete_session`), the event streams and the sessions, the gates, the tool registry (read only), the
+shared store of several instances (`values`, `signals`, `link`), metrics and tracing, and the settings. Of
+the sessions, their gates and the client classes it reaches and vouches for its own only (plugin_scope.py),
+unless the operator granted it every one.
 The types those hand out (`Request`, `Turn`, `Event`, `Session`, …) and the client classes are
 exported here too. Besides this module a plugin imports libraries, and the core's vocabulary,
 record and file-format modules that hold no runtime (`LIBRARIES` in tests/test_architecture.py:
@@ -44,10 +45,19 @@ from client_classes import (
 )
 from config import AppConfig, field_problems
 from events import Event
-from gate import ANY_TABLE, DDL, WRITE, GateKeeper
+from gate import ANY_TABLE, DDL, WRITE
 from plugin_checks import ALL_SESSIONS, PluginReport
-from plugin_scope import PluginHub, PluginSessions, PluginSignals, Scope, ScopeError
-from registry import ToolError, ToolRegistry
+from plugin_scope import (
+    PluginDesk,
+    PluginGate,
+    PluginHub,
+    PluginSessions,
+    PluginSignals,
+    PluginTools,
+    Scope,
+    ScopeError,
+)
+from registry import ToolError
 from routes import Request, Submitted, ends_turn
 from sessions import Stopping
 from shared_link import Link
@@ -58,11 +68,11 @@ from turns import DbAccess, Turn, current_turn, running
 
 __all__ = [
     "ANY_TABLE", "API", "CLASSES", "CLIENT_LABELS", "DDL", "HUMAN_WAIT", "MCP", "NO_WAIT", "PROXY", "SHELL", "SLACK",
-    "SWARM", "UNKNOWN", "WRITE", "BasePlugin", "DbAccess", "Event", "GateKeeper", "Link", "PluginConfigError",
-    "PluginContext", "PluginHub", "PluginSessions", "PluginSettings", "PluginSignals", "PluginValues", "Request",
-    "ScopeError", "Session", "SessionError", "SqliteFile", "Stopping", "Submitted", "ToolError", "ToolOutcome",
-    "ToolRegistry", "Turn", "actor", "current_turn", "ends_turn", "may_administer", "parse_settings", "refusal",
-    "running",
+    "SWARM", "UNKNOWN", "WRITE", "BasePlugin", "DbAccess", "Event", "Link", "PluginConfigError", "PluginContext",
+    "PluginDesk", "PluginGate", "PluginHub", "PluginSessions", "PluginSettings", "PluginSignals", "PluginTools",
+    "PluginValues", "Request", "ScopeError", "Session", "SessionError", "SqliteFile", "Stopping", "Submitted",
+    "ToolError", "ToolOutcome", "Turn", "actor", "current_turn", "ends_turn", "may_administer", "parse_settings",
+    "refusal", "running",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -194,6 +204,9 @@ class PluginContext:
         self._scope = Scope(name, rt.client_namespaces, rt.sessions, ALL_SESSIONS in grants)
         self._sessions = PluginSessions(rt.sessions, self._scope)
         self._hub = PluginHub(rt.hub, self._scope)
+        self._gate = PluginGate(rt.gate, self._scope)
+        own = (lambda: (plugin.get_tools(), plugin.get_gate_tools())) if plugin.PLUGIN_TYPE == "data_tool" else None
+        self._tools = PluginTools(rt.tools, name, own)
         self._values = PluginValues(rt.values.link, name) if rt.values is not None else None
         self._signals = PluginSignals(rt.signals, name) if rt.signals is not None else None
 
@@ -210,29 +223,51 @@ class PluginContext:
         """A typed request of `client_id`: its class is `kind`, else the one this plugin's own
         CLIENT_NAMESPACES state for the id (outside them: the least privilege). `flags`: the other
         `Request` fields (model, default_model, admin, interactive, identity, history). Building one of another
-        plugin's session is allowed; running it is not (`submit` and the rest raise ScopeError)."""
+        plugin's session, or one that claims more than the plugin may vouch for, is allowed; running it is not
+        (`submit` and the rest raise ScopeError, see `_vouch`)."""
         return Request(client_id, kind or self._plugin.client_class(client_id), text, **flags)
+
+    def _vouch(self, client_id: str, kind: str, admin: bool, interactive: bool, bypass_gates: bool = False) -> None:
+        """Raise ScopeError unless the plugin may run a request of this session with these privileges: without
+        the all-sessions grant, only as the class its own CLIENT_NAMESPACES state for the id, and neither as an
+        administrator (`admin`) nor as the interactive shell (`interactive`, `bypass_gates`)."""
+        self._scope.check(client_id)
+        if self._scope.everything:
+            return
+        own = self._plugin.client_class(client_id)
+        claims = [word for word, claimed in (("admin", admin is True), ("interactive", interactive is True),
+                                             ("bypass_gates", bypass_gates is True), (f"kind={kind!r}", kind != own))
+                  if claimed]
+        if claims:
+            raise ScopeError(f"plugin {self._plugin.PLUGIN_NAME} may not vouch for {', '.join(claims)} on session "
+                             f"'{client_id[:80]}': it vouches only for the class its CLIENT_NAMESPACES state for the "
+                             f"id ('{own}'), without admin or interactive rights; a plugin that vouches for more needs "
+                             "\"grants\": [\"all-sessions\"] in its plugin-manifest.json entry, which only an operator "
+                             "gives")
+
+    def _vouch_request(self, request: Request) -> None:
+        self._vouch(request.client_id, request.kind, request.admin, request.interactive)
 
     async def submit(self, request: Request, *, cancel_running: bool = True) -> Submitted:
         """Start the request (see `routes.submit`); its events go to the session's subscribers."""
-        self._scope.check(request.client_id)
+        self._vouch_request(request)
         return await routes.submit(self._rt, request, cancel_running=cancel_running)
 
     async def process_request(self, request: Request) -> None:
         """Run the request in the calling task, to its end (the spec's path; `routes.process_request`): it is
         tracked like a submitted one, so a newer request or a delete cancels it."""
-        self._scope.check(request.client_id)
+        self._vouch_request(request)
         await routes.process_request(request, rt=self._rt)
 
     def run_turn(self, request: Request, *, cancel_running: bool = False) -> AsyncIterator[Event]:
         """Submit the request and iterate its own events, ending with its `done` (`routes.run_turn`)."""
-        self._scope.check(request.client_id)
+        self._vouch_request(request)
         return routes.run_turn(self._rt, request, cancel_running=cancel_running)
 
     async def wait_turn(self, request: Request, seconds: float, *, cancel_running: bool = False,
                         on_event: Callable[[Event], None] | None = None) -> dict[str, Any]:
         """Run the request to its end, or for `seconds` (`routes.wait_turn`): `{"status", "text"}`."""
-        self._scope.check(request.client_id)
+        self._vouch_request(request)
         return await routes.wait_turn(self._rt, request, seconds, cancel_running=cancel_running, on_event=on_event)
 
     async def stop(self, client_id: str) -> bool:
@@ -257,8 +292,10 @@ class PluginContext:
         return any(not t.done() for t in self._rt.active_tasks.get(client_id, ()))
 
     async def execute_tool(self, turn: Turn, name: str, args: dict[str, Any]) -> ToolOutcome:
-        """One call of an agent tool for `turn`, through the model's own pipeline (checks, gate, executor)."""
-        self._scope.check(turn.client_id)
+        """One call of an agent tool for `turn`, through the model's own pipeline (checks, gate, executor): the turn
+        the plugin serves, or one with no more privileges than it may vouch for (see `_vouch`)."""
+        if turn is not self._scope.served_turn():
+            self._vouch(turn.client_id, turn.kind, turn.admin, turn.interactive, turn.bypass_gates)
         return await self._rt.pipeline.execute(turn, name, args)
 
     async def ask_gate(self, client_id: str, payload: dict[str, Any], seconds: float,
@@ -280,13 +317,15 @@ class PluginContext:
         return self._sessions
 
     @property
-    def gate(self) -> GateKeeper:
-        """The gate keeper: pending gates, answers, grants, the approver desk, gate defaults."""
-        return self._rt.gate
+    def gate(self) -> PluginGate:
+        """The gates of the plugin's sessions and those routed to the approvers it answers for: answer, resolve,
+        owner, desk, active_grants, defaults (a copy), timeouts; with the grant also grants, set_policy, …"""
+        return self._gate
 
     @property
-    def tools(self) -> ToolRegistry:
-        return self._rt.tools
+    def tools(self) -> PluginTools:
+        """The tool registry, read only (get, entry, names, openai_schemas; reload: the plugin's own again)."""
+        return self._tools
 
     def client_class(self, client_id: str) -> str:
         """The class of the loaded plugin namespace owning `client_id`: for labels, never for privileges."""

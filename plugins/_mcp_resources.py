@@ -144,7 +144,4 @@ def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     async def session_grants(sid: str) -> str:
         """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
         s = await read_session(plugin, request_principal(), sid)
-        store = plugin.ctx.gate.grants
-        if store is not None:
-            await store.refresh(s.client_id)
-        return json_text([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])
+        return json_text([dataclasses.asdict(g) for g in await plugin.ctx.gate.active_grants(s.client_id)])

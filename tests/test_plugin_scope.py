@@ -1,5 +1,6 @@
-"""A plugin reaches its own sessions, event streams, values and signals only; every session only when the operator
-granted it `all-sessions` in plugin-manifest.json (issue 30, item 1; plugin_scope.py)."""
+"""A plugin reaches its own sessions, event streams, gates, values and signals only, vouches only for its own
+client class and reads the tool registry without changing it; every session, the gate policy and more
+privileges only when the operator granted it `all-sessions` in plugin-manifest.json (issue 30; plugin_scope.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from typing import Any
 
 import pytest
 
+import approvals
 import build
+import gate_policy
 import routes
 import stores
+from audit_chain import AuditRecord
 from config import DEFAULTS_DIR, load_config
-from plugin_api import PluginContext, ScopeError, running
+from plugin_api import CLASSES, PluginContext, Request, ScopeError, Turn, running
 from plugins.plugin_client_api import ApiPlugin
 from plugins.plugin_client_slack import SlackPlugin
 from tests.conftest import ROOT, ConfigDir, openai_model
@@ -24,6 +28,7 @@ from tests.fakes.backend import text, tool_call
 from tests.plugin_host import NO_GATES
 from tests.runtime import ask, shell_payload
 from tests.test_scale import two
+from tests.waiting import until
 
 CLIENT = textwrap.dedent('''
     from plugin_api import BasePlugin
@@ -33,7 +38,7 @@ CLIENT = textwrap.dedent('''
     class {cls}(BasePlugin):
         PLUGIN_NAME = "{name}"
         PLUGIN_TYPE = "client_interface"
-        CLIENT_NAMESPACES = {{"{prefix}": "api"}}
+        CLIENT_NAMESPACES = {{"{prefix}": "{kind}"}}
 
         def init(self, config):
             return True
@@ -89,21 +94,24 @@ PEEK = textwrap.dedent('''
 
 @pytest.fixture
 async def scoped(tmp_path: Path, fake_openai: Any):
-    """A server with `plugin_client_tiny` (namespace `tiny-`), `plugin_client_boss` (`boss-`, granted every session)
-    and the data tool `plugin_tool_peek`; a shell session `c1` and a session of each client plugin."""
+    """A server with `plugin_client_tiny` (namespace `tiny-`, class api), `plugin_client_boss` (`boss-`, granted
+    every session), `plugin_client_chat` (`chat-`, class slack: it answers for Slack approvers) and the data tool
+    `plugin_tool_peek`; a shell session `c1` and a session of tiny and of boss."""
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(fake_openai)}
     cfg.gates = NO_GATES
-    cfg.add_plugin("plugin_client_tiny", CLIENT.format(cls="Tiny", name="plugin_client_tiny", prefix="tiny-"),
-                   type_="client_interface")
-    cfg.add_plugin("plugin_client_boss", CLIENT.format(cls="Boss", name="plugin_client_boss", prefix="boss-"),
-                   type_="client_interface", grants=["all-sessions"])
+    cfg.add_plugin("plugin_client_tiny", CLIENT.format(cls="Tiny", name="plugin_client_tiny", prefix="tiny-",
+                                                       kind="api"), type_="client_interface")
+    cfg.add_plugin("plugin_client_boss", CLIENT.format(cls="Boss", name="plugin_client_boss", prefix="boss-",
+                                                       kind="api"), type_="client_interface", grants=["all-sessions"])
+    cfg.add_plugin("plugin_client_chat", CLIENT.format(cls="Chat", name="plugin_client_chat", prefix="chat-",
+                                                       kind="slack"), type_="client_interface")
     cfg.add_plugin("plugin_tool_peek", PEEK)
     cfg.write()
     shutil.copytree(DEFAULTS_DIR / ".system_prompt", tmp_path / ".system_prompt")
     rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
     assert rt.plugins is not None
-    for name in ("plugin_client_tiny", "plugin_client_boss", "plugin_tool_peek"):
+    for name in ("plugin_client_tiny", "plugin_client_boss", "plugin_client_chat", "plugin_tool_peek"):
         report = await rt.plugins.load(name)
         assert report.status == "loaded", report.line()
     plugins = {p.PLUGIN_NAME.rsplit("_", 1)[1]: p for p in rt.plugins.loaded}
@@ -195,12 +203,125 @@ async def test_a_tool_reaches_the_session_of_the_turn_it_serves_and_no_other(sco
             peek.ctx.hub.publish("c1", "status", {"text": "late"})
 
 
+async def _raised(rt: Any, client_id: str, routed_to: list[str] | None = None) -> tuple[str, asyncio.Task[Any]]:
+    """A gate pending on `client_id` (routed to the approvers `routed_to`): its id, and the task waiting for it."""
+    routed = None
+    if routed_to is not None:
+        if rt.gate.desk is None:
+            rt.gate.desk = approvals.ApprovalDesk(approvals.ApprovalRules(rt.config.enabled.approvals, CLASSES), rt.hub)
+        routed = approvals.RoutedGate("", client_id, "proxy", "the chat proxy", "db_query", "write", ["t"],
+                                      "UPDATE t SET a = ?", {}, [], 0.0, 0.0, routed_to, "them")
+    before = set(rt.gate.pending)
+    task = asyncio.create_task(rt.gate.ask(client_id, {"tool_name": "db_query"}, 30, routed))
+    await until(lambda: bool(set(rt.gate.pending) - before), f"a gate on {client_id}")
+    (gate_id,) = set(rt.gate.pending) - before
+    return gate_id, task
+
+
+async def test_a_plugin_answers_the_gates_of_its_sessions_and_those_routed_to_the_approvers_it_answers_for(
+        scoped) -> None:
+    rt, plugins = scoped
+    tiny, chat, boss = (plugins[name].ctx for name in ("tiny", "chat", "boss"))
+    shell_gate, shell_wait = await _raised(rt, "c1")
+    own_gate, own_wait = await _raised(rt, "tiny-1")
+    assert await tiny.gate.owner(shell_gate) is None and await tiny.gate.owner(own_gate) == "tiny-1"
+    with pytest.raises(ScopeError, match=r"plugin_client_tiny may not answer gate '.+' of session 'c1'.*"
+                                         r"\('tiny-'\), and the gate is not routed to the approvers it answers for "
+                                         r"\(api\).*all-sessions"):
+        await tiny.gate.answer(shell_gate, "allow", answerer=approvals.Approver("api", "admin"), by="tiny")
+    with pytest.raises(ScopeError, match="may not reach session 'c1'"):
+        await tiny.gate.resolve(shell_gate, "allow")
+    assert shell_gate in rt.gate.pending and not hasattr(tiny.gate, "hub") and not hasattr(tiny.gate, "ask")
+    assert (await tiny.gate.answer(own_gate, "allow", by="tiny")).answered and (await own_wait)[0].word == "allow"
+    assert await boss.gate.resolve(shell_gate, "reject", by="boss") and (await shell_wait)[0].word == "reject"
+    # Routed to a Slack user: the plugin of the Slack class sees and answers it, as that user only.
+    slack_gate, slack_wait = await _raised(rt, "c1", ["slack:U1"])
+    mcp_gate, mcp_wait = await _raised(rt, "c1", ["mcp:ops"])
+    assert [g.gate_id for g in await chat.gate.desk.pending()] == [slack_gate]
+    assert await tiny.gate.desk.pending() == [] and await tiny.gate.desk.get(slack_gate) == (None, None)
+    assert {g.gate_id for g in await boss.gate.desk.pending()} == {slack_gate, mcp_gate}
+    feed = chat.gate.desk.watch()
+    assert (await anext(feed)).gate.gate_id == slack_gate  # the MCP token's gate is not on its feed
+    with pytest.raises(ScopeError, match=r"not routed to the approvers it answers for \(slack, slack-channel\)"):
+        await chat.gate.answer(mcp_gate, "allow", answerer=approvals.Approver("slack", "U1"), channel="slack")
+    with pytest.raises(ScopeError):
+        await tiny.gate.answer(slack_gate, "allow", answerer=approvals.Approver("api", "admin"), channel="api")
+    not_them = await chat.gate.answer(slack_gate, "allow", answerer=approvals.Approver("slack", "U2"), channel="slack")
+    assert not_them.outcome == approvals.NOT_APPROVER  # the keeper's own check still decides who may answer
+    one = approvals.Approver("slack", "U1")
+    assert (await chat.gate.answer(slack_gate, "allow", answerer=one, channel="slack")).answered
+    assert (await slack_wait)[0].word == "allow" and (await anext(feed)).closing.gate_id == slack_gate
+    late = await chat.gate.answer(slack_gate, "reject", answerer=one, channel="slack")
+    assert late.outcome == approvals.DECIDED and late.first.by == "slack:U1"
+    with pytest.raises(ScopeError, match="shell approver windows"):
+        await tiny.gate.desk.set_window("w1", True)
+    await feed.aclose()
+    mcp_wait.cancel()
+
+
+async def test_gate_policy_every_session_s_grants_and_the_audit_log_need_the_grant(scoped) -> None:
+    rt, plugins = scoped
+    tiny, boss = plugins["tiny"].ctx, plugins["boss"].ctx
+    change = gate_policy.PolicyChange.parse("tools", "peek", "read", True, "tiny")
+    why = r"plugin_client_tiny may not .*: that needs \"grants\": \[\"all-sessions\"\]"
+    with pytest.raises(ScopeError, match=why):
+        await tiny.gate.set_policy(change)
+    with pytest.raises(ScopeError, match=why):
+        tiny.gate.replace_policy(rt.gate.defaults, "tiny")
+    with pytest.raises(ScopeError, match=why):
+        assert tiny.gate.grants is not None
+    with pytest.raises(ScopeError, match="may not reach session 'c1'"):
+        await tiny.gate.active_grants("c1")
+    with pytest.raises(ScopeError, match="may not reach session 'c1'"):
+        tiny.gate.audit(AuditRecord.call("c1", "peek", "read").decision("tiny", "allowed"))
+    copy = tiny.gate.defaults
+    copy.tools.clear()
+    assert "peek" not in rt.gate.defaults.tools and rt.gate.defaults.tools  # a copy: the policy is unchanged
+    assert await tiny.gate.active_grants("tiny-1") == []
+    entry, _ = await boss.gate.set_policy(change)
+    assert entry.read and rt.gate.defaults.tools["peek"].read and boss.gate.grants is rt.gate.grants
+
+
+async def test_a_plugin_vouches_only_for_its_own_class_without_admin_or_interactive_rights(scoped) -> None:
+    rt, plugins = scoped
+    ctx = plugins["tiny"].ctx
+    claims = {"admin": ctx.request("tiny-1", "!help", admin=True),
+              "interactive": ctx.request("tiny-1", "!help", interactive=True),
+              "kind='shell'": ctx.request("tiny-1", "!help", kind="shell"),
+              "kind='mcp'": Request("tiny-1", "mcp", "!help")}  # built without the context: the same
+    before = rt.hub.last_id("tiny-1")
+    for claim, request in claims.items():
+        for call in (ctx.submit(request), ctx.process_request(request), ctx.wait_turn(request, 5)):
+            with pytest.raises(ScopeError, match=rf"plugin_client_tiny may not vouch for {claim} on session 'tiny-1'"
+                                                 r".*\('api'\).*all-sessions"):
+                await call
+        with pytest.raises(ScopeError):
+            ctx.run_turn(request)
+    with pytest.raises(ScopeError, match="may not vouch for bypass_gates on session 'tiny-1'"):
+        await ctx.execute_tool(Turn("tiny-1", "t1", "api", bypass_gates=True), "peek", {"other": "c1"})
+    assert rt.hub.last_id("tiny-1") == before
+    assert (await ctx.wait_turn(ctx.request("tiny-1", "!help", kind="api"), 10))["status"] == "complete"
+
+
+async def test_the_tool_registry_is_read_only_for_plugins(scoped) -> None:
+    rt, plugins = scoped
+    tiny, peek = plugins["tiny"].ctx, plugins["peek"].ctx
+    entry, tool = tiny.tools.entry("peek"), tiny.tools.get("peek")
+    entry.gate["operation"], entry.owner, tool.coroutine = "write", "plugin_client_tiny", None
+    assert rt.tools.entry("peek").gate["operation"] == "read" and rt.tools.entry("peek").owner == "plugin_tool_peek"
+    assert rt.tools.get("peek").coroutine is not None and "peek" in tiny.tools.names()
+    assert not hasattr(tiny.tools, "register") and not hasattr(tiny.tools, "replace_plugin_tools")
+    with pytest.raises(ScopeError, match="only a data_tool plugin registers tools"):
+        tiny.tools.reload()
+    assert peek.tools.reload() == ["peek"] and rt.tools.entry("peek").gate["operation"] == "read"
+
+
 def test_an_unknown_grant_keeps_the_plugin_from_loading(tmp_path: Path, fake_openai: Any) -> None:
     async def load() -> str:
         cfg = ConfigDir(tmp_path)
         cfg.models = {"fake": openai_model(fake_openai)}
-        cfg.add_plugin("plugin_client_tiny", CLIENT.format(cls="Tiny", name="plugin_client_tiny", prefix="tiny-"),
-                       type_="client_interface", grants=["everything"])
+        cfg.add_plugin("plugin_client_tiny", CLIENT.format(cls="Tiny", name="plugin_client_tiny", prefix="tiny-",
+                                                           kind="api"), type_="client_interface", grants=["everything"])
         cfg.write()
         rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())
         try:
