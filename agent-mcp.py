@@ -270,16 +270,15 @@ async def serve(config: AppConfig) -> int:
             await _compare_prompts(rt)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
-        # Before any port listens: no request waits for an import, no event loop stalls on one.
+        # Before any port listens, the default model is built (in a worker thread: `Agent.warm`), so "ready"
+        # means its first turn waits for no import; other models are built at their first use.
         started = time.monotonic()
-        cold = await asyncio.to_thread(models.warm_up, rt.llms, config, rt.tools, rt.prompt,
-                                       rt.metrics.on or rt.tracing.on)
-        windows = await asyncio.gather(*(models.model_window(rt.windows, key, cfg)
-                                         for key, cfg in config.models.items()))
+        _, *windows = await asyncio.gather(rt.agent.warm(config.default_model),
+                                           *(models.model_window(rt.windows, key, cfg)
+                                             for key, cfg in config.models.items()))
         logger.info(
-            "models ready in %.2f s%s; context windows: %s",
+            "default model ready in %.2f s; context windows: %s",
             time.monotonic() - started,
-            f" (prepared at first use: {', '.join(cold)})" if cold else "",
             ", ".join(
                 f"{key} {tokens:,} ({source})" for key, (tokens, source) in zip(config.models, windows, strict=True)
             ),

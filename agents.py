@@ -30,7 +30,7 @@ import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
 from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
-from models import HistoryCache, chat_model, content_text, model_window, router_wants_tools, stream_once
+from models import HistoryCache, built_model, content_text, model_window, router_wants_tools, stream_once
 from sessions import SessionManager, trim_history
 from text_calls import (
     TextCallFilter,
@@ -486,12 +486,21 @@ class Agent:
     #: (`history_cache`), least recent first.
     histories: OrderedDict[str, HistoryCache] = field(default_factory=OrderedDict)
 
+    async def warm(self, key: str) -> None:
+        """Build model `key` before a turn needs it (`built_model`: in a worker thread). One that cannot be
+        built is left to its first turn, which says why."""
+        try:
+            await built_model(self.llms, self.config, key, self.metrics.on or self.tracing.on,
+                              self.pipeline.tools.for_model(self.config.models[key]))
+        except LLMError as exc:
+            logger.warning("model %s is not prepared: %s", key, exc)
+
     async def _prepare(self, turn: turns.Turn, session: stores.Session, key: str) -> _Loop:
         """The loop of a turn on model `key`: the model with the tools it may call bound (none when its router
         says no), and the pieces the rounds use."""
         cfg = self.config.models[key]
-        llm = chat_model(self.llms, self.config, key, self.metrics.on or self.tracing.on)
         tools = self.pipeline.tools.for_model(cfg)
+        llm = await built_model(self.llms, self.config, key, self.metrics.on or self.tracing.on, tools)
         if tools and cfg.router and not await router_wants_tools(llm, cfg, _last_user_text(session.history), tools):
             tools = []
         if tools and cfg.tool_mode == "native":  # ChatOpenAI takes the schemas as they are; other models the tools

@@ -21,11 +21,12 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from openai import APIConnectionError, APIError, APITimeoutError, AsyncStream
-from openai._httpx2 import request_exceptions, timeout_exceptions
+
+if TYPE_CHECKING:
+    from openai import AsyncStream
 
 #: `create()` keyword arguments that are request options, not body fields, and the option each becomes
 #: (as the SDK's `make_request_options` maps them).
@@ -42,7 +43,7 @@ class RawCompletions:
     def __init__(self, completions: Any, client: Any):
         self._completions = completions
         self._client = client
-        self.stream_cls = ChunkStream
+        self.stream_cls = chunk_stream()
 
     def __getattr__(self, name: str) -> Any:  # with_raw_response, parse, …: the SDK's own
         return getattr(self._completions, name)
@@ -75,52 +76,62 @@ def _encoded(params: dict[str, Any], options: dict[str, Any]) -> bytes | None:
     return content
 
 
-class ChunkStream(AsyncStream[object]):
-    """The SDK's stream class with its SSE decoding written out here, chunks parsed with orjson.
+@functools.cache
+def chunk_stream() -> type[AsyncStream[object]]:
+    """`ChunkStream`, made at the first OpenAI-type model built (`RawCompletions`): it subclasses the SDK's
+    stream class, and the SDK (about 15 MiB) is imported with that model, not with this module."""
+    from openai import APIConnectionError, APIError, APITimeoutError, AsyncStream
+    from openai._httpx2 import request_exceptions, timeout_exceptions
 
-    Hand-written on purpose (issue 31): with the pydantic models gone, the SDK's decoder was the largest
-    cost per streamed token left in the server (it feeds every line through a generic SSE state machine,
-    then `json.loads`); this splits the received bytes at blank lines and parses each `data:` payload
-    once: 4.4× cheaper (a 32-chunk stream decoded in 0.25 ms instead of 1.07 ms, docs/benchmarks.md).
-    What the SDK's `__stream__` does
-    besides is kept: `[DONE]` ends the stream after the rest of the body is read (the connection is
-    reused), an `error` object becomes `APIError`, timeouts and transport failures the SDK's exceptions.
-    """
+    class ChunkStream(AsyncStream[object]):
+        """The SDK's stream class with its SSE decoding written out here, chunks parsed with orjson.
 
-    async def __stream__(self) -> AsyncIterator[object]:  # type: ignore[override]
-        response = self.response
-        pending = b""
-        done = False
-        try:
-            async for received in response.aiter_bytes():
-                if done:
-                    continue  # the rest of a finished stream, read so the connection can be reused
-                pending += received
-                if b"\r" in pending:  # CRLF or CR line ends; a CR last may be half of a CRLF
-                    last_cr = pending.endswith(b"\r")
-                    pending = pending[:-1] if last_cr else pending
-                    pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if last_cr else b"")
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    data = _data(event)
-                    if data is None:
-                        continue
-                    if data.startswith(b"[DONE]"):
-                        done = True
-                        break
-                    chunk = orjson.loads(data)
-                    if isinstance(chunk, dict) and chunk.get("error"):
-                        error = chunk["error"]
-                        message = error.get("message") if isinstance(error, dict) else None
-                        raise APIError(message=message if isinstance(message, str) and message
-                                       else "An error occurred during streaming", request=response.request, body=error)
-                    yield chunk
-        except timeout_exceptions() as exc:
-            raise APITimeoutError(request=response.request) from exc
-        except request_exceptions() as exc:
-            raise APIConnectionError(request=response.request) from exc
-        finally:
-            await response.aclose()
+        Hand-written on purpose (issue 31): with the pydantic models gone, the SDK's decoder was the largest
+        cost per streamed token left in the server (it feeds every line through a generic SSE state machine,
+        then `json.loads`); this splits the received bytes at blank lines and parses each `data:` payload
+        once: 4.4× cheaper (a 32-chunk stream decoded in 0.25 ms instead of 1.07 ms, docs/benchmarks.md).
+        What the SDK's `__stream__` does besides is kept: `[DONE]` ends the stream after the rest of the body
+        is read (the connection is reused), an `error` object becomes `APIError`, timeouts and transport
+        failures the SDK's exceptions.
+        """
+
+        async def __stream__(self) -> AsyncIterator[object]:  # type: ignore[override]
+            response = self.response
+            pending = b""
+            done = False
+            try:
+                async for received in response.aiter_bytes():
+                    if done:
+                        continue  # the rest of a finished stream, read so the connection can be reused
+                    pending += received
+                    if b"\r" in pending:  # CRLF or CR line ends; a CR last may be half of a CRLF
+                        last_cr = pending.endswith(b"\r")
+                        pending = pending[:-1] if last_cr else pending
+                        pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if last_cr else b"")
+                    *events, pending = pending.split(b"\n\n")
+                    for event in events:
+                        data = _data(event)
+                        if data is None:
+                            continue
+                        if data.startswith(b"[DONE]"):
+                            done = True
+                            break
+                        chunk = orjson.loads(data)
+                        if isinstance(chunk, dict) and chunk.get("error"):
+                            error = chunk["error"]
+                            message = error.get("message") if isinstance(error, dict) else None
+                            raise APIError(message=message if isinstance(message, str) and message
+                                           else "An error occurred during streaming", request=response.request,
+                                           body=error)
+                        yield chunk
+            except timeout_exceptions() as exc:
+                raise APITimeoutError(request=response.request) from exc
+            except request_exceptions() as exc:
+                raise APIConnectionError(request=response.request) from exc
+            finally:
+                await response.aclose()
+
+    return ChunkStream
 
 
 def _data(event: bytes) -> bytes | None:

@@ -108,6 +108,8 @@ class ManifestEntry(_Model):
     priority: int = 500
     tools: list[str] = []
     default_port: int | None = Field(default=None, ge=1, le=65535)
+    #: What the operator grants the plugin beyond its own sessions (plugin_checks.GRANTS, e.g. "all-sessions").
+    grants: list[str] = []
 
 
 class RateLimit(_Model):
@@ -486,8 +488,18 @@ def load_models(config_dir: Path) -> dict[str, ModelConfig]:
 
 
 def load_manifest(config_dir: Path) -> Manifest:
+    """`plugin-manifest.json`, the config dir's copy first. An entry of such a copy that says nothing of
+    `grants` has those of the shipped entry of the same plugin and file, so a copy made before grants
+    existed keeps the shell, the API and the MCP server reaching every session; `"grants": []` gives none."""
     path = config_path(config_dir, MANIFEST_FILE)
-    return validate_data(Manifest, read_json(path), path)
+    manifest = validate_data(Manifest, read_json(path), path)
+    shipped = shipped_path(MANIFEST_FILE)
+    if path.resolve() != shipped.resolve():
+        ours = validate_data(Manifest, read_json(shipped), shipped).plugins
+        for name, entry in manifest.plugins.items():
+            if "grants" not in entry.model_fields_set and name in ours and ours[name].file == entry.file:
+                entry.grants = list(ours[name].grants)
+    return manifest
 
 
 def load_enabled(config_dir: Path) -> EnabledConfig:

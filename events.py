@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +47,10 @@ class Event:
 class _Channel:
     """A bounded, replayable event sequence of one session with broadcast wake-ups."""
 
-    __slots__ = ("_wake", "events", "last_id", "seen", "start", "subscribers", "touched")
+    __slots__ = ("_wake", "events", "last_id", "seen", "start", "subscribers")
 
     def __init__(self, buffer: int = EVENT_BUFFER) -> None:
         self.subscribers = 0
-        self.touched = time.monotonic()
         # Ids start at the current time in microseconds so that they keep increasing across
         # restarts: a client that reconnects with an old Last-Event-ID gets everything new.
         self.last_id = time.time_ns() // 1000
@@ -61,7 +60,6 @@ class _Channel:
         self._wake = asyncio.Event()
 
     def publish(self, name: str, data: dict[str, Any]) -> Event:
-        self.touched = time.monotonic()
         self.last_id += 1
         turn = current_turn()
         event = Event(self.last_id, name, data, turn.id if turn is not None else None)
@@ -85,7 +83,6 @@ class _Channel:
                 or len(last.data["text"]) + len(text) > MAX_MERGED_TOK):
             return None
         event = self.events[-1] = Event(last.id, "tok", {"text": last.data["text"] + text}, last.turn, last.pieces + 1)
-        self.touched = time.monotonic()
         return event
 
     def after(self, cursor: int) -> Event | None:
@@ -110,7 +107,11 @@ class EventHub:
     """
 
     def __init__(self, max_idle_channels: int = MAX_IDLE_CHANNELS, buffer: int = EVENT_BUFFER) -> None:
-        self._channels: dict[str, _Channel] = {}
+        #: Least recently used first: a publish or a subscriber leaving moves a channel to the end (_use), so
+        #: the idle channels to forget are the first idle ones, found without sorting them all per new session.
+        self._channels: OrderedDict[str, _Channel] = OrderedDict()
+        #: How many of those channels have subscribers (the rest are idle).
+        self._followed = 0
         #: Events kept per session for readers that fall behind or reconnect (AGENT_EVENT_BUFFER).
         self.buffer = buffer
         self.max_idle_channels = max_idle_channels
@@ -144,12 +145,37 @@ class EventHub:
 
     def _evict_idle(self) -> None:
         """Forget the least recently used channels nobody follows, so streams of unknown ids cannot grow memory."""
-        idle = sorted((ch.touched, cid) for cid, ch in self._channels.items() if ch.subscribers == 0)
-        for _, cid in idle[: len(idle) - self.max_idle_channels]:
+        excess = len(self._channels) - self._followed - self.max_idle_channels
+        if excess <= 0:
+            return
+        stale = []
+        for cid, ch in self._channels.items():
+            if ch.subscribers == 0:
+                stale.append(cid)
+                if len(stale) == excess:
+                    break
+        for cid in stale:
             del self._channels[cid]
 
+    def _use(self, client_id: str, ch: _Channel) -> None:
+        """`ch` (the channel of `client_id`, unless it was dropped meanwhile) becomes the most recently used."""
+        if self._channels.get(client_id) is ch:
+            self._channels.move_to_end(client_id)
+
+    def _follow(self, client_id: str, ch: _Channel) -> None:
+        ch.subscribers += 1
+        if ch.subscribers == 1 and self._channels.get(client_id) is ch:
+            self._followed += 1
+
+    def _unfollow(self, client_id: str, ch: _Channel) -> None:
+        ch.subscribers -= 1
+        if ch.subscribers == 0 and self._channels.get(client_id) is ch:
+            self._followed -= 1
+
     def publish(self, client_id: str, name: str, data: dict[str, Any] | None = None) -> Event:
-        event = self._channel(client_id).publish(name, data or {})
+        ch = self._channel(client_id)
+        event = ch.publish(name, data or {})
+        self._use(client_id, ch)
         if self._observers:
             self._notify(client_id, event)
         return event
@@ -169,6 +195,8 @@ class EventHub:
     def drop(self, client_id: str) -> None:
         ch = self._channels.pop(client_id, None)
         if ch is not None:
+            if ch.subscribers:
+                self._followed -= 1
             ch._wake.set()  # wake its subscribers so they move to the session's next channel
         if self._observers:
             self._notify(client_id, None)
@@ -183,16 +211,16 @@ class EventHub:
         """
         ch = self._channel(client_id)
         cursor = ch.seen if last_event_id is None else last_event_id
-        ch.subscribers += 1
+        self._follow(client_id, ch)
         try:
             while True:
                 event = ch.after(cursor)
                 if event is None and self._channels.get(client_id) is not ch:
                     # Session deleted: what it had sent was delivered; go on with the id's new channel, all of
                     # it (another subscriber that moved first may have seen its first events already).
-                    ch.subscribers -= 1
+                    self._unfollow(client_id, ch)
                     ch = self._channel(client_id)
-                    ch.subscribers += 1
+                    self._follow(client_id, ch)
                     cursor = ch.start
                     continue
                 if event is None:
@@ -207,8 +235,8 @@ class EventHub:
                     ch.seen = cursor
                 yield event
         finally:
-            ch.subscribers -= 1
-            ch.touched = time.monotonic()
+            self._unfollow(client_id, ch)
+            self._use(client_id, ch)
 
     # Typed helpers, one per event kind of the wire contract.
     def tok(self, client_id: str, text: str) -> None:
@@ -220,7 +248,9 @@ class EventHub:
         event = ch.extend_tok(text) if ch is not None else None
         if event is None:
             self.publish(client_id, "tok", {"text": text})
-        elif self._observers:
+            return
+        self._channels.move_to_end(client_id)
+        if self._observers:
             self._notify(client_id, event)
 
     def status(self, client_id: str, text: str) -> None:

@@ -7,10 +7,10 @@ backend's failure the same way; `failures.py` digs the cause out of the SDKs' ex
 from __future__ import annotations
 
 import json
+import sys
 from typing import Literal
 
 import httpx
-import openai
 from langchain_core.exceptions import ModelConnectionError, ModelError, ModelRateLimitError
 
 import budget
@@ -30,6 +30,15 @@ class ContextFull(LLMError):
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
+def _openai(name: str) -> tuple[type[BaseException], ...]:
+    """The `openai` SDK's exception class `name`, when the SDK is loaded (none otherwise). It is imported
+    with the first OpenAI-type model built (models.chat_model) or a plugin that uses it, not here: until
+    then, no error of its can have happened."""
+    sdk = sys.modules.get("openai")
+    found = getattr(sdk, name, None)
+    return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
+
+
 def llm_error_kind(exc: BaseException) -> Literal["timeout", "backend"]:
     """"timeout" when the model did not answer within llm_call_timeout, else "backend" (any other failure)."""
     return "timeout" if failures.failure(exc).kind == "timeout" else "backend"
@@ -40,14 +49,14 @@ def retryable(exc: BaseException) -> bool:
     connection or a 429/5xx answer, never a timeout (a hanging backend would be waited on again)."""
     if llm_error_kind(exc) == "timeout":
         return False
-    connection = (openai.APIConnectionError, httpx.ConnectError, ConnectionError, ModelConnectionError,
+    connection = (*_openai("APIConnectionError"), httpx.ConnectError, ConnectionError, ModelConnectionError,
                   ModelRateLimitError)
     return any(isinstance(e, connection) or failures.status_of(e) in _RETRY_STATUSES for e in failures.chain(exc))
 
 
 def from_backend(exc: BaseException) -> bool:
     """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
-    reported = (LLMError, openai.APIError, httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
+    reported = (LLMError, *_openai("APIError"), httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
                 json.JSONDecodeError)
     return any(isinstance(e, reported) or failures.status_of(e) is not None for e in failures.chain(exc))
 
@@ -73,8 +82,8 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
         return f"{where}: the backend refused the API key (HTTP 401); check {variable} in .env (or the environment)"
     if found.kind == "status":
         return f"{where}: the backend answered HTTP {found.status}: {_words(found.message)}"
-    if isinstance(exc, openai.APIError):
-        return f"{where}: the backend reported an error: {_words(exc.message)}"
+    if isinstance(exc, _openai("APIError")):
+        return f"{where}: the backend reported an error: {_words(exc.message)}"  # type: ignore[attr-defined]
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
         return f"{where}: malformed response from the backend ({type(exc).__name__}: {_words(str(exc))})"
     return f"{where}: {type(exc).__name__}: {_words(str(exc))}"

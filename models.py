@@ -1,5 +1,6 @@
-"""The chat models: built once per server from the registry, warmed up before serving, probed for
-reachability and context window, and called (streamed, retried, measured) by the loop in agents.py.
+"""The chat models: built once per server from the registry at their first use (in a worker thread,
+with one dry streamed call), probed for reachability and context window, and called (streamed,
+retried, measured) by the loop in agents.py.
 
 What a failure means is `llm_errors.py`; the history is fitted into the window by `budget.py`.
 """
@@ -11,12 +12,12 @@ import functools
 import logging
 import re
 import ssl
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import httpx2
-import openai
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.ai import add_ai_message_chunks
@@ -32,13 +33,40 @@ from text_calls import TextCallFilter
 
 if TYPE_CHECKING:
     from metrics import Metrics
-    from prompt import PromptTree
-    from registry import ToolRegistry
 
 logger = logging.getLogger("agent_mcp.models")
 
 #: Seconds before retry n (1, 2, …) of a model call that failed before any output: 0.5, 1, 2, … at most 8.
 _RETRY_BACKOFF = 0.5
+#: One model built at a time (`built_model`'s worker threads): two first turns at once build it once.
+_BUILDING = threading.Lock()
+
+
+async def built_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = False,
+                      tools: Sequence[StructuredTool] = ()) -> BaseChatModel:
+    """The chat model of a registry entry (`chat_model`), built at its first use in a worker thread:
+    its LangChain package and SDK imported (`langchain_openai` with `openai`: about 21 MiB that a server
+    not using them yet does not hold, and 0.4 s of imports the event loop does not wait for), then for
+    OpenAI-type models one dry streamed call with `tools` bound (`_dry_stream`), so the first real call
+    finds the request building, chunk parsing and merging warm. LLMError when it cannot be built."""
+    llm = llms.get(key)
+    if llm is None:
+        llm = await asyncio.to_thread(_build, llms, config, key, usage, tools)
+    return llm
+
+
+def _build(llms: dict[str, Any], config: AppConfig, key: str, usage: bool,
+           tools: Sequence[StructuredTool]) -> BaseChatModel:
+    with _BUILDING:
+        built = key in llms
+        llm = chat_model(llms, config, key, usage)
+        cfg = config.models[key]
+        if not built and cfg.type == "OPENAI":
+            try:
+                asyncio.run(_dry_stream(cfg, list(tools) if cfg.tool_mode == "native" else []))
+            except Exception:  # only the caches stay cold: the real call reports what is wrong
+                logger.warning("model %s: the dry streamed call failed", key, exc_info=True)
+    return llm
 
 
 def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = False) -> BaseChatModel:
@@ -58,6 +86,8 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
         )
     sampling = {"temperature": cfg.temperature} if cfg.temperature is not None else {}
     if cfg.type == "OPENAI":
+        import openai
+
         # Streamed through the SDK's raw path: no pydantic object per chunk, no request transform, each
         # message converted into the body once (chat_openai).
         llm = chat_openai.openai_chat_model(
@@ -116,40 +146,20 @@ async def close_models(llms: dict[str, Any], keys: list[str] | None = None) -> N
             await llm.aclose()
 
 
-def warm_up(llms: dict[str, Any], config: AppConfig, tools: ToolRegistry, prompt: PromptTree,
-            usage: bool = False) -> list[str]:
-    """Build what a first turn would build, so no request waits for it: each usable model's chat
-    client (importing its LangChain package), the system prompt, and for OpenAI-type models one
-    dry streamed call with the tools bound (`_dry_stream`, answered in memory). Blocking (imports,
-    schema generation, its own event loop): run it in a thread before serving.
-    Returns the models that could not be prepared (no API key yet, …): they build at their first use."""
-    skipped = []
-    for key, cfg in config.models.items():
-        try:
-            chat_model(llms, config, key, usage)
-            bound = tools.for_model(cfg)
-            messages = [SystemMessage(prompt.assemble(t.name for t in bound)),
-                        *to_lc_messages([{"role": "user", "content": "warm-up"}])]
-            if cfg.type == "OPENAI":
-                asyncio.run(_dry_stream(cfg, bound if cfg.tool_mode == "native" else [], messages))
-        except LLMError:
-            skipped.append(key)
-        except Exception:  # the first turn on this model reports it to its user
-            logger.warning("model %s could not be prepared before start", key, exc_info=True)
-            skipped.append(key)
-    return skipped
-
-
 _DRY_ANSWER = (b'data: {"id":"dry","object":"chat.completion.chunk","created":0,"model":"dry","choices":'
                b'[{"index":0,"delta":{"role":"assistant","content":"ok"},"finish_reason":null}]}\n\n'
                b'data: {"id":"dry","object":"chat.completion.chunk","created":0,"model":"dry","choices":'
                b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
 
 
-async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool], messages: list[BaseMessage]) -> None:
+async def _dry_stream(cfg: ModelConfig, tools: list[StructuredTool]) -> None:
     """One streamed call through a copy of the model's client whose transport answers in memory:
     the request body, the SDK's chunk parsing and LangChain's chunk merging all run once (their
     first run builds caches), and nothing leaves the process."""
+    import openai
+
+    messages = [SystemMessage("dry run"), HumanMessage("dry run")]
+
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=_DRY_ANSWER, headers={"content-type": "text/event-stream"})
 

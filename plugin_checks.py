@@ -55,9 +55,20 @@ def dependency_problem(requirement: str) -> str | None:
     return None
 
 
+#: The grant of every session (plugin_scope.py), for plugins whose job is administering them.
+ALL_SESSIONS = "all-sessions"
+#: What an operator may grant a plugin in its plugin-manifest.json entry (`"grants": [...]`), beyond its own
+#: sessions: grant → what it lets the plugin do.
+GRANTS = {
+    ALL_SESSIONS: "reads and acts on every session, not only those of its own client-id namespaces "
+                  "(the shell, the API's admin key, the MCP server's human token)",
+}
+
+
 @dataclass
 class PluginCheck:
-    """One requirement of a plugin (`kind`: manifest, file, env_var, config_file, dependency) and its problem."""
+    """One requirement of a plugin (`kind`: manifest, file, env_var, config_file, dependency, grant) and its
+    problem."""
 
     kind: str
     item: str
@@ -98,4 +109,7 @@ def check_plugin(cfg: AppConfig, name: str) -> list[PluginCheck]:
     checks += [PluginCheck("config_file", f, None if (cfg.config_dir / f).exists()
                            else f"config file {f} not found in {cfg.config_dir}") for f in entry.config_files]
     checks += [PluginCheck("dependency", d, dependency_problem(d)) for d in entry.dependencies]
+    checks += [PluginCheck("grant", g, None if g in GRANTS else
+                           f"plugin-manifest.json grants '{g}' is no grant; the known ones: {', '.join(GRANTS)}")
+               for g in entry.grants]
     return checks

@@ -131,7 +131,7 @@ class PluginLoader:
             report.status, report.reasons = "invalid", problems
             return report
         path = self.plugin_file(name)
-        assert path is not None
+        assert path is not None and entry is not None
         try:
             plugin = self._import(name, path)()
         except Exception as exc:
@@ -144,17 +144,24 @@ class PluginLoader:
         if problems:
             report.status, report.reasons = "invalid", problems
             return report
-        plugin.context = PluginContext(self.rt, plugin, self.reports)
+        plugin.PLUGIN_NAME = name  # the manifest's key: what its namespaces, scope and values are recorded under
+        try:  # declared before init(): the plugin reaches its own sessions from the start
+            if plugin.PLUGIN_TYPE == "client_interface":
+                self._declare_namespaces(name, plugin)
+        except ValueError as exc:
+            report.status, report.reasons = "invalid", [str(exc)]
+            return report
+        plugin.context = PluginContext(self.rt, plugin, self.reports, grants=entry.grants)
         try:
             ok = await _maybe_await(plugin.init(self.rt.config.plugin_config(name)))
+            why = "init returned False (see the log lines above)"
         except PluginConfigError as exc:
-            report.status, report.reasons = "failed", [str(exc)]
-            return report
+            ok, why = False, str(exc)
         except Exception as exc:
-            report.status, report.reasons = "failed", [f"init raised {_describe_import_error(exc)}"]
-            return report
+            ok, why = False, f"init raised {_describe_import_error(exc)}"
         if ok is False:
-            report.status, report.reasons = "failed", ["init returned False (see the log lines above)"]
+            self._forget_namespaces(name)
+            report.status, report.reasons = "failed", [why]
             return report
         try:
             self._register(name, plugin)
@@ -193,8 +200,6 @@ class PluginLoader:
             del self.rt.client_namespaces[prefix]
 
     def _register(self, name: str, plugin: BasePlugin) -> None:
-        if plugin.PLUGIN_TYPE == "client_interface":
-            self._declare_namespaces(name, plugin)
         if plugin.PLUGIN_TYPE == "data_tool":
             self.rt.tools.register_plugin_tools(name, plugin.get_tools())
             self.rt.tools.register_gate_tools(name, plugin.get_gate_tools())

@@ -1,4 +1,5 @@
-"""Small state in Redis for several instances: rate-limit windows and disabled tool types, plugin values."""
+"""Small state in Redis for several instances: rate-limit windows and disabled tool types, the core's values and
+each plugin's own."""
 
 from __future__ import annotations
 
@@ -63,27 +64,73 @@ class SharedLimits:
 
 
 class SharedValues:
-    """Small values plugins keep for every instance (de-duplication keys, fingerprints, turn cursors)."""
+    """Small values the core keeps for every instance (the system prompt the last one started with); a plugin's
+    are its own `PluginValues`."""
 
     def __init__(self, link: Link):
         self.link = link
         self.r = link.client
 
-    async def put(self, name: str, value: str, seconds: float, *, only_new: bool = False) -> bool:
-        """Store `value` under `name` for `seconds`; with `only_new`, only if `name` is not set (then
-        False says another instance set it first)."""
+    async def put(self, name: str, value: str, seconds: float) -> None:
+        """Store `value` under `name` for `seconds`."""
         with self.link.calling():
-            return bool(await self.r.set(self.link.key("value", name), value, px=int(seconds * 1000), nx=only_new))
+            await self.r.set(self.link.key("value", name), value, px=int(seconds * 1000))
 
     async def get(self, name: str) -> str | None:
         with self.link.calling():
             return await self.r.get(self.link.key("value", name))
 
+
+# A plugin's values live under `value:<plugin>:<name>`; those written before values were kept per plugin, under
+# `value:<name>`, are still read (and copied, keeping their time left) until they expire, and an old key still
+# set counts as taken, so instances of both versions on one store never both claim one event.
+_GET = """local v = redis.call('GET', KEYS[1])
+if v then return v end
+v = redis.call('GET', KEYS[2])
+if not v then return false end
+local left = redis.call('PTTL', KEYS[2])
+if left > 0 then redis.call('SET', KEYS[1], v, 'PX', left, 'NX')
+elseif left == -1 then redis.call('SET', KEYS[1], v, 'NX') end
+return v"""
+_PUT_NEW = """if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') then return 1 end
+return 0"""
+_TAKE = """local v = redis.call('GETDEL', KEYS[1])
+local old = redis.call('GETDEL', KEYS[2])
+return v or old"""
+
+
+class PluginValues:
+    """One plugin's small values for every instance (de-duplication keys, fingerprints, turn cursors): its
+    names are its own, kept apart from every other plugin's (`ctx.values`)."""
+
+    def __init__(self, link: Link, plugin: str):
+        self._link = link
+        self._plugin = plugin
+
+    def _keys(self, name: str) -> tuple[str, str]:
+        """(the key of `name`, the key an earlier version kept it under)."""
+        return self._link.key("value", self._plugin, name), self._link.key("value", name)
+
+    async def put(self, name: str, value: str, seconds: float, *, only_new: bool = False) -> bool:
+        """Store `value` under `name` for `seconds`; with `only_new`, only if `name` is not set (then
+        False says another instance set it first)."""
+        key, old = self._keys(name)
+        ms = max(1, int(seconds * 1000))
+        with self._link.calling():
+            if only_new:
+                return bool(await self._link.client.eval(_PUT_NEW, 2, key, old, value, ms))
+            return bool(await self._link.client.set(key, value, px=ms))
+
+    async def get(self, name: str) -> str | None:
+        with self._link.calling():
+            return await self._link.client.eval(_GET, 2, *self._keys(name))  # type: ignore[no-any-return]
+
     async def take(self, name: str) -> str | None:
         """The value under `name`, removed (one instance gets it)."""
-        with self.link.calling():
-            return await self.r.getdel(self.link.key("value", name))
+        with self._link.calling():
+            return await self._link.client.eval(_TAKE, 2, *self._keys(name))  # type: ignore[no-any-return]
 
     async def drop(self, name: str) -> None:
-        with self.link.calling():
-            await self.r.delete(self.link.key("value", name))
+        with self._link.calling():
+            await self._link.client.delete(*self._keys(name))

@@ -73,8 +73,8 @@ class Runtime:
     #: Set when the server starts to stop (routes.end_all): requests cancelled from then on end as
     #: interrupted (error + done, the user's message kept), not as replaced by a newer one.
     closing: bool = False
-    #: With a shared store (several instances on one Redis): the connection, and the small values plugins
-    #: share through it; None on one instance.
+    #: With a shared store (several instances on one Redis): the connection, and the core's small values
+    #: (each plugin's are its own, plugin_api.PluginContext.values); None on one instance.
     link: Link | None = None
     values: SharedValues | None = None
     #: With a shared store: requests to the other instances (cancel, stop).

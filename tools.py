@@ -296,7 +296,7 @@ def make_core_tools(parts: CoreParts) -> list[StructuredTool]:
     async def llm_clean_text(model: str, prompt: str) -> str:
         cfg = delegate(model)
         try:
-            llm = models.chat_model(parts.llms, config, model, usage)
+            llm = await models.built_model(parts.llms, config, model, usage)
             async with asyncio.timeout(cfg.llm_call_timeout):
                 reply = await llm.ainvoke([HumanMessage(prompt)])
         except asyncio.CancelledError:
@@ -320,7 +320,7 @@ def make_core_tools(parts: CoreParts) -> list[StructuredTool]:
             raise ToolError(f"unknown tool '{tool}'. Available tools: {', '.join(registry.names())}")
         if tool in NOT_DELEGABLE:
             raise ToolError(f"{tool} cannot be delegated; call it yourself.")
-        llm = models.chat_model(parts.llms, config, model, usage)
+        llm = await models.built_model(parts.llms, config, model, usage)
         messages: list[Any] = [SystemMessage(tool_instructions(target)), HumanMessage(arguments)]
         try:
             async with asyncio.timeout(cfg.llm_call_timeout):

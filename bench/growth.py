@@ -23,6 +23,7 @@ OpenAI backend (tests/fakes, 32 tokens per answer) and reads the server's CPU ti
    10,000 conversations through plugin_proxy_llama with the `openai` SDK (`--proxy-turns` turns in all).
 
     python bench/growth.py [--parts history,sessions,subscribers,concurrency,memory] [--proxy-turns 20000]
+    python bench/growth.py --parts memory --proxy-turns 0 --plot ''   # the idle RSS alone
 """
 
 from __future__ import annotations
@@ -377,6 +378,11 @@ async def part_memory(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace) 
     all_plugins = rss_mib(server.proc.pid)  # type: ignore[union-attr]
     server.stop()
     print(f"idle RSS with every plugin enabled: {all_plugins:.0f} MiB", flush=True)
+    if not args.proxy_turns:
+        print(f"\n5. Memory\n\nidle RSS, every plugin in plugin-manifest.json enabled ({len(manifest)}): "
+              f"{all_plugins:.0f} MiB (goal ≤ 120 MiB; started in {startup:.1f} s)")
+        RESULTS["memory"] = {"all_plugins_mib": all_plugins}
+        return
 
     port = free_port()
     cfg = config(tmp / "proxy", backend, max_context=2)
@@ -520,7 +526,8 @@ def main() -> None:
     p.add_argument("--sub-turns", type=int, default=20)
     p.add_argument("--concurrent-turns", type=int, default=300)
     p.add_argument("--proxy-turns", type=int, default=20_000,
-                   help="turns through the proxy in all (10,000 conversations); 100,000 takes an hour here")
+                   help="turns through the proxy in all (10,000 conversations); 100,000 takes an hour here; "
+                        "0: only the idle RSS")
     p.add_argument("--plot", default=str(ROOT / "docs" / "growth.svg"))
     p.add_argument("--plot-from", nargs="+", metavar="OUTPUT",
                    help="only draw the plot from the last JSON line of earlier runs' output (parts merged)")

@@ -192,8 +192,10 @@ async def run(args: argparse.Namespace, placement: str) -> None:
                 for _ in range(args.warmup):
                     await p.stream()
             per_round = max(1, args.requests // args.rounds)
-            for _ in range(args.rounds):
-                for p in paths:
+            for round_ in range(args.rounds):
+                # The servers' order turns every round: measured with itself as baseline, the server measured
+                # first in every round came out 2.3 ms slower to the first token (docs/benchmarks.md).
+                for p in paths if round_ % 2 == 0 else [paths[0], *paths[:0:-1]]:
                     before = cpu_seconds(p.pid) if p.pid else 0.0
                     for _ in range(per_round):
                         first, last = await p.stream()

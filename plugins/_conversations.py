@@ -16,8 +16,8 @@ reach the same fingerprint, neither keeps it (their next requests each start afr
 
 Fingerprints are stored in the session's settings (`FINGERPRINT`), so they persist with it and a
 restart continues conversations; the index is rebuilt from the stored sessions on first use, and
-a session's entry goes when the session does (`plugin_api.SessionManager.forgotten`). With several
-instances on one Redis the index is kept there instead (`state.Runtime.values`), so a conversation
+a session's entry goes when the session does (`PluginSessions.on_forgotten`). With several
+instances on one Redis the index is kept there instead (the plugin's `ctx.values`), so a conversation
 continues on whichever instance its next request reaches; a claim there is atomic (GETDEL).
 
 Not a plugin itself (no manifest entry); `plugin_proxy_llama` imports it as `plugins._conversations`.
@@ -66,7 +66,7 @@ SHARED_SECONDS = 30 * 86400
 class ConversationIndex:
     """fingerprint → client id of the session whose conversation it continues."""
 
-    def __init__(self, sessions: plugin_api.SessionManager, prefix: str, values: plugin_api.SharedValues | None = None):
+    def __init__(self, sessions: plugin_api.PluginSessions, prefix: str, values: plugin_api.PluginValues | None = None):
         self.sessions = sessions
         self.prefix = prefix
         self.values = values
@@ -82,7 +82,7 @@ class ConversationIndex:
                 mark = session.settings.get(FINGERPRINT)
                 if session.client_id.startswith(self.prefix) and isinstance(mark, str):
                     self._link(mark, session.client_id)
-            self.sessions.forgotten.append(self.forget)
+            self.sessions.on_forgotten(self.forget)
         return self._by_print
 
     async def claim(self, mark: str) -> str | None:

@@ -144,7 +144,13 @@ async def ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plu
     if turn is None:
         logger.info("%s asked a question during %s, but no single turn called it: declined", what, exposed)
         return types.ElicitResult(action="decline")
-    client_id = turn.client_id
+    with plugin_api.running(turn):  # the callback may run outside the turn's task: its events carry the turn
+        return await _ask(rt, server, exposed, turn, params, max_wait)
+
+
+async def _ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plugin_api.Turn,
+               params: types.ElicitRequestFormParams, max_wait: float) -> types.ElicitResult:
+    what, client_id = f"MCP server '{server}'", turn.client_id
     try:
         fields = fields_of(params.requested_schema)
     except FormError as exc:
@@ -174,12 +180,11 @@ async def ask(rt: plugin_api.PluginContext, server: str, exposed: str, turn: plu
         [str(a) for a in route.approvers], route.who(), turn.id)
     if routed is not None:
         payload.update(approvers=routed.approvers, waiting_for=routed.who, headline=routed.headline())
-    with plugin_api.running(turn):  # the callback may run outside the turn's task: its events carry the turn
-        decision, gate_id = await rt.ask_gate(client_id, payload, timeout, routed)
-        return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
+    decision, gate_id = await rt.ask_gate(client_id, payload, timeout, routed)
+    return await _answered(rt, keeper, client_id, exposed, fields, decision, gate_id, routed, call, timeout)
 
 
-async def _answered(rt: plugin_api.PluginContext, keeper: plugin_api.GateKeeper, client_id: str, exposed: str,
+async def _answered(rt: plugin_api.PluginContext, keeper: plugin_api.PluginGate, client_id: str, exposed: str,
                     fields: list[dict[str, Any]], decision: grants.Decision, gate_id: str,
                     routed: approvals.RoutedGate | None, call: AuditRecord, limit: float) -> types.ElicitResult:
     """Close the question's gate (told to the session, audited) and say what goes back to the server."""

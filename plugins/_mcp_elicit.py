@@ -25,7 +25,7 @@ import mcp_types as types
 import approvals
 import decisions
 import plugin_api
-from plugins._mcp_auth import HUMAN, Principal
+from plugins._mcp_tokens import HUMAN, Principal
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 

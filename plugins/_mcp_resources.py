@@ -1,7 +1,7 @@
 """The MCP server's resources (agentmcp://…): who may read which, and what each one says.
 
-Split from plugin_client_mcp.py, which builds the server and calls `add_resources`; the
-notifications that tell subscribers a resource changed stay with the plugin.
+`_mcp_app.py` builds the server and calls `add_resources`; the notifications that tell subscribers
+a resource changed stay with the plugin (plugin_client_mcp.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import INVALID_PARAMS, Resource
 
 import plugin_api
-from plugins._mcp_auth import HUMAN, Principal, forbidden, request_principal
+from plugins._mcp_auth import forbidden, request_principal
+from plugins._mcp_tokens import HUMAN, SCHEME, Principal
 
 if TYPE_CHECKING:
     from plugins.plugin_client_mcp import McpServerPlugin
-
-SCHEME = "agentmcp://"
 
 
 def json_text(data: Any) -> str:
@@ -145,7 +144,4 @@ def add_resources(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     async def session_grants(sid: str) -> str:
         """The session's active grants: scope, tool, tables, permission, expiry, who granted, uses."""
         s = await read_session(plugin, request_principal(), sid)
-        store = plugin.ctx.gate.grants
-        if store is not None:
-            await store.refresh(s.client_id)
-        return json_text([dataclasses.asdict(g) for g in store.active(s.client_id)] if store else [])
+        return json_text([dataclasses.asdict(g) for g in await plugin.ctx.gate.active_grants(s.client_id)])

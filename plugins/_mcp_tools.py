@@ -1,11 +1,13 @@
 """The MCP server's management tools: talk to sessions, answer gates, read and set the gate policy.
 
-Split from plugin_client_mcp.py, which builds the server and calls `add_tools`; what a tool does
-beyond checking its arguments (sending, creating, changing a default) stays a method of the plugin.
+`_mcp_app.py` builds the server and calls `add_tools`; the plugin (plugin_client_mcp.py) keeps the
+approval records and tells subscribers what changed.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -13,9 +15,13 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 import approvals
 import decisions
-from plugins._mcp_auth import request_principal
+import gate_policy
+import plugin_api
+from plugins import _http
+from plugins._mcp_auth import forbidden, request_principal
 from plugins._mcp_elicit import GateForms
-from plugins._mcp_resources import pending, policy_of, read_session
+from plugins._mcp_resources import pending, policy_of, read_session, session_row
+from plugins._mcp_tokens import AGENT, HUMAN, SCHEME, Principal, mcp_client_id
 
 if TYPE_CHECKING:
     from plugins.plugin_client_mcp import McpServerPlugin
@@ -39,8 +45,8 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         who = request_principal()
         forms = GateForms.for_request(plugin.ctx, ctx, who, plugin._deciders)
         try:
-            return await plugin._send(who, text, session, model, timeout_seconds,
-                                      forms.on_event if forms else None)
+            return await _send(plugin, who, text, session, model, timeout_seconds,
+                               forms.on_event if forms else None)
         finally:
             if forms is not None:
                 await forms.close()
@@ -48,7 +54,7 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     @mcp.tool()
     async def create_session(name: str = "", model: str = "") -> dict[str, Any]:
         """Create an MCP session (id mcp-<name>, a random name when empty) on `model` (default model if empty)."""
-        return plugin._create(name, model)
+        return _create(plugin, name, model)
 
     @mcp.tool()
     async def delete_session(session: str) -> dict[str, Any]:
@@ -121,4 +127,58 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         (section tools) or a table (section db), `*` for everything without its own entry; allowed=true
         means the call runs without asking. `both` is read and write; `ddl` (CREATE, DROP, ALTER,
         RENAME, TRUNCATE; section db only) is never covered by write and must be named."""
-        return await plugin._set_default(request_principal(), section, key, operation, allowed)
+        return await _set_default(plugin, request_principal(), section, key, operation, allowed)
+
+
+async def _send(
+    plugin: McpServerPlugin, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
+    on_event: Callable[[plugin_api.Event], None] | None = None,
+) -> dict[str, Any]:
+    ctx = plugin.ctx
+    if who.role == AGENT:
+        if session and mcp_client_id(session) != who.session:
+            raise forbidden(f"token '{who.name}' may talk only to its own session {who.session}")
+        assert who.session is not None
+        client_id = who.session
+    else:
+        try:
+            client_id = mcp_client_id(session or uuid.uuid4().hex[:8])
+        except ValueError as exc:
+            raise ToolError(str(exc)) from None
+    if not text.strip():
+        raise ToolError("text is empty: send a question or a !command")
+    if len(text) > _http.MAX_TEXT:
+        raise ToolError(f"text is {len(text)} characters; the limit is {_http.MAX_TEXT}")
+    if model and model not in ctx.config.models:
+        raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(ctx.config.models)}")
+    request = ctx.request(client_id, text, admin=who.role == HUMAN, model=model or None, identity=f"mcp:{who.name}")
+    seconds = min(max(timeout_seconds, 1.0), plugin.cfg.max_wait_seconds)
+    return {"session": client_id, **await ctx.wait_turn(request, seconds, on_event=on_event)}
+
+
+def _create(plugin: McpServerPlugin, name: str, model: str) -> dict[str, Any]:
+    ctx = plugin.ctx
+    try:
+        client_id = mcp_client_id(name or uuid.uuid4().hex[:8])
+    except ValueError as exc:
+        raise ToolError(str(exc)) from None
+    if ctx.sessions.get(client_id) is not None:
+        raise ToolError(f"session {client_id} already exists")
+    if model and model not in ctx.config.models:
+        raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(ctx.config.models)}")
+    session, _ = ctx.sessions.get_or_add(client_id, model or ctx.config.default_model)
+    plugin._known_sessions.add(client_id)
+    plugin._queue.put_nowait((ctx.sessions.save(session), (f"{SCHEME}sessions",)))
+    return session_row(plugin, session)
+
+
+async def _set_default(
+    plugin: McpServerPlugin, who: Principal, section: str, key: str, operation: str, allowed: bool
+) -> dict[str, Any]:
+    try:  # the keeper checks, applies, saves, audits and tells the other instances
+        change = gate_policy.PolicyChange.parse(section, key, operation, allowed, f"mcp token '{who.name}'")
+    except gate_policy.PolicyError as exc:
+        raise ToolError(str(exc)) from None
+    entry, note = await plugin.ctx.gate.set_policy(change)
+    await plugin.notify(f"{SCHEME}policy")
+    return {"section": section, "key": change.key, **entry.model_dump(), "note": note}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -13,8 +12,9 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -111,12 +111,22 @@ def unloads(keep_alive: Any) -> bool:
     return str(keep_alive).strip().rstrip("smh") in ("0", "0.0")
 
 
-def to_json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def to_json(obj: Any) -> bytes:
+    """Compact JSON, UTF-8 as it is (no \\u escapes but for control characters)."""
+    return orjson.dumps(obj)
 
 
-def sse(obj: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=to_json(obj), sep="\n")
+def sse(obj: Any) -> bytes:
+    """One SSE event whose data is `obj` as JSON.
+
+    Written out on purpose (issue 31): sse_starlette sends bytes as they are, and compact JSON is one
+    line, so this is exactly what its `ServerSentEvent(data=…, sep="\\n").encode()` writes, 13× cheaper
+    (5.6 → 0.4 µs per event with the encoding, of ~37 µs of server CPU per streamed token)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+#: The OpenAI stream's last event.
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def now_iso() -> str:
@@ -241,8 +251,8 @@ class Ollama:
         return out
 
     @staticmethod
-    def line(obj: dict[str, Any]) -> str:
-        return to_json(obj) + "\n"
+    def line(obj: dict[str, Any]) -> bytes:
+        return to_json(obj) + b"\n"
 
     @staticmethod
     def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
@@ -252,7 +262,7 @@ class Ollama:
         return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
 
     def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
-        async def body() -> AsyncIterator[str]:
+        async def body() -> AsyncIterator[bytes]:
             async for content, thinking in pieces(out, first, events):
                 if out.error is not None:
                     yield self.line({"error": out.error})
@@ -292,7 +302,7 @@ class OpenAI:
             "usage": out.usage(),
         })
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> ServerSentEvent:
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         obj: dict[str, Any] = {**self.head,
                                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if self.include_usage:
@@ -300,19 +310,24 @@ class OpenAI:
         return sse(obj)
 
     def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
-        async def body() -> AsyncIterator[ServerSentEvent]:
-            yield self.chunk({"role": "assistant", "content": ""})
+        async def body() -> AsyncIterator[bytes]:
+            # Events that are ready together go out in one write (one send through sse_starlette and the
+            # server, one read for the client): the role chunk with the first text, the end with [DONE].
+            role = self.chunk({"role": "assistant", "content": ""})
+            if not (any(first) or out.finished):
+                yield role  # no text yet: the role chunk goes at once, alone
+                role = b""
             async for content, thinking in pieces(out, first, events):
                 if out.error is not None:
-                    yield sse(self.error_body(*out.failure()))
+                    piece = sse(self.error_body(*out.failure()))
                 elif out.finished:
-                    yield self.chunk({}, "stop")
-                    if self.include_usage:
-                        yield sse({**self.head, "choices": [], "usage": out.usage()})
-                    yield ServerSentEvent(data="[DONE]", sep="\n")
+                    usage = sse({**self.head, "choices": [], "usage": out.usage()}) if self.include_usage else b""
+                    piece = self.chunk({}, "stop") + usage + SSE_DONE
                 else:  # (an empty content chunk: the keepalive while a gate waits)
-                    yield self.chunk({"content": content} if content or not thinking
-                                     else {"reasoning_content": thinking})
+                    piece = self.chunk({"content": content} if content or not thinking
+                                       else {"reasoning_content": thinking})
+                yield role + piece
+                role = b""
 
         return EventSourceResponse(body(), ping=SSE_PING_SECONDS, sep="\n", headers={"Cache-Control": "no-cache"})
 

@@ -310,7 +310,7 @@ class ApiPlugin(BasePlugin):
         return JSONResponse({"error": approvals.explain(result), "outcome": result.outcome,
                              "first": result.first.to_dict() if result.first else None}, status_code=status)
 
-    def _admin_desk(self, request: Request) -> approvals.ApprovalDesk:
+    def _admin_desk(self, request: Request) -> plugin_api.PluginDesk:
         if not self._is_admin(request):
             raise _http.BadRequest(404, "no approvals for this key: they are answered with the admin key "
                                         "(send X-Admin-Key)")

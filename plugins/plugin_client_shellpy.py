@@ -83,10 +83,10 @@ def _session_row(rt: plugin_api.PluginContext, s: plugin_api.Session) -> dict[st
     restart asks, to tell a turn that still runs from one the restart interrupted)."""
     return {"client_id": s.client_id, "shorthand_id": s.shorthand, "model": s.model, "history_length": len(s.history),
             "running": rt.busy(s.client_id)
-                       or (rt.sessions.store.shared and s.running is not None)}  # a turn on another instance
+                       or (rt.sessions.shared and s.running is not None)}  # a turn on another instance
 
 
-async def _for_shells(desk: approvals.ApprovalDesk) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def _for_shells(desk: plugin_api.PluginDesk) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """The feed's gates that shell approvers may answer (and every closing: a window drops what it shows)."""
     async for name, data in desk.wire():
         if name == approvals.CLOSED or any(a.startswith(approvals.SHELL + ":") for a in data.get("approvers", ())):
@@ -240,7 +240,7 @@ class ShellpyPlugin(BasePlugin):
             "models": list(rt.config.models),
             "default_model": rt.config.default_model,
             "sessions": rt.sessions.count(),
-            "instances": await rt.sessions.store.instances(),  # several on one Redis: how many are alive
+            "instances": await rt.sessions.instances(),  # several on one Redis: how many are alive
             "plugins": rt.plugin_reports(),
         })
 

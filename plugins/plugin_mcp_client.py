@@ -149,9 +149,8 @@ class McpClientPlugin(BasePlugin):
         self.context.report_problems([f"MCP server '{c.name}' {c.status}: {c.error}"
                                       for c in self.servers.values() if c.error and c.status != "connected"])
         if self.enabled and conn.status == "connected":  # registered: keep the registry in step
-            tools, gates = self._collect()
             try:
-                self.context.tools.replace_plugin_tools(self.PLUGIN_NAME, {"lc": tools}, gates)
+                self.context.tools.reload()
             except Exception:
                 logger.exception("MCP server %s: its new tool list could not be registered", conn.name)
         self.changed.set()

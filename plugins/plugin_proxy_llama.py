@@ -143,24 +143,28 @@ class LlamaProxyPlugin(BasePlugin):
 
     def get_routes(self) -> list[Route]:
         o, a = self._ollama_endpoint, self._openai_endpoint
-        table: list[Route] = [Route(p, self._endpoint(self.root, OpenAI.error_response), methods=["GET"])
-                              for p in ("/", "/v1", "/v1/")]
+        # The chat routes first: Starlette tries the routes in order, and nearly every request is a chat
+        # (the OpenAI one was the 32nd: 13 µs of matching per request). No two of these paths overlap.
+        table: list[Route] = [Route(f"{prefix}/chat/completions", a(self.openai_chat), methods=["POST"])
+                              for prefix in ("/v1", "")]  # open-webui's OpenAI connection may be set up without /v1
         for prefix in ("/api", "/v1/api"):  # /v1/api/*: Enchanted with a server URL ending in /v1
+            table += [Route(f"{prefix}/chat", o(self.ollama_chat), methods=["POST"]),
+                      Route(f"{prefix}/generate", o(self.ollama_generate), methods=["POST"])]
+        table += [Route(p, self._endpoint(self.root, OpenAI.error_response), methods=["GET"])
+                  for p in ("/", "/v1", "/v1/")]
+        for prefix in ("/api", "/v1/api"):
             table += [
                 Route(f"{prefix}/version", o(self.version), methods=["GET"]),
                 Route(f"{prefix}/tags", o(self.tags), methods=["GET"]),
                 Route(f"{prefix}/ps", o(self.ps), methods=["GET"]),
                 Route(f"{prefix}/show", o(self.show), methods=["POST"]),
-                Route(f"{prefix}/chat", o(self.ollama_chat), methods=["POST"]),
-                Route(f"{prefix}/generate", o(self.ollama_generate), methods=["POST"]),
             ]
             table += [Route(f"{prefix}/{name}", o(self.unsupported), methods=[method])
                       for name, method in _UNSUPPORTED_OLLAMA.items()]
-        for prefix in ("/v1", ""):  # open-webui's OpenAI connection may be set up without /v1
+        for prefix in ("/v1", ""):
             table += [
                 Route(f"{prefix}/models", a(self.models), methods=["GET"]),
                 Route(f"{prefix}/models/{{model_id:path}}", a(self.model), methods=["GET"]),
-                Route(f"{prefix}/chat/completions", a(self.openai_chat), methods=["POST"]),
                 Route(f"{prefix}/embeddings", a(self.unsupported), methods=["POST"]),
             ]
         self._routes = table

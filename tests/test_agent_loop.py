@@ -6,7 +6,9 @@ The fake backend plays the habits of small local models (tests/fakes/backend.py:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from typing import Any
 
 import openai
@@ -134,6 +136,23 @@ async def test_the_chat_model_waits_for_a_slow_model_as_long_as_llm_call_timeout
     # its clock is off, models.stream_once's (llm_call_timeout per chunk) is the only one.
     async with runtime(tmp_path, {"slow": openai_model(fake_openai, llm_call_timeout=900)}, gates=ALL_OPEN) as rt:
         assert models.chat_model(rt.llms, rt.config, "slow").stream_chunk_timeout is None
+
+
+async def test_a_model_is_built_once_at_its_first_use_off_the_event_loop(tmp_path, fake_openai, monkeypatch) -> None:
+    built_in: list[str] = []
+    build = models.chat_model
+
+    def recorded(*args: Any) -> Any:
+        built_in.append(threading.current_thread().name)
+        return build(*args)
+
+    monkeypatch.setattr(models, "chat_model", recorded)
+    async with runtime(tmp_path, {"fake": openai_model(fake_openai)}, gates=ALL_OPEN) as rt:
+        assert rt.llms == {}  # nothing built with the runtime
+        first = await asyncio.gather(*(models.built_model(rt.llms, rt.config, "fake") for _ in range(3)))
+        assert first[0] is first[1] is first[2] is rt.llms["fake"]
+        assert fake_openai.requests == []  # the dry streamed call is answered in memory
+    assert built_in and threading.main_thread().name not in built_in
 
 
 def test_a_tools_schema_is_converted_once_and_is_langchains() -> None:

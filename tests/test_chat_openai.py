@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from chat_openai import ChunkStream, RawCompletions, openai_chat_model, raw_streams
+from chat_openai import RawCompletions, chunk_stream, openai_chat_model, raw_streams
 from models import HistoryCache, to_lc_messages
 from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
 from tests.fakes.openai_backend import FakeOpenAI
@@ -52,7 +52,8 @@ async def collect(llm: Any, messages: list[Any] = MESSAGES) -> Any:
 
 
 async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None:
-    stock, raw = models(backend, temperature=0.2, extra_body={"top_k": 5}, default_headers={"X-Team": "a"})
+    stock, raw = models(backend, temperature=0.2, extra_body={"top_k": 5}, default_headers={"X-Team": "a"},
+                        logit_bias={50256: -100})  # (keys that are not strings: JSON makes them strings)
     assert isinstance(raw.async_client, RawCompletions)
     answers = []
     for llm in (stock.bind_tools([lookup]), raw.bind_tools([lookup])):
@@ -61,6 +62,8 @@ async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None
     sent_stock, sent_raw = backend.requests[-2:]
     assert sent_raw.json == sent_stock.json  # the same body without the SDK's transform
     assert sent_raw.json["top_k"] == 5 and sent_raw.json["stream_options"] == {"include_usage": True}
+    assert sent_raw.json["logit_bias"] == {"50256": -100}
+    assert sent_raw.headers["content-type"] == sent_stock.headers["content-type"] == "application/json"
     assert sent_raw.headers["authorization"] == "Bearer k" and sent_raw.headers["x-team"] == "a"
     assert sent_raw.path == sent_stock.path
     assert answers[1].content == answers[0].content == "It will rain."
@@ -158,7 +161,7 @@ class _Body(httpx2.AsyncByteStream):
 async def _chunks(pieces: list[bytes]) -> tuple[list[Any], _Body]:
     body = _Body(pieces)
     response = httpx2.Response(200, stream=body, request=httpx2.Request("POST", "http://x/v1/chat/completions"))
-    stream = ChunkStream(cast_to=object, response=response, client=openai.AsyncOpenAI(api_key="k"))
+    stream = chunk_stream()(cast_to=object, response=response, client=openai.AsyncOpenAI(api_key="k"))
     return [chunk async for chunk in stream], body
 
 

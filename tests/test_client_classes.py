@@ -61,7 +61,9 @@ async def acme(tmp_path: Path, fake_openai: Any):
     cfg = ConfigDir(tmp_path)
     cfg.models = {"fake": openai_model(fake_openai)}
     cfg.gates = {"db": {}, "tools": {}}  # everything gated
-    cfg.add_plugin("plugin_client_acme", ACME, type_="client_interface")
+    # Granted every session, so it may run a request of an id no plugin vouches for (which then gets the least
+    # privilege); without the grant such a request is refused (test_plugin_scope.py).
+    cfg.add_plugin("plugin_client_acme", ACME, type_="client_interface", grants=["all-sessions"])
     cfg.write()
     shutil.copytree(DEFAULTS_DIR / ".system_prompt", tmp_path / ".system_prompt")
     rt = await build.build_runtime(load_config(tmp_path), store=stores.MemoryStore())

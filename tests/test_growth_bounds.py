@@ -3,6 +3,7 @@ the proxy's conversation index forgets evicted sessions, and the session count n
 
 from __future__ import annotations
 
+from plugin_scope import PluginSessions, Scope
 from plugins._conversations import FINGERPRINT, ConversationIndex
 from sessions import SessionLimits, SessionManager, SessionPolicy
 from stores import MemoryStore
@@ -13,10 +14,16 @@ def manager(cap: int) -> SessionManager:
     return SessionManager(MemoryStore(), policy)
 
 
+def proxy_index(sessions: SessionManager) -> ConversationIndex:
+    """The proxy's index on the sessions the proxy plugin reaches (its `ctx.sessions`)."""
+    scope = Scope("plugin_proxy_llama", {"llama-": ("proxy", "plugin_proxy_llama")}, sessions, everything=False)
+    return ConversationIndex(PluginSessions(sessions, scope), "llama-")
+
+
 async def test_the_conversation_index_holds_only_live_sessions_as_sessions_are_evicted() -> None:
     sessions = manager(cap=10)
     await sessions.open()
-    index = ConversationIndex(sessions, "llama-")
+    index = proxy_index(sessions)
     for i in range(50):
         await sessions.get_or_create(f"llama-{i}", "fake")  # beyond 10, the least recently active goes
         await index.remember(f"llama-{i}", f"mark-{i}")
@@ -31,7 +38,7 @@ async def test_the_conversation_index_holds_only_live_sessions_as_sessions_are_e
 async def test_a_conversation_that_moves_on_leaves_one_mark_and_a_deleted_one_none() -> None:
     sessions = manager(cap=100)
     await sessions.open()
-    index = ConversationIndex(sessions, "llama-")
+    index = proxy_index(sessions)
     for cid in ("llama-a", "llama-b", "llama-c"):
         await sessions.get_or_create(cid, "fake")
     await index.remember("llama-a", "a-1")

@@ -25,12 +25,13 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
+from starlette.applications import Starlette
 
 from shell_client import ShellClient
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
-from tests.plugin_host import plugin_runtime, report
+from tests.plugin_host import plugin, plugin_runtime, report
 from tests.test_gate_e2e import DB_PLUGIN
 from tests.turns import collect_turn
 
@@ -339,6 +340,33 @@ async def test_human_sessions_messages_and_gate_policy(mcp_server: McpServer) ->
         assert "mcp-notes" not in [s["session"] for s in await read_json(human, "agentmcp://sessions")]
         bad = await human.call_tool("answer_approval", {"gate_id": "no-such-gate", "decision": "reject"})
         assert bad.is_error and "no pending gate" in bad.content[0].text
+
+
+# ── The SDK's app, built at the first request ──────────────────────────────────────────────
+
+
+async def test_the_sdk_app_is_built_at_the_first_request_and_serves_what_was_listed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import plugins._mcp_app
+
+    async with plugin_runtime(tmp_path, {PLUGIN: {"port": free_port()}}, {}) as rt:
+        mcp_plugin: Any = plugin(rt, PLUGIN)
+        listed = {r.path: r.methods for r in mcp_plugin.get_routes()[0].routes}
+        assert mcp_plugin.server is None  # idle: nothing of the SDK built
+        app = Starlette(routes=mcp_plugin.get_routes())
+        metadata = "/.well-known/oauth-protected-resource/mcp"
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+            def broken(*args: Any) -> None:
+                raise RuntimeError("no SDK today")
+            with monkeypatch.context() as patch:
+                patch.setattr(plugins._mcp_app, "McpApp", broken)
+                failed = await http.get(metadata)
+            assert failed.status_code == 503 and "the next request tries again" in failed.text
+            first = await asyncio.gather(*(http.get(metadata) for _ in range(3)))
+            anonymous = await http.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+        assert [r.status_code for r in first] == [200] * 3 and anonymous.status_code == 401
+        assert {r.path: r.methods for r in mcp_plugin.server.app.routes} == listed
+        assert [t.get_name() for t in mcp_plugin._tasks].count("mcp-session-manager") == 1  # built once
 
 
 # ── The token file ──────────────────────────────────────────────────────────────────────────

@@ -24,6 +24,7 @@ from events import Event
 from plugin_api import PluginContext
 from plugins._conversations import ConversationIndex
 from plugins.plugin_client_api import ApiPlugin
+from plugins.plugin_proxy_llama import LlamaProxyPlugin
 from tests.conftest import openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, ask, runtime, shell_payload
@@ -173,7 +174,11 @@ async def test_a_turn_whose_instance_died_is_ended_by_another(tmp_path, fake_ope
 async def test_proxy_conversations_and_api_turns_are_known_to_every_instance(tmp_path, fake_openai,
                                                                              redis_store) -> None:
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
-        on_a, on_b = (ConversationIndex(rt.sessions, "llama-", rt.values) for rt in (a, b))
+        contexts = []
+        for rt in (a, b):  # as the loader gives the proxy its context: its own namespace, values and sessions
+            rt.client_namespaces["llama-"] = ("proxy", "plugin_proxy_llama")
+            contexts.append(PluginContext(rt, LlamaProxyPlugin(), {}))
+        on_a, on_b = (ConversationIndex(ctx.sessions, "llama-", ctx.values) for ctx in contexts)
         for rt, cid in ((a, "llama-one"), (a, "llama-two"), (b, "llama-three")):
             await rt.sessions.get_or_create(cid, "fake")
         await on_a.remember("llama-one", "mark-1")

@@ -237,7 +237,7 @@ def test_a_secret_file_others_may_read_is_refused_with_the_path_and_the_fix(tmp_
 
 def test_a_world_readable_mcp_token_file_stops_the_mcp_plugin(tmp_path: Path) -> None:
     from plugin_api import PluginConfigError
-    from plugins._mcp_auth import load_tokens
+    from plugins._mcp_tokens import load_tokens
 
     path = tmp_path / "mcp-tokens.json"
     path.write_text(json.dumps({"tokens": {"me": {"role": "human", "token": "x" * 24}}}))

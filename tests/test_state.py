@@ -152,6 +152,26 @@ async def test_idle_channels_are_bounded_but_followed_ones_stay():
     assert set(hub._channels) == {"probe-9", "watched", "late"}
 
 
+async def test_idle_bound_counts_followers_of_dropped_and_moved_channels():
+    """A session deleted while followed: its follower moves to the id's new channel, and the idle bound
+    still counts exactly the channels nobody follows (least recently used first, a join counts as use)."""
+    hub = events.EventHub(max_idle_channels=2)
+    followed = hub.subscribe("s")
+    hub.publish("s", "tok", {"text": "a"})
+    assert (await anext(followed)).data == {"text": "a"}
+    hub.drop("s")  # deleted while followed
+    hub.publish("s", "tok", {"text": "b"})  # the id's new channel
+    assert (await anext(followed)).data == {"text": "b"}
+    for name in ("p1", "p2", "p3"):
+        hub.publish(name, "tok", {"text": "y"})
+    hub.tok("p2", "z")  # joined into p2's unread tok: p2 is used again
+    hub.publish("p4", "tok", {"text": "y"})
+    assert set(hub._channels) == {"s", "p2", "p4"}  # "s" followed; p1 and p3 were the least recently used
+    await followed.aclose()
+    hub.publish("p5", "tok", {"text": "y"})
+    assert set(hub._channels) == {"s", "p5"}
+
+
 def test_observers_see_every_event_and_dropped_sessions(caplog):
     hub = events.EventHub()
     seen: list[tuple[str, str | None]] = []
