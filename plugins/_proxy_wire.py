@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -337,16 +336,9 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[plug
                   ) -> AsyncIterator[tuple[str, str]]:
     """What a stream must write: `first` (already fed to `out`), then each later event's text, then
     the end or the error. After an error the rest of the turn (its `done`) is read without writing.
-
-    Once the first text is written, the process gives up the CPU once (`sched_yield`, a hint): a client on
-    the same core (open-webui on the same small host; `make bench-proxy`'s shared placement) then reads it
-    before the server goes on with the rest of the answer, which it otherwise does first, the rest being
-    already there to read. Shared placement, added first token 4.2 → 2.6 ms (docs/benchmarks.md); about
-    1 µs when nothing else waits for the core. The events and what is written are unchanged.
     """
     try:
         content, thinking = first
-        handed = False
         while True:
             if out.error is not None:
                 yield "", ""
@@ -356,9 +348,6 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[plug
                 return
             if content or thinking or out.finished:
                 yield content, thinking
-                if not handed:  # (the piece is written: the response sent it before asking for the next)
-                    handed = True
-                    _hand_over()
             if out.finished:
                 return
             try:
@@ -381,12 +370,6 @@ async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[plug
     finally:
         with contextlib.suppress(plugin_api.SessionError):
             await events.aclose()  # cancels the turn if the client went away before its end
-
-
-def _hand_over() -> None:
-    """Let another process waiting for this core run first (`pieces`); nothing where there is no sched_yield."""
-    if hasattr(os, "sched_yield"):
-        os.sched_yield()
 
 
 class TurnPump:
