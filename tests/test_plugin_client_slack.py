@@ -91,6 +91,9 @@ async def start_slack(tmp_path, llm: FakeOpenAI, slack: FakeSlack, env: dict[str
     rt = await build.build_runtime(load_config(cfg.write().path), store=store or stores.MemoryStore())
     assert rt.plugins is not None
     await rt.plugins.load("plugin_client_slack")
+    # As agent-mcp.serve does before its ports listen: the first turn then waits for no model build, so turns
+    # reach the fake model in the order their events came (the scripted replies are handed out in that order).
+    await rt.agent.warm(rt.config.default_model)
     plugin = next((p for p in rt.plugins.loaded if p.PLUGIN_NAME == "plugin_client_slack"), None)
     return rt, plugin
 
