@@ -204,10 +204,11 @@ class RedisEventHub(EventHub):
         with self.link.calling():
             if last_event_id is not None:
                 cursor = last_event_id
-            else:  # what no subscriber has seen yet; a session nobody followed: from now on
+            else:  # what no subscriber has seen yet (as the one-process hub): a session nobody followed, all of
+                # what its stream keeps. (From its newest event on, a client that opened its stream, then sent
+                # its message, lost the first events when another instance ran the turn before this read.)
                 seen = await self.r.get(seen_key)
-                top = await self.r.xrevrange(key, count=1)
-                cursor = int(seen) if seen else (event_id(top[0][0]) if top else 0)
+                cursor = int(seen) if seen else 0
         noted = time.monotonic()
         while not self.closed:
             with self.link.calling():

@@ -91,6 +91,21 @@ async def test_history_ids_and_streams_are_one_across_instances(tmp_path, fake_o
         await sub_b.aclose()
 
 
+async def test_a_stream_opened_before_its_message_gets_the_whole_turn_whichever_instance_ran_it(
+        tmp_path, fake_openai, redis_store) -> None:
+    # A client opens its stream on B (its response has started, its first read not yet), then sends its message,
+    # which A runs to its end before B's stream reads at all (a loaded machine, a load balancer between them).
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        sub_b = b.hub.subscribe("early", None)
+        fake_openai.script(text("Hi ", "there."))
+        ran = await routes.submit(a, ask(a, "early", "hello", shell_payload(a, "early", None)))
+        await ran.task
+        await a.hub._idle.wait()  # every event of the turn is in Redis
+        events = await until_done(sub_b, ran.id)
+        assert [e.name for e in events] == ["user", "tok", "tok", "done"] and said(events) == "Hi there."
+        await sub_b.aclose()
+
+
 async def test_a_gate_raised_on_one_instance_is_answered_on_the_other(tmp_path, fake_openai, redis_store) -> None:
     recorder = Recorder()
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}, gates=ALL_GATED) as (a, b):
