@@ -48,6 +48,18 @@ class StoreUnavailable(stores.SessionError):
     """Redis cannot be reached; the message names it and says what to do."""
 
 
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel a background task and wait for its end, cancelling again while it runs on: redis-py's
+    asyncio.wait_for (Python 3.11) can swallow a cancellation that comes as a command's send finishes
+    (`Link.calling` catches that inside its calls; a loop's call outside one would otherwise run on, and
+    closing would wait for it forever). Its exception, if it failed, is raised."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def is_redis_url(url: str | None) -> bool:
     return bool(url) and str(url).strip().startswith(("redis://", "rediss://", "unix://"))
 
@@ -230,6 +242,4 @@ class Signals:
 
     async def close(self) -> None:
         if self._listener is not None:
-            self._listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
+            await stop_task(self._listener)

@@ -16,7 +16,7 @@ from typing import Any
 
 import sessions
 import stores
-from shared_link import Link, is_redis_url
+from shared_link import Link, is_redis_url, stop_task
 
 logger = logging.getLogger("agent_mcp.shared")
 
@@ -69,9 +69,7 @@ class RedisStore(stores.SessionStore):
 
     async def close(self) -> None:
         if self._beating is not None:
-            self._beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beating
+            await stop_task(self._beating)
             with contextlib.suppress(*self.link.failed):
                 await self.r.zrem(self._key("instances"), self.link.instance)  # a stopped instance leaves at once
         await self.link.close()

@@ -359,6 +359,26 @@ async def test_a_task_cancelled_during_a_redis_call_ends_there(redis_store) -> N
         await link.close()
 
 
+async def test_closing_ends_a_background_task_that_lost_its_cancellation() -> None:
+    lost = 0
+
+    async def loop() -> None:  # an instance's heartbeat or signal listener
+        nonlocal lost
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost += 1  # as redis-py's asyncio.wait_for can: the cancellation is gone, the loop runs on
+                asyncio.current_task().uncancel()
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(shared_link.stop_task(task), 5)
+    assert task.cancelled() and lost == 1
+
+
 async def test_a_new_message_or_a_stop_on_one_instance_ends_the_turn_running_on_another(tmp_path, fake_openai,
                                                                                       redis_store) -> None:
     async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
