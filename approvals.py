@@ -292,6 +292,14 @@ class FeedEvent:
     closing: Closing | None = None
 
 
+async def on_the_wire(feed: AsyncIterator[FeedEvent]) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """A desk's feed as (event name, JSON data) pairs, for an SSE response (the data are `to_dict()`s)."""
+    async for ev in feed:
+        item = ev.gate if ev.gate is not None else ev.closing
+        if item is not None:
+            yield ev.name, item.to_dict()
+
+
 def audit_detail(gate: RoutedGate, closing: Closing) -> str:
     """The audit record's `detail` of a routed gate's decision (audit_log.routed_detail)."""
     return audit_log.routed_detail(gate.approvers, gate.client_class, closing.by, closing.channel, closing.waited)
@@ -396,12 +404,9 @@ class ApprovalDesk:
                 told.discard(ev.data.get("gate_id"))
                 yield FeedEvent(CLOSED, closing=Closing.from_dict(ev.data))
 
-    async def wire(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """`watch()` as (event name, JSON data) pairs, for an SSE response (the data are `to_dict()`s)."""
-        async for ev in self.watch():
-            item = ev.gate if ev.gate is not None else ev.closing
-            if item is not None:
-                yield ev.name, item.to_dict()
+    def wire(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """`watch()` as (event name, JSON data) pairs, for an SSE response (`on_the_wire`)."""
+        return on_the_wire(self.watch())
 
     # ── shell windows that approve ──
 

@@ -273,12 +273,9 @@ class PluginDesk:
                     told.discard(ev.closing.gate_id)
                     yield ev
 
-    async def wire(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    def wire(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """`watch()` as (event name, JSON data) pairs, for an SSE response."""
-        async for ev in self.watch():
-            item = ev.gate if ev.gate is not None else ev.closing
-            if item is not None:
-                yield ev.name, item.to_dict()
+        return approvals.on_the_wire(self.watch())
 
     async def set_window(self, window: str, on: bool) -> None:
         """A shell window opts in or out as an approver: only the plugin answering for shell approvers."""

@@ -74,16 +74,17 @@ class SharedValues:
     async def put(self, name: str, value: str, seconds: float) -> None:
         """Store `value` under `name` for `seconds`."""
         with self.link.calling():
-            await self.r.set(self.link.key("value", name), value, px=int(seconds * 1000))
+            await self.r.set(self.link.key("core-value", name), value, px=int(seconds * 1000))
 
     async def get(self, name: str) -> str | None:
         with self.link.calling():
-            return await self.r.get(self.link.key("value", name))
+            return await self.r.get(self.link.key("core-value", name))
 
 
-# A plugin's values live under `value:<plugin>:<name>`; those written before values were kept per plugin, under
-# `value:<name>`, are still read (and copied, keeping their time left) until they expire, and an old key still
-# set counts as taken, so instances of both versions on one store never both claim one event.
+# A plugin's values live under `plugin-value:<plugin>:<name>`, the core's under `core-value:<name>`: no name
+# reaches another root. Those written before values were kept per plugin, under `value:<name>`, are still read
+# (and copied, keeping their time left) until they expire, and an old key still set counts as taken, so instances
+# of both versions on one store never both claim one event.
 _GET = """local v = redis.call('GET', KEYS[1])
 if v then return v end
 v = redis.call('GET', KEYS[2])
@@ -110,7 +111,7 @@ class PluginValues:
 
     def _keys(self, name: str) -> tuple[str, str]:
         """(the key of `name`, the key an earlier version kept it under)."""
-        return self._link.key("value", self._plugin, name), self._link.key("value", name)
+        return self._link.key("plugin-value", self._plugin, name), self._link.key("value", name)
 
     async def put(self, name: str, value: str, seconds: float, *, only_new: bool = False) -> bool:
         """Store `value` under `name` for `seconds`; with `only_new`, only if `name` is not set (then

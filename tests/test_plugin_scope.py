@@ -359,7 +359,7 @@ async def test_values_are_each_plugin_s_own_and_the_old_layout_is_honoured_until
         link = a.values.link
 
         def keys(name: str) -> tuple[str, str]:
-            return link.key("value", "plugin_client_slack", name), link.key("value", name)
+            return link.key("plugin-value", "plugin_client_slack", name), link.key("value", name)
 
         assert await slack.put("seen", "1", 60, only_new=True)
         assert await api.get("seen") is None and await api.put("seen", "2", 60, only_new=True)  # not the same name
@@ -377,6 +377,14 @@ async def test_values_are_each_plugin_s_own_and_the_old_layout_is_honoured_until
         assert await slack.put("x", "new", 60) and await slack.get("x") == "new"
         await slack.drop("x")
         assert await link.client.exists(*keys("x")) == 0 and await slack.get("x") is None
+        # The old layout's fallback is no way into another plugin's values or the core's: a name that spells
+        # another plugin's key (or the core's) reaches nothing but the plugin's own.
+        assert await api.put("ticket", "api's", 60)
+        assert await slack.get("plugin_client_api:ticket") is None and await slack.take("plugin_client_api:ticket") is None
+        await slack.drop("plugin_client_api:ticket")
+        assert await api.get("ticket") == "api's"
+        await a.values.put("system-prompt", "core's", 60)
+        assert await slack.take("system-prompt") is None and await a.values.get("system-prompt") == "core's"
 
 
 async def test_signals_are_each_plugin_s_own(tmp_path: Path, fake_openai: Any, redis_store: str) -> None:
