@@ -380,8 +380,9 @@ async def test_values_are_each_plugin_s_own_and_the_old_layout_is_honoured_until
         # The old layout's fallback is no way into another plugin's values or the core's: a name that spells
         # another plugin's key (or the core's) reaches nothing but the plugin's own.
         assert await api.put("ticket", "api's", 60)
-        assert await slack.get("plugin_client_api:ticket") is None and await slack.take("plugin_client_api:ticket") is None
-        await slack.drop("plugin_client_api:ticket")
+        spelled = "plugin_client_api:ticket"
+        assert await slack.get(spelled) is None and await slack.take(spelled) is None
+        await slack.drop(spelled)
         assert await api.get("ticket") == "api's"
         await a.values.put("system-prompt", "core's", 60)
         assert await slack.take("system-prompt") is None and await a.values.get("system-prompt") == "core's"
