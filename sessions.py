@@ -30,6 +30,8 @@ TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 RECOVER_SECONDS = 1.0
 #: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
 MAX_GONE = 4096
+#: Seconds between two log lines about evictions of one client class (`_evict`: the second gives the count since).
+EVICTION_LOG_SECONDS = 60.0
 
 
 class Stopping(SessionError):
@@ -123,6 +125,9 @@ class SessionManager:
         #: Why recently removed sessions went (client id → "deleted", …), so a client that comes back
         #: is told instead of silently getting an empty session (bounded: MAX_GONE, oldest dropped).
         self._gone: OrderedDict[str, str] = OrderedDict()
+        #: Per client class, sessions evicted and not yet logged, and when the last line was written (`_evict`).
+        self._evicted: dict[str, int] = {}
+        self._evictions_logged: dict[str, float] = {}
 
     async def open(self) -> None:
         """Load the stored sessions (the first sweep, at `start_sweeping`, applies the bounds to them).
@@ -446,7 +451,12 @@ class SessionManager:
         victims = list(itertools.islice(idle, excess))  # the least recently active first
         evicted = [s.client_id for s in victims if await self._remove_idle(s, "evicted")]
         if evicted:
-            logger.info("evicted %d least recently used %s session(s) over the cap of %d", len(evicted), kind, cap)
+            self._evicted[kind] = self._evicted.get(kind, 0) + len(evicted)
+            now = time.monotonic()
+            if now - self._evictions_logged.get(kind, -EVICTION_LOG_SECONDS) >= EVICTION_LOG_SECONDS:
+                self._evictions_logged[kind] = now  # at the cap, every new session evicts one: not a line each
+                logger.info("evicted %d least recently used %s session(s) over the cap of %d (at most one such line "
+                            "a minute)", self._evicted.pop(kind), kind, cap)
         return evicted
 
     async def _remove_idle(self, session: Session, why: str) -> bool:
