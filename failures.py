@@ -22,6 +22,9 @@ _TIMEOUTS = frozenset({"TimeoutError", "TimeoutException", "APITimeoutError", "M
 _UNREACHABLE = frozenset({"ConnectionError", "ConnectError", "APIConnectionError", "TransportError",
                           "ModelConnectionError", "HttpLib2Error", "OSError"})
 
+#: … and what was refused or cut, not slow, even when a timeout wraps it.
+_REFUSED = frozenset({"ConnectionError", "ClientConnectorError"})
+
 
 #: Credentials as backends echo them in error bodies (a key in a URL, a header, a JSON field).
 _SECRETS = re.compile(
@@ -103,6 +106,9 @@ def failure(exc: BaseException) -> Failure:
     errors = list(chain(exc))
     for e in errors:
         if _is(e, _TIMEOUTS):
+            refused = next((c for c in chain(e) if _is(c, _REFUSED)), None)
+            if refused is not None:  # a transport that names every failed connect a timeout (the OpenAI SDK's aiohttp)
+                return Failure("unreachable", refused, message=f"{type(refused).__name__}: {refused}")
             return Failure("timeout", e)
     for e in errors:
         status = status_of(e)

@@ -11,10 +11,13 @@ import httpx
 import httpx2
 import openai
 import pytest
+from langchain_core.callbacks import AsyncCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.ai import add_ai_message_chunks
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
+import models as model_module
 from chat_openai import RawCompletions, chunk_stream, openai_chat_model, raw_streams
 from models import HistoryCache, to_lc_messages
 from tests.fakes.backend import ErrorReply, TextReply, ToolCall, ToolCallsReply
@@ -187,3 +190,42 @@ async def test_done_ends_the_stream_after_the_body_is_read() -> None:
 async def test_an_error_object_in_the_stream_is_an_api_error() -> None:
     with pytest.raises(openai.APIError, match="the model crashed"):
         await _chunks([_event("a"), b'data: {"error": {"message": "the model crashed", "code": 500}}\n\n'])
+
+
+async def _merged(chunks: AsyncIterator[Any]) -> Any:
+    return add_ai_message_chunks(*[chunk async for chunk in chunks])
+
+
+@pytest.mark.parametrize("reply", [TextReply(("It ", "will ", "rain.")),
+                                   ToolCallsReply((ToolCall("lookup", {"city": "Oslo", "days": 2}, "call_1"),),
+                                                  "Checking.")])
+async def test_the_models_own_stream_yields_what_astream_yields(backend: FakeOpenAI, reply: Any) -> None:
+    """models._chunks reads the model's `_astream` when nothing listens to `astream`'s callbacks: the merged answer
+    is the same (text, tool calls, usage, finish reason, model name), and so is the last chunk's position."""
+    _, raw = models(backend)
+    llm = raw.bind_tools([lookup])
+    assert model_module._own_stream(llm) is not None
+    answers = []
+    for chunks in (lambda: llm.astream(MESSAGES), lambda: model_module._chunks(llm, MESSAGES)):
+        backend.script(reply)
+        answers.append(await _merged(chunks()))
+    assert backend.requests[-1].json == backend.requests[-2].json
+    stock, own = answers
+    assert (own.content, own.tool_calls, own.usage_metadata) == (stock.content, stock.tool_calls, stock.usage_metadata)
+    assert own.response_metadata == stock.response_metadata and own.chunk_position == stock.chunk_position == "last"
+    assert own.response_metadata["finish_reason"] in ("stop", "tool_calls")
+
+
+async def test_a_model_with_callbacks_streams_through_astream(backend: FakeOpenAI) -> None:
+    """A callback on the model (or LangSmith tracing) is heard: then the chunks come from `astream` itself."""
+    heard: list[str] = []
+
+    class Listener(AsyncCallbackHandler):
+        async def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            heard.append(token)
+
+    _, raw = models(backend, callbacks=[Listener()])
+    assert model_module._own_stream(raw) is None
+    backend.script(TextReply(("a", "b")))
+    assert (await _merged(model_module._chunks(raw, MESSAGES))).content == "ab"
+    assert "".join(heard) == "ab"
