@@ -415,7 +415,8 @@ class TextCallFilter:
             if not lead or lead[0] in "{[":  # whitespace so far, or a reply that may be all JSON
                 self.pending, self.holding = body, bool(lead)
                 return ""
-        hits = [i for i in (body.find(o) for o in _OPENERS) if i >= 0]
+        # Every opener starts with < or `: most chunks have neither, and need no search for eight openers.
+        hits = [i for i in (body.find(o) for o in _OPENERS) if i >= 0] if "<" in body or "`" in body else ()
         if hits:
             self.holding = True
             cut = min(hits)

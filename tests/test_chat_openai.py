@@ -179,7 +179,28 @@ async def test_the_stream_reads_what_the_sdks_decoder_reads() -> None:
             + _event("d").replace(b"\n", b"\r") + b"data: [DONE]\n\n")
     for size in (1, 2, 7, len(wire)):
         got, _ = await _chunks([wire[i:i + size] for i in range(0, len(wire), size)])
-        assert [c["choices"][0]["delta"]["content"] for c in got] == ["a", "b", "c", "d"], size
+        assert "".join(c["choices"][0]["delta"]["content"] for c in got) == "abcd", size
+        if size == 1:  # each event complete in a read of its own: nothing waits to be joined
+            assert len(got) == 4
+    got, _ = await _chunks([wire])
+    assert [c["choices"][0]["delta"]["content"] for c in got] == ["abcd"]  # arrived together: one chunk
+
+
+def _piece(**fields: Any) -> bytes:
+    chunk = {"id": "r1", "model": "m", "created": 1, "choices": [{"index": 0, "delta": {"content": "x"}}]}
+    choice = chunk["choices"][0]
+    for key, value in fields.items():
+        target = chunk if key in ("id", "usage") else choice["delta"] if key in ("role", "tool_calls") else choice
+        target[key] = value
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("fields", [{"finish_reason": "stop"}, {"usage": {"total_tokens": 3}}, {"id": "r2"},
+                                    {"role": "tool"}, {"logprobs": {"content": []}}, {"index": 1},
+                                    {"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f"}}]}])
+async def test_only_text_of_the_same_response_and_choice_is_joined(fields: dict[str, Any]) -> None:
+    got, _ = await _chunks([_piece(role="assistant") + _piece() + _piece(**fields) + b"data: [DONE]\n\n"])
+    assert [c["choices"][0]["delta"].get("content") for c in got] == ["xx", "x"], fields
 
 
 async def test_done_ends_the_stream_after_the_body_is_read() -> None:
