@@ -119,17 +119,22 @@ def chunk_stream() -> type[AsyncStream[object]]:
                         if data.startswith(b"[DONE]"):
                             done = True
                             break
-                        chunk = orjson.loads(data)
+                        try:
+                            chunk = orjson.loads(data)
+                        except orjson.JSONDecodeError:
+                            if text is not None:  # the text before a malformed event is still the answer's
+                                yield text[0]
+                            raise
+                        if text is not None and _joined(text, chunk):
+                            continue
+                        if text is not None:
+                            yield text[0]
                         if isinstance(chunk, dict) and chunk.get("error"):
                             error = chunk["error"]
                             message = error.get("message") if isinstance(error, dict) else None
                             raise APIError(message=message if isinstance(message, str) and message
                                            else "An error occurred during streaming", request=response.request,
                                            body=error)
-                        if text is not None and _joined(text, chunk):
-                            continue
-                        if text is not None:
-                            yield text[0]
                         choice = _text_only(chunk)
                         text = None if choice is None else (chunk, choice)
                         if text is None:

@@ -148,8 +148,9 @@ class Output:
         self.started = time.monotonic_ns()
         self.first: int | None = None
         self.ended: int | None = None
-        # The turn does not report the backend's token usage, so the counts are estimates:
-        # about 4 characters per prompt token, one token per piece the model streamed (events.Event.pieces).
+        # The turn does not report the backend's token usage, so the counts are estimates: about 4 characters
+        # per token, and at least one per piece the model streamed (events.Event.pieces; pieces that reached the
+        # server together arrive joined, chat_openai.ChunkStream).
         self.prompt_tokens = max(1, len(prompt) // 4)
         self.pieces = 0
         self.text: list[str] = []
@@ -222,12 +223,16 @@ class Output:
         return {
             "done_reason": "stop", "total_duration": end - self.started, "load_duration": 0,
             "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": first - self.started,
-            "eval_count": self.pieces, "eval_duration": end - first,
+            "eval_count": self.completion_tokens, "eval_duration": end - first,
         }
 
+    @property
+    def completion_tokens(self) -> int:
+        return max(self.pieces, sum(map(len, self.text)) // 4)
+
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.pieces,
-                "total_tokens": self.prompt_tokens + self.pieces}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
 # ── Protocol writers ────────────────────────────────────────────────────────────────────────
