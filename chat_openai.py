@@ -44,6 +44,8 @@ class RawCompletions:
         self._completions = completions
         self._client = client
         self.stream_cls = chunk_stream()
+        #: The request the SDK builds for a streamed call, and the API key it was built with (`_template`).
+        self._built: tuple[Any, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:  # with_raw_response, parse, …: the SDK's own
         return getattr(self._completions, name)
@@ -58,8 +60,56 @@ class RawCompletions:
             if value is not None:
                 options[option] = value
         content = _encoded(params, options)
+        template = self._template() if content is not None and len(options) == 1 else None
+        if template is not None:
+            return await self._send(template, content)  # type: ignore[arg-type]
         return await self._client.post("/chat/completions", body=params if content is None else None, content=content,
                                        cast_to=object, options=options, stream=True, stream_cls=self.stream_cls)
+
+    def _template(self) -> Any:
+        """The request the SDK's `post()` builds for a streamed call of this client (URL, headers, timeout), built
+        by the SDK once and kept while the API key stays; None for a client whose requests the SDK builds
+        differently each time (retries, a key or token provider, custom auth, a provider's transform).
+
+        Hand-written on purpose (issue 31): with the chunks cheap, the SDK's `request()` became the largest cost of
+        a model call left (options copied twice, the headers merged, validated and normalised, the URL parsed and
+        merged again: 15% of a shell turn's CPU in cProfile); sending the kept request with a new body takes a
+        tenth of that. What `request()` does around the send is kept in `_send`."""
+        client = self._client
+        if (client.max_retries or client.custom_auth is not None
+                or any(getattr(client, name, None) is not None
+                       for name in ("_provider_runtime", "_api_key_provider", "_workload_identity_auth"))):
+            return None
+        if self._built is None or self._built[1] != client.api_key:
+            from openai._models import FinalRequestOptions
+
+            built = client._build_request(FinalRequestOptions.construct(
+                method="post", url="/chat/completions", content=b"", security={"bearer_auth": True}))
+            built.headers.pop("content-length", None)
+            self._built = (built, client.api_key)
+        return self._built[0]
+
+    async def _send(self, template: Any, content: bytes) -> Any:
+        """Send `template` with `content` as its body, and read the answer as `post()` does: a timeout or a failed
+        connection as the SDK's exceptions, a 4xx/5xx answer as the SDK's error for its status, else the stream."""
+        from openai import APIConnectionError, APITimeoutError, OpenAIError
+        from openai._httpx2 import request_exceptions, timeout_exceptions
+
+        client = self._client
+        request = type(template)(template.method, template.url, headers=template.headers, content=content,
+                                 extensions=template.extensions)  # httpx2's, or httpx's for a legacy client
+        try:
+            response = await client._send_request(request, stream=True)
+        except timeout_exceptions() as exc:
+            raise APITimeoutError(request=request) from exc
+        except OpenAIError:
+            raise
+        except request_exceptions() as exc:
+            raise APIConnectionError(request=request) from exc
+        if response.is_error:
+            await response.aread()
+            raise client._make_status_error_from_response(response) from None
+        return self.stream_cls(cast_to=object, response=response, client=client)
 
 
 def _encoded(params: dict[str, Any], options: dict[str, Any]) -> bytes | None:

@@ -68,6 +68,9 @@ async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None
     assert sent_raw.json["logit_bias"] == {"50256": -100}
     assert sent_raw.headers["content-type"] == sent_stock.headers["content-type"] == "application/json"
     assert sent_raw.headers["authorization"] == "Bearer k" and sent_raw.headers["x-team"] == "a"
+    # The kept request (RawCompletions._template) carries every header the SDK's own request does.
+    assert {k: v for k, v in sent_raw.headers.items() if k != "content-length"} == {
+        k: v for k, v in sent_stock.headers.items() if k != "content-length"}
     assert sent_raw.path == sent_stock.path
     assert answers[1].content == answers[0].content == "It will rain."
     assert answers[1].usage_metadata == answers[0].usage_metadata
@@ -250,3 +253,12 @@ async def test_a_model_with_callbacks_streams_through_astream(backend: FakeOpenA
     backend.script(TextReply(("a", "b")))
     assert (await _merged(model_module._chunks(raw, MESSAGES))).content == "ab"
     assert "".join(heard) == "ab"
+
+
+async def test_the_kept_request_follows_a_new_api_key(backend: FakeOpenAI) -> None:
+    _, raw = models(backend)
+    for key in ("k", "rotated"):
+        raw.root_async_client.api_key = key
+        backend.script(TextReply(("ok",)))
+        await collect(raw)
+        assert backend.requests[-1].headers["authorization"] == f"Bearer {key}"
