@@ -203,18 +203,22 @@ def chunk_stream() -> type[AsyncStream[object]]:
 
 def _text_only(chunk: Any) -> dict[str, Any] | None:
     """The one choice of a chunk that carries text and nothing else (no tool call, finish reason, usage, log
-    probabilities or other delta field that is set), else None."""
-    if not isinstance(chunk, dict) or chunk.get("usage") is not None:
+    probabilities or other delta field that is set), else None. (Loops, not any(): this runs for every chunk.)"""
+    if type(chunk) is not dict or chunk.get("usage") is not None:
         return None
     choices = chunk.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
         return None
     choice = choices[0]
     delta = choice.get("delta")
-    if (not isinstance(delta, dict) or not isinstance(delta.get("content"), str)
-            or any(value is not None for key, value in choice.items() if key not in ("index", "delta"))
-            or any(value is not None for key, value in delta.items() if key not in ("role", "content"))):
+    if type(delta) is not dict or type(delta.get("content")) is not str:
         return None
+    for key, value in choice.items():
+        if value is not None and key != "delta" and key != "index":
+            return None
+    for key, value in delta.items():
+        if value is not None and key != "content" and key != "role":
+            return None
     return choice
 
 
@@ -227,9 +231,11 @@ def _joined(text: tuple[dict[str, Any], dict[str, Any]], chunk: Any) -> bool:
     if other is None or other.get("index") != choice.get("index") or len(chunk) != len(first):
         return False
     role = other["delta"].get("role")
-    if (role is not None and role != choice["delta"].get("role")) or any(
-            chunk.get(key) != value for key, value in first.items() if key != "choices"):
+    if role is not None and role != choice["delta"].get("role"):
         return False
+    for key, value in first.items():
+        if key != "choices" and chunk.get(key) != value:
+            return False
     choice["delta"]["content"] += other["delta"]["content"]
     return True
 
