@@ -323,6 +323,29 @@ async def test_the_proxy_stream_keeps_alive_while_a_gate_waits_then_goes_on(monk
     assert "".join(written).endswith("Done.") and out.finished and ended == ["finished", "closed"] and not keep
 
 
+async def test_the_proxy_stream_keeps_alive_while_the_model_is_silent(monkeypatch) -> None:
+    """No gate: a model that says nothing for a while (a long prompt on a slow local model) gets the same empty
+    pieces, so clients and reverse proxies do not drop the response meanwhile."""
+    monkeypatch.setattr(_proxy_wire, "KEEPALIVE_SECONDS", 0.01)
+    release, keep = asyncio.Event(), set()
+
+    async def events() -> Any:
+        yield _event(1, "tok", text="Thinking")
+        await release.wait()
+        yield _event(2, "tok", text=" done.")
+        yield _event(3, "done")
+
+    out = _proxy_wire.Output("off", "slow")
+    pump = _proxy_wire.TurnPump(events(), out, keep)
+    first = out.feed(await _proxy_wire.first_output(pump))
+    written = []
+    async for content, _ in _proxy_wire.pieces(out, first, pump):
+        written.append(content)
+        if written.count("") == 2:
+            release.set()
+    assert "".join(written) == "Thinking done." and written.count("") >= 2 and out.finished
+
+
 async def test_a_client_leaving_while_a_gate_waits_leaves_the_turn_running(monkeypatch) -> None:
     release, ended, keep = asyncio.Event(), [], set()
     out = _proxy_wire.Output("quote", "rename")
