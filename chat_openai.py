@@ -175,7 +175,8 @@ def chunk_stream() -> type[AsyncStream[object]]:
                             if text is not None:  # the text before a malformed event is still the answer's
                                 yield text[0]
                             raise
-                        if text is not None and _joined(text, chunk):
+                        choice = _text_only(chunk)
+                        if text is not None and choice is not None and _joined(text, chunk, choice):
                             continue
                         if text is not None:
                             yield text[0]
@@ -185,7 +186,6 @@ def chunk_stream() -> type[AsyncStream[object]]:
                             raise APIError(message=message if isinstance(message, str) and message
                                            else "An error occurred during streaming", request=response.request,
                                            body=error)
-                        choice = _text_only(chunk)
                         text = None if choice is None else (chunk, choice)
                         if text is None:
                             yield chunk
@@ -222,13 +222,12 @@ def _text_only(chunk: Any) -> dict[str, Any] | None:
     return choice
 
 
-def _joined(text: tuple[dict[str, Any], dict[str, Any]], chunk: Any) -> bool:
-    """Append `chunk`'s text to the text chunk `text` (the chunk and its choice) when `chunk` carries only text
-    of the same choice, role and response (its other fields equal): what LangChain's merge of the two message
-    chunks would make of them. False (nothing changed) otherwise."""
+def _joined(text: tuple[dict[str, Any], dict[str, Any]], chunk: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Append the text of `chunk` (a text-only chunk, `other` its choice: `_text_only`) to the text chunk `text`
+    (the chunk and its choice) when it is of the same choice, role and response (its other fields equal): what
+    LangChain's merge of the two message chunks would make of them. False (nothing changed) otherwise."""
     first, choice = text
-    other = _text_only(chunk)
-    if other is None or other.get("index") != choice.get("index") or len(chunk) != len(first):
+    if other.get("index") != choice.get("index") or len(chunk) != len(first):
         return False
     role = other["delta"].get("role")
     if role is not None and role != choice["delta"].get("role"):

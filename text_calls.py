@@ -346,9 +346,14 @@ def tool_signatures(tools: list[StructuredTool]) -> str:
     return "\n".join(lines)
 
 
+_ASKS_TO_CALL = re.compile(r"\b(?:call|calling|use|using|run|invoke)\s", re.I)
+
+
 def described_tool(text: str, tools: dict[str, StructuredTool]) -> str | None:
     """The tool a reply tells the user to call instead of calling it ("you can use the `llm_list` function"),
     if any: a bound tool's name right after call/use/run/invoke. Small models answer so when asked to call."""
+    if not _ASKS_TO_CALL.search(text):  # most replies: no pattern per tool to try
+        return None
     for name in tools:
         if re.search(rf"\b(?:call|calling|use|using|run|invoke)\s+(?:the\s+)?[`'\"]?{re.escape(name)}\b", text, re.I):
             return name
