@@ -25,6 +25,7 @@ from langchain_google_genai import ChatGoogleGenerativeAI
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
+import failures
 from tests.fakes.backend import FakeBackend, error, hang, malformed, text, tokens, tool_call, tool_calls
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
@@ -365,8 +366,11 @@ async def test_gemini_error_raises_client_error(make_gemini, gemini_backend):
 
 async def test_gemini_hang_hits_client_timeout(make_gemini, gemini_backend):
     gemini_backend.script(hang(5))
-    with pytest.raises(httpx.TimeoutException):  # google-genai lets httpx's timeout through unwrapped
+    # google-genai lets its transport's timeout through unwrapped: aiohttp's (installed with the OpenAI SDK's
+    # transport, models.py), which google-genai then prefers, or httpx's.
+    with pytest.raises((httpx.TimeoutException, TimeoutError)) as caught:
         await _stream(make_gemini(timeout=0.2), "hi")
+    assert failures.failure(caught.value).kind == "timeout"
 
 
 async def test_gemini_malformed_stream_raises(make_gemini, gemini_backend):
