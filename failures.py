@@ -22,8 +22,9 @@ _TIMEOUTS = frozenset({"TimeoutError", "TimeoutException", "APITimeoutError", "M
 _UNREACHABLE = frozenset({"ConnectionError", "ConnectError", "APIConnectionError", "TransportError",
                           "ModelConnectionError", "HttpLib2Error", "OSError"})
 
-#: … and what was refused or cut, not slow, even when a timeout wraps it.
-_REFUSED = frozenset({"ConnectionError", "ClientConnectorError"})
+#: … and what was refused, reset or closed, not slow, even when a timeout wraps it (aiohttp's connection errors
+#: that are not its timeouts: the OpenAI SDK's aiohttp transport names them all a connect timeout).
+_REFUSED = frozenset({"ConnectionError", "ClientConnectionError"})
 
 
 #: Credentials as backends echo them in error bodies (a key in a URL, a header, a JSON field).
@@ -72,6 +73,14 @@ def chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+def _said(exc: BaseException) -> str:
+    """What a connection error says: the operating system's error for aiohttp's, whose own text names its TLS
+    context object ("Cannot connect to host … ssl:<ssl.SSLContext object at 0x…> [Connect call failed …]")."""
+    cause = getattr(exc, "os_error", None)
+    exc = cause if isinstance(cause, OSError) else exc
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _is(exc: BaseException, names: frozenset[str]) -> bool:
     return any(cls.__name__ in names for cls in type(exc).__mro__)
 
@@ -106,9 +115,9 @@ def failure(exc: BaseException) -> Failure:
     errors = list(chain(exc))
     for e in errors:
         if _is(e, _TIMEOUTS):
-            refused = next((c for c in chain(e) if _is(c, _REFUSED)), None)
+            refused = next((c for c in chain(e) if _is(c, _REFUSED) and not _is(c, _TIMEOUTS)), None)
             if refused is not None:  # a transport that names every failed connect a timeout (the OpenAI SDK's aiohttp)
-                return Failure("unreachable", refused, message=f"{type(refused).__name__}: {refused}")
+                return Failure("unreachable", refused, message=_said(refused))
             return Failure("timeout", e)
     for e in errors:
         status = status_of(e)
@@ -116,7 +125,7 @@ def failure(exc: BaseException) -> Failure:
             return Failure("status", e, status, _message(e))
     for e in errors:
         if _is(e, _UNREACHABLE):
-            return Failure("unreachable", e, message=f"{type(e).__name__}: {e}")
+            return Failure("unreachable", e, message=_said(e))
     return Failure("other", exc, message=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 

@@ -112,7 +112,9 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
             # Its own pool, closed with the runtime (close_models), not langchain's process-wide one, on the SDK's
             # aiohttp transport: its C HTTP parser reads a stream for about a third less CPU than httpcore and h11
             # (issue 31: 2.18 → 1.48 ms per 32-token stream, 1.33 → 0.94 ms for one token; docs/benchmarks.md).
-            http_async_client=openai.DefaultAioHttpClient(verify=_tls_context()),
+            # aiohttp refuses a URL with credentials beside the SDK's Authorization header: such a host keeps httpx.
+            http_async_client=(openai.DefaultAsyncHttpxClient if cfg.host and httpx.URL(cfg.host).userinfo
+                               else openai.DefaultAioHttpClient)(verify=_tls_context()),
             # Never used (every call streams async), but built anyway: on the same certificate store, not
             # one LangChain would load and keep for the process (about 1 MiB each).
             http_client=openai.DefaultHttpxClient(verify=_tls_context()),

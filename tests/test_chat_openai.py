@@ -3,6 +3,7 @@ converted into the body once, and the body is still LangChain's own conversion, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,6 +18,8 @@ from langchain_core.messages.ai import add_ai_message_chunks
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
+import failures
+import llm_errors
 import models as model_module
 from chat_openai import RawCompletions, chunk_stream, openai_chat_model, raw_streams
 from models import HistoryCache, to_lc_messages
@@ -262,3 +265,26 @@ async def test_the_kept_request_follows_a_new_api_key(backend: FakeOpenAI) -> No
         backend.script(TextReply(("ok",)))
         await collect(raw)
         assert backend.requests[-1].headers["authorization"] == f"Bearer {key}"
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"])
+async def test_a_backend_that_closes_the_connection_is_unreachable_not_slow(answer: bytes) -> None:
+    """The SDK's aiohttp transport names every failed connection a connect timeout; the chain says what it was,
+    so the turn is told the backend cut the connection (and may try again), not that it was waited on."""
+    async def close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        writer.write(answer)
+        writer.close()
+
+    server = await asyncio.start_server(close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    llm = openai_chat_model(model="m", base_url=f"http://127.0.0.1:{port}/v1", api_key="k", streaming=True,
+                            max_retries=0, http_async_client=openai.DefaultAioHttpClient())
+    try:
+        with pytest.raises(Exception) as caught:
+            await collect(llm)
+    finally:
+        server.close()
+        await llm.http_async_client.aclose()
+    assert failures.failure(caught.value).kind == "unreachable", repr(caught.value)
+    assert llm_errors.llm_error_kind(caught.value) == "backend" and llm_errors.retryable(caught.value)
