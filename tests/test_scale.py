@@ -67,7 +67,9 @@ async def test_history_ids_and_streams_are_one_across_instances(tmp_path, fake_o
         fake_openai.script(text("Hello ", "Alice."))
         ran = await routes.submit(a, ask(a, "alice", "my name is Alice", shell_payload(a, "alice", None)))
         events = await until_done(sub_b, ran.id)
-        assert [e.name for e in events] == ["user", "tok", "tok", "done"] and said(events) == "Hello Alice."
+        names = [e.name for e in events]  # (one `tok` or two: pieces that reach the server together are joined)
+        assert names[0] == "user" and set(names[1:-1]) == {"tok"} and names[-1] == "done"
+        assert said(events) == "Hello Alice."
         ids = [e.id for e in events]
         assert ids == sorted(ids) and len(set(ids)) == len(ids)
         # History written on A is read on B: B's turn sends it to the model.
