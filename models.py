@@ -25,7 +25,7 @@ from langchain_core.messages.ai import add_ai_message_chunks
 from langchain_core.runnables import RunnableBinding
 from langchain_core.tools import StructuredTool
 from langchain_core.tracers.context import _tracing_v2_is_enabled
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 import budget
 import chat_openai
@@ -413,23 +413,33 @@ async def stream_once(
         # One merge at the end (LangChain's own n-way merge), not a new merged message per chunk.
         return add_ai_message_chunks(chunks[0], *chunks[1:]) if len(chunks) > 1 else chunks[0]
 
-    def log_retry(state_: RetryCallState) -> None:
-        exc = state_.outcome.exception() if state_.outcome else None
-        logger.info("model call of %s failed (%s); attempt %d of %d", client_id, type(exc).__name__,
-                    state_.attempt_number + 1, cfg.max_retries + 1)
+    def log_retry(failed: int, exc: BaseException | None) -> None:
+        logger.info("model call of %s failed (%s); attempt %d of %d", client_id, type(exc).__name__, failed + 1,
+                    cfg.max_retries + 1)
 
-    retrying = AsyncRetrying(
-        retry=retry_if_exception(lambda exc: not streamed and retryable(exc)),
-        stop=stop_after_attempt(cfg.max_retries + 1),
-        wait=wait_exponential(multiplier=_RETRY_BACKOFF, max=8),
-        before_sleep=log_retry,
-        reraise=True,
-    )
+    async def attempts() -> AIMessageChunk:
+        """The first attempt; tenacity's retrying only once it failed in a way worth trying again (its machinery
+        on every call was 3% of a proxied stream's server CPU, issue 31). The waits are the same: 0.5, 1, 2, … 8 s."""
+        try:
+            return await attempt()
+        except Exception as exc:
+            if streamed or not retryable(exc) or cfg.max_retries < 1:
+                raise
+            log_retry(1, exc)
+        await asyncio.sleep(_RETRY_BACKOFF)
+        return await AsyncRetrying(  # attempts 2, 3, …: its attempt n is the call's n + 1
+            retry=retry_if_exception(lambda exc: not streamed and retryable(exc)),
+            stop=stop_after_attempt(cfg.max_retries),
+            wait=wait_exponential(multiplier=2 * _RETRY_BACKOFF, max=8),
+            before_sleep=lambda state: log_retry(state.attempt_number + 1,
+                                                 state.outcome.exception() if state.outcome else None),
+            reraise=True,
+        )(attempt)
     attributes = {"gen_ai.operation.name": "chat", "gen_ai.request.model": cfg.model_id,
                   "gen_ai.provider.name": tracing.PROVIDERS.get(cfg.type, cfg.type.lower())}
     with tracer.span(f"chat {cfg.model_id}", attributes, client=True) as span, \
             metrics.model_call(failure_kind) as call:
-        reply = await retrying(attempt)
+        reply = await attempts()
         usage = reply.usage_metadata or {}
         call.done(usage)
         finish = reply.response_metadata.get("finish_reason")

@@ -10,6 +10,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
@@ -35,6 +36,15 @@ def last_event_id(request: Request) -> int | None:
         return None
 
 
+def _json(data: Any) -> str:
+    """An event's data as JSON text (UTF-8 as it is): orjson, a few times cheaper for every event of every
+    stream; `json` for what orjson cannot write (an integer beyond 64 bits)."""
+    try:
+        return orjson.dumps(data).decode()
+    except TypeError:
+        return json.dumps(data, ensure_ascii=False)
+
+
 def event_stream(ctx: plugin_api.PluginContext, client_id: str, after: int | None,
                  turn: str | None = None) -> EventSourceResponse:
     """An SSE response with every event of a session: `id:` lines, JSON data, keepalive comments.
@@ -48,7 +58,7 @@ def event_stream(ctx: plugin_api.PluginContext, client_id: str, after: int | Non
                 async for ev in subscription:
                     if turn is not None and ev.turn != turn:
                         continue
-                    yield ServerSentEvent(data=json.dumps(ev.data, ensure_ascii=False), event=ev.name, id=str(ev.id))
+                    yield ServerSentEvent(data=_json(ev.data), event=ev.name, id=str(ev.id))
                     if turn is not None and plugin_api.ends_turn(ev):
                         return
         except plugin_api.SessionError as exc:  # the shared store went away: an error event and one log line
@@ -74,7 +84,7 @@ def feed_stream(ctx: plugin_api.PluginContext, feed: AsyncIterator[tuple[str, di
         try:
             async with contextlib.aclosing(feed) as items:
                 async for name, data in items:
-                    yield ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=name)
+                    yield ServerSentEvent(data=_json(data), event=name)
         except plugin_api.SessionError as exc:
             logger.warning("feed stream ended early: %s", exc)
             yield ServerSentEvent(data=json.dumps({"message": f"the stream was cut short: {exc}"}), event="error")

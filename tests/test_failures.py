@@ -8,12 +8,14 @@ module (shell endpoint, API, proxy, MCP server); its log must hold no traceback 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import ollama
@@ -141,6 +143,26 @@ async def test_a_refused_or_overloaded_backend_is_retried_before_any_output(tmp_
             _, events = await turn(rt, "@once hello", client_id="c2")
             assert [e.data["kind"] for e in events if e.name == "error"] == ["backend"]
             assert len(backend.requests) == 1
+
+
+async def test_retries_wait_half_a_second_then_twice_as_long_each_time(tmp_path: Path, monkeypatch) -> None:
+    """The first attempt runs outside tenacity; the waits before attempts 2, 3, 4 are still 0.5, 1 and 2 s."""
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float, *args: Any) -> Any:  # (the server's own long waits go on as they are)
+        if 0 < seconds < 10:
+            waits.append(seconds)
+            seconds = 0
+        return await real_sleep(seconds, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    with FakeOpenAI() as backend:
+        async with runtime(tmp_path, {"gpt": {**openai_model(backend), "max_retries": 3}}) as rt:
+            backend.script(error(503, "loading"), error(503, "loading"), error(503, "loading"), error(503, "loading"))
+            _, events = await turn(rt, "hello")
+    assert [e.data["kind"] for e in events if e.name == "error"] == ["backend"]
+    assert len(backend.requests) == 4 and waits[:3] == [0.5, 1.0, 2.0]  # (then the runtime's own short waits)
 
 
 # ── The proxy: 502 / 504, and SDKs are told not to retry ────────────────────────────────────
