@@ -272,8 +272,8 @@ class SessionManager:
         return True
 
     @contextlib.asynccontextmanager
-    async def hold(self, session: Session, turn_id: str,
-                   ended: Callable[[], None] | None = None) -> AsyncIterator[bool]:
+    async def hold(self, session: Session, turn_id: str, ended: Callable[[], None] | None = None,
+                   saves_at_once: bool = False) -> AsyncIterator[bool]:
         """Hold `session` for one request; yields whether the session is new.
 
         Requests on a session run one at a time, in the order they asked (on every instance of a
@@ -282,6 +282,10 @@ class SessionManager:
         ended (`recover`); on leaving it is saved, unless it was removed meanwhile. `ended` runs
         after that save and before the session is let go, when the request finished without an
         exception: its `done` then comes before anything the next request (on any instance) says.
+        `saves_at_once`: the request saves the session itself first thing (an LLM turn stores its
+        user message), and the mark goes with that save instead of one of its own (each save writes
+        the whole session: at 1,000 messages a third of a turn's cost, issue 31); a new session and a
+        shared store (other instances go by the mark) are saved at once all the same.
         """
         async with session.lock, self.store.lease(session.client_id, turn_id):
             created = await self._reload(session) if self.store.shared else session.client_id in self._unsaved
@@ -290,7 +294,8 @@ class SessionManager:
             session.running = turn_id
             finished = False
             try:
-                await self.save(session)
+                if not saves_at_once or created or self.store.shared:
+                    await self.save(session)
                 yield created
                 finished = True
             finally:
@@ -380,10 +385,14 @@ class SessionManager:
         history, policy = session.history, self.policy
         if len(history) > policy.max_history:
             history[:] = trim_history(history, policy.max_history)
-        for msg in history:
+        # Only the messages added since the last check (a history is appended to; anything else checks it all).
+        count, last = session.bounded or (0, None)
+        start = count if 0 < count <= len(history) and history[count - 1] is last else 0
+        for msg in itertools.islice(history, start, None):
             content = msg.get("content")
             if isinstance(content, str) and len(content) > policy.max_message_chars:
                 msg["content"] = content[: policy.max_message_chars] + TRUNCATED
+        session.bounded = (len(history), history[-1]) if history else None
 
     async def delete(self, ident: str, remember: bool = True) -> Session:
         """Forget a session; with `remember`, a client that comes back is told it was deleted

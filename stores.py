@@ -50,6 +50,9 @@ class Session:
     running: str | None = None
     # Held by the request running on this session; later requests wait their turn.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    #: How much of `history` was checked against the stored limits (SessionManager._bound_history): the number
+    #: of messages and the last of them. Not stored.
+    bounded: tuple[int, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     def to_record(self) -> dict[str, Any]:
         return {

@@ -191,3 +191,34 @@ def test_observers_see_every_event_and_dropped_sessions(caplog):
     stop()
     hub.done("t")
     assert seen[-1] == ("s", None)
+
+
+async def test_a_turn_that_saves_at_once_is_marked_running_by_that_save(tmp_path):
+    """`hold(saves_at_once=True)` (an LLM turn: it stores its user message first thing) leaves the mark to that
+    save: two saves of the whole session a turn instead of three. A new session is saved at once all the same."""
+    path = tmp_path / "s.db"
+    m = sessions.SessionManager(stores.SqliteStore(path))
+    await m.open()
+    written: list[str | None] = []
+    save = m.store.save
+
+    async def counting(session, last, **kw):
+        written.append(session.running)
+        return await save(session, last, **kw)
+
+    m.store.save = counting
+    new, _ = m.get_or_add("fresh", "m1")
+    async with m.hold(new, "t0", saves_at_once=True):
+        assert written == ["t0"]  # a new session: saved (and marked) at once
+    old = m.get("fresh")
+    written.clear()
+    async with m.hold(old, "t1", saves_at_once=True):
+        assert written == []
+        old.history.append({"role": "user", "content": "hi"})
+        await m.save(old)  # what dispatch_llm does first
+    assert written == ["t1", None]
+    written.clear()
+    async with m.hold(old, "t2"):
+        pass
+    assert written == ["t2", None]
+    await m.close()
