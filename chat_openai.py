@@ -264,6 +264,7 @@ def _remembering_class() -> type:
     5.5 ms of a turn's server CPU at 1,000 messages (issue 31). Each message is still converted by
     LangChain's own `_get_request_payload`, once; only the list it builds is reassembled here. Messages
     are never changed after they are built (LangChain's are not edited in place anywhere in agent-mcp)."""
+    from langchain_core.messages import BaseMessage
     from langchain_openai import ChatOpenAI
     from pydantic import PrivateAttr
 
@@ -276,7 +277,11 @@ def _remembering_class() -> type:
                 return super()._get_request_payload(input_, stop=stop, **kwargs)
             memo = self._converted  # a private attribute: read once, pydantic's lookup of it costs 3 µs
             dicts = []
-            for message in self._convert_input(input_).to_messages():
+            # A list of messages (what the agent loop passes) is read as it is: LangChain's conversion would
+            # validate each into a prompt value first, a slower pass over the whole history at every call.
+            messages = input_ if isinstance(input_, list) and all(isinstance(m, BaseMessage) for m in input_) \
+                else self._convert_input(input_).to_messages()
+            for message in messages:
                 known = memo.get(id(message))
                 dicts.append(known[1] if known is not None and known[0]() is message else self._convert(message))
             payload["messages"] = dicts
