@@ -69,14 +69,14 @@ class RawCompletions:
     def _template(self) -> Any:
         """The request the SDK's `post()` builds for a streamed call of this client (URL, headers, timeout), built
         by the SDK once and kept while the API key stays; None for a client whose requests the SDK builds
-        differently each time (retries, a key or token provider, custom auth, a provider's transform).
+        differently each time (retries, a key or token provider, custom auth, a provider's transform, cookies).
 
         Hand-written on purpose (issue 31): with the chunks cheap, the SDK's `request()` became the largest cost of
         a model call left (options copied twice, the headers merged, validated and normalised, the URL parsed and
         merged again: 15% of a shell turn's CPU in cProfile); sending the kept request with a new body takes a
         tenth of that. What `request()` does around the send is kept in `_send`."""
         client = self._client
-        if (client.max_retries or client.custom_auth is not None
+        if (client.max_retries or client.custom_auth is not None or client._client.cookies  # (added at build)
                 or any(getattr(client, name, None) is not None
                        for name in ("_provider_runtime", "_api_key_provider", "_workload_identity_auth"))):
             return None
@@ -97,7 +97,7 @@ class RawCompletions:
 
         client = self._client
         request = type(template)(template.method, template.url, headers=template.headers, content=content,
-                                 extensions=template.extensions)  # httpx2's, or httpx's for a legacy client
+                                 extensions=dict(template.extensions))  # httpx2's, or httpx's for a legacy client
         try:
             response = await client._send_request(request, stream=True)
         except timeout_exceptions() as exc:
