@@ -362,7 +362,10 @@ async def _chunks(llm: Any, context: list[BaseMessage]) -> AsyncIterator[AIMessa
             yield chunk
         return
     model, kwargs = own
-    async for generation in model._astream(_normalize_messages(context), **kwargs):
+    # What astream does to content lists (images, files) first; text-only messages need none of it.
+    if any(type(m.content) is not str for m in context):
+        context = _normalize_messages(context)
+    async for generation in model._astream(context, **kwargs):
         message = generation.message
         if generation.generation_info:
             message.response_metadata = {**generation.generation_info, **message.response_metadata}
