@@ -328,9 +328,8 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
                 session.history = [dict(m) for m in request.history]
             turn.session = session
             # An LLM turn saves its user message first thing: the session's mark as running goes with that save.
-            stripped = text.strip()
             async with rt.sessions.hold(session, turn.id, end_turn,
-                                        saves_at_once=bool(stripped) and "!" not in text) as created:
+                                        saves_at_once=bool(text.strip()) and "!" not in text) as created:
                 started = True
                 why = await rt.sessions.take_gone(client_id) if created else None
                 if why is not None:
