@@ -5,7 +5,8 @@ Every part starts agent-mcp as a subprocess (tests/conftest.AgentServer) against
 OpenAI backend (tests/fakes, 32 tokens per answer) and reads the server's CPU time and RSS from
 /proc. Only 127.0.0.1 is used; compare numbers only within one run.
 
-1. history: turns on sessions holding 10 / 100 / 1,000 messages (seeded into the SQLite store),
+1. history: turns on sessions holding 10 / 100 / 1,000 messages (seeded into the SQLite store; a
+   session per size and round, warmed by one unmeasured turn, so it grows by at most 22 messages),
    the model's context window large enough that the fit keeps all of them (so the fit counts every
    message each turn); server CPU per turn, and the whole turn against the same request (same
    history) sent to the fake backend directly with ChatOpenAI set up as the server sets it up
@@ -118,13 +119,16 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
     sizes = (10, 100, 1000)
     cfg = config(tmp / "history", backend, max_context=5000, context_tokens=4_000_000,
                  sessions={"max_history_messages": 5000})
-    seed(cfg.path / "data" / "sessions.sqlite3", [(f"hist{n}", history(n)) for n in sizes])
+    # A session per size and round: each starts at its size and takes one unmeasured turn (its caches filled)
+    # before its measured ones, so a measured session grows by at most 2 × (turns per round + 1) messages.
+    rounds = 5
+    seed(cfg.path / "data" / "sessions.sqlite3", [(f"hist{n}-{r}", history(n)) for n in sizes for r in range(rounds)])
     server, _ = start(cfg)
     pid = server.proc.pid  # type: ignore[union-attr]
     llm = openai_chat_model(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
                             max_retries=1, stream_chunk_timeout=None)  # a stale pooled connection
     system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
-    paths = {n: ServerPath(server.url, TOKEN, f"hist{n}") for n in sizes}
+    paths = {(n, r): ServerPath(server.url, TOKEN, f"hist{n}-{r}") for n in sizes for r in range(rounds)}
     msgs = {n: [SystemMessage(system)] + [(HumanMessage if m["role"] == "user" else AIMessage)(m["content"])
                                           for m in history(n)] for n in sizes}
     for p in paths.values():
@@ -138,18 +142,19 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
 
     for n in sizes:  # warm-up
         await direct(n, 0)
-        await paths[n].turn(0)
+        for r in range(rounds):
+            await paths[(n, r)].turn(0)
     cpu = dict.fromkeys(sizes, 0.0)
     through: dict[int, list[float]] = {n: [] for n in sizes}
     straight: dict[int, list[float]] = {n: [] for n in sizes}
-    per_round = max(1, args.history_turns // 5)
-    for r in range(5):
+    per_round = max(1, args.history_turns // rounds)
+    for r in range(rounds):
         for n in sizes:
             for i in range(per_round):
                 straight[n].append(await direct(n, i))
             before = cpu_seconds(pid)
             for i in range(per_round):
-                through[n].append((await paths[n].turn(r * per_round + i))[1])
+                through[n].append((await paths[(n, r)].turn(r * per_round + i))[1])
             cpu[n] += cpu_seconds(pid) - before
     for p in paths.values():
         await p.close()
@@ -162,8 +167,8 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
         rows.append({"messages": n, "cpu_ms": cpu[n] / turns * 1e3, "turn_ms": s50 * 1e3, "direct_ms": d50 * 1e3,
                      "added_ms": (s50 - d50) * 1e3, "library_ms": library[n] * 1e3,
                      "own_ms": cpu[n] / turns * 1e3 - library[n] * 1e3})
-    print(f"\n1. History length: {len(through[10])} turns per size, 5 interleaved rounds, "
-          f"window large enough for all\n")
+    print(f"\n1. History length: {len(through[10])} turns per size, {rounds} interleaved rounds (a warm session "
+          f"of that size each), window large enough for all\n")
     print("| history messages | server CPU per turn (ms) | of it, the libraries' request building (ms) "
           "| the rest (ms) | turn p50 (ms) | direct p50, same history (ms) | added p50 (ms) |")
     print("|---|---|---|---|---|---|---|")
