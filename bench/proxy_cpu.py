@@ -22,9 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.proxy_overhead import Target  # noqa: E402
+from bench.proxy_overhead import Target, start_proxy  # noqa: E402
 from bench.turn_overhead import cpu_seconds  # noqa: E402
-from tests.conftest import AgentServer, ConfigDir, free_port, openai_model  # noqa: E402
 from tests.fakes.backend import tokens  # noqa: E402
 from tests.fakes.openai_backend import FakeOpenAI  # noqa: E402
 
@@ -33,13 +32,9 @@ async def measure(trees: list[Path], blocks: int, per_block: int, n_tokens: int,
     with FakeOpenAI(default_reply=lambda req: tokens(n_tokens)) as backend, tempfile.TemporaryDirectory() as tmp:
         servers, targets = [], []
         for tree in trees:
-            cfg = ConfigDir(Path(tempfile.mkdtemp(dir=tmp)))
-            cfg.models = {"fake": openai_model(backend, max_context=2)}
-            port = free_port()
-            cfg.plugins.append("plugin_proxy_llama")
-            cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
-            servers.append(AgentServer(cfg.write(), {"SESSION_STORE": "memory"}, code=tree).start())
-            targets.append(Target(str(tree), f"http://127.0.0.1:{port}/v1", "agent-mcp:latest"))
+            server, url = start_proxy(backend, Path(tmp), tree)
+            servers.append(server)
+            targets.append(Target(str(tree), url, "agent-mcp:latest"))
         try:
             for target in targets:
                 for _ in range(warmup):

@@ -102,6 +102,17 @@ class Target:
         self.busy_streams_per_second = concurrency * per_client / (time.perf_counter() - start)
 
 
+def start_proxy(backend: FakeOpenAI, tmp: Path, code: Path | None = None) -> tuple[AgentServer, str]:
+    """An agent-mcp server (of tree `code`, default this one) with only the proxy plugin, sessions in memory, on
+    `backend`; and its OpenAI base URL."""
+    cfg = ConfigDir(Path(tempfile.mkdtemp(dir=tmp)))
+    cfg.models = {"fake": openai_model(backend, max_context=2)}
+    port = free_port()
+    cfg.plugins.append("plugin_proxy_llama")
+    cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
+    return AgentServer(cfg.write(), {"SESSION_STORE": "memory"}, code=code).start(), f"http://127.0.0.1:{port}/v1"
+
+
 def start_litellm(exe: str, backend: FakeOpenAI, tmp: Path, key: str) -> tuple[subprocess.Popen[bytes], str]:
     """LiteLLM's proxy on a free port, offline, forwarding model `fake` to the fake backend."""
     port = free_port()
@@ -164,14 +175,10 @@ async def run(args: argparse.Namespace, placement: str) -> None:
         servers, procs = [], []
         for name, code in [("agent-mcp proxy", None)] + ([("agent-mcp proxy (baseline)", args.baseline)]
                                                            if args.baseline else []):
-            cfg = ConfigDir(Path(tempfile.mkdtemp(dir=tmp)))
-            cfg.models = {"fake": openai_model(backend, max_context=2)}
-            port = free_port()
-            cfg.plugins.append("plugin_proxy_llama")
-            cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
-            servers.append(AgentServer(cfg.write(), {"SESSION_STORE": "memory"}, code=code).start())
+            server, url = start_proxy(backend, Path(tmp), code)
+            servers.append(server)
             procs.append(servers[-1].proc)
-            paths.append(Target(name, f"http://127.0.0.1:{port}/v1", "agent-mcp:latest"))
+            paths.append(Target(name, url, "agent-mcp:latest"))
             paths[-1].pid = servers[-1].proc.pid if servers[-1].proc else None
         litellm = None
         if exe:
