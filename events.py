@@ -262,6 +262,9 @@ class EventHub:
     def done(self, client_id: str) -> None:
         self.publish(client_id, "done", {})
 
+    async def sent(self) -> None:
+        """Wait until every event published so far reaches every subscriber's source (here: at once)."""
+
     def error(self, client_id: str, message: str, kind: str | None = None) -> None:
         """An `error` event; `kind` ("timeout": the model did not answer in time, "backend": the model
         call failed) lets a plugin answer in its protocol's terms (the proxy: 504 / 502)."""

@@ -315,10 +315,11 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
         else _track(rt.active_tasks, client_id, task, turn.id)
     cancelled = started = done = False
 
-    def end_turn() -> None:  # while the session is still held: see SessionManager.hold
+    async def end_turn() -> None:  # while the session is still held: see SessionManager.hold
         nonlocal done
         rt.hub.done(client_id)
         done = True
+        await rt.hub.sent()
 
     with turns.running(turn):
         try:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,7 +272,7 @@ class SessionManager:
         return True
 
     @contextlib.asynccontextmanager
-    async def hold(self, session: Session, turn_id: str, ended: Callable[[], None] | None = None,
+    async def hold(self, session: Session, turn_id: str, ended: Callable[[], Awaitable[None]] | None = None,
                    saves_at_once: bool = False) -> AsyncIterator[bool]:
         """Hold `session` for one request; yields whether the session is new.
 
@@ -303,7 +303,7 @@ class SessionManager:
                 if self._sessions.get(session.client_id) is session:
                     await self.save(session)
                 if finished and ended is not None:
-                    ended()
+                    await ended()
 
     async def recover(self) -> list[str]:
         """End the requests whose process died while they ran (see `hold`): `interrupted` tells their

@@ -31,6 +31,8 @@ COALESCE_SECONDS = 0.005
 STREAMING_SECONDS = 0.05
 #: Events an instance keeps queued for Redis while it is unreachable; beyond this the oldest go.
 MAX_QUEUED_EVENTS = 20_000
+#: How long `sent` waits for Redis (unreachable longer: a turn ends without its events' order across instances).
+SENT_WAIT_SECONDS = 5.0
 
 
 _SEEN = """local now = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -71,6 +73,9 @@ class RedisEventHub(EventHub):
         self._idle = asyncio.Event()
         self._idle.set()
         self._wrote = 0.0
+        #: Events queued and events written (or dropped) so far; `sent` waits for the second to reach the first.
+        self._queued = self._done = 0
+        self._senders: list[tuple[int, asyncio.Future[None]]] = []
 
     def _key(self, client_id: str) -> str:
         return self.link.key("events", client_id)
@@ -93,11 +98,38 @@ class RedisEventHub(EventHub):
     def _enqueue(self, item: tuple[str, Event | None]) -> None:
         if self._queue.qsize() >= MAX_QUEUED_EVENTS:
             self._queue.get_nowait()
+            self._count_done(1)
             logger.error("Redis is unreachable and %d events are queued: the oldest is dropped", MAX_QUEUED_EVENTS)
         self._queue.put_nowait(item)
+        self._queued += 1
         self._idle.clear()
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write_forever(), name="event-writer")
+
+    async def sent(self) -> None:
+        """Wait until the events published so far are in Redis: a turn's `done` is written before its session's
+        lease goes, so what the next turn says (perhaps on another instance) comes after it in the stream."""
+        if self._done >= self._queued:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._senders.append((self._queued, waiter))
+        try:
+            async with asyncio.timeout(SENT_WAIT_SECONDS):
+                await waiter
+        except TimeoutError:
+            logger.warning("events not written to Redis within %g s: a turn ends without waiting for them",
+                           SENT_WAIT_SECONDS)
+
+    def _count_done(self, n: int) -> None:
+        self._done += n
+        if self._senders:
+            waiting = []
+            for upto, waiter in self._senders:
+                if upto > self._done:
+                    waiting.append((upto, waiter))
+                elif not waiter.done():
+                    waiter.set_result(None)
+            self._senders = waiting
 
     def last_id(self, client_id: str) -> int:
         """An id below every event this instance publishes from now on (what a request's reader starts after)."""
@@ -127,6 +159,7 @@ class RedisEventHub(EventHub):
                     self.link.unavailable(exc)
                     await asyncio.sleep(0.5)
             self._wrote = time.monotonic()
+            self._count_done(len(batch))
             if self._queue.empty():
                 self._idle.set()
 
@@ -237,3 +270,4 @@ class RedisEventHub(EventHub):
                 await self._idle.wait()
         if self._writer is not None:
             self._writer.cancel()
+        self._count_done(self._queued - self._done)  # nobody waits for what is not sent now

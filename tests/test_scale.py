@@ -151,6 +151,30 @@ async def test_simultaneous_turns_on_two_instances_run_one_at_a_time(tmp_path, f
         await sub.aclose()
 
 
+async def test_what_an_instance_published_before_sent_returns_comes_before_what_another_says_next(
+        tmp_path, fake_openai, redis_store) -> None:
+    # A turn's `done` waits in the writer's queue while it gathers a streamed answer; the turn lets its
+    # session go only after `sent`, so the next turn's first event (here on the other instance) follows it.
+    async with two(tmp_path, redis_store, {"fake": openai_model(fake_openai)}) as (a, b):
+        for n in range(5):  # a race lost once in a few tries without the wait: tried a few times
+            sub = a.hub.subscribe(f"c{n}", None)
+            a.hub.publish(f"c{n}", "tok", {"text": "one "})
+            await a.hub.sent()
+            a.hub.publish(f"c{n}", "tok", {"text": "two"})  # within the streaming window: gathered for a moment
+            a.hub.done(f"c{n}")
+            await a.hub.sent()
+            b.hub.publish(f"c{n}", "user", {"text": "next"})
+            await b.hub.sent()
+            names = []
+            async with asyncio.timeout(10):
+                async for ev in sub:
+                    names.append(ev.name)
+                    if ev.name == "user":
+                        break
+            assert names == ["tok", "tok", "done", "user"]
+            await sub.aclose()
+
+
 async def until_done_both(sub: AsyncIterator[Event], turns: set[str]) -> list[Event]:
     events, left = [], set(turns)
     async with asyncio.timeout(20):
