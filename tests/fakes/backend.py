@@ -463,8 +463,8 @@ def run_cli(backend_class: type[FakeBackend], argv: Sequence[str] | None = None)
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     parser.add_argument("--echo", action="store_true", help="only echo, no scripts")
     args = parser.parse_args(argv)
-    with backend_class(port=args.port, default_reply=echo_reply if args.echo else demo_reply) as backend:
+    with contextlib.suppress(KeyboardInterrupt), \
+            backend_class(port=args.port, default_reply=echo_reply if args.echo else demo_reply) as backend:
         print(f"{backend_class.__name__} listening; base URL: {backend.base_url}  (Ctrl-C to stop)\n"
               + ("" if args.echo else DEMO_HELP), flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            threading.Event().wait()
+        threading.Event().wait()

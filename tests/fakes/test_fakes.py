@@ -291,7 +291,7 @@ def test_cli_serves_until_interrupted():
         )
         assert answer.json()["choices"][0]["message"]["content"] == "echo: hi"
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=STEP) == 0
+        assert process.wait(timeout=STEP * 3) == 0  # a loaded machine (the suite's other worker) is slow to stop
     finally:
         process.kill()
         process.wait()
