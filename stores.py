@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import operator
 import os
 import sqlite3
 import time
@@ -65,16 +66,8 @@ class Session:
         }
 
     def to_json(self) -> str:
-        """The record as JSON, as a store keeps it.
-
-        orjson, not `json.dumps`: a turn saves its session three times (taken, the question, the answer),
-        each the whole history; at 1,000 messages `json.dumps` took 0.7 ms a save, orjson 0.04 ms (issue 31).
-        What orjson refuses (an integer beyond 64 bits in a tool call's arguments) goes through `json`; NaN
-        and infinities, which `json` would write as tokens no JSON parser but Python's reads, become null."""
-        try:
-            return orjson.dumps(self.to_record(), option=orjson.OPT_NON_STR_KEYS).decode()
-        except TypeError:
-            return json.dumps(self.to_record(), ensure_ascii=False)
+        """The record as JSON, as a store keeps it (`dumps`)."""
+        return dumps(self.to_record())
 
     @classmethod
     def from_record(cls, client_id: str, shorthand: int, record: dict[str, Any], updated: float) -> Session:
@@ -95,6 +88,18 @@ class Session:
         for name in ("shorthand", "model", "history", "tool_preview_length", "settings", "created", "updated",
                      "running"):
             setattr(self, name, getattr(other, name))
+
+
+def dumps(value: Any) -> str:
+    """JSON as a store keeps it.
+
+    orjson, not `json.dumps`: at 1,000 messages `json.dumps` took 0.7 ms a session, orjson 0.04 ms (issue 31).
+    What orjson refuses (an integer beyond 64 bits in a tool call's arguments) goes through `json`; NaN and
+    infinities, which `json` would write as tokens no JSON parser but Python's reads, become null."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value, ensure_ascii=False)
 
 
 class SessionStore:
@@ -223,8 +228,51 @@ class SqliteFile:
         return self._db
 
 
+#: A session's newest messages ride in its record (a save stays one statement) until there are more than
+#: TAIL_MESSAGES of them or the record passes TAIL_BYTES; then they move to rows of `messages`, each written
+#: once, so a save no longer writes the whole history (issue 31: at 1,000 messages a turn's two saves were a
+#: third of its cost).
+TAIL_MESSAGES = 32
+TAIL_BYTES = 64 * 1024
+
+
+@dataclass
+class _Layout:
+    """Where the store holds a session's history: rows `first` … `first + count - 1` of `messages`, then the
+    record's tail. `written` is that history as the message objects saved (what the next save compares)."""
+
+    first: int = 0
+    count: int = 0
+    written: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _kept(history: list[dict[str, Any]], written: list[dict[str, Any]]) -> tuple[int, int]:
+    """(k, m): `history[:m]` are `written[k:k + m]`, the same objects (a history only grows at its end, loses
+    its oldest turns, or is cut back at its end; anything else keeps nothing). Stored messages are never
+    edited in place: a message that changes is a new object."""
+    if not history or not written:
+        return 0, 0
+    head = history[0]
+    k = next((i for i, m in enumerate(written) if m is head), None)
+    if k is None:
+        return 0, 0
+    n = min(len(history), len(written) - k)
+    if all(map(operator.is_, history[:n], written[k:k + n])):
+        return k, n
+    m = 0
+    while history[m] is written[k + m]:
+        m += 1
+    return k, m
+
+
 class SqliteStore(SqliteFile, SessionStore):
-    """Sessions in one SQLite file: history, model, shorthand ids survive restarts."""
+    """Sessions in one SQLite file: history, model, shorthand ids survive restarts.
+
+    A session is a row of `sessions` (its record: settings, the newest messages) and its older messages are
+    rows of `messages`, numbered by `seq`. The record says which rows are its history (`rows`: first seq,
+    count): it is written last, so a save cut short leaves the session as it was, and rows outside that range
+    are leftovers, deleted when the session's messages next move to rows. Records written before (the whole
+    history in the record) are read as they are and take this form at their next save."""
 
     def describe(self) -> str:
         return f"SQLite {self.path}"
@@ -236,24 +284,47 @@ class SqliteStore(SqliteFile, SessionStore):
         "CREATE TABLE IF NOT EXISTS sessions ("
         " client_id TEXT PRIMARY KEY, shorthand INTEGER UNIQUE NOT NULL,"
         " record TEXT NOT NULL, updated REAL NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS messages ("
+        " client_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,"
+        " PRIMARY KEY (client_id, seq)) WITHOUT ROWID",
         "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     )
     #: A save is one statement, sent to SQLite's thread once (a session's row; `last_shorthand` only when it
-    #: changed): three round trips to that thread were 0.3 ms of a turn's three saves (issue 31). The two rows
-    #: need no common transaction: `load` takes the larger of `last_shorthand` and the highest stored id.
+    #: changed; the rows of messages that leave the tail): three round trips to that thread were 0.3 ms of a
+    #: turn's three saves (issue 31). The rows need no common transaction: `load` takes the larger of
+    #: `last_shorthand` and the highest stored id, and a record names the rows it holds.
     AUTOCOMMIT = True
     _written_shorthand = -1
 
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self._layouts: dict[str, _Layout] = {}
+
     async def load(self) -> tuple[list[Session], int]:
         db = self._conn()
+        rows: dict[str, dict[int, str]] = {}
+        async with db.execute("SELECT client_id, seq, body FROM messages") as cur:
+            async for client_id, seq, body in cur:
+                rows.setdefault(client_id, {})[seq] = body
         sessions = []
         async with db.execute("SELECT client_id, shorthand, record, updated FROM sessions ORDER BY shorthand") as cur:
             async for client_id, shorthand, record, updated in cur:
                 try:
-                    sessions.append(Session.from_record(client_id, shorthand, json.loads(record), updated))
+                    data = json.loads(record)  # (not orjson: it reads an integer beyond 64 bits as a float)
+                    layout = _Layout()
+                    if "history" not in data:
+                        layout.first, layout.count = (int(x) for x in data.get("rows", (0, 0)))
+                        mine = rows.get(client_id, {})
+                        data["history"] = [json.loads(mine[seq]) for seq in
+                                           range(layout.first, layout.first + layout.count)] + list(data["tail"])
+                    session = Session.from_record(client_id, shorthand, data, updated)
                 except (ValueError, KeyError, TypeError) as exc:
                     # One damaged row must not take the others down; it stays in the file.
                     logger.error("session %s in %s is damaged and was skipped: %s", client_id, self.path, exc)
+                    continue
+                layout.written = list(session.history)
+                self._layouts[client_id] = layout
+                sessions.append(session)
         async with db.execute("SELECT value FROM meta WHERE key = 'last_shorthand'") as cur:
             row = await cur.fetchone()
         last = max([int(row[0]) if row else 0, *(s.shorthand for s in sessions)])
@@ -261,11 +332,33 @@ class SqliteStore(SqliteFile, SessionStore):
 
     async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
         db = self._conn()
+        history, client_id = session.history, session.client_id
+        was = self._layouts.get(client_id) or _Layout()
+        now = _Layout(first=was.first + was.count, written=list(history))  # no row kept: new rows after the old
+        k, m = _kept(history, was.written)
+        if k < was.count <= k + m:  # the rows from k on are all still the history's start
+            now.first, now.count = was.first + k, was.count - k
+        record = session.to_record()
+        del record["history"]
+        record["rows"], record["tail"] = [now.first, now.count], history[now.count:]
+        body = dumps(record)
+        moved = len(record["tail"]) > TAIL_MESSAGES or len(body) > TAIL_BYTES
         async with self._writing():
+            if moved:  # the tail becomes rows (after the record's range: nothing it names is touched)
+                await db.executemany("INSERT OR REPLACE INTO messages (client_id, seq, body) VALUES (?, ?, ?)",
+                                     [(client_id, now.first + now.count + i, dumps(msg))
+                                      for i, msg in enumerate(record["tail"])])
+                now.count += len(record["tail"])
+                record["rows"], record["tail"] = [now.first, now.count], []
+                body = dumps(record)
             await db.execute(
                 "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
-                (session.client_id, session.shorthand, session.to_json(), session.updated),
+                (client_id, session.shorthand, body, session.updated),
             )
+            self._layouts[client_id] = now
+            if moved:  # leftovers: rows the record no longer names
+                await db.execute("DELETE FROM messages WHERE client_id = ? AND (seq < ? OR seq >= ?)",
+                                 (client_id, now.first, now.first + now.count))
             if last_shorthand != self._written_shorthand:
                 await db.execute(
                     "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
@@ -277,6 +370,8 @@ class SqliteStore(SqliteFile, SessionStore):
         db = self._conn()
         async with self._writing():
             await db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
+            self._layouts.pop(client_id, None)
+            await db.execute("DELETE FROM messages WHERE client_id = ?", (client_id,))
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[None]:
