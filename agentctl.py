@@ -153,14 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     term.json_output = opts.json
     if words[:1] in (["-h"], ["--help"]):
         words = ["help", *words[1:]]
+    # The library's log lines go to this terminal while the command runs (and only then: main may run in a
+    # process that logs elsewhere, such as the test suite).
     logger = logging.getLogger("agent_mcp")
-    logger.addHandler(_OnceHandler(term))
+    handler, propagate = _OnceHandler(term), logger.propagate
+    logger.addHandler(handler)
     logger.propagate = False
-    config_dir = Path(opts.config_dir).resolve() if opts.config_dir else CODE_DIR
-    ctl = AgentCtl(config_dir, term, in_prompt=not words)
-    if not words:
-        return ctl.prompt()
-    return ctl.run(words)
+    try:
+        config_dir = Path(opts.config_dir).resolve() if opts.config_dir else CODE_DIR
+        ctl = AgentCtl(config_dir, term, in_prompt=not words)
+        return ctl.prompt() if not words else ctl.run(words)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 if __name__ == "__main__":
