@@ -236,7 +236,7 @@ TAIL_MESSAGES = 32
 TAIL_BYTES = 64 * 1024
 
 
-@dataclass
+@dataclass(slots=True)
 class _Layout:
     """Where the store holds a session's history: rows `first` … `first + count - 1` of `messages`, then the
     record's tail. `written` is that history as the message objects saved (what the next save compares)."""
