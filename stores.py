@@ -290,9 +290,9 @@ class SqliteStore(SqliteFile, SessionStore):
         "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     )
     #: A save is one statement, sent to SQLite's thread once (a session's row; `last_shorthand` only when it
-    #: changed; the rows of messages that leave the tail): three round trips to that thread were 0.3 ms of a
-    #: turn's three saves (issue 31). The rows need no common transaction: `load` takes the larger of
-    #: `last_shorthand` and the highest stored id, and a record names the rows it holds.
+    #: changed): three round trips to that thread were 0.3 ms of a turn's three saves (issue 31). The two rows
+    #: need no common transaction: `load` takes the larger of `last_shorthand` and the highest stored id. When
+    #: the tail moves to rows, the rows, the record and the deletion of leftovers are one transaction.
     AUTOCOMMIT = True
     _written_shorthand = -1
 
@@ -344,7 +344,8 @@ class SqliteStore(SqliteFile, SessionStore):
         body = dumps(record)
         moved = len(record["tail"]) > TAIL_MESSAGES or len(body) > TAIL_BYTES
         async with self._writing():
-            if moved:  # the tail becomes rows (after the record's range: nothing it names is touched)
+            if moved:  # the tail becomes rows, after the record's range, in one transaction with the record
+                await db.execute("BEGIN")
                 await db.executemany("INSERT OR REPLACE INTO messages (client_id, seq, body) VALUES (?, ?, ?)",
                                      [(client_id, now.first + now.count + i, dumps(msg))
                                       for i, msg in enumerate(record["tail"])])
@@ -355,10 +356,11 @@ class SqliteStore(SqliteFile, SessionStore):
                 "INSERT OR REPLACE INTO sessions (client_id, shorthand, record, updated) VALUES (?, ?, ?, ?)",
                 (client_id, session.shorthand, body, session.updated),
             )
-            self._layouts[client_id] = now
-            if moved:  # leftovers: rows the record no longer names
+            if moved:  # and the leftovers go: rows the record no longer names
                 await db.execute("DELETE FROM messages WHERE client_id = ? AND (seq < ? OR seq >= ?)",
                                  (client_id, now.first, now.first + now.count))
+                await db.commit()
+            self._layouts[client_id] = now
             if last_shorthand != self._written_shorthand:
                 await db.execute(
                     "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)

@@ -288,3 +288,28 @@ async def test_a_backend_that_closes_the_connection_is_unreachable_not_slow(answ
         await llm.http_async_client.aclose()
     assert failures.failure(caught.value).kind == "unreachable", repr(caught.value)
     assert llm_errors.llm_error_kind(caught.value) == "backend" and llm_errors.retryable(caught.value)
+
+
+def test_every_kind_of_message_becomes_the_dict_langchain_makes_of_it() -> None:
+    """Plain text messages are converted by `_convert`'s own path, the rest by LangChain's: the same dicts,
+    in the same key order, whatever the mix."""
+    from langchain_core.messages import AIMessage, AIMessageChunk, ChatMessage, HumanMessage, ToolMessage
+
+    messages = [
+        HumanMessage("plain"), AIMessage("plain answer ü"), HumanMessage(""), AIMessage(""),
+        HumanMessage("named", name="alice"), AIMessage("named", name="bot"),
+        HumanMessage([{"type": "text", "text": "blocks"}]), AIMessage([{"type": "text", "text": "blocks"}]),
+        AIMessage("", tool_calls=[{"name": "lookup", "args": {"city": "Bern"}, "id": "c1", "type": "tool_call"}]),
+        AIMessage("x", invalid_tool_calls=[{"name": "lookup", "args": "{", "id": "c2", "error": "bad",
+                                             "type": "invalid_tool_call"}]),
+        AIMessage("kw", additional_kwargs={"function_call": {"name": "f", "arguments": "{}"}}),
+        AIMessage("audio", additional_kwargs={"audio": {"id": "a1"}}),
+        AIMessageChunk("a chunk"), SystemMessage("system"), ChatMessage("custom", role="critic"),
+        ToolMessage("result", tool_call_id="c1", name="lookup"),
+    ]
+    common: dict[str, Any] = {"model": "m", "base_url": "http://x.invalid/v1", "api_key": "k"}
+    expected = ChatOpenAI(**common)._get_request_payload(messages)["messages"]
+    for order in (messages, messages[::-1]):
+        ours = openai_chat_model(**common)._get_request_payload(order)["messages"]
+        wanted = expected if order is messages else expected[::-1]
+        assert [list(d.items()) for d in ours] == [list(d.items()) for d in wanted]
