@@ -44,10 +44,35 @@ MESSAGES = [SystemMessage("you are terse"), HumanMessage("hi ü 😀"), AIMessag
             HumanMessage("and tomorrow?")]
 
 
-def models(backend: FakeOpenAI, **extra: Any) -> tuple[ChatOpenAI, ChatOpenAI]:
+def models(backend: FakeOpenAI, transport: str = "httpx", **extra: Any) -> tuple[ChatOpenAI, ChatOpenAI]:
+    """The stock model and ours; with `transport="aiohttp"` both on the SDK's aiohttp transport (the server's:
+    ours then sends without httpx2 in between, RawCompletions._send_direct)."""
     common: dict[str, Any] = {"model": "fake-model", "base_url": backend.base_url, "api_key": "k", "streaming": True,
                               "max_retries": 0, "stream_usage": True, **extra}
+    if transport == "aiohttp":
+        pools = [openai.DefaultAioHttpClient(), openai.DefaultAioHttpClient()]
+        _POOLS.extend(pools)
+        return ChatOpenAI(**common, http_async_client=pools[0]), openai_chat_model(**common, http_async_client=pools[1])
     return ChatOpenAI(**common), openai_chat_model(**common)
+
+
+_POOLS: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_pools() -> AsyncIterator[None]:
+    yield
+    while _POOLS:
+        await _POOLS.pop().aclose()
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["httpx", "aiohttp"])
+
+
+def sent_direct(raw: ChatOpenAI) -> bool:
+    """Whether `raw`'s last streamed call went to aiohttp without httpx2 in between."""
+    kept = raw.async_client._direct_for
+    return kept is not None and kept[1] is not None
 
 
 async def collect(llm: Any, messages: list[Any] = MESSAGES) -> Any:
@@ -57,9 +82,12 @@ async def collect(llm: Any, messages: list[Any] = MESSAGES) -> Any:
     return full
 
 
-async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None:
-    stock, raw = models(backend, temperature=0.2, extra_body={"top_k": 5}, default_headers={"X-Team": "a"},
-                        logit_bias={50256: -100})  # (keys that are not strings: JSON makes them strings)
+@TRANSPORTS
+async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI, transport: str) -> None:
+    # (logit_bias: keys that are not strings, which JSON makes strings; a body orjson refuses goes through the SDK)
+    bias = {"logit_bias": {50256: -100}} if transport == "httpx" else {}
+    stock, raw = models(backend, transport, temperature=0.2, extra_body={"top_k": 5}, default_headers={"X-Team": "a"},
+                        **bias)
     assert isinstance(raw.async_client, RawCompletions)
     answers = []
     for llm in (stock.bind_tools([lookup]), raw.bind_tools([lookup])):
@@ -68,7 +96,7 @@ async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None
     sent_stock, sent_raw = backend.requests[-2:]
     assert sent_raw.json == sent_stock.json  # the same body without the SDK's transform
     assert sent_raw.json["top_k"] == 5 and sent_raw.json["stream_options"] == {"include_usage": True}
-    assert sent_raw.json["logit_bias"] == {"50256": -100}
+    assert sent_raw.json.get("logit_bias") == ({"50256": -100} if bias else None)
     assert sent_raw.headers["content-type"] == sent_stock.headers["content-type"] == "application/json"
     assert sent_raw.headers["authorization"] == "Bearer k" and sent_raw.headers["x-team"] == "a"
     # The kept request (RawCompletions._template) carries every header the SDK's own request does.
@@ -78,10 +106,12 @@ async def test_the_body_and_the_answer_are_the_sdks(backend: FakeOpenAI) -> None
     assert answers[1].content == answers[0].content == "It will rain."
     assert answers[1].usage_metadata == answers[0].usage_metadata
     assert answers[1].response_metadata["finish_reason"] == "stop"
+    assert sent_direct(raw) == (transport == "aiohttp")
 
 
-async def test_tool_calls_stream_as_with_the_sdks_models(backend: FakeOpenAI) -> None:
-    stock, raw = models(backend)
+@TRANSPORTS
+async def test_tool_calls_stream_as_with_the_sdks_models(backend: FakeOpenAI, transport: str) -> None:
+    stock, raw = models(backend, transport)
     calls = []
     for llm in (stock, raw):
         backend.script(ToolCallsReply((ToolCall("lookup", {"city": "Oslo", "days": 2}, "call_1"),), "Checking."))
@@ -91,12 +121,18 @@ async def test_tool_calls_stream_as_with_the_sdks_models(backend: FakeOpenAI) ->
     assert calls[1].content == calls[0].content
 
 
-async def test_http_errors_raise_the_sdks_exceptions(backend: FakeOpenAI) -> None:
-    _, raw = models(backend)
-    backend.script(ErrorReply(503, "overloaded"))
-    with pytest.raises(openai.InternalServerError) as caught:
-        await collect(raw)
-    assert caught.value.status_code == 503 and "overloaded" in str(caught.value)
+@TRANSPORTS
+async def test_http_errors_raise_the_sdks_exceptions(backend: FakeOpenAI, transport: str) -> None:
+    _, raw = models(backend, transport)
+    for status, error in ((503, openai.InternalServerError), (429, openai.RateLimitError),
+                          (401, openai.AuthenticationError), (400, openai.BadRequestError)):
+        backend.script(ErrorReply(status, "overloaded"))
+        with pytest.raises(error) as caught:
+            await collect(raw)
+        assert caught.value.status_code == status and "overloaded" in str(caught.value)
+        assert caught.value.response.request.url.path.endswith("/chat/completions")
+    backend.script(TextReply(("fine",)))  # the connection after an error answer still serves
+    assert (await collect(raw)).content == "fine" and sent_direct(raw) == (transport == "aiohttp")
 
 
 async def test_calls_it_does_not_stream_go_through_create(backend: FakeOpenAI) -> None:
@@ -258,8 +294,9 @@ async def test_a_model_with_callbacks_streams_through_astream(backend: FakeOpenA
     assert "".join(heard) == "ab"
 
 
-async def test_the_kept_request_follows_a_new_api_key(backend: FakeOpenAI) -> None:
-    _, raw = models(backend)
+@TRANSPORTS
+async def test_the_kept_request_follows_a_new_api_key(backend: FakeOpenAI, transport: str) -> None:
+    _, raw = models(backend, transport)
     for key in ("k", "rotated"):
         raw.root_async_client.api_key = key
         backend.script(TextReply(("ok",)))
