@@ -299,6 +299,9 @@ class SqliteStore(SqliteFile, SessionStore):
     def __init__(self, path: Path):
         super().__init__(path)
         self._layouts: dict[str, _Layout] = {}
+        #: One save or delete at a time: a save reads the layout the last one left, and a move to rows is a
+        #: transaction on the one connection that nothing else may write into.
+        self._one_at_a_time = asyncio.Lock()
 
     async def load(self) -> tuple[list[Session], int]:
         db = self._conn()
@@ -331,6 +334,11 @@ class SqliteStore(SqliteFile, SessionStore):
         return sessions, last
 
     async def save(self, session: Session, last_shorthand: int, *, create: bool = True) -> bool:
+        async with self._one_at_a_time:
+            await self._save(session, last_shorthand)
+        return True
+
+    async def _save(self, session: Session, last_shorthand: int) -> None:
         db = self._conn()
         history, client_id = session.history, session.client_id
         was = self._layouts.get(client_id) or _Layout()
@@ -366,11 +374,10 @@ class SqliteStore(SqliteFile, SessionStore):
                     "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_shorthand', ?)", (str(last_shorthand),)
                 )
                 self._written_shorthand = last_shorthand
-        return True
 
     async def delete(self, client_id: str) -> None:
         db = self._conn()
-        async with self._writing():
+        async with self._one_at_a_time, self._writing():
             await db.execute("DELETE FROM sessions WHERE client_id = ?", (client_id,))
             self._layouts.pop(client_id, None)
             await db.execute("DELETE FROM messages WHERE client_id = ?", (client_id,))

@@ -154,3 +154,26 @@ async def test_a_save_cut_short_leaves_the_session_as_it_was(tmp_path) -> None:
     await m.save(s)
     assert await reopened(path) == s.history
     await m.close()
+
+
+async def test_saves_of_a_session_at_the_same_time_keep_it_whole(tmp_path) -> None:
+    """A save whose tail moves to rows takes several trips to SQLite's thread; a save of the same session (or
+    a delete) meanwhile waits for it instead of writing into its transaction with what it read before."""
+    path = tmp_path / "s.db"
+    m = sessions.SessionManager(stores.SqliteStore(path))
+    await m.open()
+    s = await m.get_or_create("c", "m1")
+    other = await m.get_or_create("d", "m1")
+
+    async def trim_then_save() -> None:
+        await asyncio.sleep(0)
+        del s.history[:30]
+        s.history.append(msg(999))
+        await m.save(s)
+
+    for round_ in range(5):
+        s.history += [msg(round_ * 100 + i) for i in range(60)]
+        other.history += [msg(i) for i in range(40)]
+        await asyncio.gather(m.save(s), trim_then_save(), m.save(other), m.save(s))
+    assert await reopened(path) == s.history
+    await m.close()
