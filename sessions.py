@@ -283,9 +283,9 @@ class SessionManager:
         after that save and before the session is let go, when the request finished without an
         exception: its `done` then comes before anything the next request (on any instance) says.
         `saves_at_once`: the request saves the session itself first thing (an LLM turn stores its
-        user message), and the mark goes with that save instead of one of its own (each save writes
-        the whole session: at 1,000 messages a third of a turn's cost, issue 31); a new session and a
-        shared store (other instances go by the mark) are saved at once all the same.
+        user message), and the mark goes with that save instead of one of its own (a save is a trip to
+        the store: a Redis store writes the whole session, issue 31); a new session and a shared store
+        (other instances go by the mark) are saved at once all the same.
         """
         async with session.lock, self.store.lease(session.client_id, turn_id):
             created = await self._reload(session) if self.store.shared else session.client_id in self._unsaved
