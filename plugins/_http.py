@@ -102,6 +102,14 @@ class _Stream(EventSourceResponse):
         super().__init__(*args, **kwargs)
         self._ctx = ctx
 
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        """Without a send timeout (ours have none), the send itself: sse_starlette's cancel scope around every
+        event timed nothing (issue 31: a 32-token shell turn 3.63 → 3.40 and 3.30 → 3.20 ms, two runs)."""
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._ctx.stream_opened()
         try:
