@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-growth bench-local bench-metrics dashboard metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-growth bench-floor bench-local bench-metrics dashboard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,11 @@ bench-growth: $(STAMP)
 # A real local model behind any OpenAI-compatible URL (default: the shared local model on 127.0.0.1:8081);
 # skips with a message when nothing answers there. Slow (minutes): not part of `make test`.
 # ARGS='--base-url http://127.0.0.1:8080/v1 --label 1.5B'
+# The same shell turn or proxied stream built from the libraries alone, against agent-mcp's (docs/benchmarks.md).
+bench-floor: $(STAMP)
+	$(PY) bench/floor.py --path shell $(ARGS)
+	$(PY) bench/floor.py --path proxy $(ARGS)
+
 bench-local: $(STAMP)
 	$(PY) bench/local_model.py $(ARGS)
 
