@@ -83,14 +83,14 @@ bench-scale: $(STAMP)
 bench-growth: $(STAMP)
 	$(PY) bench/growth.py $(ARGS)
 
-# A real local model behind any OpenAI-compatible URL (default: the shared local model on 127.0.0.1:8081);
-# skips with a message when nothing answers there. Slow (minutes): not part of `make test`.
-# ARGS='--base-url http://127.0.0.1:8080/v1 --label 1.5B'
 # The same shell turn or proxied stream built from the libraries alone, against agent-mcp's (docs/benchmarks.md).
 bench-floor: $(STAMP)
 	$(PY) bench/floor.py --path shell $(ARGS)
 	$(PY) bench/floor.py --path proxy $(ARGS)
 
+# A real local model behind any OpenAI-compatible URL (default: the shared local model on 127.0.0.1:8081);
+# skips with a message when nothing answers there. Slow (minutes): not part of `make test`.
+# ARGS='--base-url http://127.0.0.1:8080/v1 --label 1.5B'
 bench-local: $(STAMP)
 	$(PY) bench/local_model.py $(ARGS)
 
