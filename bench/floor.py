@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,11 @@ class Floor:
         self.proc.wait(10)
 
 
+def pace() -> float:
+    """The machine's speed, to compare runs of other hours or machines: seconds a fixed pure-Python loop takes."""
+    return min(timeit.repeat("sum(range(100000))", number=10, repeat=20)) / 10
+
+
 async def run(args: argparse.Namespace) -> None:
     from bench.proxy_overhead import Target, start_proxy
     from tests.conftest import AgentServer, ConfigDir, openai_model
@@ -160,6 +166,7 @@ async def run(args: argparse.Namespace) -> None:
     pinned = (os.cpu_count() or 1) >= 2
     if pinned:
         os.sched_setaffinity(0, {0})
+    paces = [pace()]
     with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, \
             tempfile.TemporaryDirectory() as tmp:
         floor = Floor(backend.base_url, Path(tmp))
@@ -201,12 +208,14 @@ async def run(args: argparse.Namespace) -> None:
                     await target.client.close()
             agent.stop()
             floor.stop()
+    paces.append(pace())
     n = args.blocks * args.per_block
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     unit = "turn" if args.path == "shell" else "stream"
     print(f"\n{args.path} path: {n} {unit}s per server, {args.blocks} alternating blocks, {args.tokens} tokens per "
           f"answer, {'servers pinned to core 1, client and fake to core 0' if pinned else 'no pinning (1 core)'}; "
-          f"load average {load}\n")
+          f"load average {load}; sum(range(100000)) took {paces[0] * 1e3:.2f} ms before the run, "
+          f"{paces[1] * 1e3:.2f} after\n")
     print(f"| server | CPU per {unit} (ms) | per token averaged (µs) |")
     print("|---|---|---|")
     for name, used in zip(("floor (the libraries alone)", "agent-mcp"), cpu, strict=True):
