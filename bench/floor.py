@@ -53,6 +53,7 @@ def serve(port: int, backend: str, db_path: str) -> None:
     from config import DEFAULTS_DIR
     from models import _chunks
     from prompt import PromptTree
+
     llm = openai_chat_model(model="fake-gpt", base_url=backend, api_key="k", streaming=True, max_retries=0,
                             stream_chunk_timeout=None, http_async_client=openai.DefaultAioHttpClient())
     system = SystemMessage(PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble())
