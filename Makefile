@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(PY) agent-mcp.py $(ARGS)
 
 # One pytest worker more than the cores: a test spends part of its time waiting for the servers it started
-# (on 2 cores, 3 workers ran the suite in 537 s where 2 took 614-663 s and 4 took 637 s, one run each).
+# (on 2 cores, 3 workers ran the suite in 537 and 553 s where 2 took 614-663 s and 4 took 637 s).
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print((os.cpu_count() or 1) + 1)")
 
 test: $(STAMP)
