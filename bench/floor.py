@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The floor under a shell turn: the same turn built from the same libraries alone, against agent-mcp's.
+"""The floor under a turn: the same shell turn or proxied stream built from the libraries alone, against agent-mcp's.
 
 A shell turn costs the server the libraries it is built from (uvicorn and Starlette for `POST /submit`,
 sse_starlette for the event stream, the model call through LangChain and the OpenAI SDK, two aiosqlite
@@ -7,11 +7,13 @@ saves of the session) plus agent-mcp's own work around them (the guard, sessions
 event hub, prompt, context fit, history cache, text-call filter, metrics, tracing). This starts, beside
 agent-mcp, a server of a few dozen lines (`--serve`) that does only the first part: the same routes and
 event stream, the same model object and call (`chat_openai.openai_chat_model`, `models._chunks`: the
-fastest path agent-mcp has), two saves of a record of the same shape. Both run on the same instant fake
+fastest path agent-mcp has), two saves of a record of the same shape. With `--path proxy` it is a proxied
+stream instead: `POST /v1/chat/completions` answered with Starlette's streaming response, against
+agent-mcp's proxy plugin (sessions in memory, as `make bench-proxy` runs it). Both run on the same instant fake
 OpenAI backend and are driven by the same client, in alternating blocks, pinned to the same core; it
 prints each one's server CPU per turn and per token, and agent-mcp's own share:
 
-    python bench/floor.py [--blocks 10] [--per-block 200] [--tokens 32]
+    python bench/floor.py [--path shell|proxy] [--blocks 10] [--per-block 200] [--tokens 32]
 
 What the floor does not do, agent-mcp cannot do for less: it is what a goal per turn is measured against.
 """
