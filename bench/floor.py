@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -131,14 +132,11 @@ class Floor:
     """The floor server as a subprocess, like tests.conftest.AgentServer."""
 
     def __init__(self, backend: str, tmp: Path):
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(self.port), "--backend", backend,
+        from tests.conftest import free_port
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--backend", backend,
                                       "--db", str(tmp / "floor.sqlite3")], cwd=ROOT)
-        self.token = ""
 
     def wait_ready(self) -> None:
         import httpx
@@ -171,29 +169,36 @@ async def run(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, {0})
     paces = [pace()]
     with FakeOpenAI(default_reply=lambda req: tokens(args.tokens)) as backend, \
-            tempfile.TemporaryDirectory() as tmp:
+            tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         floor = Floor(backend.base_url, Path(tmp))
+        servers.callback(floor.stop)
         if args.path == "shell":
             (Path(tmp) / "agent").mkdir()
             cfg = ConfigDir(Path(tmp) / "agent")
             cfg.models = {"fake": openai_model(backend, max_context=2)}
             cfg.env = {"SESSION_STORE": "sqlite"}
             agent = AgentServer(cfg.write()).start()
-            paths = [ServerPath(floor.url, "x"), ServerPath(agent.url, agent.token)]
-            clients: list[Callable[[int], Awaitable[Any]]] = [path.turn for path in paths]
         else:
             agent, url = start_proxy(backend, Path(tmp))
-            targets = [Target("floor", f"{floor.url}/v1", "fake"), Target("agent-mcp", url, "agent-mcp:latest")]
-            clients = [lambda i, t=t: t.stream() for t in targets]  # type: ignore[misc]
+        servers.callback(agent.stop)
         floor.wait_ready()
         pids = [floor.proc.pid, agent.proc.pid]  # type: ignore[union-attr]
-        cpu = [0.0, 0.0]
-        try:
+        async with contextlib.AsyncExitStack() as clients_open:
+            if args.path == "shell":
+                paths = [ServerPath(floor.url, "x"), ServerPath(agent.url, agent.token)]
+                for path in paths:
+                    await path.open()
+                    clients_open.push_async_callback(path.close)
+                clients: list[Callable[[int], Awaitable[Any]]] = [path.turn for path in paths]
+            else:
+                targets = [Target("floor", f"{floor.url}/v1", "fake"), Target("agent-mcp", url, "agent-mcp:latest")]
+                for target in targets:
+                    clients_open.push_async_callback(target.client.close)
+                clients = [lambda i, t=target: t.stream() for target in targets]  # type: ignore[misc]
+            cpu = [0.0, 0.0]
             for pid, client in zip(pids, clients, strict=True):
                 if pinned:
                     os.sched_setaffinity(pid, {1})
-                if args.path == "shell":
-                    await client.__self__.open()  # type: ignore[attr-defined]
                 for i in range(args.warmup):
                     await client(i)
             for block in range(args.blocks):
@@ -202,15 +207,6 @@ async def run(args: argparse.Namespace) -> None:
                     for t in range(args.per_block):
                         await clients[i](block * args.per_block + t)
                     cpu[i] += cpu_seconds(pids[i]) - before
-        finally:
-            if args.path == "shell":
-                for path in paths:
-                    await path.close()
-            else:
-                for target in targets:
-                    await target.client.close()
-            agent.stop()
-            floor.stop()
     paces.append(pace())
     n = args.blocks * args.per_block
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
