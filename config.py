@@ -104,6 +104,8 @@ class ManifestEntry(_Model):
     description: str = ""
     dependencies: list[str] = []
     env_vars: list[str] = []
+    #: Files in the data dir whose variables count as set for `env_vars` (e.g. db-setup's db-accounts.env).
+    env_files: list[str] = []
     config_files: list[str] = []
     priority: int = 500
     tools: list[str] = []

@@ -19,9 +19,9 @@ mistake in one layer is caught by the next:
   keeps the active role and the current database through it, so both are set again), then
   `sql_mode` pinned to the grammar the classifier parses (see PINNED_SQL_MODE), the statement
   time limit, `SET ROLE` and `USE` of the agent database.
-- Enforced mode (see db_roles.py): the account is a RUNNER holding nothing but USAGE and
-  roles; each call runs with the one role holding exactly what its gate decision covers. When
-  the account cannot be limited (`enforcement_problem`), calls run on the classifier alone.
+- Enforced mode (see db_roles.py, db_runners.py): each call runs on a runner account of its own whose
+  one role holds exactly what the call's gate decision covers. When the accounts cannot be limited
+  (`enforce` says why), calls run on the classifier alone.
 A dead pooled connection is reconnected before use, so a server restart costs no failed call.
 What a call returns (results, errors) and its text are in db_results.py.
 """
@@ -29,10 +29,12 @@ What a call returns (results, errors) and its text are in db_results.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pymysql.constants import CLIENT
 
 import db_roles
+import db_runners
 import metrics
 import sql as sql_rules  # `sql` is the name of the SQL text in this module
 import turns
@@ -69,10 +72,11 @@ POOL_RECYCLE_SECONDS = 3600
 
 _ENV = {"host": "MYSQL_HOST", "port": "MYSQL_PORT", "user": "MYSQL_USER", "password": "MYSQL_PASS", "db": "MYSQL_DB",
         "grantor_user": "MYSQL_GRANTOR_USER", "grantor_password": "MYSQL_GRANTOR_PASS",
-        "role_prefix": "MYSQL_ROLE_PREFIX"}
+        "instance": "MYSQL_INSTANCE", "runners": "MYSQL_RUNNERS"}
 #: The accounts `agentctl db-setup` made (0600, in the data dir): they replace MYSQL_USER/MYSQL_PASS.
 ACCOUNTS_FILE = "db-accounts.env"
-ACCOUNT_VARS = ("MYSQL_USER", "MYSQL_PASS", "MYSQL_GRANTOR_USER", "MYSQL_GRANTOR_PASS")
+ACCOUNT_VARS = ("MYSQL_USER", "MYSQL_PASS", "MYSQL_GRANTOR_USER", "MYSQL_GRANTOR_PASS", "MYSQL_INSTANCE",
+                "MYSQL_RUNNERS", "MYSQL_SETUP_ID")
 #: The sql_mode of every call: the server's default grammar, which the classifier parses. Pinned rather than
 #: taken from the server, whose mode may hold NO_BACKSLASH_ESCAPES or ANSI_QUOTES (strings and names split
 #: elsewhere than the classifier splits them), ORACLE/MSSQL/ANSI, PIPES_AS_CONCAT or IGNORE_SPACE.
@@ -97,11 +101,13 @@ class DatabaseSettings(BaseModel):
     max_rows: int = Field(200, ge=1)
     pool_size: int = Field(5, ge=1)
     client_grace: float = Field(CLIENT_GRACE, ge=0)
-    #: The account that makes roles and grants them to the runner (`agentctl db-setup`); never runs model SQL.
+    #: The account that fills the runners' roles (`agentctl db-setup`); never runs model SQL.
     grantor_user: str | None = None
     grantor_password: str = Field("", repr=False)
-    role_prefix: str = Field(db_roles.DEFAULT_PREFIX, pattern=r"^[A-Za-z0-9_]{1,40}$")
-    max_roles: int = Field(db_roles.DEFAULT_MAX_ROLES, ge=2)
+    #: What the account names are derived from besides the database (db_roles.names_for).
+    instance: str = Field("", max_length=64)
+    #: Runner accounts db-setup made: at most this many calls run at once (with the other instances).
+    runners: int = Field(db_roles.DEFAULT_RUNNERS, ge=1, le=db_roles.MAX_RUNNERS)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DatabaseSettings:
@@ -121,6 +127,11 @@ class DatabaseSettings(BaseModel):
                 "charset": "utf8mb4", "autocommit": True, "local_infile": False,
                 "connect_timeout": min(10.0, self.timeout + self.client_grace)}
 
+    def names(self) -> db_roles.Names:
+        """The accounts, roles and admin schema of enforced mode (needs `db`)."""
+        assert self.db
+        return db_roles.names_for(self.db, self.instance, self.runners)
+
     def where(self) -> str:
         """`user@host:port/db`, for messages (never the password)."""
         return f"{self.user}@{self.host}:{self.port}" + (f"/{self.db}" if self.db else "")
@@ -129,9 +140,18 @@ class DatabaseSettings(BaseModel):
 # ── The pool ────────────────────────────────────────────────────────────────────────────────
 
 
+@dataclass
+class _Call:
+    """How one call's connection ended: reusable (reset cleanly), or abandoned mid-statement, on which runner."""
+
+    reusable: bool = False
+    abandoned: bool = False
+    runner: int | None = None
+
+
 class Database:
-    """An aiomysql pool with safe per-call settings; `run(sql, access)` executes one statement at a time,
-    with only the privileges `access` covers when the account can be limited (see `enforce`)."""
+    """MySQL access with safe per-call settings; `run(sql, access)` executes one statement at a time, with only
+    the privileges `access` covers when the accounts can be limited (see `enforce`)."""
 
     def __init__(self, settings: DatabaseSettings):
         self.settings = settings
@@ -140,9 +160,11 @@ class Database:
         # (a reconnect in place starts a new session, which needs them again).
         self._prepared: weakref.WeakKeyDictionary[aiomysql.Connection, float] = weakref.WeakKeyDictionary()
         self._kills: set[asyncio.Task[None]] = set()
-        #: The roles of enforced mode; None: calls run on the classifier alone (`problem` says why).
-        self.roles: db_roles.Roles | None = None
+        #: The runners of enforced mode; None: calls run on the classifier alone (`problem` says why).
+        self.runners: db_runners.Runners | None = None
         self.problem: str | None = "not checked yet"
+        #: A warning about the accounts that does not stop enforcement (a grantor holding more than it needs).
+        self.warning: str | None = None
         self._recheck = False
         #: Whether the server tells table names apart by case (`lower_case_table_names` = 0), read when
         #: connecting; None until a connection was made. The gate keys tables by this rule.
@@ -155,13 +177,14 @@ class Database:
     @property
     def mode(self) -> str:
         """`enforced`, or `classifier only` (then `problem` says why)."""
-        return ENFORCED if self.roles is not None else CLASSIFIER_ONLY
+        return ENFORCED if self.runners is not None else CLASSIFIER_ONLY
 
     def describe_mode(self) -> str:
         """One line: how calls are limited, and for classifier-only mode why and what fixes it."""
-        if self.roles is not None:
-            return (f"enforced by the database: each db_query call runs as {self.settings.user} with a role holding "
-                    f"exactly what its gate decision covers ({len(self.roles)} role(s) in use)")
+        if self.runners is not None:
+            names = self.runners.names
+            return (f"enforced by the database: each db_query call runs on one of {names.runners} runner accounts "
+                    f"({names.runner(1)}…) whose role holds exactly what its gate decision covers")
         return (f"classifier only: {self.problem} — db_query calls are limited by the gate's SQL classifier alone; "
                 "`agentctl db-setup` makes accounts the database can limit")
 
@@ -169,21 +192,22 @@ class Database:
         return self.settings.connect_args()
 
     async def open(self) -> None:
-        """Create the pool (connections are made on demand, so this works while the server is down)."""
-        if self._pool is None:
+        """Create the pool of classifier-only mode (connections are made on demand, so this works while the
+        server is down)."""
+        if self._pool is None and self.runners is None:
             self._pool = await aiomysql.create_pool(minsize=0, maxsize=self.settings.pool_size,
                                                     pool_recycle=POOL_RECYCLE_SECONDS, **self._connect_args())
 
     async def close(self) -> None:
-        """Close the pool and wait for pending kills of abandoned statements."""
+        """Close every connection and wait for pending kills of abandoned statements."""
         if self._kills:
             await asyncio.gather(*self._kills, return_exceptions=True)
         if self._pool is not None:
             self._pool.close()
             await self._pool.wait_closed()
             self._pool = None
-        if self.roles is not None:
-            await self.roles.close()
+        if self.runners is not None:
+            await self.runners.close()
 
     async def check(self) -> str | None:
         """None when a connection can be made and used, else why not (for start-up logs)."""
@@ -193,8 +217,8 @@ class Database:
     async def enforce(self) -> str | None:
         """Switch to enforced mode if the accounts allow it; None when enforced, else why not (also in `problem`).
 
-        Needs MYSQL_DB, a grantor (MYSQL_GRANTOR_USER) that can make roles, and a runner that holds
-        nothing but USAGE and roles (db_roles.runner_problem). Stale roles of an earlier run are dropped.
+        Needs MYSQL_DB and the accounts of `agentctl db-setup`: a grantor that can call the admin
+        schema's procedures, and runners that hold nothing but USAGE and their own role. Only reads.
         """
         self.problem = await self._enforcement_problem()
         # The server did not answer: check again at the next call instead of staying unlimited.
@@ -205,49 +229,69 @@ class Database:
         s = self.settings
         if not s.db:
             return "MYSQL_DB is not set (roles grant on one agent database)"
+        if not s.grantor_user:
+            return await self._plain_account_problem()
+        names = s.names()
+        runners = db_runners.Runners(names, runner_connect=s.connect_args(),
+                                     grantor_connect=s.connect_args(grantor=True))
         try:
-            async with aiomysql.connect(**self._connect_args()) as conn:
-                problem = await db_roles.runner_problem(conn, prefix=s.role_prefix, db=s.db)
-                async with conn.cursor() as cur:
-                    await cur.execute("SELECT CURRENT_USER(), @@lower_case_table_names")
-                    (runner, lower), = await cur.fetchall()
-                    await cur.execute("SELECT ROLE_NAME FROM information_schema.APPLICABLE_ROLES")
-                    held = [str(r[0]) for r in await cur.fetchall()]
+            problem = await self._check_accounts(runners)
+        except (pymysql.err.MySQLError, OSError) as exc:
+            problem = f"cannot check the accounts of {names.db} at {s.host}:{s.port}: {describe_error(exc)}"
+        if problem is not None:
+            await runners.close()
+            return problem
+        if self.runners is not None:
+            await self.runners.close()
+        self.runners = runners
+        return None
+
+    async def _plain_account_problem(self) -> str:
+        """Why one account of its own (MYSQL_USER without db-setup's runners) cannot be limited: what it holds."""
+        s = self.settings
+        try:
+            async with aiomysql.connect(**self._connect_args()) as conn, conn.cursor() as cur:
+                await cur.execute("SHOW GRANTS")
+                lines = [db_roles.without_password(str(r[0])) for r in await cur.fetchall()]
         except (pymysql.err.MySQLError, OSError) as exc:
             return f"cannot check the account {s.where()}: {describe_error(exc)}"
-        if problem:
-            return f"{s.user} cannot be limited: {problem}"
-        if not s.grantor_user:
-            return "no grantor account is configured (MYSQL_GRANTOR_USER)"
-        roles = db_roles.Roles(s.connect_args(grantor=True), runner=str(runner), db=s.db, prefix=s.role_prefix,
-                               max_roles=s.max_roles)
-        problem = await roles.probe()
-        if problem is None:
-            try:
-                dropped = await roles.drop_stale([*held, *await roles.found()])
-            except (pymysql.err.MySQLError, OSError) as exc:
-                problem = f"the grantor cannot drop stale roles: {describe_error(exc)}"
-            else:
-                if dropped:
-                    logger.info("dropped %d role(s) of an earlier run", dropped)
-        if problem is not None:
-            await roles.close()
-            return problem
-        self.roles, self.case_sensitive = roles, int(lower) == 0
+        held = next((x for x in lines if not x.startswith("GRANT USAGE ON *.* TO ")), "its own privileges")
+        return (f"{s.user} cannot be limited: it is one account holding {held}, not the runner accounts of "
+                "`agentctl db-setup`")
+
+    async def _check_accounts(self, runners: db_runners.Runners) -> str | None:
+        names = runners.names
+        try:
+            _tables, self.case_sensitive = await runners.tables()
+        except pymysql.err.MySQLError as exc:
+            if db_runners.is_connection_error(exc):
+                raise
+            return (f"the grantor {names.grantor} cannot use {names.admin_schema} ({describe_error(exc)}); "
+                    "run `agentctl db-setup`")
+        conn = await runners._grantor()
+        version = db_roles.mariadb_version(conn.get_server_info())
+        if version is None or version < db_roles.MIN_VERSION:
+            return f"enforcement needs MariaDB ≥ {'.'.join(map(str, db_roles.MIN_VERSION))}"
+        self.warning = await runners.grantor_problem()
+        for k in names.slots():
+            problem = await runners.check_runner(k)
+            if problem is not None:
+                return f"{names.runner(k)} cannot be limited: {problem}"
         return None
 
     async def _privileges(self, access: turns.DbAccess | None) -> db_roles.Privileges:
         """The grants a call with this gate decision runs with (nothing without one: fail closed)."""
-        assert self.roles is not None and self.settings.db
+        assert self.runners is not None and self.settings.db
         if access is None:
             return frozenset()
-        tables = await self.roles.tables()
+        if access.source == turns.ADMIN:
+            return db_roles.everything(self.settings.db)
+        tables, case_sensitive = await self.runners.tables()
         pairs: list[tuple[str, str]] = list(access.pairs)
         if access.allows is not None:
             pairs += db_roles.standing_pairs(access.allows, tables, operations=sql_rules.OPERATIONS,
-                                             case_sensitive=self.case_sensitive is not False)
-        return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables,
-                                       case_sensitive=self.case_sensitive is not False)
+                                             case_sensitive=case_sensitive)
+        return db_roles.privileges_for(pairs, db=self.settings.db, tables=tables, case_sensitive=case_sensitive)
 
     async def _prepare(self, conn: aiomysql.Connection) -> None:
         """Make sure this server session has multi-statements off."""
@@ -272,7 +316,7 @@ class Database:
             try:
                 await conn.select_db(self.settings.db)
             except pymysql.err.OperationalError as exc:
-                if self.roles is None or exc.args[0] not in (1044, 1049):
+                if self.runners is None or exc.args[0] not in (1044, 1049):
                     raise
                 # The role holds nothing in the agent database, so no `USE`; a reset keeps the previous
                 # call's database, so this call gets a new session, which has none selected.
@@ -296,58 +340,72 @@ class Database:
             else:  # MySQL ≥ 5.7.8: milliseconds, SELECT only (the client-side limit covers the rest)
                 await cur.execute("SET SESSION sql_mode = %s, max_execution_time = %s",
                                   (_MYSQL_SQL_MODE, int(self.settings.timeout * 1000)))
-            if self.roles is not None:
-                await cur.execute(f"SET ROLE {db_roles.quote(role)}" if role else "SET ROLE NONE")
+            if role is not None:
+                # The runner's only role; its privileges are read again here (a refill since the last call).
+                await cur.execute(f"SET ROLE {db_roles.quote(role)}")
 
-    async def _acquire(self, pool: aiomysql.Pool, role: str | None) -> aiomysql.Connection:
-        conn = None
-        try:
-            async with asyncio.timeout(self.client_timeout):
-                conn = await pool.acquire()
-                await conn.ping(reconnect=True)  # a connection the server dropped (KILL, restart) reconnects here
-                await self._prepare(conn)
-                await self._clean(conn, role)
-            return conn
-        except BaseException as exc:
-            if conn is not None:
-                conn.close()
+    async def _ready(self, conn: aiomysql.Connection, role: str | None) -> None:
+        """A connection the server dropped (KILL, restart) reconnects; then the clean state of a call."""
+        await conn.ping(reconnect=True)
+        await self._prepare(conn)
+        await self._clean(conn, role)
+
+    def _connect_error(self, exc: BaseException) -> ConnectError:
+        if isinstance(exc, TimeoutError):
+            return ConnectError(f"cannot connect to MySQL as {self.settings.where()}: no answer within "
+                                f"{self.client_timeout:g} s — is the server overloaded or unreachable?")
+        return ConnectError(f"cannot connect to MySQL as {self.settings.where()}: {describe_error(exc)}")
+
+    @contextlib.asynccontextmanager
+    async def _lease(self, access: turns.DbAccess | None) -> AsyncIterator[tuple[aiomysql.Connection, _Call]]:
+        """A clean connection for one call: a runner whose role holds what `access` covers (enforced), or one of
+        the pool; given back when the block ends (closed when `_Call.reusable` is false)."""
+        call = _Call()
+        if self.runners is None:
+            pool = self._pool
+            assert pool is not None
+            conn = None
+            try:
+                async with asyncio.timeout(self.client_timeout):
+                    conn = await pool.acquire()
+                    await self._ready(conn, None)
+            except (pymysql.err.MySQLError, OSError, TimeoutError) as exc:
+                if conn is not None:
+                    conn.close()
+                    pool.release(conn)
+                raise self._connect_error(exc) from exc
+            try:
+                yield conn, call
+            finally:
+                if not call.reusable:
+                    conn.close()  # the server rolls back whatever was left open and releases its locks
                 pool.release(conn)
-            if isinstance(exc, pymysql.err.MySQLError) and exc.args and exc.args[0] == 1959 and self.roles:
-                raise  # the role is gone (dropped elsewhere): the caller makes it again
-            if isinstance(exc, (pymysql.err.MySQLError, OSError)):
-                raise ConnectError(
-                    f"cannot connect to MySQL as {self.settings.where()}: {describe_error(exc)}"
-                ) from exc
-            if isinstance(exc, TimeoutError):
-                raise ConnectError(f"cannot connect to MySQL as {self.settings.where()}: no answer within "
-                                   f"{self.client_timeout:g} s — is the server overloaded or unreachable?") from exc
-            raise
-
-    async def _connection(self, pool: aiomysql.Pool, access: turns.DbAccess | None,
-                          ) -> tuple[aiomysql.Connection, str | None, bool]:
-        """A clean connection with the call's role active: (connection, role, whether it may change tables)."""
-        if self.roles is None:
-            return await self._acquire(pool, None), None, False
+            return
+        runners = self.runners
         try:
             privileges = await self._privileges(access)
-            for attempt in (1, 2):
-                role = await self.roles.acquire(privileges)
-                try:
-                    conn = await self._acquire(pool, role)
-                except pymysql.err.MySQLError:  # 1959: the role was dropped on the server; make it again
-                    self.roles.release(role)
-                    self.roles.forget(role or "")
-                    if attempt == 2:
-                        raise ConnectError("the role of this call could not be activated; "
-                                           "run `agentctl db-setup` to repair the accounts") from None
-                    continue
-                shapes = any(p in ("CREATE", "DROP", "ALTER", db_roles.ALL) for g in privileges for p in g.privileges)
-                return conn, role, shapes
-        except db_roles.RoleError as exc:
+            slot = await runners.lease(privileges, self.client_timeout)
+        except db_runners.RunnerError as exc:
             raise ConnectError(str(exc)) from exc
         except (pymysql.err.MySQLError, OSError) as exc:
             raise ConnectError(f"the grantor account could not prepare this call: {describe_error(exc)}") from exc
-        raise AssertionError("unreachable")
+        call.runner = slot.k
+        try:
+            try:
+                async with asyncio.timeout(self.client_timeout):
+                    conn = await runners.connection(slot)
+                    await self._ready(conn, runners.names.role(slot.k))
+            except (pymysql.err.MySQLError, OSError, TimeoutError) as exc:
+                if slot.conn is not None:
+                    slot.conn.close()
+                raise self._connect_error(exc) from exc
+            yield conn, call
+            if not call.reusable:
+                conn.close()
+        finally:
+            runners.release(slot, dirty=call.abandoned)
+            if any(p in ("CREATE", "DROP", "ALTER", db_roles.ALL) for g in privileges for p in g.privileges):
+                runners.tables_changed()
 
     async def run(self, sql: str, access: turns.DbAccess | None = None) -> Outcome:
         """Execute `sql` statement by statement and stop at the first failure; never raises DatabaseError.
@@ -359,66 +417,39 @@ class Database:
         if not outcome.statements:
             outcome.error = StatementError("no SQL statement given")
             return outcome
-        await self.open()
-        pool = self._pool
-        assert pool is not None
         if self._recheck:
             await self.enforce()
+        await self.open()
         try:
-            conn, role, shapes = await self._connection(pool, access)
+            async with self._lease(access) as (conn, call):
+                await self._statements(conn, call, outcome)
         except ConnectError as exc:
             outcome.error = exc
-            return outcome
-        # The next call resets the session (COM_RESET_CONNECTION), so whatever a statement set, opened or
-        # created does not reach it; a connection is closed only when it left a transaction open.
-        reusable = False
+        return outcome
+
+    async def _statements(self, conn: aiomysql.Connection, call: _Call, outcome: Outcome) -> None:
+        """Run the call's statements; leave `call.reusable` true only for a session that can be reset and reused."""
         try:
-            for i, statement in enumerate(outcome.statements):
+            for statement in outcome.statements:
                 op, _tables = sql_rules.classify_sql(statement)
-                outcome.results.append(await self._run_one(conn, statement, read=op == sql_rules.READ))
-                if self.roles is not None and i < len(outcome.statements) - 1:
-                    await self._same_role(conn, role)
+                outcome.results.append(await self._run_one(conn, statement, call, read=op == sql_rules.READ))
             if conn.get_transaction_status():
                 outcome.notes.append("Note: the transaction these statements opened was not committed; "
                                      "it has been rolled back.")
-            else:
-                reusable = True
+                return
         except StatementError as exc:
             outcome.error = exc
-            reusable = not conn.closed and not conn.get_transaction_status()
-        finally:
-            if reusable:
-                # Reset now too, not only before the next call: table locks, HANDLERs and the role must not
-                # outlive the call on an idle pooled connection (another client would wait on those locks).
-                try:
-                    await self._reset(conn)
-                except (pymysql.err.MySQLError, OSError):
-                    reusable = False
-            if not reusable:
-                conn.close()  # the server rolls back whatever was left open and releases its locks
-            pool.release(conn)
-            if self.roles is not None:
-                self.roles.release(role)
-                if shapes:
-                    self.roles.tables_changed()
-        return outcome
-
-    @staticmethod
-    async def _same_role(conn: aiomysql.Connection, role: str | None) -> None:
-        """Stop the call when a statement switched roles: the runner holds every role agent-mcp made, so
-        `SET ROLE <another>` would reach what other calls were approved for."""
+            if conn.closed or conn.get_transaction_status():
+                return
+        # Reset now too, not only before the next call: table locks, HANDLERs and the role's privileges must not
+        # outlive the call on an idle connection (another client would wait on those locks).
         try:
-            async with conn.cursor() as cur:
-                await cur.execute("SELECT CURRENT_ROLE()")
-                row = await cur.fetchone()
-        except pymysql.err.MySQLError as exc:
-            raise StatementError(describe_error(exc)) from exc
-        if row is None or row[0] != role:
-            conn.close()
-            raise StatementError("a statement changed the active role (SET ROLE), so the rest of this call was not "
-                                 "run — a call has the role of what was approved for it, no other")
+            await self._reset(conn)
+            call.reusable = True
+        except (pymysql.err.MySQLError, OSError, TimeoutError):
+            pass
 
-    async def _run_one(self, conn: aiomysql.Connection, sql: str, *, read: bool) -> StatementResult:
+    async def _run_one(self, conn: aiomysql.Connection, sql: str, call: _Call, *, read: bool) -> StatementResult:
         thread_id = conn.thread_id()
         wrap = read and not conn.get_transaction_status()  # inside the caller's own transaction, leave it be
         result = StatementResult(sql)
@@ -441,21 +472,27 @@ class Database:
             raise StatementError(describe_error(exc)) from exc
         except TimeoutError as exc:
             conn.close()
-            await self._kill(thread_id)
+            call.abandoned = True
+            await self._kill(thread_id, call.runner)
             raise StatementTimeout(f"the statement did not finish within {self.client_timeout:g} s, so it was "
                                    "stopped — narrow the query (WHERE, LIMIT, an index)") from exc
         except asyncio.CancelledError:
             # The turn was cancelled: do not leave the statement running on the server.
             conn.close()
-            task = asyncio.get_running_loop().create_task(self._kill(thread_id))
+            call.abandoned = True
+            task = asyncio.get_running_loop().create_task(self._kill(thread_id, call.runner))
             self._kills.add(task)
             task.add_done_callback(self._kills.discard)
             raise
 
-    async def _kill(self, thread_id: int) -> None:
-        """Kill an abandoned server thread from a separate connection (best effort)."""
+    async def _kill(self, thread_id: int, runner: int | None) -> None:
+        """Kill an abandoned server thread from a separate connection of its own account (best effort; a runner
+        is swept before its next call in any case)."""
+        args = self._connect_args()
+        if runner is not None and self.runners is not None:
+            args["user"] = self.runners.names.runner(runner)
         try:
-            async with asyncio.timeout(KILL_TIMEOUT), aiomysql.connect(**self._connect_args()) as conn, \
+            async with asyncio.timeout(KILL_TIMEOUT), aiomysql.connect(**args) as conn, \
                     conn.cursor() as cur:
                 await cur.execute("KILL %s", (thread_id,))
         except pymysql.err.MySQLError as exc:

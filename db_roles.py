@@ -1,47 +1,48 @@
-"""What one `db_query` call may do, as MariaDB privileges: privilege sets, and the roles that carry them.
+"""What one `db_query` call may do, as MariaDB privileges, and the accounts that carry them.
 
 The gate decides a call may run and records what its decision covers on the turn
-(`turns.DbAccess`). This module turns that into table privileges on the agent database and a
-MariaDB role holding exactly them; `database.py` activates the role (`SET ROLE`) on a clean
-connection of the RUNNER account, which holds nothing but USAGE and these roles. So a statement
-the classifier misread fails in the database instead of running.
+(`turns.DbAccess`). This module turns that into privileges on the agent database and holds the
+accounts `agentctl db-setup` made (agentctl_db.py), all named after the agent's database:
 
-- Operations → privileges: read → SELECT; write → SELECT, INSERT, UPDATE, DELETE; ddl → write's
-  plus CREATE, DROP, ALTER, INDEX (TRUNCATE needs DROP); `*` (any table) → SELECT on the whole
-  agent database for a read, ALL on it otherwise (never anything global); `__meta__` (names and
-  columns, no rows) → REFERENCES on the database and on each table: MariaDB lets SHOW TABLES,
-  SHOW CREATE TABLE, DESCRIBE, SHOW COLUMNS and SHOW INDEX through with it and refuses every
-  row. REFERENCES also lets a table be given a FOREIGN KEY to another, and inserting into it
-  would then tell which key values exist there: so in a set that may CREATE or ALTER, the
-  `__meta__` part is left out.
-- A table-level GRANT on a table that does not exist is refused by MariaDB unless it includes
-  CREATE (so a ddl approval can create its table); read/write grants on missing tables are
-  skipped (the statement then fails: table does not exist, or no privilege).
-- One role per distinct privilege set, named by a digest of it (`<prefix><12 hex>`), made by
-  the GRANTOR account on first use (CREATE ROLE needs the global CREATE USER privilege; ALL on
-  the agent database WITH GRANT OPTION lets it grant the rest) and granted to the runner. At
-  most `max_roles` are kept: the least recently used role no call is using is dropped. Roles
-  of the prefix found at start are dropped (stale).
+- N RUNNER accounts (`<base>_r1` … `<base>_rN`). Runner k holds nothing but USAGE and one role,
+  `<base>_role<k>`, with no default role; one call at a time runs on it. Before a call, role k is
+  filled with exactly that call's privileges. So a statement that switches roles (a compound
+  statement, an executable comment, `EXECUTE IMMEDIATE`, a stored program) can reach no role but
+  its own, and its own holds this call's privileges, nothing of another or an earlier call.
+- The GRANTOR account holds only EXECUTE on two procedures of the admin schema `<base>_adm`:
+  `refill(k, spec)` sets role k's privileges to a list of (privileges, table) on the agent database
+  (privilege words from a fixed list, names quoted by the procedure, only roles 1…N), and
+  `tables()` lists the agent database's tables. They run as the DEFINER account, which is locked
+  (no one can log in as it) and holds ALL on the agent database WITH GRANT OPTION and SELECT on
+  `mysql.db` / `mysql.tables_priv` (to revoke what a role holds). So the stored grantor password
+  can neither create, alter, rename, drop nor re-key any account or role, nor grant anything to
+  anyone but this agent's N roles, nor anything outside the agent database.
+- Several instances may share the accounts: a runner is claimed with `GET_LOCK('<base>_slot<k>')`
+  on the claimer's grantor connection (agent code only), held while that instance uses it; whoever
+  claims a runner first ends every other session of it (a call another instance abandoned), then
+  refills its role.
+
+Operations → privileges: read → SELECT; write → SELECT, INSERT, UPDATE, DELETE; ddl → write's plus
+CREATE, DROP, ALTER, INDEX (TRUNCATE needs DROP); `*` (any table) → SELECT on the whole agent
+database for a read, and for anything else the table privileges of ddl plus CREATE TEMPORARY
+TABLES and LOCK TABLES on it (never EXECUTE, TRIGGER, CREATE VIEW, routines or events: stored
+objects would run later with whatever role k holds then). `__meta__` (names and columns, no rows)
+→ REFERENCES on the database and on each table: MariaDB lets SHOW TABLES, SHOW CREATE TABLE,
+DESCRIBE, SHOW COLUMNS and SHOW INDEX through with it and refuses every row. REFERENCES also lets a
+table be given a FOREIGN KEY to another, and inserting into it would then tell which key values
+exist there: so in a set that may CREATE or ALTER, the `__meta__` part is left out. `!db` (typed by
+an administrator) gets ALL on the agent database.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import logging
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
-import aiomysql
-import pymysql
-
-from sql import ANY_TABLE, DDL, META, READ, SYSTEM_SCHEMAS, WRITE, table_key
-
-logger = logging.getLogger("agent_mcp.db_roles")
+from sql import ANY_TABLE, DDL, META, READ, WRITE, table_key
 
 #: Strongest first: the standing set gives a table the strongest operation the policy allows.
 RANKED_OPS = (DDL, WRITE, READ)
@@ -50,15 +51,19 @@ PRIVILEGES = {
     WRITE: ("SELECT", "INSERT", "UPDATE", "DELETE"),
     DDL: ("SELECT", "INSERT", "UPDATE", "DELETE", "CREATE", "DROP", "ALTER", "INDEX"),
 }
+#: What a model call approved for "any table" may do beyond a read: table work, no stored objects.
+ANY_TABLE_WRITE = (*PRIVILEGES[DDL], "CREATE TEMPORARY TABLES", "LOCK TABLES")
 META_PRIVILEGE = "REFERENCES"
 ALL = "ALL PRIVILEGES"
+#: Every privilege word `refill` accepts (the procedure checks each against this list too).
+GRANTABLE = (*ANY_TABLE_WRITE, META_PRIVILEGE, ALL)
 #: Privileges that let a statement add a FOREIGN KEY (which REFERENCES would then open).
 _SHAPE_CHANGING = frozenset({"CREATE", "ALTER", ALL})
-DEFAULT_PREFIX = "amcp_"
-DEFAULT_MAX_ROLES = 64
-#: A table-level grant on a table that is not there (1146), or one the grantor may not give (1044/1142/1147).
-_SKIPPABLE = frozenset({1044, 1142, 1146, 1147})
+DEFAULT_RUNNERS = 4
+MAX_RUNNERS = 64
 _PASSWORD = re.compile(r"\s+IDENTIFIED\s+(BY|VIA|WITH)\b.*$", re.IGNORECASE | re.DOTALL)
+#: Oldest MariaDB with roles, COM_RESET_CONNECTION, ACCOUNT LOCK and JSON_VALUE.
+MIN_VERSION = (10, 4, 2)
 
 
 @dataclass(frozen=True, order=True)
@@ -69,18 +74,70 @@ class TableGrant:
     table: str
     privileges: tuple[str, ...]
 
-    def sql(self, role: str) -> str:
-        what = quote(self.table) if self.table else "*"
-        return f"GRANT {', '.join(self.privileges)} ON {quote(self.schema)}.{what} TO {quote(role)}"
 
-
-#: A privilege set: what one call may do, as grants (empty: nothing at all, `SET ROLE NONE`).
+#: A privilege set: what one call may do, as grants (empty: nothing at all).
 Privileges = frozenset[TableGrant]
 
 
 def quote(name: str) -> str:
     """A MariaDB identifier in backquotes."""
     return "`" + name.replace("`", "``") + "`"
+
+
+def literal(value: str) -> str:
+    """A SQL string literal."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+# ── Names ───────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class Names:
+    """The accounts, roles, schema and locks of one agent database (and instance name), never fixed server-wide."""
+
+    db: str
+    instance: str
+    base: str
+    runners: int
+
+    @property
+    def grantor(self) -> str:
+        return f"{self.base}_g"
+
+    @property
+    def definer(self) -> str:
+        return f"{self.base}_def"
+
+    @property
+    def admin_schema(self) -> str:
+        return f"{self.base}_adm"
+
+    def runner(self, k: int) -> str:
+        return f"{self.base}_r{k}"
+
+    def role(self, k: int) -> str:
+        return f"{self.base}_role{k}"
+
+    def lock(self, k: int) -> str:
+        return f"{self.base}_slot{k}"
+
+    def slots(self) -> range:
+        return range(1, self.runners + 1)
+
+    def accounts(self) -> list[str]:
+        """Every account name (not roles), runners first."""
+        return [*(self.runner(k) for k in self.slots()), self.grantor, self.definer]
+
+
+def names_for(db: str, instance: str = "", runners: int = DEFAULT_RUNNERS) -> Names:
+    """`amcp_<slug>_<6 hex>`: a base unique to (instance, database), short enough for any MariaDB name."""
+    slug = re.sub(r"[^a-z0-9]", "", (instance or db).lower())[:12] or "db"
+    digest = hashlib.sha256(f"{instance}\0{db}".encode()).hexdigest()[:6]
+    return Names(db=db, instance=instance, base=f"amcp_{slug}_{digest}", runners=runners)
+
+
+# ── Privilege sets ──────────────────────────────────────────────────────────────────────────
 
 
 def _key_parts(key: str) -> list[str]:
@@ -103,44 +160,40 @@ def _key_parts(key: str) -> list[str]:
     return parts
 
 
-def _table_of(key: str, db: str, case_sensitive: bool) -> tuple[str, str] | None:
-    """(schema, table) of a gate key naming a real table, or None (`*`, `__meta__`, system schemas)."""
+def _table_of(key: str, db: str, case_sensitive: bool) -> str | None:
+    """The table of the agent database a gate key names, or None (`*`, `__meta__`, any other schema)."""
     if key in (ANY_TABLE, META):
         return None
     parts = _key_parts(key)
     if len(parts) == 1:
-        return db, parts[0]
-    if len(parts) != 2:
-        return None
-    schema, name = parts
-    if (schema == db) if case_sensitive else (schema.lower() == db.lower()):
-        return db, name
-    return None if schema.lower() in SYSTEM_SCHEMAS else (schema, name)
+        return parts[0]
+    if len(parts) == 2 and ((parts[0] == db) if case_sensitive else (parts[0].lower() == db.lower())):
+        return parts[1]
+    return None  # another schema (a system one, or any other): the roles grant on the agent database only
 
 
 def privileges_for(pairs: Iterable[tuple[str, str]], *, db: str, tables: Iterable[str],
                    case_sensitive: bool) -> Privileges:
     """The grants for (gate key, operation) pairs on agent database `db`, whose tables are `tables`."""
-    wanted: dict[tuple[str, str], set[str]] = {}
+    wanted: dict[str, set[str]] = {}
     meta = False
     for key, op in pairs:
         if key == META:
             meta = True
-            continue
-        if key == ANY_TABLE:
-            wanted.setdefault((db, ""), set()).update(PRIVILEGES[READ] if op == READ else (ALL,))
-            continue
-        where = _table_of(key, db, case_sensitive)
-        if where is not None and op in PRIVILEGES:
-            wanted.setdefault(where, set()).update(PRIVILEGES[op])
+        elif key == ANY_TABLE:
+            wanted.setdefault("", set()).update(PRIVILEGES[READ] if op == READ else ANY_TABLE_WRITE)
+        elif op in PRIVILEGES and (table := _table_of(key, db, case_sensitive)) is not None:
+            wanted.setdefault(table, set()).update(PRIVILEGES[op])
     if meta and not any(p in _SHAPE_CHANGING for privs in wanted.values() for p in privs):
-        for obj in [(db, ""), *((db, t) for t in tables)]:
+        for obj in ["", *tables]:
             wanted.setdefault(obj, set()).add(META_PRIVILEGE)
-    grants = set()
-    for (schema, table), privs in wanted.items():
-        ordered = (ALL,) if ALL in privs else tuple(sorted(privs))
-        grants.add(TableGrant(schema, table, ordered))
-    return frozenset(grants)
+    return frozenset(TableGrant(db, table, (ALL,) if ALL in privs else tuple(sorted(privs)))
+                     for table, privs in wanted.items())
+
+
+def everything(db: str) -> Privileges:
+    """`!db`: ALL on the agent database, nothing global."""
+    return frozenset({TableGrant(db, "", (ALL,))})
 
 
 def standing_pairs(allows: Callable[[str, str], bool], tables: Iterable[str], *, operations: Iterable[str],
@@ -161,10 +214,9 @@ def standing_pairs(allows: Callable[[str, str], bool], tables: Iterable[str], *,
     return pairs
 
 
-def role_name(prefix: str, privileges: Privileges) -> str:
-    """`<prefix><12 hex>`: the name of the role holding exactly `privileges`."""
-    text = json.dumps(sorted([g.schema, g.table, list(g.privileges)] for g in privileges))
-    return prefix + hashlib.sha256(text.encode()).hexdigest()[:12]
+def spec(privileges: Privileges) -> str:
+    """The JSON `refill` takes: [[privileges, table], …], table "" for the whole database."""
+    return json.dumps([[", ".join(g.privileges), g.table] for g in sorted(privileges)])
 
 
 def without_password(grant_line: str) -> str:
@@ -181,186 +233,77 @@ def mariadb_version(server_info: str) -> tuple[int, ...] | None:
     return real[0] if real else None
 
 
-# ── Verification ────────────────────────────────────────────────────────────────────────────
+# ── The admin schema (made by db-setup as an administrator) ─────────────────────────────────
+
+_PRIV_WORDS = "|".join(GRANTABLE)
 
 
-async def runner_problem(conn: aiomysql.Connection, *, prefix: str, db: str) -> str | None:
-    """Why the runner account on `conn` cannot be limited by roles (None: it can).
+def procedures(names: Names, host: str) -> dict[str, str]:
+    """name → CREATE statement of the admin schema's procedures (DEFINER: the locked definer account)."""
+    adm, db = quote(names.admin_schema), literal(names.db)
+    definer = f"{quote(names.definer)}@{quote(host)}"
+    role = f"CONCAT({literal(names.base + '_role')}, k)"
+    ident = "CONCAT('`', REPLACE({}, '`', '``'), '`')"
+    refill = f"""CREATE DEFINER={definer} PROCEDURE {adm}.`refill`(IN k INT, IN grants LONGTEXT)
+SQL SECURITY DEFINER MODIFIES SQL DATA
+BEGIN
+  DECLARE i INT DEFAULT 0;
+  DECLARE n INT;
+  DECLARE done INT DEFAULT 0;
+  DECLARE r VARCHAR(80);
+  DECLARE p TEXT;
+  DECLARE t VARCHAR(64);
+  DECLARE old_db VARCHAR(64);
+  DECLARE dbs CURSOR FOR SELECT Db FROM mysql.db WHERE User = r AND Host = '';
+  DECLARE tbls CURSOR FOR SELECT Db, Table_name FROM mysql.tables_priv WHERE User = r AND Host = '';
+  DECLARE CONTINUE HANDLER FOR NOT FOUND SET done = 1;
+  IF k IS NULL OR k < 1 OR k > {names.runners} THEN
+    SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'no such agent-mcp runner role';
+  END IF;
+  SET r = {role};
+  IF (SELECT COUNT(*) FROM mysql.db WHERE User = r AND Host = '' AND Db <> {db}) +
+     (SELECT COUNT(*) FROM mysql.tables_priv WHERE User = r AND Host = '' AND Db <> {db}) > 0 THEN
+    SIGNAL SQLSTATE '45000'
+      SET MESSAGE_TEXT = 'the role holds privileges outside the agent database: run agentctl db-setup';
+  END IF;
+  OPEN dbs;
+  each_db: LOOP
+    FETCH dbs INTO old_db;
+    IF done THEN LEAVE each_db; END IF;
+    EXECUTE IMMEDIATE CONCAT('REVOKE ALL PRIVILEGES ON ', {ident.format('old_db')}, '.* FROM ', {ident.format('r')});
+  END LOOP;
+  CLOSE dbs;
+  SET done = 0;
+  OPEN tbls;
+  each_table: LOOP
+    FETCH tbls INTO old_db, t;
+    IF done THEN LEAVE each_table; END IF;
+    EXECUTE IMMEDIATE CONCAT('REVOKE ALL PRIVILEGES ON ', {ident.format('old_db')}, '.', {ident.format('t')},
+                             ' FROM ', {ident.format('r')});
+  END LOOP;
+  CLOSE tbls;
+  SET n = JSON_LENGTH(grants);
+  WHILE i < IFNULL(n, 0) DO
+    SET p = JSON_VALUE(grants, CONCAT('$[', i, '][0]'));
+    SET t = JSON_VALUE(grants, CONCAT('$[', i, '][1]'));
+    IF p IS NULL OR t IS NULL OR p NOT REGEXP '^({_PRIV_WORDS})(, ({_PRIV_WORDS}))*$' THEN
+      SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'not a privilege list agent-mcp grants';
+    END IF;
+    BEGIN
+      -- a table that does not exist (and no CREATE in the list): the statement will fail on it anyway
+      DECLARE CONTINUE HANDLER FOR 1146 BEGIN END;
+      EXECUTE IMMEDIATE CONCAT('GRANT ', p, ' ON ', {ident.format(db)}, '.',
+                               IF(t = '', '*', {ident.format('t')}), ' TO ', {ident.format('r')});
+    END;
+    SET i = i + 1;
+  END WHILE;
+END"""
+    tables = f"""CREATE DEFINER={definer} PROCEDURE {adm}.`tables`()
+SQL SECURITY DEFINER READS SQL DATA
+SELECT TABLE_NAME, @@lower_case_table_names FROM information_schema.TABLES WHERE TABLE_SCHEMA = {db}"""
+    return {"refill": refill, "tables": tables}
 
-    It must be MariaDB ≥ 10.2.4 (roles, COM_RESET_CONNECTION), and with no role active the account
-    may hold nothing but USAGE and roles of `prefix`: no FILE, PROCESS, SUPER, no global, database,
-    table or column privilege of its own, nothing through PUBLIC, and see no table of `db`.
-    """
-    version = mariadb_version(conn.get_server_info())
-    if version is None:
-        return "the server is not MariaDB (MySQL's roles are not used here)"
-    if version < (10, 2, 4):
-        return f"MariaDB {'.'.join(map(str, version))} is older than 10.2.4 (no COM_RESET_CONNECTION)"
-    async with conn.cursor() as cur:
-        await cur.execute("SET ROLE NONE")
-        await cur.execute("SHOW GRANTS")
-        for (line,) in await cur.fetchall():
-            text = without_password(str(line))
-            # USAGE; and a default role, harmless since every call sets its role (any account may set its own)
-            if re.match(r"GRANT USAGE ON \*\.\* TO |SET DEFAULT ROLE ", text):
-                continue
-            role = re.match(r"GRANT `([^`]+)` TO `", text)
-            if role and role.group(1).startswith(prefix) and "WITH ADMIN OPTION" not in text.upper():
-                continue
-            return f"the account holds more than USAGE and its {prefix}* roles: {text}"
-        if version >= (10, 11):
-            await cur.execute("SHOW GRANTS FOR PUBLIC")
-            if await cur.fetchall():
-                return "the PUBLIC role holds privileges (every account has them)"
-        await cur.execute("SELECT PRIVILEGE_TYPE FROM information_schema.USER_PRIVILEGES "
-                          "WHERE PRIVILEGE_TYPE <> 'USAGE' UNION ALL SELECT PRIVILEGE_TYPE FROM "
-                          "information_schema.SCHEMA_PRIVILEGES UNION ALL SELECT PRIVILEGE_TYPE FROM "
-                          "information_schema.TABLE_PRIVILEGES LIMIT 1")
-        extra = await cur.fetchall()
-        if extra:
-            return f"the account holds a privilege outside its roles ({extra[0][0]})"
-        await cur.execute("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s", (db,))
-        (seen,), = await cur.fetchall()
-        if seen:
-            return f"with no role active the account still sees {seen} table(s) of {db} (anonymous or PUBLIC grants)"
-    return None
 
-
-# ── Roles ───────────────────────────────────────────────────────────────────────────────────
-
-
-class RoleError(Exception):
-    """The grantor could not make or grant a role; the call does not run (fail closed)."""
-
-
-class Roles:
-    """The roles of one server instance: made on first use by the grantor, granted to the runner, bounded.
-
-    `connect` opens a grantor connection (aiomysql keyword arguments). `runner` is the runner's
-    account as `CURRENT_USER()` names it (`user@host`).
-    """
-
-    def __init__(self, connect: dict[str, Any], *, runner: str, db: str, prefix: str = DEFAULT_PREFIX,
-                 max_roles: int = DEFAULT_MAX_ROLES, table_ttl: float = 1.0):
-        self._connect = connect
-        user, _, host = runner.rpartition("@")
-        self.runner = f"{quote(user)}@{quote(host)}"
-        self.db, self.prefix, self.max_roles, self.table_ttl = db, prefix, max_roles, table_ttl
-        #: role name → its grants, least recently used first.
-        self._known: OrderedDict[str, Privileges] = OrderedDict()
-        self._busy: dict[str, int] = {}
-        self._lock = asyncio.Lock()
-        self._conn: aiomysql.Connection | None = None
-        self._tables: tuple[float, list[str]] | None = None
-
-    async def _grantor(self) -> aiomysql.Connection:
-        if self._conn is None or self._conn.closed:
-            self._conn = await aiomysql.connect(**self._connect)
-        return self._conn
-
-    async def _execute(self, sql: str, args: Any = None) -> list[tuple[Any, ...]]:
-        conn = await self._grantor()
-        try:
-            async with conn.cursor() as cur:
-                await cur.execute(sql, args)
-                return list(await cur.fetchall())
-        except (pymysql.err.OperationalError, OSError) as exc:
-            if isinstance(exc, pymysql.err.OperationalError) and exc.args and exc.args[0] < 2000:
-                raise  # the server refused it; the connection is fine
-            conn.close()
-            raise
-
-    async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    async def tables(self) -> list[str]:
-        """The tables of the agent database (read by the grantor, kept `table_ttl` seconds)."""
-        now = asyncio.get_running_loop().time()
-        if self._tables is None or now - self._tables[0] > self.table_ttl:
-            async with self._lock:
-                rows = await self._execute("SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s",
-                                           (self.db,))
-            self._tables = (now, sorted(str(r[0]) for r in rows))
-        return self._tables[1]
-
-    def tables_changed(self) -> None:
-        """A call that may have created or dropped tables ran: read them again next time."""
-        self._tables = None
-
-    async def probe(self) -> str | None:
-        """Why the grantor cannot make roles for the agent database (None: it can), by making one."""
-        name = f"{self.prefix}probe"
-        try:
-            async with self._lock:
-                await self._execute(f"CREATE ROLE IF NOT EXISTS {quote(name)}")
-                await self._execute(f"GRANT {META_PRIVILEGE} ON {quote(self.db)}.* TO {quote(name)}")
-                await self._execute(f"DROP ROLE {quote(name)}")
-        except (pymysql.err.MySQLError, OSError) as exc:
-            return f"the grantor cannot make roles for {self.db}: {exc.args[-1] if exc.args else exc}"
-        return None
-
-    async def drop_stale(self, found: Iterable[str]) -> int:
-        """Drop roles of our prefix from an earlier run (`found`: names seen on the runner and grantor)."""
-        stale = [r for r in set(found) if r.startswith(self.prefix) and r not in self._known]
-        async with self._lock:
-            for role in stale:
-                await self._execute(f"DROP ROLE IF EXISTS {quote(role)}")
-        return len(stale)
-
-    async def found(self) -> list[str]:
-        """Roles the grantor administers (it made them)."""
-        rows = await self._execute("SELECT ROLE_NAME FROM information_schema.APPLICABLE_ROLES")
-        return [str(r[0]) for r in rows]
-
-    async def acquire(self, privileges: Privileges) -> str | None:
-        """The role holding exactly `privileges`, made if needed and marked in use; None for the empty set."""
-        if not privileges:
-            return None
-        name = role_name(self.prefix, privileges)
-        async with self._lock:
-            if name not in self._known:
-                await self._make(name, privileges)
-                self._known[name] = privileges
-            self._known.move_to_end(name)
-            self._busy[name] = self._busy.get(name, 0) + 1
-            await self._evict()
-        return name
-
-    def release(self, name: str | None) -> None:
-        if name is not None and name in self._busy:
-            self._busy[name] -= 1
-            if not self._busy[name]:
-                del self._busy[name]
-
-    def forget(self, name: str) -> None:
-        """The role is gone from the server (dropped elsewhere): make it again on next use."""
-        self._known.pop(name, None)
-
-    async def _make(self, name: str, privileges: Privileges) -> None:
-        try:
-            await self._execute(f"CREATE ROLE IF NOT EXISTS {quote(name)}")
-            for grant in sorted(privileges):
-                try:
-                    await self._execute(grant.sql(name))
-                except pymysql.err.MySQLError as exc:
-                    if not (exc.args and exc.args[0] in _SKIPPABLE):
-                        raise
-            await self._execute(f"GRANT {quote(name)} TO {self.runner}")
-        except (pymysql.err.MySQLError, OSError) as exc:
-            raise RoleError(f"could not prepare the database role of this call: {exc.args[-1] if exc.args else exc}"
-                            " — run `agentctl db-setup` to repair the accounts") from exc
-
-    async def _evict(self) -> None:
-        idle = [n for n in self._known if n not in self._busy]
-        for name in idle[:max(0, len(self._known) - self.max_roles)]:
-            try:
-                await self._execute(f"DROP ROLE IF EXISTS {quote(name)}")
-            except (pymysql.err.MySQLError, OSError) as exc:
-                logger.warning("could not drop the unused role %s: %s", name, exc)
-                continue
-            del self._known[name]
-
-    def __len__(self) -> int:
-        return len(self._known)
+def setup_digest(setup_id: str) -> str:
+    """What the admin schema keeps of the accounts file's setup id: proof of whose accounts these are."""
+    return hashlib.sha256(f"agent-mcp db-setup\0{setup_id}".encode()).hexdigest()

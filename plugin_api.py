@@ -64,11 +64,13 @@ from shared_link import Link
 from shared_values import PluginValues
 from stores import Session, SessionError, SqliteFile
 from tool_calls import ToolOutcome
+from turns import ADMIN as DB_ADMIN
 from turns import DbAccess, Turn, current_turn, running
 
 __all__ = [
-    "ANY_TABLE", "API", "CLASSES", "CLIENT_LABELS", "DDL", "HUMAN_WAIT", "MCP", "NO_WAIT", "PROXY", "SHELL", "SLACK",
-    "SWARM", "UNKNOWN", "WRITE", "BasePlugin", "DbAccess", "Event", "Link", "PluginConfigError", "PluginContext",
+    "ANY_TABLE", "API", "CLASSES", "CLIENT_LABELS", "DB_ADMIN", "DDL", "HUMAN_WAIT", "MCP", "NO_WAIT", "PROXY",
+    "SHELL", "SLACK", "SWARM", "UNKNOWN", "WRITE", "BasePlugin", "DbAccess", "Event", "Link", "PluginConfigError",
+    "PluginContext",
     "PluginDesk", "PluginGate", "PluginHub", "PluginSessions", "PluginSettings", "PluginSignals", "PluginTools",
     "PluginValues", "Request", "ScopeError", "Session", "SessionError", "SqliteFile", "Stopping", "Submitted",
     "ToolError", "ToolOutcome", "Turn", "actor", "current_turn", "ends_turn", "may_administer", "parse_settings",

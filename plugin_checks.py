@@ -9,6 +9,7 @@ import importlib.metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dotenv import dotenv_values
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
@@ -102,8 +103,14 @@ def check_plugin(cfg: AppConfig, name: str) -> list[PluginCheck]:
             "file", f"plugins/{entry.file}", None if plugin_file(cfg, name) else f"file plugins/{entry.file} not found"
         )
     ]
+    env = dict(cfg.env)
+    for name in entry.env_files:
+        path = cfg.data_dir() / name
+        if path.is_file():
+            env.update({k: v for k, v in dotenv_values(path).items() if v})
+    also = f" or make {' / '.join(entry.env_files)} in {cfg.data_dir()}" if entry.env_files else ""
     checks += [
-        PluginCheck("env_var", v, None if cfg.env.get(v) else f"environment variable {v} is not set (add it to .env)")
+        PluginCheck("env_var", v, None if env.get(v) else f"environment variable {v} is not set (add it to .env{also})")
         for v in entry.env_vars
     ]
     checks += [PluginCheck("config_file", f, None if (cfg.config_dir / f).exists()

@@ -62,13 +62,18 @@ class Turn:
         return self.interactive or self.admin
 
 
+#: DbAccess.source of `!db`.
+ADMIN = "admin"
+
+
 @dataclass(frozen=True)
 class DbAccess:
     """What the gate decision of one `db` tool call covers, for the database to enforce (db_roles.py).
 
     `source`: "policy" (ran unasked: `allows(key, op)` says what this session's gates open),
-    "grant" (a grant's keys × operation) or "approval" (exactly what a person approved for this
-    call, or an `@model` turn's classified keys); `pairs` are the (gate key, operation) covered.
+    "grant" (a grant's keys × operation), "approval" (exactly what a person approved for this
+    call, or an `@model` turn's classified keys) or ADMIN (`!db`: SQL an administrator typed, ALL on
+    the agent database); `pairs` are the (gate key, operation) covered.
     """
 
     source: str

@@ -4,8 +4,8 @@
 person unless `gate-defaults.json` or the session opens that access. `!db <sql>` runs SQL
 directly, without the model or a gate, and so only for the interactive shell or an API client
 holding the admin token. The connection comes from MYSQL_HOST, MYSQL_PORT, MYSQL_USER,
-MYSQL_PASS and MYSQL_DB (the accounts `agentctl db-setup` wrote to the data dir replace
-MYSQL_USER/MYSQL_PASS and add the grantor, MYSQL_GRANTOR_USER/MYSQL_GRANTOR_PASS); `plugin_config`
+MYSQL_PASS and MYSQL_DB (the accounts `agentctl db-setup` wrote to the data dir, db-accounts.env,
+replace MYSQL_USER/MYSQL_PASS with its runners and add the grantor); `plugin_config`
 sets `timeout` (seconds per statement) and `max_rows` (rows of a result shown). A server that is
 down at start does not stop the plugin: every call connects again and says clearly what is wrong
 until the server answers.
@@ -49,7 +49,7 @@ db_query mode: {mode}"""
 
 
 #: `!db`: SQL an administrator typed is approved by typing it: the whole agent database, nothing global.
-ADMIN_ACCESS = plugin_api.DbAccess("approval", frozenset({(plugin_api.ANY_TABLE, plugin_api.WRITE)}))
+ADMIN_ACCESS = plugin_api.DbAccess(plugin_api.DB_ADMIN, frozenset({(plugin_api.ANY_TABLE, plugin_api.WRITE)}))
 
 
 class MySQLSettings(PluginSettings):
@@ -84,8 +84,13 @@ class MySQLPlugin(BasePlugin):
         assert self.context is not None
         limits = parse_settings(self.PLUGIN_NAME, MySQLSettings, config)
         env = dict(self.context.config.env)
-        accounts = read_accounts(self.context.config.data_dir() / ACCOUNTS_FILE)
-        if accounts:  # made by `agentctl db-setup`: its runner and grantor replace MYSQL_USER/MYSQL_PASS
+        path = self.context.config.data_dir() / ACCOUNTS_FILE
+        accounts = read_accounts(path)
+        if accounts:  # made by `agentctl db-setup`: its runners and grantor replace MYSQL_USER/MYSQL_PASS
+            named = env.get("MYSQL_DB", "").strip()
+            if named and accounts.get("MYSQL_DB") and named != accounts["MYSQL_DB"]:
+                raise PluginConfigError(f"{path} holds the accounts of database {accounts['MYSQL_DB']} but MYSQL_DB is "
+                                        f"{named}: run `agentctl db-setup` for {named} (or set MYSQL_DB back)")
             env = {**{k: v for k, v in env.items() if k not in ACCOUNT_VARS}, **accounts}
         try:
             connection = DatabaseSettings.from_env(env)
@@ -102,6 +107,8 @@ class MySQLPlugin(BasePlugin):
             return True
         if enforced:
             logger.info("MySQL: connected as %s; %s", settings.where(), self.db.describe_mode())
+            if self.db.warning:
+                logger.warning("MySQL: %s", self.db.warning)
         else:
             logger.warning("MySQL (%s): %s", settings.where(), self.db.describe_mode())
         return True

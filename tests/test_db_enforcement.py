@@ -1,8 +1,8 @@
-"""The database enforces what the gate decided (issue 25): roles per call, clean sessions, db-setup.
+"""The database enforces what the gate decided: a runner per call whose role holds its privileges, clean sessions.
 
-Real MariaDB (127.0.0.1:3306, root without password; TEST_MYSQL_* override). Each run makes its
-own database, accounts and roles (names with `dbenforce` and a random suffix) with the real
-`agentctl db-setup`, and drops them. The victim tables hold canary values; the corpus is
+Real MariaDB (127.0.0.1:3306, root without password; TEST_MYSQL_* override; skipped with its reason
+when absent, tests/needs.py). Each run makes its own database and, with the real `agentctl db-setup`,
+the accounts and roles named after it, and drops them. The victim tables hold canary values; the corpus is
 tests/sql_attack_corpus.py plus every statement of tests/sql_cases.py, sent through the real
 `db_query` pipeline (tool_calls.ToolPipeline: gate, then the plugin) as a client that cannot ask a
 person, so only what policy opens runs.
@@ -24,6 +24,7 @@ import pymysql
 import pytest
 
 import agentctl
+import agentctl_db
 import database
 import db_roles
 import gate
@@ -31,6 +32,7 @@ import sql as sql_module
 import turns
 from config import DEFAULTS_DIR
 from database import Database, DatabaseSettings, query_text, read_accounts
+from tests import needs
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
 from tests.runtime import SHIPPED_NAMESPACES, ask, execute, with_events
 from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
@@ -54,7 +56,7 @@ def _admin(**extra: Any) -> pymysql.Connection:
 @dataclass
 class Fixture:
     db: str
-    prefix: str
+    names: db_roles.Names
     canary: str
     tmp: str
     config_dir: Path
@@ -63,8 +65,7 @@ class Fixture:
     admin: pymysql.Connection | None = None
 
     def env(self, *, enforced: bool = True) -> dict[str, str]:
-        base = {"MYSQL_HOST": SERVER["host"], "MYSQL_PORT": str(SERVER["port"]), "MYSQL_DB": self.db,
-                "MYSQL_ROLE_PREFIX": self.prefix}
+        base = {"MYSQL_HOST": SERVER["host"], "MYSQL_PORT": str(SERVER["port"]), "MYSQL_DB": self.db}
         if enforced:
             return {**base, **{k: v for k, v in self.accounts.items() if k != "MYSQL_DB"}}
         return {**base, "MYSQL_USER": self.classic[0], "MYSQL_PASS": self.classic[1]}
@@ -130,12 +131,16 @@ class Fixture:
         snap["schemata"] = self.query("SELECT SCHEMA_NAME FROM information_schema.SCHEMATA WHERE SCHEMA_NAME IN "
                                       "(%s, 'dbenforce_evil')", self.db)
         accounts = self.query("SELECT User, Host FROM mysql.user WHERE is_role = 'N' AND (User = 'root' OR User IN "
-                              "('eve', 'evil') OR User LIKE %s)", f"dbenforce\\_%\\_{self.canary[6:]}")
+                              "('eve', 'evil') OR User LIKE %s OR User LIKE %s)", f"dbenforce\\_%\\_{self.canary[6:]}",
+                              self.names.base.replace("_", "\\_") + "\\_%")
         snap["accounts"] = sorted(map(str, accounts))
         grants = {}
         for user, host in accounts:
             lines = [r[0] for r in self.query("SHOW GRANTS FOR %s@%s", user, host)]
-            grants[f"{user}@{host}"] = sorted(x for x in lines if f"`{self.prefix}" not in x)
+            grants[f"{user}@{host}"] = sorted(lines)
+        for k in self.names.slots():  # a role's privileges change with every call; what it holds elsewhere may not
+            lines = [r[0] for r in self.query(f"SHOW GRANTS FOR `{self.names.role(k)}`")]
+            grants[self.names.role(k)] = sorted(x for x in lines if f" ON `{self.db}`." not in x)
         snap["grants"] = grants
         snap["global"] = self.query("SELECT @@global.sql_mode, @@global.general_log, @@global.read_only")
         snap["files"] = [self.query("SELECT LOAD_FILE(%s)", f"{self.tmp}_{n}")[0][0] for n in (1, 2, 3)]
@@ -145,38 +150,52 @@ class Fixture:
         return self.canary in text
 
 
-def _drop_everything(fx: Fixture, users: list[str]) -> None:
-    if fx.admin is not None:
-        fx.admin.close()
+def drop_setup(names: db_roles.Names, *, also: tuple[str, ...] = ()) -> None:
+    """Remove a set-up's database, admin schema, accounts and roles (and the accounts `also` names)."""
     with _admin() as conn, conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS `{fx.db}`")
-        cur.execute("DROP DATABASE IF EXISTS dbenforce_evil")
-        cur.execute("SELECT User FROM mysql.user WHERE is_role = 'Y' AND User LIKE %s", (fx.prefix + "%",))
-        for (role,) in cur.fetchall():
-            cur.execute("DROP ROLE IF EXISTS %s", (role,))
-        for user in users:
+        cur.execute(f"DROP DATABASE IF EXISTS `{names.db}`")
+        cur.execute(f"DROP DATABASE IF EXISTS `{names.admin_schema}`")
+        cur.execute("SELECT User, Host, is_role FROM mysql.user WHERE User LIKE %s",
+                    (names.base.replace("_", "\\_") + "\\_%",))
+        for user, host, is_role in cur.fetchall():
+            cur.execute("DROP ROLE IF EXISTS %s" if is_role == "Y" else "DROP USER IF EXISTS %s@%s",
+                        (user,) if is_role == "Y" else (user, host))
+        for user in also:
             cur.execute("DROP USER IF EXISTS %s@'%%'", (user,))
+
+
+def reachable() -> None:
+    """Skip (or, under AGENT_TEST_REQUIRE=mariadb, fail) when MariaDB does not answer."""
+    try:
+        _admin().close()
+    except pymysql.err.MySQLError as exc:
+        needs.absent("mariadb", f"MariaDB is not reachable at {SERVER['host']}:{SERVER['port']} as {SERVER['user']} "
+                                f"({exc}): install and start mariadb-server (.ci/run starts it), or set TEST_MYSQL_*")
+
+
+def setup_args(config_dir: Path, *extra: str) -> list[str]:
+    return ["--config-dir", str(config_dir), "db-setup", "--admin-user", SERVER["user"],
+            "--admin-password", SERVER["password"], *extra]
+
+
+def new_config(config_dir: Path, db: str) -> None:
+    (config_dir / ".env").write_text(f"MYSQL_DB={db}\nMYSQL_HOST={SERVER['host']}\nMYSQL_PORT={SERVER['port']}\n"
+                                     f"AGENT_DATA_DIR={config_dir / 'data'}\n")
 
 
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fixture]:
-    try:
-        _admin().close()
-    except pymysql.err.MySQLError as exc:
-        pytest.fail(f"MariaDB is not reachable at {SERVER['host']}:{SERVER['port']}: {exc}", pytrace=False)
+    reachable()
     suffix = secrets.token_hex(4)
     config_dir = tmp_path_factory.mktemp("dbenforce")
-    runner, grantor, classic = f"dbenforce_r_{suffix}", f"dbenforce_g_{suffix}", f"dbenforce_all_{suffix}"
-    fx = Fixture(db=f"dbenforce_{suffix}", prefix=f"dbenforce_{suffix}_", canary=f"CANARY{suffix}",
+    classic = f"dbenforce_all_{suffix}"
+    db = f"dbenforce_{suffix}"
+    fx = Fixture(db=db, names=db_roles.names_for(db), canary=f"CANARY{suffix}",
                  tmp=f"/tmp/dbenforce_{suffix}", config_dir=config_dir, accounts={},
                  classic=(classic, secrets.token_hex(12)))
     try:
-        (config_dir / ".env").write_text(f"MYSQL_DB={fx.db}\nMYSQL_HOST={SERVER['host']}\n"
-                                         f"MYSQL_PORT={SERVER['port']}\nAGENT_DATA_DIR={config_dir / 'data'}\n")
-        code = agentctl.main(["--config-dir", str(config_dir), "db-setup", "--runner", runner, "--grantor", grantor,
-                              "--role-prefix", fx.prefix, "--admin-user", SERVER["user"],
-                              "--admin-password", SERVER["password"]])
-        assert code == 0
+        new_config(config_dir, db)
+        assert agentctl.main(setup_args(config_dir)) == 0
         fx.accounts = read_accounts(config_dir / "data" / database.ACCOUNTS_FILE)
         with _admin() as conn, conn.cursor() as cur:
             cur.execute("CREATE USER %s@'%%' IDENTIFIED BY %s", fx.classic)
@@ -184,14 +203,17 @@ def fx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fixture]:
         fx.fill()
         yield fx
     finally:
-        _drop_everything(fx, [runner, grantor, classic])
+        if fx.admin is not None:
+            fx.admin.close()
+        drop_setup(fx.names, also=(classic,))
+        with _admin() as conn, conn.cursor() as cur:
+            cur.execute("DROP DATABASE IF EXISTS dbenforce_evil")
 
 
 @pytest.fixture(autouse=True)
 def _no_mysql_env(monkeypatch: pytest.MonkeyPatch) -> None:
     isolate_env(monkeypatch)
-    for name in ("MYSQL_HOST", "MYSQL_PORT", "MYSQL_USER", "MYSQL_PASS", "MYSQL_DB", "MYSQL_GRANTOR_USER",
-                 "MYSQL_GRANTOR_PASS", "MYSQL_ROLE_PREFIX"):
+    for name in ("MYSQL_HOST", "MYSQL_PORT", "MYSQL_DB", *database.ACCOUNT_VARS):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -323,11 +345,10 @@ async def test_nothing_carries_over_between_calls_on_one_connection(fx: Fixture)
         # the role of the earlier call is gone: with no decision, nothing
         assert "denied" in await query_text(db, f"SELECT * FROM {fx.db}.users", None)
         assert "denied" in await query_text(db, "SELECT * FROM secrets", USERS_ONLY)
-        # the runner holds every role agent-mcp made: switching to a stronger one within a call stops the call
-        stronger = db_roles.role_name(fx.prefix, db_roles.privileges_for(
-            EVERYTHING.pairs, db=fx.db, tables=[], case_sensitive=True))
-        switched = await query_text(db, f"SET ROLE `{stronger}`; SELECT * FROM secrets", USERS_ONLY)
-        assert "changed the active role" in switched and not fx.leaked(switched)
+        # a runner holds its own role only: another runner's (however wide it is now) cannot be switched to
+        other = fx.names.role(2)
+        switched = await query_text(db, f"SET ROLE `{other}`; SELECT * FROM secrets", USERS_ONLY)
+        assert "Invalid role specification" in switched and not fx.leaked(switched)
         # a table lock or an open HANDLER ends with its call, not when the pooled connection is next used
         for sql in ("LOCK TABLES secrets WRITE", "HANDLER users OPEN"):
             assert not (await query_text(db, sql, EVERYTHING)).startswith("ERROR")
@@ -358,10 +379,10 @@ async def test_show_processlist_shows_no_other_accounts_statement(fx: Fixture) -
     fx.fill()
     db = Database(DatabaseSettings.from_env(fx.env()))
     with _admin() as holder, holder.cursor() as lock, _admin() as waiter:
-        lock.execute("SELECT GET_LOCK(%s, 0)", (fx.prefix,))
+        lock.execute("SELECT GET_LOCK(%s, 0)", (fx.names.base,))
         # A statement in flight on another account (sent, its answer read later), its text holding a canary.
         waiter._execute_command(pymysql.constants.COMMAND.COM_QUERY,
-                                f"SELECT '{fx.canary}', GET_LOCK('{fx.prefix}', 30)")
+                                f"SELECT '{fx.canary}', GET_LOCK('{fx.names.base}', 30)")
         try:
             assert await db.enforce() is None
             meta = turns.DbAccess("policy", allows=lambda key, op: key == gate.META)
@@ -369,7 +390,7 @@ async def test_show_processlist_shows_no_other_accounts_statement(fx: Fixture) -
                 text = await query_text(db, sql, meta)
                 assert not text.startswith("ERROR") and not fx.leaked(text), text
         finally:
-            lock.execute("SELECT RELEASE_LOCK(%s)", (fx.prefix,))
+            lock.execute("SELECT RELEASE_LOCK(%s)", (fx.names.base,))
             waiter._read_query_result()
             await db.close()
 
@@ -390,12 +411,13 @@ def test_privilege_sets_name_what_was_approved() -> None:
     assert meta == {db_roles.TableGrant("app", "", ("REFERENCES",)), db_roles.TableGrant("app", "secrets",
                                                                                       ("REFERENCES",))}
     assert db_roles.privileges_for([("*", "write")], db="app", tables=[], case_sensitive=True) == {
-        db_roles.TableGrant("app", "", ("ALL PRIVILEGES",))}
+        db_roles.TableGrant("app", "", tuple(sorted(db_roles.ANY_TABLE_WRITE)))}  # no stored objects, no EXECUTE
+    assert db_roles.privileges_for([("other.t", "read"), ("mysql.user", "read")], db="app", tables=[],
+                                   case_sensitive=True) == frozenset()  # nothing outside the agent database
     allows = {("users", "write"), ("users", "read"), (gate.META, "read")}
     pairs = db_roles.standing_pairs(lambda k, o: (k, o) in allows, ["users", "Users", "secrets"],
                                     operations=("read", "write"), case_sensitive=True)
     assert pairs == [("users", "write"), (gate.META, "read")]
-    assert db_roles.role_name("p_", meta) == db_roles.role_name("p_", set(meta)) != db_roles.role_name("p_", ddl)
 
 
 # ── db-setup and the start-up line ──────────────────────────────────────────────────────────
@@ -403,36 +425,27 @@ def test_privilege_sets_name_what_was_approved() -> None:
 
 def test_db_setup_makes_verifies_and_repairs_the_accounts(fx: Fixture, capsys: pytest.CaptureFixture[str]) -> None:
     path = fx.config_dir / "data" / database.ACCOUNTS_FILE
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    runner, grantor = fx.accounts["MYSQL_USER"], fx.accounts["MYSQL_GRANTOR_USER"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    runner = fx.names.runner(1)
     with _admin() as conn, conn.cursor() as cur:
         cur.execute("SHOW GRANTS FOR %s@'%%'", (runner,))
-        lines = [db_roles.without_password(r[0]) for r in cur.fetchall()]
-        own = [x for x in lines if not x.startswith(f"GRANT `{fx.prefix}")]
-        assert own == [f"GRANT USAGE ON *.* TO `{runner}`@`%`"]
+        lines = sorted(db_roles.without_password(r[0]) for r in cur.fetchall())
+        assert lines == sorted([f"GRANT `{fx.names.role(1)}` TO `{runner}`@`%`", f"GRANT USAGE ON *.* TO `{runner}`@`%`"])
         # someone gives the runner more: the server would refuse to rely on it, db-setup repairs it
         cur.execute("GRANT FILE, PROCESS ON *.* TO %s@'%%'", (runner,))
         cur.execute(f"GRANT SELECT ON `{fx.db}`.* TO %s@'%%'", (runner,))
-    problem = agentctl_verify(fx)
+    problem, _ = agentctl_db.verify(fx.accounts, SERVER["host"], SERVER["port"])
     assert problem is not None and "cannot be limited" in problem
-    args = ["--config-dir", str(fx.config_dir), "db-setup", "--runner", runner, "--grantor", grantor,
-            "--role-prefix", fx.prefix, "--admin-user", SERVER["user"], "--admin-password", SERVER["password"]]
     capsys.readouterr()
-    assert agentctl.main(args) == 0
+    assert agentctl.main(["--config-dir", str(fx.config_dir), "db-status"]) == 3
+    assert "classifier only" in capsys.readouterr().err
+    assert agentctl.main(setup_args(fx.config_dir)) == 0
     out = capsys.readouterr().out
-    assert "verified" in out and fx.accounts["MYSQL_PASS"] not in out
+    assert "verified" in out and "repaired" in out and fx.accounts["MYSQL_PASS"] not in out
     assert read_accounts(path) == fx.accounts  # the same passwords: running it again keeps them
-    assert agentctl_verify(fx) is None
-    assert agentctl.main([*args, "--print-sql"]) == 0
-    printed = capsys.readouterr().out
-    assert f"GRANT CREATE USER ON *.* TO '{grantor}'@'%'" in printed and "REVOKE ALL PRIVILEGES" in printed
+    assert agentctl_db.verify(fx.accounts, SERVER["host"], SERVER["port"])[0] is None
     assert agentctl.main(["--config-dir", str(fx.config_dir), "db-status"]) == 0
     assert "enforced" in capsys.readouterr().out
-
-
-def agentctl_verify(fx: Fixture) -> str | None:
-    import agentctl_db
-    return agentctl_db.verify(fx.accounts, SERVER["host"], SERVER["port"], fx.prefix)
 
 
 async def test_start_up_says_in_one_line_why_an_account_cannot_be_limited(
