@@ -10,6 +10,8 @@ person, so only what policy opens runs.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +39,7 @@ from tests.plugin_host import isolate_env, plugin, plugin_runtime
 from tests.runtime import SHIPPED_NAMESPACES, ask, execute, with_events
 from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
 from tests.sql_cases import SQL_CORPUS
+from tests.waiting import until
 
 SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
           "port": int(os.environ.get("TEST_MYSQL_PORT", "3306")),
@@ -137,7 +140,9 @@ class Fixture:
         grants = {}
         for user, host in accounts:
             lines = [r[0] for r in self.query("SHOW GRANTS FOR %s@%s", user, host)]
-            grants[f"{user}@{host}"] = sorted(lines)
+            # an account may always set its own default role (to one it holds): a runner's is only its own
+            grants[f"{user}@{host}"] = sorted(x for x in lines if not (x.startswith("SET DEFAULT ROLE ")
+                                                                       and user.startswith(self.names.base)))
         for k in self.names.slots():  # a role's privileges change with every call; what it holds elsewhere may not
             lines = [r[0] for r in self.query(f"SHOW GRANTS FOR `{self.names.role(k)}`")]
             grants[self.names.role(k)] = sorted(x for x in lines if f" ON `{self.db}`." not in x)
@@ -430,7 +435,8 @@ def test_db_setup_makes_verifies_and_repairs_the_accounts(fx: Fixture, capsys: p
     with _admin() as conn, conn.cursor() as cur:
         cur.execute("SHOW GRANTS FOR %s@'%%'", (runner,))
         lines = sorted(db_roles.without_password(r[0]) for r in cur.fetchall())
-        assert lines == sorted([f"GRANT `{fx.names.role(1)}` TO `{runner}`@`%`", f"GRANT USAGE ON *.* TO `{runner}`@`%`"])
+        assert lines == sorted([f"GRANT `{fx.names.role(1)}` TO `{runner}`@`%`",
+                                f"GRANT USAGE ON *.* TO `{runner}`@`%`"])
         # someone gives the runner more: the server would refuse to rely on it, db-setup repairs it
         cur.execute("GRANT FILE, PROCESS ON *.* TO %s@'%%'", (runner,))
         cur.execute(f"GRANT SELECT ON `{fx.db}`.* TO %s@'%%'", (runner,))
@@ -504,3 +510,135 @@ async def test_an_approval_or_a_grant_covers_exactly_what_was_shown(
         assert "denied" in await ask("DELETE FROM secrets")  # a read approval writes nothing
     assert fx.query("SELECT name FROM users WHERE id = 1") == [("ada",)]
     assert fx.query("SELECT COUNT(*) FROM secrets") == [(2,)]
+
+
+# ── No privilege of another call, by construction ───────────────────────────────────────────
+
+ADMIN_ALL = turns.DbAccess(turns.ADMIN)
+META_ONLY = turns.DbAccess("policy", allows=lambda key, op: key == gate.META)
+
+
+def _switches(fx: Fixture) -> list[str]:
+    """Statements that switch role inside one statement, in every form MariaDB runs, for every runner's role."""
+    out = []
+    for k in fx.names.slots():
+        role = fx.names.role(k)
+        for body in (f"SET ROLE `{role}`; SELECT s FROM secrets LIMIT 1;",
+                     f"SET ROLE `{role}`; UPDATE users SET name = (SELECT s FROM secrets LIMIT 1);",
+                     f"EXECUTE IMMEDIATE 'SET ROLE `{role}`'; SELECT s FROM secrets LIMIT 1;",
+                     f"SET DEFAULT ROLE `{role}`; SET ROLE DEFAULT; DELETE FROM secrets;",
+                     f"PREPARE p FROM 'SET ROLE `{role}`'; EXECUTE p; INSERT INTO secrets VALUES (9, 'x');"):
+            out += [f"/*!BEGIN NOT ATOMIC {body} END */", f"/*M!100000 BEGIN NOT ATOMIC {body} END */",
+                    f"/*!50000 BEGIN NOT ATOMIC {body} END */", f"BEGIN NOT ATOMIC {body} END"]
+        out += [f"SET ROLE `{role}`", f"SET DEFAULT ROLE `{role}`", f"EXECUTE IMMEDIATE 'SET ROLE `{role}`'"]
+    out += ["SELECT * FROM v_secrets", "SELECT leak()", "CALL leak_proc()", "SET ROLE NONE",
+            "SELECT s FROM secrets", "BEGIN NOT ATOMIC DECLARE x TEXT; SELECT s INTO x FROM secrets LIMIT 1; "
+            "SELECT x; END"]
+    return out
+
+
+@pytest.mark.parametrize("read", [gate.READ, gate.WRITE], ids=["meta-read", "meta-write"])
+async def test_no_role_switch_reaches_a_wide_role_live_at_the_same_moment(
+        fx: Fixture, monkeypatch: pytest.MonkeyPatch, read: str) -> None:
+    fx.fill()
+    before = fx.snapshot()
+    monkeypatch.setattr(sql_module, "classify_sql", _no_classifier(read))
+    db = Database(DatabaseSettings.from_env(fx.env()).model_copy(update={"timeout": 5}))
+    try:
+        assert await db.enforce() is None
+        # Another session's call with ALL on the database is running meanwhile, on a runner of its own.
+        wide = asyncio.create_task(query_text(db, "SELECT SLEEP(30)", ADMIN_ALL))
+        await until(lambda: any(s.busy for s in db.runners._slots.values()), what="the wide call to start")
+        ran = 0
+        for sql in _switches(fx):
+            text = await query_text(db, sql, META_ONLY)
+            assert not fx.leaked(text), (sql, text)
+            ran += not text.startswith("ERROR")
+        assert not wide.done()  # it was live for every statement above
+        wide.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wide
+    finally:
+        await db.close()
+    assert fx.snapshot() == before
+    print(f"\n{len(_switches(fx))} role switches with a wide role live: {ran} ran, 0 leaked, nothing changed")
+
+
+async def test_db_setup_again_with_roles_in_use_keeps_db_query_working(
+        fx: Fixture, capsys: pytest.CaptureFixture[str]) -> None:
+    fx.fill()
+    sets = [USERS_ONLY, EVERYTHING, META_ONLY, turns.DbAccess("approval", frozenset({("secrets", gate.READ)}))]
+    db = Database(DatabaseSettings.from_env(fx.env()))
+    try:
+        assert await db.enforce() is None
+        first = [await query_text(db, "SELECT * FROM users", access) for access in sets]
+        running = asyncio.create_task(query_text(db, "SELECT SLEEP(1), name FROM users WHERE id = 1", USERS_ONLY))
+        await until(lambda: any(s.busy for s in db.runners._slots.values()), what="a call to start")
+        assert await asyncio.to_thread(agentctl.main, setup_args(fx.config_dir)) == 0
+        assert "ada" in await running
+        again = [await query_text(db, "SELECT * FROM users", access) for access in sets]
+        assert again == first and "ada" in again[0] and "denied" in again[3]
+        assert fx.canary in await query_text(db, "SELECT s FROM secrets", sets[3])
+    finally:
+        await db.close()
+    roles = fx.query("SELECT User FROM mysql.user WHERE is_role = 'Y' AND User LIKE %s",
+                     fx.names.base.replace("_", "\\_") + "\\_%")
+    assert sorted(r[0] for r in roles) == sorted(fx.names.role(k) for k in fx.names.slots())  # none orphaned
+
+
+async def test_two_instances_share_the_runners_and_outlive_each_others_restart(fx: Fixture) -> None:
+    fx.fill()
+    settings = DatabaseSettings.from_env(fx.env())
+    a, b = Database(settings), Database(settings)
+    try:
+        assert await a.enforce() is None and await b.enforce() is None
+        # Both at once, more calls than runners: never two on one runner, every call right.
+        calls = [query_text(db, "SELECT SLEEP(0.2), name FROM users WHERE id = 1", USERS_ONLY)
+                 for db in (a, b) for _ in range(3)]
+        assert all("ada" in text for text in await asyncio.gather(*calls))
+        assert not set(a.runners._slots) & set(b.runners._slots)
+        for _ in range(2):  # A restarts while B keeps working; B's calls never fail
+            await a.close()
+            assert "ada" in await query_text(b, "SELECT name FROM users WHERE id = 1", USERS_ONLY)
+            a = Database(settings)
+            assert await a.enforce() is None
+            assert "ada" in await query_text(a, "SELECT name FROM users WHERE id = 1", USERS_ONLY)
+            assert "denied" in await query_text(b, "SELECT s FROM secrets", USERS_ONLY)
+            a, b = b, a
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_calls_reconnect_after_the_database_kills_every_account(fx: Fixture) -> None:
+    fx.fill()
+    db = Database(DatabaseSettings.from_env(fx.env()).model_copy(update={"timeout": 2}))
+    try:
+        assert await db.enforce() is None
+        assert "ada" in await query_text(db, "SELECT name FROM users", USERS_ONLY)
+        for account in [fx.names.grantor, *(fx.names.runner(k) for k in fx.names.slots())]:
+            fx.query(f"KILL CONNECTION USER `{account}`")
+            assert "ada" in await query_text(db, "SELECT name FROM users", USERS_ONLY), account
+            assert "denied" in await query_text(db, "SELECT s FROM secrets", USERS_ONLY)
+        # A call cut in the middle reports it and leaves no role behind.
+        cut = asyncio.create_task(query_text(db, "SELECT SLEEP(20)", EVERYTHING))
+        await until(lambda: any(s.busy for s in db.runners._slots.values()), what="the call to start")
+        await until(lambda: bool(fx.query("SELECT ID FROM information_schema.PROCESSLIST WHERE INFO LIKE "
+                                          "'SELECT SLEEP(20)%%'")), what="the statement on the server")
+        for (thread,) in fx.query("SELECT ID FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT SLEEP(20)%%'"):
+            fx.query(f"KILL {thread}")
+        assert (await cut).startswith("ERROR")
+        assert "denied" in await query_text(db, "SELECT s FROM secrets", USERS_ONLY)
+    finally:
+        await db.close()
+    roles = fx.query("SELECT User FROM mysql.user WHERE is_role = 'Y' AND User LIKE %s",
+                     fx.names.base.replace("_", "\\_") + "\\_%")
+    assert len(roles) == fx.names.runners
+
+
+def test_db_status_only_reads(fx: Fixture, capsys: pytest.CaptureFixture[str]) -> None:
+    before = fx.snapshot()
+    for _ in range(2):
+        assert agentctl.main(["--config-dir", str(fx.config_dir), "db-status"]) == 0
+    assert "4 runner account(s)" in capsys.readouterr().out
+    assert fx.snapshot() == before
