@@ -21,6 +21,7 @@ import pytest
 import gate
 import sql
 from database import Database, DatabaseSettings
+from tests import needs
 from tests.conftest import openai_model
 from tests.runtime import runtime
 from tests.sql_cases import SQL_CORPUS
@@ -43,7 +44,7 @@ def server() -> Iterator[pymysql.Connection]:
     try:
         conn = _connect()
     except pymysql.err.OperationalError as exc:
-        pytest.skip(f"no MariaDB at {SERVER['host']}:{SERVER['port']}: {exc}")
+        needs.absent("mariadb", f"MariaDB is not reachable at {SERVER['host']}:{SERVER['port']}: {exc}")
     with conn:
         yield conn
 
