@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""What enforcement costs per db_query call: roles, a clean session, SET ROLE — vs the classifier alone.
+"""What enforcement costs per db_query call: a leased runner, its role refilled when the set changes, a clean
+session — vs the classifier alone on one account, same run.
 
 Real MariaDB (127.0.0.1:3306, root without password; MYSQL_ADMIN_USER/MYSQL_ADMIN_PASS override).
-One run makes its own database, a runner and a grantor (agentctl_db.setup_sql, the SQL of
-`agentctl db-setup`) and an account with ALL on the database (the classifier-only baseline), then
-runs the same `SELECT … FROM users WHERE id = ?` through `database.Database.run`, interleaved call
-by call: enforced (reset, pinned sql_mode, SET ROLE of the call's role, USE) and classifier-only
-(the same reset and settings, no role). Prints p50 and p99 of both and their ratio; drops
-everything it made.
+One run makes its own database and, with the real `agentctl db-setup --runners 8`, its accounts,
+plus an account with ALL on the database (the classifier-only baseline, a pool of 8), then runs
+`SELECT … FROM users WHERE id = ?` through `database.Database.run`, the two interleaved round by
+round, at 1 and at 8 concurrent calls: with one privilege set (a runner's role is refilled only
+when a call needs another set) and with two sets alternating (a refill on most calls). Prints p50
+and p99 of each and the time added; drops everything it made.
 
     python bench/db_enforcement.py [--calls 2000]
 """
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import os
 import secrets
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,11 +31,15 @@ import pymysql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import agentctl_db
+import agentctl
+import db_roles
 import turns
-from database import Database, DatabaseSettings
+from database import ACCOUNTS_FILE, Database, DatabaseSettings, read_accounts
 
 HOST, PORT = "127.0.0.1", 3306
+ADMIN = (os.environ.get("MYSQL_ADMIN_USER", "root"), os.environ.get("MYSQL_ADMIN_PASS", ""))
+USERS = turns.DbAccess("policy", allows=lambda key, op: key == "users" or (key == "__meta__" and op == "read"))
+ORDERS = turns.DbAccess("approval", frozenset({("users", "read"), ("orders", "read")}))
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -39,62 +47,78 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
-def _admin() -> pymysql.Connection:
-    return pymysql.connect(host=HOST, port=PORT, user=os.environ.get("MYSQL_ADMIN_USER", "root"),
-                           password=os.environ.get("MYSQL_ADMIN_PASS", ""), autocommit=True)
+async def _timed(database: Database, sql: str, access: turns.DbAccess) -> float:
+    started = time.perf_counter()
+    outcome = await database.run(sql, access)
+    assert outcome.error is None, outcome.error
+    return time.perf_counter() - started
+
+
+async def _measure(enforced: Database, alone: Database, *, calls: int, concurrent: int,
+                   sets: tuple[turns.DbAccess, ...]) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"classifier only": [], "enforced": []}
+    rounds = calls // concurrent
+    for i in range(rounds + 20):
+        for name, database in (("classifier only", alone), ("enforced", enforced)):
+            batch = [_timed(database, f"SELECT name FROM users WHERE id = {(i * concurrent + j) % 1000 + 1}",
+                            sets[(i + j) % len(sets)]) for j in range(concurrent)]
+            elapsed = await asyncio.gather(*batch)
+            if i >= 20:  # warm-up: connections made, runners claimed
+                times[name].extend(elapsed)
+    return times
 
 
 async def run(calls: int) -> None:
     suffix = secrets.token_hex(4)
-    db, prefix = f"bench_dbenforce_{suffix}", f"bench_dbenforce_{suffix}_"
-    runner, grantor, classic = ((f"bench_{who}_{suffix}", secrets.token_hex(12)) for who in ("r", "g", "all"))
-    admin = _admin()
+    db = f"bench_dbenforce_{suffix}"
+    names = db_roles.names_for(db, runners=8)
+    classic = (f"bench_all_{suffix}", secrets.token_hex(12))
+    admin = pymysql.connect(host=HOST, port=PORT, user=ADMIN[0], password=ADMIN[1], autocommit=True)
     cur = admin.cursor()
+    config = Path(tempfile.mkdtemp(prefix="bench-db-"))
     try:
         cur.execute(f"CREATE DATABASE `{db}`")
         cur.execute(f"CREATE TABLE `{db}`.users (id INT PRIMARY KEY, name VARCHAR(40))")
+        cur.execute(f"CREATE TABLE `{db}`.orders (id INT PRIMARY KEY)")
         cur.execute(f"INSERT INTO `{db}`.users SELECT seq, CONCAT('u', seq) FROM `{db}`.seq_1_to_1000")
-        for statement in agentctl_db.setup_sql(db=db, runner=runner[0], grantor=grantor[0], host="%",
-                                               runner_password=runner[1], grantor_password=grantor[1]):
-            cur.execute(statement)
+        (config / ".env").write_text(f"MYSQL_DB={db}\nMYSQL_HOST={HOST}\nMYSQL_PORT={PORT}\n")
+        with contextlib.redirect_stdout(io.StringIO()):
+            setup = ["--config-dir", str(config), "db-setup", "--runners", "8", "--admin-user", ADMIN[0],
+                     "--admin-password", ADMIN[1]]
+            assert await asyncio.to_thread(agentctl.main, setup) == 0
         cur.execute("CREATE USER %s@'%%' IDENTIFIED BY %s", classic)
         cur.execute(f"GRANT ALL ON `{db}`.* TO %s@'%%'", (classic[0],))
-        base = {"MYSQL_HOST": HOST, "MYSQL_PORT": str(PORT), "MYSQL_DB": db, "MYSQL_ROLE_PREFIX": prefix}
-        enforced = Database(DatabaseSettings.from_env({**base, "MYSQL_USER": runner[0], "MYSQL_PASS": runner[1],
-                                                       "MYSQL_GRANTOR_USER": grantor[0],
-                                                       "MYSQL_GRANTOR_PASS": grantor[1]}))
-        alone = Database(DatabaseSettings.from_env({**base, "MYSQL_USER": classic[0], "MYSQL_PASS": classic[1]}))
+        base = {"MYSQL_HOST": HOST, "MYSQL_PORT": str(PORT), "MYSQL_DB": db}
+        accounts = read_accounts(config / "data" / ACCOUNTS_FILE)
+        enforced = Database(DatabaseSettings.from_env({**base, **accounts}))
+        alone = Database(DatabaseSettings.from_env({**base, "MYSQL_USER": classic[0], "MYSQL_PASS": classic[1]})
+                         .model_copy(update={"pool_size": 8}))
         assert await enforced.enforce() is None, enforced.problem
         assert await alone.enforce() is not None
-        access = turns.DbAccess("policy", allows=lambda key, op: key == "users" or (key == "__meta__" and op == "read"))
-        times: dict[str, list[float]] = {"classifier only": [], "enforced": []}
-        for i in range(calls + 100):
-            for name, database in (("classifier only", alone), ("enforced", enforced)):
-                sql = f"SELECT name FROM users WHERE id = {i % 1000 + 1}"
-                started = time.perf_counter()
-                outcome = await database.run(sql, access)
-                elapsed = time.perf_counter() - started
-                assert outcome.error is None, outcome.error
-                if i >= 100:  # warm-up: pools filled, the role made
-                    times[name].append(elapsed)
+        print(f"{calls} calls per path and row, interleaved round by round, one SELECT by primary key; "
+              "ms per db_query call")
+        print("| concurrent calls | privilege sets | classifier only p50 / p99 | enforced p50 / p99 | "
+              "added p50 / p99 |\n|---|---|---|---|---|")
+        for concurrent in (1, 8):
+            for label, sets in (("one", (USERS,)), ("two, alternating", (USERS, ORDERS))):
+                times = await _measure(enforced, alone, calls=calls, concurrent=concurrent, sets=sets)
+                a, e = times["classifier only"], times["enforced"]
+                print(f"| {concurrent} | {label} | {statistics.median(a) * 1e3:.2f} / {_percentile(a, 99) * 1e3:.2f} | "
+                      f"{statistics.median(e) * 1e3:.2f} / {_percentile(e, 99) * 1e3:.2f} | "
+                      f"{(statistics.median(e) - statistics.median(a)) * 1e3:.2f} / "
+                      f"{(_percentile(e, 99) - _percentile(a, 99)) * 1e3:.2f} |")
         await enforced.close()
         await alone.close()
     finally:
         cur.execute(f"DROP DATABASE IF EXISTS `{db}`")
-        cur.execute("SELECT User FROM mysql.user WHERE is_role = 'Y' AND User LIKE %s", (prefix + "%",))
-        for (role,) in cur.fetchall():
-            cur.execute("DROP ROLE IF EXISTS %s", (role,))
-        for user, _ in (runner, grantor, classic):
-            cur.execute("DROP USER IF EXISTS %s@'%%'", (user,))
+        cur.execute(f"DROP DATABASE IF EXISTS `{names.admin_schema}`")
+        cur.execute("SELECT User, Host, is_role FROM mysql.user WHERE User LIKE %s",
+                    (names.base.replace("_", "\\_") + "\\_%",))
+        for user, host, is_role in cur.fetchall():
+            cur.execute("DROP ROLE %s" if is_role == "Y" else "DROP USER %s@%s",
+                        (user,) if is_role == "Y" else (user, host))
+        cur.execute("DROP USER IF EXISTS %s@'%%'", (classic[0],))
         admin.close()
-    added = [e - b for e, b in zip(times["enforced"], times["classifier only"], strict=True)]
-    print(f"{calls} calls each, interleaved, one SELECT by primary key; times per db_query call (ms)")
-    print("| path | p50 | p99 |\n|---|---|---|")
-    for name, values in (*times.items(), ("added by enforcement", added)):
-        print(f"| {name} | {statistics.median(values) * 1e3:.3f} | {_percentile(values, 99) * 1e3:.3f} |")
-    ratio50 = statistics.median(times["enforced"]) / statistics.median(times["classifier only"])
-    ratio99 = _percentile(times["enforced"], 99) / _percentile(times["classifier only"], 99)
-    print(f"ratio enforced / classifier only: p50 {ratio50:.2f}, p99 {ratio99:.2f}")
 
 
 def main() -> None:
