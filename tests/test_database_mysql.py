@@ -513,6 +513,33 @@ async def test_db_query_survives_a_server_restart(private_mariadb: PrivateMariaD
         assert "MySQL error 2003" in down
 
 
+async def test_enforced_calls_outlive_a_server_restart(private_mariadb: PrivateMariaDB, tmp_path: Path) -> None:
+    """The runners' and the grantor's sessions all die with the server; the next call makes them again."""
+    import agentctl
+    import turns
+    from database import ACCOUNTS_FILE, read_accounts
+
+    (tmp_path / ".env").write_text(f"MYSQL_DB=restart_db\nMYSQL_PORT={private_mariadb.port}\n"
+                                   f"AGENT_DATA_DIR={tmp_path / 'data'}\n")
+    assert await asyncio.to_thread(agentctl.main, ["--config-dir", str(tmp_path), "db-setup", "--admin-user", "root",
+                                                   "--admin-password", ""]) == 0
+    with _connect(host="127.0.0.1", port=private_mariadb.port, user="root", password="") as conn:
+        conn.query("CREATE TABLE restart_db.t (a INT)")
+    accounts = read_accounts(tmp_path / "data" / ACCOUNTS_FILE)
+    db = Database(DatabaseSettings.from_env({**accounts, "MYSQL_PORT": str(private_mariadb.port)}))
+    access = turns.DbAccess("approval", frozenset({("t", "write")}))
+    try:
+        assert await db.enforce() is None
+        for n in range(3):
+            assert (await query_text(db, f"INSERT INTO t VALUES ({n})", access)).startswith("OK"), n
+            private_mariadb.stop()
+            private_mariadb.start()
+        assert "(3 rows)" in await query_text(db, "SELECT * FROM t", access)
+        assert "No database selected" in await query_text(db, "SELECT * FROM t", None)  # no decision: nothing
+    finally:
+        await db.close()
+
+
 # ── Over HTTP, with shell.py's own client ───────────────────────────────────────────────────
 
 
