@@ -230,3 +230,64 @@ def test_without_mariadb_the_database_tests_skip_with_their_reason(require: str)
     else:  # a newcomer's machine: every database test skips and says why, none errors
         assert done.returncode == 0 and "error" not in summary and "failed" not in summary, tail
         assert skipped and all("MariaDB is not reachable" in line for line in skipped), skipped
+
+
+# ── Two server processes on one database ────────────────────────────────────────────────────
+
+
+def _db_server(where: Path, db: str, backend: Any, key: str) -> tuple[AgentServer, int]:
+    cfg = ConfigDir(where)
+    cfg.models = {"fake": openai_model(backend)}
+    api = free_port()
+    cfg.plugins += ["plugin_client_api", "plugin_database_mysql"]
+    cfg.plugin_config["plugin_client_api"] = {"port": api}
+    cfg.env = {"MYSQL_HOST": SERVER["host"], "MYSQL_PORT": str(SERVER["port"]), "MYSQL_DB": db}
+    cfg.write()
+    return AgentServer(cfg, {"API_ADMIN_KEY": key}), api
+
+
+def _admin_db(server: AgentServer, api: int, key: str, sql: str) -> str:
+    reply = httpx.post(f"http://127.0.0.1:{api}/api/v1/submit", timeout=30,
+                       json={"text": f"!db {sql}", "client_id": "dba", "wait": True},
+                       headers={**server.api_auth, "X-Admin-Key": key})
+    return str(reply.json())
+
+
+@pytest.mark.timeout(180)
+def test_two_server_processes_share_a_database_and_outlive_each_others_restart(db_name: str, tmp_path: Path) -> None:
+    from tests.fakes.openai_backend import FakeOpenAI
+
+    key = secrets.token_urlsafe(16)
+    with FakeOpenAI() as backend:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b" / "data").mkdir(parents=True)
+        a, api_a = _db_server(tmp_path / "a", db_name, backend, key)
+        b, api_b = _db_server(tmp_path / "b", db_name, backend, key)
+        assert agentctl.main(setup_args(tmp_path / "a")) == 0
+        shared = tmp_path / "b" / "data" / ACCOUNTS_FILE  # the second instance shares the first one's accounts
+        shared.write_bytes((tmp_path / "a" / "data" / ACCOUNTS_FILE).read_bytes())
+        shared.chmod(0o600)
+        with _admin() as conn, conn.cursor() as cur:
+            cur.execute(f"CREATE TABLE `{db_name}`.hits (who VARCHAR(8))")
+        a.start()
+        b.start()
+        try:
+            for name, server in (("a", a), ("b", b)):
+                until_sync(lambda s=server: "enforced by the database" in "".join(s._lines), what=f"{name} enforced")
+            for _ in range(2):
+                for (name, server, api), (other, o_server, o_api) in ((("a", a, api_a), ("b", b, api_b)),
+                                                                       (("b", b, api_b), ("a", a, api_a))):
+                    server.stop()
+                    for _ in range(3):  # the other one keeps working while this one is down and coming back
+                        assert "rows affected: 1" in _admin_db(o_server, o_api, key,
+                                                               f"INSERT INTO hits VALUES ('{other}')")
+                    server.start()
+                    until_sync(lambda s=server: "enforced by the database" in "".join(s._lines),
+                               what=f"{name} enforced again")
+                    assert "rows affected: 1" in _admin_db(server, api, key, f"INSERT INTO hits VALUES ('{name}')")
+        finally:
+            log = a.stop() + b.stop()
+    with _admin() as conn, conn.cursor() as cur:
+        cur.execute(f"SELECT who, COUNT(*) FROM `{db_name}`.hits GROUP BY who ORDER BY who")
+        assert cur.fetchall() == (("a", 8), ("b", 8))
+    assert "dropped" not in log and "Traceback" not in log
