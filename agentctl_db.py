@@ -208,6 +208,29 @@ def _repairs(cur: Any, names: Names, host: str) -> list[str]:
     return out
 
 
+def _retired(cur: Any, kept: Mapping[str, str], names: Names, server: tuple[str, int]) -> list[str]:
+    """DROPs of an earlier version's two accounts (and the digest-named roles its runner held), when the old
+    accounts file's passwords still log in to them (proof they are this set-up's)."""
+    if kept.get("MYSQL_SETUP_ID") or not kept.get("MYSQL_GRANTOR_USER"):
+        return []
+    old = [(kept.get("MYSQL_USER", ""), kept.get("MYSQL_PASS", "")),
+           (kept["MYSQL_GRANTOR_USER"], kept.get("MYSQL_GRANTOR_PASS", ""))]
+    out = []
+    for user, password in old:
+        if not user or user in names.accounts():
+            continue
+        try:
+            pymysql.connect(host=server[0], port=server[1], user=user, password=password, connect_timeout=5).close()
+        except pymysql.err.MySQLError:
+            continue  # not provably ours: left alone
+        cur.execute("SELECT Role FROM mysql.roles_mapping WHERE User = %s", (user,))
+        out += [f"DROP ROLE IF EXISTS {quote(str(r))}" for (r,) in cur.fetchall()
+                if re.fullmatch(r"amcp_[0-9a-f]{12}", str(r))]
+        cur.execute("SELECT Host FROM mysql.user WHERE User = %s AND is_role = 'N'", (user,))
+        out += [f"DROP USER {_account(user, str(h))}" for (h,) in cur.fetchall()]
+    return out
+
+
 def _surplus(cur: Any, names: Names, host: str) -> list[str]:
     """DROPs of runners and roles beyond `names.runners` (an earlier set-up with more)."""
     like = names.base.replace("_", "\\_") + "\\_%"
@@ -267,12 +290,13 @@ def db_setup(files: ConfigFiles, term: Terminal, args: list[str]) -> None:
             if found and not _proven(cur, names, setup_id if same else None):
                 raise _not_ours(names, found, path)
             repairs = _repairs(cur, names, opts.account_host) + _surplus(cur, names, opts.account_host)
+            retired = _retired(cur, kept, names, (host, port))
             for statement in statements:
                 cur.execute(statement)
             if _procedures_differ(cur, names, opts.account_host):
                 for statement in _procedure_sql(names, opts.account_host):
                     cur.execute(statement)
-            for statement in repairs:
+            for statement in repairs + retired:
                 cur.execute(statement)
     except pymysql.err.MySQLError as exc:
         raise InputError(f"db-setup as {admin_user}@{host}:{port} failed: {exc.args[-1] if exc.args else exc} — "
@@ -281,6 +305,10 @@ def db_setup(files: ConfigFiles, term: Terminal, args: list[str]) -> None:
     _save(term, path, values, opts.print_env)
     if repairs:
         term.say(f"repaired: {len(repairs)} privilege(s) the accounts had been given by someone else were revoked")
+    if retired:
+        term.say(f"removed the accounts of the earlier set-up ({kept.get('MYSQL_USER')}, "
+                 f"{kept.get('MYSQL_GRANTOR_USER')}: its grantor could administer every account on the server) "
+                 "and their roles")
     problem, _ = verify(values, host, port)
     if problem:
         raise InputError(f"the accounts were made but cannot be limited: {problem}")

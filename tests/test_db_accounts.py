@@ -291,3 +291,36 @@ def test_two_server_processes_share_a_database_and_outlive_each_others_restart(d
         cur.execute(f"SELECT who, COUNT(*) FROM `{db_name}`.hits GROUP BY who ORDER BY who")
         assert cur.fetchall() == (("a", 8), ("b", 8))
     assert "dropped" not in log and "Traceback" not in log
+
+
+def test_db_setup_retires_an_earlier_versions_accounts_it_can_prove_its_own(
+        db_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    suffix = secrets.token_hex(3)
+    runner, grantor, role = f"dbacct_oldr_{suffix}", f"dbacct_oldg_{suffix}", f"amcp_{secrets.token_hex(6)}"
+    stranger = f"dbacct_olds_{suffix}"  # a bystander named like them: untouched
+    try:
+        with _admin() as conn, conn.cursor() as cur:
+            cur.execute("CREATE USER %s@'%%' IDENTIFIED BY 'old-runner-pw'", (runner,))
+            cur.execute("CREATE USER %s@'%%' IDENTIFIED BY 'old-grantor-pw'", (grantor,))
+            cur.execute("GRANT CREATE USER ON *.* TO %s@'%%'", (grantor,))
+            cur.execute(f"CREATE ROLE `{role}`")
+            cur.execute(f"GRANT `{role}` TO %s@'%%'", (runner,))
+            cur.execute("CREATE USER %s@'%%' IDENTIFIED BY 'someone-elses'", (stranger,))
+        new_config(tmp_path, db_name)
+        (tmp_path / "data").mkdir(mode=0o700)
+        (tmp_path / "data" / ACCOUNTS_FILE).write_text(
+            f"MYSQL_DB={db_name}\nMYSQL_USER={runner}\nMYSQL_PASS=old-runner-pw\nMYSQL_GRANTOR_USER={grantor}\n"
+            "MYSQL_GRANTOR_PASS=old-grantor-pw\n")
+        capsys.readouterr()
+        assert agentctl.main(setup_args(tmp_path)) == 0
+        assert "removed the accounts of the earlier set-up" in capsys.readouterr().out
+        with _admin() as conn, conn.cursor() as cur:
+            cur.execute("SELECT User FROM mysql.user WHERE User IN (%s, %s, %s, %s)", (runner, grantor, role, stranger))
+            assert [r[0] for r in cur.fetchall()] == [stranger]
+        assert read_accounts(tmp_path / "data" / ACCOUNTS_FILE)["MYSQL_GRANTOR_USER"] == \
+            db_roles.names_for(db_name).grantor
+    finally:
+        with _admin() as conn, conn.cursor() as cur:
+            for user in (runner, grantor, stranger):
+                cur.execute("DROP USER IF EXISTS %s@'%%'", (user,))
+            cur.execute(f"DROP ROLE IF EXISTS `{role}`")
