@@ -26,7 +26,8 @@ CORE = ("decisions", "config", "secret_files", "audit_chain", "sql", "sql_shape"
         "shared_link", "shared_store", "shared_events", "shared_gates", "shared_values", "grants", "audit_log",
         "approvals", "budget", "client_classes", "gate_policy", "gate", "rate_limits", "llm_errors", "models",
         "tool_calls", "agents", "state", "gate_commands", "plugin_checks", "api_client", "tools", "db_roles",
-        "db_runners", "db_results", "database", "routes", "plugin_scope", "plugin_api", "plugin_loader", "commands", "build")
+        "db_runners", "db_results", "database", "routes", "plugin_scope", "plugin_api", "plugin_loader", "commands",
+        "build")
 #: What a plugin (plugins/*.py) may import of the core: the plugin surface, and the modules of vocabulary and file
 #: formats that hold no runtime (decision words, approver and audit records, gate-policy changes, settings and
 #: secret files, failure texts, listener settings, the database library and its results). Everything else of
