@@ -109,8 +109,8 @@ class AuditCommands(CommandBase):
             self.term.json({"ok": True, "checked": found.head.count, "unkeyed": found.unkeyed,
                             "heads": found.heads})
         else:
-            self.term.say(f"audit log {path}: {found.head.count} records{unkeyed}{later}, chain intact and "
-                          f"matches its head; checked against: {', '.join(found.heads)}")
+            self.term.line(f"audit log {path}: {found.head.count} records{unkeyed}{later}, chain intact and "
+                           f"matches its head; checked against: {', '.join(found.heads)}")
 
     def cmd_audit_head(self, args: list[str]) -> None:
         """audit-head: print the audit log's verified head as one line, for `audit-verify --head-file`.
@@ -128,7 +128,7 @@ class AuditCommands(CommandBase):
         if self.term.json_output:
             self.term.json(json.loads(sealed))
         else:
-            self.term.say(f"{grants.audit_chain.HEAD_LINE}{sealed}")
+            self.term.line(f"{grants.audit_chain.HEAD_LINE}{sealed}")
 
 
 def _read_text(name: str, option: str) -> str:
