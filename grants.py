@@ -50,6 +50,11 @@ AUDIT_FILE = "audit.sqlite3"
 SHARED_SECONDS = 30 * 86400
 #: The Redis value format whose MAC binds the grant to its prefix and session (older ones are not honoured).
 SHARED_FORMAT = 2
+#: Share a grant (KEYS: its session's hash, the revoked ids, the owners; ARGV: id, value, session, seconds) unless
+#: its id was revoked: a use counted on one instance must not put back a grant another one just revoked.
+_SET_UNLESS_REVOKED = """if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) return 1"""
 
 
 class GrantError(ValueError):
@@ -439,11 +444,10 @@ class GrantStore(stores.SqliteFile):
                 dropped = {s: await r.hkeys(self.link.key("grants", s)) for op, s in batch if op == "drop"}
                 pipe = r.pipeline(transaction=True)
                 for op, value in batch:
-                    if op == "set":
-                        key = self.link.key("grants", value.session)
-                        pipe.hset(key, value.id, self._shared_value(value))
-                        pipe.expire(key, SHARED_SECONDS)
-                        pipe.hset(self.link.key("grant-owners"), value.id, value.session)
+                    if op == "set":  # not over a revoke made meanwhile on another instance (a use in flight)
+                        pipe.eval(_SET_UNLESS_REVOKED, 3, self.link.key("grants", value.session), tombs,
+                                  self.link.key("grant-owners"), value.id, self._shared_value(value), value.session,
+                                  SHARED_SECONDS)
                     elif op == "del":
                         pipe.hdel(self.link.key("grants", value.session), value.id)
                         pipe.hdel(self.link.key("grant-owners"), value.id)

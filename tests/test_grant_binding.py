@@ -154,6 +154,27 @@ async def test_redis_a_grant_put_back_after_its_revoke_counts_on_no_instance(
         assert not await call(a, "db_query", SQL, client_id="c1")
 
 
+async def test_redis_a_use_counted_on_one_instance_does_not_put_back_a_grant_revoked_on_another(
+        tmp_path, fake_openai, redis_store) -> None:
+    models = {"fake": openai_model(fake_openai)}
+    key = tmp_path / "audit-key"
+    async with _instance(tmp_path / "a", models, redis_store, key) as a, \
+            _instance(tmp_path / "b", models, redis_store, key) as b:
+        assert not await call(a, "db_query", SQL, answer="allow_session", client_id="c1")
+        assert a.gate.grants is not None and a.link is not None
+        (held,) = a.gate.grants.active("c1")  # a's copy in memory, as a gated call on a holds it
+        await _entry(a, "c1")
+        out, _ = await turn(b, f"!grants revoke {held.id}", client_id="c1")
+        assert out.startswith(f"Revoked {held.id}")
+        assert b.gate.grants is not None
+        await b.gate.grants.refresh("c1")  # b's revoke is in Redis
+        a.gate.grants.used(held)  # a use a counted before it saw the revoke
+        await a.gate.grants.refresh("c1")
+        assert await a.link.client.hgetall(a.link.key("grants", "c1")) == {}
+        assert not await call(a, "db_query", SQL, client_id="c1")
+        assert await _forged(a) == []  # nothing forged: the use was not written over the revoke
+
+
 async def test_redis_a_grant_copied_from_another_prefix_is_ignored(tmp_path, fake_openai, redis_store,
                                                                    caplog) -> None:
     """Two stores on one Redis with one audit key: a grant of one is not a grant of the other."""
