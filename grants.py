@@ -183,6 +183,8 @@ class GrantStore(stores.SqliteFile):
         self._lock: int | None = None
         self.grants: dict[str, list[Grant]] = {}
         self._last: tuple[int, str] = (0, GENESIS)
+        #: The head of what is committed to the file (`_last` runs ahead of it by what is queued).
+        self._committed: tuple[int, str] = (0, GENESIS)
         self._ignored: set[tuple[str, str]] = set()
         #: Grants known to be revoked or ended (the chain, this process, Redis tombstones): no copy counts again.
         self._revoked: set[str] = set()
@@ -269,6 +271,7 @@ class GrantStore(stores.SqliteFile):
             for grant in grants:
                 await db.execute(*self._grant_row(grant))
         await db.commit()
+        self._committed = self._last
         self._checkpoint(Head(self._log_id, *self._last), "at start")
         if migrated is not None:
             self.audit(AuditRecord.migrated(migrated))
@@ -382,6 +385,7 @@ class GrantStore(stores.SqliteFile):
                 head = None
             if head is not None:
                 sealed = Head(self._log_id, *head)
+                self._committed = head
                 self._checkpoint(sealed)
                 await self._share_head(sealed)
             for work in batch:
@@ -411,7 +415,7 @@ class GrantStore(stores.SqliteFile):
         if self._writer is not None and not self._writer.done():
             self._queue.put_nowait(None)
             await self._writer
-            self._checkpoint(Head(self._log_id, *self._last), "at stop")
+            self._checkpoint(Head(self._log_id, *self._committed), "at stop")  # what is in the file
         if self._sharer is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2):
