@@ -101,8 +101,9 @@ def verify_file(path: Path, key_file: Path | None = None, shared_head: str | Non
         if why:
             bad.append(f"grant {grant_id!r} of session {str(session)[:64]!r}: {why}")
     if bad:
-        raise AuditError(f"{len(bad)} row(s) of its grants table are not the server's (the server ignores them): "
-                         f"{'; '.join(bad)}; keep the file as evidence and revoke with agentctl grants revoke")
+        raise AuditError(f"{len(bad)} row(s) of its grants table are not the server's: {'; '.join(bad)}; the server "
+                         "never honours them and drops them at its next start (audited as grant_forged): keep a "
+                         "copy of the file as evidence")
     return found
 
 
@@ -127,8 +128,9 @@ def check_shared_grants(key: bytes, prefix: str, entries: Sequence[tuple[str, st
         if why and why != OLDER_FORMAT:
             bad.append(f"grant {grant_id[:64]!r} in {prefix}grants:{session[:64]}: {why}")
     if bad:
-        raise AuditError(f"{len(bad)} grant(s) kept in Redis are not the server's (the servers ignore them): "
-                         f"{'; '.join(bad)}")
+        raise AuditError(f"{len(bad)} grant(s) kept in Redis are not the server's: {'; '.join(bad)}; no instance "
+                         "honours them (each audits them as grant_forged when it meets them): delete them with "
+                         "redis-cli HDEL once recorded")
 
 
 def read_grants(path: Path, now: float | None = None, key_file: Path | None = None) -> list[Grant]:
