@@ -55,6 +55,10 @@ SHARED_FORMAT = 2
 _SET_UNLESS_REVOKED = """if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) return 1"""
+#: A session's grants (KEYS[1]) with, for each, whether its id was revoked (KEYS[2]): id, value, 0|1, … in one trip.
+_GRANTS_AND_REVOKED = """local rows, out = redis.call('HGETALL', KEYS[1]), {}
+for i = 1, #rows, 2 do out[#out + 1] = rows[i] out[#out + 1] = rows[i + 1]
+out[#out + 1] = redis.call('HEXISTS', KEYS[2], rows[i]) end return out"""
 
 
 class GrantError(ValueError):
@@ -477,9 +481,9 @@ class GrantStore(stores.SqliteFile):
         await self._shared_idle.wait()  # this instance's own changes first
         key = self.link.key("grants", session)
         with self.link.calling():
-            rows = await self.link.client.hgetall(key)
-            tombs = await self.link.client.hmget(self.link.key("grants-revoked"), list(rows)) if rows else []
-        self._revoked |= {i for i, t in zip(rows, tombs, strict=True) if t is not None}
+            flat = await self.link.client.eval(_GRANTS_AND_REVOKED, 2, key, self.link.key("grants-revoked"))
+        rows = {flat[i]: flat[i + 1] for i in range(0, len(flat), 3)}
+        self._revoked |= {flat[i] for i in range(0, len(flat), 3) if flat[i + 2]}
         now = self.clock()
         found = [g for g in (self._shared_grant(session, i, r, f"Redis ({key})") for i, r in rows.items())
                  if g and g.active(now)]
