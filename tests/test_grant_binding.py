@@ -154,6 +154,26 @@ async def test_redis_a_grant_put_back_after_its_revoke_counts_on_no_instance(
         assert not await call(a, "db_query", SQL, client_id="c1")
 
 
+async def test_redis_a_grant_put_back_after_its_session_ended_counts_on_no_instance(
+        tmp_path, fake_openai, redis_store) -> None:
+    """A session deleted on a ends its grants everywhere: the saved entry put back into a new c1 is refused."""
+    models = {"fake": openai_model(fake_openai)}
+    key = tmp_path / "audit-key"
+    async with _instance(tmp_path / "a", models, redis_store, key) as a, \
+            _instance(tmp_path / "b", models, redis_store, key) as b:
+        assert not await call(a, "db_query", SQL, answer="allow_session", client_id="c1")
+        grant_id, value = await _entry(a, "c1")
+        await a.sessions.delete("c1")
+        assert a.gate.grants is not None and a.link is not None
+        await a.gate.grants.refresh("c1")  # the drop is in Redis
+        assert await a.link.client.hget(a.link.key("grants-revoked"), grant_id) == "c1"
+        await a.sessions.get_or_create("c1", "fake")
+        await a.link.client.hset(a.link.key("grants", "c1"), grant_id, value)
+        assert not await call(b, "db_query", SQL, client_id="c1")
+        assert not await call(a, "db_query", SQL, client_id="c1")
+        assert [f["grant_id"] for f in await _forged(b)] == [grant_id]
+
+
 async def test_redis_a_use_counted_on_one_instance_does_not_put_back_a_grant_revoked_on_another(
         tmp_path, fake_openai, redis_store) -> None:
     models = {"fake": openai_model(fake_openai)}
