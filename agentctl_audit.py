@@ -4,6 +4,8 @@ and checking that log's keyed chain. While the server runs they go through it (a
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -20,7 +22,7 @@ from agentctl_term import ArgParser
 
 
 class AuditCommands(CommandBase):
-    """grants, audit, audit-verify."""
+    """grants, audit, audit-verify, audit-head."""
 
     def _audit_file(self) -> Path:
         return self.files.app_config().data_dir() / grants.AUDIT_FILE
@@ -75,16 +77,28 @@ class AuditCommands(CommandBase):
         self.term.table(table)
 
     def cmd_audit_verify(self, args: list[str]) -> None:
-        """audit-verify: check the audit log's keyed chain and its checkpointed head; says what does not hold.
+        """audit-verify [--head VALUE] [--head-file PATH] [--log PATH]: check the audit log, its grants and its heads.
 
-        Finds changed, deleted, inserted or reordered records, a chain recomputed without the key, a cut
-        tail, an emptied or replaced file (exit code 2, one line saying which).
+        Checks the keyed chain, the head file, the head in Redis (sessions there), every head passed or kept
+        elsewhere (--head, --head-file: `agentctl audit-head` output; --log: the server's log, `-` for stdin;
+        each may be repeated) and every grant row. Finds changed, deleted, inserted or reordered records, a
+        chain recomputed without the key, a cut tail (also with the head file put back), an emptied or
+        replaced file, a grant row that is not the server's (exit code 2, one line saying which).
         """
-        self._args(args, self.cmd_audit_verify, 0)
+        parser = ArgParser(prog="agentctl audit-verify", add_help=False, allow_abbrev=False)
+        parser.add_argument("--head", action="append", default=[])
+        parser.add_argument("--head-file", action="append", default=[])
+        parser.add_argument("--log", action="append", default=[])
+        opts = parser.parse_args(args)
+        sources = [audit_log.HeadSource(text, f"--head {i}" if len(opts.head) > 1 else "--head")
+                   for i, text in enumerate(opts.head, 1)]
+        sources += [audit_log.HeadSource(_read_text(name, "--head-file"), name) for name in opts.head_file]
+        sources += [audit_log.HeadSource(_read_text(name, "--log"), "stdin" if name == "-" else name, required=False)
+                    for name in opts.log]
         cfg = self.files.app_config()
         path = cfg.data_dir() / grants.AUDIT_FILE
         try:
-            found = agentctl_remote.verify(cfg)
+            found = agentctl_remote.verify(cfg, sources)
         except grants.AuditError as exc:
             if self.term.json_output:
                 self.term.json({"ok": False, "why": str(exc)})
@@ -92,10 +106,40 @@ class AuditCommands(CommandBase):
         later = f", {found.after_checkpoint} after the last checkpoint" if found.after_checkpoint else ""
         unkeyed = f" (the first {found.unkeyed} written before the audit key)" if found.unkeyed else ""
         if self.term.json_output:
-            self.term.json({"ok": True, "checked": found.head.count, "unkeyed": found.unkeyed})
+            self.term.json({"ok": True, "checked": found.head.count, "unkeyed": found.unkeyed,
+                            "heads": found.heads})
         else:
-            self.term.say(f"audit log {path}: {found.head.count} records{unkeyed}{later}, chain intact and "
-                          "matches its head")
+            self.term.line(f"audit log {path}: {found.head.count} records{unkeyed}{later}, chain intact and "
+                           f"matches its head; checked against: {', '.join(found.heads)}")
+
+    def cmd_audit_head(self, args: list[str]) -> None:
+        """audit-head: print the audit log's verified head as one line, for `audit-verify --head-file`.
+
+        Keep it outside the data dir (e.g. `agentctl audit-head >> /var/backups/agent-mcp/audit-heads` on
+        each start): a log cut and put back with an older head file no longer matches it.
+        """
+        self._args(args, self.cmd_audit_head, 0)
+        cfg = self.files.app_config()
+        path = cfg.data_dir() / grants.AUDIT_FILE
+        try:
+            sealed = agentctl_remote.current_head(cfg)
+        except grants.AuditError as exc:
+            raise FileProblem(f"audit log {path}: {exc}; no head printed") from None
+        if self.term.json_output:
+            self.term.json(json.loads(sealed))
+        else:
+            self.term.line(f"{grants.audit_chain.HEAD_LINE}{sealed}")
+
+
+def _read_text(name: str, option: str) -> str:
+    """A file of heads (`-`: stdin); InputError saying how when it cannot be read."""
+    if name == "-":
+        return sys.stdin.read()
+    try:
+        return Path(name).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise InputError(f"{option} {name}: cannot be read ({exc.strerror}): give a file of head lines "
+                         "(agentctl audit-head output, or the server's log)") from None
 
 
 def _since(text: str) -> float:

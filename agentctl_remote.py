@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,16 +163,30 @@ def active_grants(cfg: AppConfig) -> list[grants.Grant]:
     return audit_log.read_grants(path, key_file=_key_file(cfg)) if path.exists() else []
 
 
-def verify(cfg: AppConfig) -> grants.audit_chain.Verified:
-    """Verify the audit log against its key, its head file and, with sessions on Redis, the head there."""
+def verify(cfg: AppConfig, sources: Sequence[audit_log.HeadSource] = ()) -> grants.audit_chain.Verified:
+    """Verify the audit log and its grants table against its key, its head file, the heads of `sources` and,
+    with sessions on Redis, the head there; then the grants kept in Redis."""
     path = cfg.data_dir() / grants.AUDIT_FILE
-    return audit_log.verify_file(path, _key_file(cfg), _redis_head(cfg, path))
+    head, shared = _redis_state(cfg, path)
+    found = audit_log.verify_file(path, _key_file(cfg), head, sources)
+    if shared is not None:
+        audit_log.check_shared_grants(grants.audit_chain.load_key(_key_file(cfg), create=False), *shared)
+        found.heads.append(f"{len(shared[1])} grant(s) in Redis")
+    return found
 
 
-def _redis_head(cfg: AppConfig, path: Path) -> str | None:
+def current_head(cfg: AppConfig) -> str:
+    """The audit log's head as it is now, sealed (`agentctl audit-head`), once `verify` holds."""
+    head = verify(cfg).head
+    return head.sealed(grants.audit_chain.load_key(_key_file(cfg), create=False))
+
+
+def _redis_state(cfg: AppConfig, path: Path) -> tuple[str | None, tuple[str, list[tuple[str, str, str, bool]]] | None]:
+    """With sessions on Redis: the audit head checkpointed there, and (the key prefix, every grant kept there as
+    (session, grant id, value, tombstoned)). (None, None) otherwise."""
     url = cfg.env.get("SESSION_STORE", "")
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        return None
+        return None, None
     import redis
 
     import shared_link
@@ -179,10 +194,23 @@ def _redis_head(cfg: AppConfig, path: Path) -> str | None:
     with open_readonly(path) as db:
         log_id = read_meta(db).get("log_id", "")
     url, prefix = shared_link.split_prefix(url)
+    hashes = prefix + "grants:"
     try:
         client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
         with client:
-            return client.get(prefix + f"audit-head:{log_id}")
+            head = client.get(prefix + f"audit-head:{log_id}")
+            entries = []
+            for key in client.scan_iter(match=_glob_escaped(hashes) + "*", count=1000):
+                rows = client.hgetall(key)
+                tombs = client.hmget(prefix + "grants-revoked", list(rows)) if rows else []
+                entries += [(key[len(hashes):], i, v, t is not None)
+                            for (i, v), t in zip(rows.items(), tombs, strict=True)]
     except redis.RedisError as exc:
-        raise FileProblem(f"the audit head in Redis cannot be read ({type(exc).__name__}): check that Redis runs; "
-                          "the file was not checked against it") from None
+        raise FileProblem(f"the audit head and grants in Redis cannot be read ({type(exc).__name__}): check that "
+                          "Redis runs; the file was not checked against them") from None
+    return head, (prefix, entries)
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` as a literal in a Redis SCAN MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -54,6 +54,10 @@ class Terminal:
         """A remark; with --json on stderr, so stdout holds one JSON document per command."""
         (self.err if self.json_output else self.out).print(text, style=style, markup=False)
 
+    def line(self, text: str) -> None:
+        """One line on stdout, never wrapped (for grep, and for files other commands read back)."""
+        print(text)
+
     def done(self, text: str) -> None:
         """A change was written: say what, and that the server reads it at start."""
         note, self.applied = self.applied or RESTART, None

@@ -22,7 +22,7 @@ import hmac
 import json
 import secrets
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,8 @@ AUDIT_FIELDS = ("seq", "ts", "event", "session", "actor", "tool", "op", "tables"
                 "grant_id", "detail")
 #: The event recorded when a session's grants end with it (deleted, expired, evicted).
 GRANTS_DROPPED = "grants_dropped"
+#: The event recorded when a stored grant that is not the server's is found and ignored.
+GRANT_FORGED = "grant_forged"
 META_TABLE = "CREATE TABLE IF NOT EXISTS audit_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 
 
@@ -95,6 +97,13 @@ class AuditRecord:
                detail: str = "") -> AuditRecord:
         return cls("revoke", actor, session, tool, op, tuple(tables), outcome="revoked", grant_id=grant_id,
                    detail=detail)
+
+    @classmethod
+    def grant_forged(cls, session: str, grant_id: str, where: str, why: str) -> AuditRecord:
+        """A stored grant that is not the server's (copied from another session or store, edited, replayed
+        after its revocation) was found where grants are loaded from, and ignored."""
+        return cls(GRANT_FORGED, "agent-mcp", session, outcome="ignored (forged)", grant_id=grant_id,
+                   detail=f"{where}: {why}")
 
     @classmethod
     def grants_dropped(cls, session: str) -> AuditRecord:
@@ -171,8 +180,16 @@ def start_mac(key: bytes, log_id: str, unkeyed: int, unkeyed_last: str) -> str:
     return _mac(key, f"start:{log_id}:{unkeyed}:{unkeyed_last}")
 
 
-def grant_mac(key: bytes, record: str) -> str:
-    """The MAC of a stored grant (its JSON record): a row added or edited by hand does not carry a valid one."""
+def grant_mac(key: bytes, store: str, session: str, record: str) -> str:
+    """The MAC of a stored grant: its JSON record, bound to the store that keeps it (`sqlite:<log id>`,
+    `redis:<prefix>`) and the session it is kept under, so a row added, edited, or copied into another
+    session or store does not carry a valid one."""
+    return _mac(key, "grant-v2:" + json.dumps([store, session]) + "\n" + record)
+
+
+def legacy_grant_mac(key: bytes, record: str) -> str:
+    """The MAC of a grant row written before grants were bound to their store and session (checked, never
+    written any more: such a row counts only when the verified chain also backs it)."""
     return _mac(key, "grant:" + record)
 
 
@@ -205,6 +222,28 @@ class Head:
         return head
 
 
+#: What precedes a head on a line of the server's log (and of `agentctl audit-head`).
+HEAD_LINE = "audit head "
+
+
+def heads_in(text: str) -> list[tuple[str, int]]:
+    """The sealed heads in a text (a head file, `agentctl audit-head` output, the server's log), each with its
+    line number: a line that is a head, or that holds `audit head {…}`; other lines are passed over."""
+    found, decoder = [], json.JSONDecoder()
+    for number, line in enumerate(text.splitlines(), 1):
+        start = line.find(HEAD_LINE)
+        start = line.find("{", start) if start >= 0 else (0 if line.lstrip().startswith("{") else -1)
+        if start < 0:
+            continue
+        try:
+            value, _ = decoder.raw_decode(line.lstrip() if start == 0 else line[start:])
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and {"log", "count", "last", "mac"} <= set(value):
+            found.append((json.dumps(value, sort_keys=True), number))
+    return found
+
+
 def write_head(path: Path, head: Head, key: bytes) -> None:
     write_private(path, (head.sealed(key) + "\n").encode())
 
@@ -233,24 +272,41 @@ class Verified:
     #: a stored row of one of those is never honoured again, however valid its MAC (a replayed row).
     revoked: set[str] = field(default_factory=set)
     dropped: dict[str, int] = field(default_factory=dict)
+    #: The session each grant record names (grant id → session).
+    grant_sessions: dict[str, str] = field(default_factory=dict)
+    #: Where the heads it was checked against came from (the head file first).
+    heads: list[str] = field(default_factory=list)
 
     def backs(self, grant_id: str, session: str, audit_seq: int) -> bool:
-        """Whether the chain holds this grant's record and neither its revocation nor its session's end."""
-        return (self.grant_records.get(grant_id) == audit_seq and grant_id not in self.revoked
-                and self.dropped.get(session, 0) < audit_seq)
+        """Whether the chain holds this grant's record, for this session, and neither its revocation nor its
+        session's end."""
+        return self.why_not(grant_id, session, audit_seq) is None
+
+    def why_not(self, grant_id: str, session: str, audit_seq: int) -> str | None:
+        """Why the chain does not back this grant (None when it does), for a log line or audit-verify."""
+        if self.grant_records.get(grant_id) != audit_seq:
+            return "its grant record is not in the verified audit chain"
+        if self.grant_sessions.get(grant_id, session) != session:
+            return f"its grant record is of session {self.grant_sessions[grant_id]}, not {session}"
+        if grant_id in self.revoked:
+            return "it was revoked (a copy put back after its revocation)"
+        if self.dropped.get(session, 0) >= audit_seq:
+            return "its session's grants ended (a copy put back after the session ended)"
+        return None
 
 
 def read_meta(db: sqlite3.Connection) -> dict[str, str]:
     try:
         return dict(db.execute("SELECT key, value FROM audit_meta"))
-    except sqlite3.OperationalError:
+    except sqlite3.DatabaseError:  # no table, or not an SQLite file: verify_log says which
         return {}
 
 
 def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str], head: Head | None,
-                where: str) -> Verified:
-    """Check `(…AUDIT_FIELDS, prev, mac)` rows in seq order against the log's meta and its checkpointed `head`;
-    AuditError names the first record that breaks the chain, or how the log differs from its head."""
+                where: str, others: Sequence[tuple[Head, str]] = ()) -> Verified:
+    """Check `(…AUDIT_FIELDS, prev, mac)` rows in seq order against the log's meta and its checkpointed `head`,
+    then against every head of `others` (head, where it was found) of this log; AuditError names the first
+    record that breaks the chain, or how the log differs from a head."""
     log_id, unkeyed = meta.get("log_id", ""), int(meta.get("unkeyed", "0") or 0)
     if meta.get("format") != FORMAT or not log_id:
         raise AuditError("the log has no keyed-chain header (audit_meta): the file was replaced or damaged")
@@ -263,6 +319,10 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
     prev, expected = GENESIS, 1
     at_head = start_mac(key, log_id, unkeyed, GENESIS) if unkeyed == 0 else None
     grant_records: dict[str, int] = {}
+    grant_sessions: dict[str, str] = {}
+    others = [(h, w) for h, w in others if h.log_id == log_id]
+    wanted = {h.count for h, _ in others}
+    at: dict[int, str] = {0: start_mac(key, log_id, 0, GENESIS)} if unkeyed == 0 else {}
     revoked: set[str] = set()
     dropped: dict[str, int] = {}
     for row in rows:
@@ -284,12 +344,15 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
                              "without the key")
         if fields[2] == "grant" and fields[10]:
             grant_records[str(fields[10])] = seq
+            grant_sessions[str(fields[10])] = str(fields[3] or "")
         elif fields[2] == "revoke" and fields[10]:
             revoked.add(str(fields[10]))
         elif fields[2] == GRANTS_DROPPED:
             dropped[str(fields[3])] = seq
         if seq == head.count:
             at_head = stored
+        if seq in wanted:
+            at[seq] = stored
         prev, expected = stored, expected + 1
     count = expected - 1
     if count < max(head.count, unkeyed):
@@ -298,16 +361,27 @@ def verify_rows(rows: Iterable[tuple[Any, ...]], key: bytes, meta: dict[str, str
     if at_head is None or not hmac.compare_digest(at_head, head.last):
         raise AuditError(f"record {head.count} is not the one its head recorded: the log was replaced or "
                          "rewritten")
+    for other, found_in in others:
+        if other.count > count:
+            raise AuditError(f"the log has {count} records but the head {found_in} says {other.count}: the tail "
+                             f"was cut ({other.count - count} records missing) and {where} put back to match, or "
+                             "the log and its head replaced by an older copy")
+        if other.count not in at or not hmac.compare_digest(at[other.count], other.last):
+            raise AuditError(f"record {other.count} is not the one the head {found_in} recorded: the log was "
+                             "replaced or rewritten")
     last = prev if count > unkeyed else start_mac(key, log_id, unkeyed, prev)
-    return Verified(Head(log_id, count, last), grant_records, unkeyed, count - head.count, revoked, dropped)
+    heads = [where, *dict.fromkeys(w for _, w in others)]
+    return Verified(Head(log_id, count, last), grant_records, unkeyed, count - head.count, revoked, dropped,
+                    grant_sessions, heads)
 
 
-def verify_log(db: sqlite3.Connection, key: bytes, head: Head | None, where: str) -> Verified:
-    """Verify an open log against its head (`where`: the head's file); AuditError (one line) when anything does
-    not hold."""
+def verify_log(db: sqlite3.Connection, key: bytes, head: Head | None, where: str,
+               others: Sequence[tuple[Head, str]] = ()) -> Verified:
+    """Verify an open log against its head (`where`: the head's file) and `others` (heads kept elsewhere);
+    AuditError (one line) when anything does not hold."""
     try:
         rows = db.execute(f"SELECT {', '.join(AUDIT_FIELDS)}, prev, hash FROM audit ORDER BY seq")
-        return verify_rows(rows, key, read_meta(db), head, where)
+        return verify_rows(rows, key, read_meta(db), head, where, others)
     except sqlite3.DatabaseError as exc:
         raise AuditError(f"not a readable audit log ({exc}): it is damaged or not an SQLite file; "
                          "restore it from a backup") from None

@@ -9,8 +9,10 @@ The audit log is one append-only table in the same file: every gate decision, gr
 grant, revocation and gate-policy change, chained with a keyed MAC and checkpointed outside the file
 (`audit_chain`), so a changed, missing, added or cut record is found (`verify_file`, `agentctl
 audit-verify`). Records name who, what and when, and hold a digest of the arguments, never the
-arguments themselves. A grant is honoured only while its row carries a valid MAC and its grant record
-is in the verified chain: a row added or edited by hand (in the file or in Redis) is ignored.
+arguments themselves. A grant is honoured only in the session and store its MAC binds it to (`sqlite:<log
+id>` for the file, `redis:<prefix>` for Redis), while its grant record is in the verified chain and no
+revocation of its id is known: a row added, edited, copied into another session or store, or put back
+after its revocation is ignored, with a warning and a `grant_forged` audit record.
 """
 
 from __future__ import annotations
@@ -37,12 +39,26 @@ from audit_chain import AUDIT_FIELDS, GENESIS, AuditError, AuditRecord, Head
 from decisions import DECISIONS, DEFAULT_MINUTES, GRANT_SCOPES, MAX_MINUTES, PATTERN, TIMED
 
 logger = logging.getLogger("agent_mcp.grants")
+#: The audit head at start and stop: logged whatever the server's log level, for `agentctl audit-verify --log`.
+head_logger = logging.getLogger("agent_mcp.grants.head")
+head_logger.setLevel(logging.INFO)
 
 #: The gate key of a statement that could not be analysed (sql.ANY_TABLE): never covered by a grant.
 ANY = "*"
 AUDIT_FILE = "audit.sqlite3"
 #: With several instances on one Redis, a session's grants are kept there at most this long after a change.
 SHARED_SECONDS = 30 * 86400
+#: The Redis value format whose MAC binds the grant to its prefix and session (older ones are not honoured).
+SHARED_FORMAT = 2
+#: Share a grant (KEYS: its session's hash, the revoked ids, the owners; ARGV: id, value, session, seconds) unless
+#: its id was revoked: a use counted on one instance must not put back a grant another one just revoked.
+_SET_UNLESS_REVOKED = """if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) return 1"""
+#: A session's grants (KEYS[1]) with, for each, whether its id was revoked (KEYS[2]): id, value, 0|1, … in one trip.
+_GRANTS_AND_REVOKED = """local rows, out = redis.call('HGETALL', KEYS[1]), {}
+for i = 1, #rows, 2 do out[#out + 1] = rows[i] out[#out + 1] = rows[i + 1]
+out[#out + 1] = redis.call('HEXISTS', KEYS[2], rows[i]) end return out"""
 
 
 class GrantError(ValueError):
@@ -171,7 +187,12 @@ class GrantStore(stores.SqliteFile):
         self._lock: int | None = None
         self.grants: dict[str, list[Grant]] = {}
         self._last: tuple[int, str] = (0, GENESIS)
-        self._ignored: set[str] = set()
+        #: The head of what is committed to the file (`_last` runs ahead of it by what is queued).
+        self._committed: tuple[int, str] = (0, GENESIS)
+        self._ignored: set[tuple[str, str]] = set()
+        #: Grants known to be revoked or ended (the chain, this process, Redis tombstones): no copy counts again.
+        self._revoked: set[str] = set()
+        self._deferred: list[AuditRecord] = []
         self._queue: asyncio.Queue[tuple[str, tuple[Any, ...], tuple[int, str] | None] | asyncio.Future[None]
                                    | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
@@ -237,13 +258,14 @@ class GrantStore(stores.SqliteFile):
             migrated = await self._start_chain(db, rows)
         verified = await asyncio.to_thread(self._verify)
         self._log_id, self._last = verified.head.log_id, (verified.head.count, verified.head.last)
+        self._revoked |= verified.revoked
         if verified.after_checkpoint:
             logger.warning("audit log %s: %d record(s) were written after the last checkpointed head (the server "
                            "stopped between the two); the head is moved on", self.path, verified.after_checkpoint)
         now = self.clock()
-        async with db.execute("SELECT id, record, mac FROM grants") as cur:
-            async for grant_id, record, mac in cur:
-                grant = self._backed(grant_id, record, mac, verified, migrated)
+        async with db.execute("SELECT id, session, record, mac FROM grants") as cur:
+            async for grant_id, session, record, mac in cur:
+                grant = self._backed(grant_id, session, record, mac, verified, migrated)
                 if grant is not None and grant.active(now):
                     self.grants.setdefault(grant.session, []).append(grant)
         # Ended and unbacked grants stay in the audit log; the table keeps only those that can still allow.
@@ -253,9 +275,13 @@ class GrantStore(stores.SqliteFile):
             for grant in grants:
                 await db.execute(*self._grant_row(grant))
         await db.commit()
-        self._checkpoint(Head(self._log_id, *self._last))
+        self._committed = self._last
+        self._checkpoint(Head(self._log_id, *self._last), "at start")
         if migrated is not None:
             self.audit(AuditRecord.migrated(migrated))
+        for record in self._deferred:
+            self.audit(record)
+        self._deferred.clear()
 
     async def _start_chain(self, db: Any, rows: int) -> int | None:
         """Give a new log (or one written before the key) its id and keyed-chain header; returns how many
@@ -301,43 +327,49 @@ class GrantStore(stores.SqliteFile):
                                  f"{self.path} and {self.head_file} aside (keep them as evidence) to start a new "
                                  "log") from None
 
-    def _backed(self, grant_id: str, record: str, mac: str, verified: audit_chain.Verified, migrated: int | None
-                ) -> Grant | None:
-        """The stored grant if its row is the server's (valid MAC) and its grant record is in the chain."""
-        try:
-            grant = from_record(record)
-        except (ValueError, KeyError, TypeError):
-            grant = None
-        old = verified.grant_records.get(grant.id) if grant is not None else None
-        if grant is not None and migrated is not None and not mac and old is not None:
-            grant.audit_seq = old  # written before the key: backed by its record in the old chain
-            return grant if verified.backs(grant.id, grant.session, old) else None
-        if (grant is None or grant.id != grant_id or not hmac.compare_digest(
-                audit_chain.grant_mac(self._key, canonical(grant)), mac or "")
-                or not verified.backs(grant.id, grant.session, grant.audit_seq)):
-            self._ignore(grant_id, str(self.path))
-            return None
+    def _backed(self, grant_id: str, session: str, record: str, mac: str, verified: audit_chain.Verified,
+                migrated: int | None) -> Grant | None:
+        """The stored grant if its row is the server's (its MAC binds it to this log and session) and its grant
+        record is in the chain; otherwise None, logged and audited as a forgery."""
+        grant, why = stored_grant(self._key, self.store_id, session, grant_id, record, mac, verified, migrated)
+        if grant is None:
+            self._forged(grant_id, session, f"{self.path} (grants table)", why)
         return grant
 
-    def _ignore(self, grant_id: str, where: str) -> None:
-        if grant_id not in self._ignored:
-            self._ignored.add(grant_id)
-            logger.error("grant %s in %s is ignored: it is not backed by its grant record in the verified audit "
-                         "chain (added or edited by hand, or written with another audit key)", grant_id[:32], where)
+    @property
+    def store_id(self) -> str:
+        """What the MAC of this file's grant rows binds them to: this log (its id)."""
+        return f"sqlite:{self._log_id}"
+
+    def _forged(self, grant_id: str, session: str, where: str, why: str) -> None:
+        """A stored grant that is not the server's, found where grants are loaded: a warning and an audit record,
+        once per copy and process."""
+        if (grant_id, where) in self._ignored:
+            return
+        self._ignored.add((grant_id, where))
+        logger.warning("grant %s found in %s for session %s is ignored as a forgery: %s", _shown(grant_id),
+                       where, _shown(session), why)
+        record = AuditRecord.grant_forged(session[:200], grant_id[:64], where, why)
+        if self._writer is None:  # found while opening: recorded after the head of the verified chain
+            self._deferred.append(record)
+        else:
+            self.audit(record)
 
     def _grant_row(self, grant: Grant) -> tuple[str, tuple[Any, ...]]:
         record = canonical(grant)
         return ("INSERT OR REPLACE INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)",
-                (grant.id, grant.session, record, audit_chain.grant_mac(self._key, record)))
+                (grant.id, grant.session, record, audit_chain.grant_mac(self._key, self.store_id, grant.session,
+                                                                        record)))
 
-    def _checkpoint(self, head: Head) -> None:
+    def _checkpoint(self, head: Head, when: str = "") -> None:
         """Write the head where the log cannot reach it: the head file and the server log (Redis: `_write`)."""
         try:
             audit_chain.write_head(self.head_file, head, self._key)
         except OSError as exc:
             logger.error("writing the audit head %s failed (%s): audit-verify will report a cut tail until the "
                          "next write succeeds", self.head_file, exc.strerror or exc)
-        logger.info("audit head %s", head.sealed(self._key))
+        # The start and stop lines are logged whatever the log level (head_logger): audit-verify --log reads them.
+        (head_logger if when else logger).info("audit head %s%s", head.sealed(self._key), f" ({when})" if when else "")
 
     async def _write(self) -> None:
         db = self._conn()
@@ -357,6 +389,7 @@ class GrantStore(stores.SqliteFile):
                 head = None
             if head is not None:
                 sealed = Head(self._log_id, *head)
+                self._committed = head
                 self._checkpoint(sealed)
                 await self._share_head(sealed)
             for work in batch:
@@ -386,6 +419,7 @@ class GrantStore(stores.SqliteFile):
         if self._writer is not None and not self._writer.done():
             self._queue.put_nowait(None)
             await self._writer
+            self._checkpoint(Head(self._log_id, *self._committed), "at stop")  # what is in the file
         if self._sharer is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2):
@@ -412,21 +446,27 @@ class GrantStore(stores.SqliteFile):
             batch = [await self._shared.get()]
             while not self._shared.empty():
                 batch.append(self._shared.get_nowait())
-            pipe = r.pipeline(transaction=True)
-            for op, value in batch:
-                if op == "set":
-                    key = self.link.key("grants", value.session)
-                    record = canonical(value)
-                    pipe.hset(key, value.id, json.dumps({"record": record,
-                                                         "mac": audit_chain.grant_mac(self._key, record)}))
-                    pipe.expire(key, SHARED_SECONDS)
-                    pipe.hset(self.link.key("grant-owners"), value.id, value.session)
-                elif op == "del":
-                    pipe.hdel(self.link.key("grants", value.session), value.id)
-                    pipe.hdel(self.link.key("grant-owners"), value.id)
-                else:  # "drop": a session's grants end with it
-                    pipe.delete(self.link.key("grants", value))
+            tombs = self.link.key("grants-revoked")
             try:
+                # A session's grants given on other instances end with it too: their ids are tombstoned below.
+                dropped = {s: await r.hkeys(self.link.key("grants", s)) for op, s in batch if op == "drop"}
+                pipe = r.pipeline(transaction=True)
+                for op, value in batch:
+                    if op == "set":  # not over a revoke made meanwhile on another instance (a use in flight)
+                        pipe.eval(_SET_UNLESS_REVOKED, 3, self.link.key("grants", value.session), tombs,
+                                  self.link.key("grant-owners"), value.id, self._shared_value(value), value.session,
+                                  SHARED_SECONDS)
+                    elif op == "del":
+                        pipe.hdel(self.link.key("grants", value.session), value.id)
+                        pipe.hdel(self.link.key("grant-owners"), value.id)
+                        # Recorded by id: a copy of the entry, anywhere, is never honoured again (`refresh`).
+                        pipe.hset(tombs, value.id, value.session)
+                        pipe.expire(tombs, SHARED_SECONDS)
+                    else:  # "drop": a session's grants end with it
+                        pipe.delete(self.link.key("grants", value))
+                        if dropped.get(value):
+                            pipe.hset(tombs, mapping=dict.fromkeys(dropped[value], value))
+                            pipe.expire(tombs, SHARED_SECONDS)
                 await pipe.execute()
             except Exception:  # Redis unreachable: the instance says so elsewhere; these changes are lost
                 logger.exception("sharing %d grant change(s) through Redis failed", len(batch))
@@ -439,28 +479,41 @@ class GrantStore(stores.SqliteFile):
         if self.link is None:
             return
         await self._shared_idle.wait()  # this instance's own changes first
+        key = self.link.key("grants", session)
         with self.link.calling():
-            rows = await self.link.client.hgetall(self.link.key("grants", session))
+            flat = await self.link.client.eval(_GRANTS_AND_REVOKED, 2, key, self.link.key("grants-revoked"))
+        rows = {flat[i]: flat[i + 1] for i in range(0, len(flat), 3)}
+        self._revoked |= {flat[i] for i in range(0, len(flat), 3) if flat[i + 2]}
         now = self.clock()
-        where = f"Redis ({self.link.key('grants', session)})"
-        found = [g for g in (self._shared_grant(i, r, where) for i, r in rows.items()) if g and g.active(now)]
+        found = [g for g in (self._shared_grant(session, i, r, f"Redis ({key})") for i, r in rows.items())
+                 if g and g.active(now)]
         if found:
             self.grants[session] = sorted(found, key=lambda g: g.created)
         else:
             self.grants.pop(session, None)
 
-    def _shared_grant(self, grant_id: str, value: str, where: str) -> Grant | None:
-        """A grant read from Redis, if an instance holding the audit key wrote it (its MAC holds)."""
-        try:
-            data = json.loads(value)
-            record, mac = str(data["record"]), str(data["mac"])
-            grant = from_record(record)
-        except (ValueError, KeyError, TypeError):
-            grant, record, mac = None, "", ""
-        if grant is None or grant.id != grant_id or not hmac.compare_digest(
-                audit_chain.grant_mac(self._key, record), mac):
-            self._ignore(grant_id, where)
-            return None
+    def _shared_value(self, grant: Grant) -> str:
+        """A grant as kept in Redis: its record and a MAC binding it to this prefix and its session."""
+        record = canonical(grant)
+        return json.dumps({"v": SHARED_FORMAT, "record": record,
+                           "mac": audit_chain.grant_mac(self._key, self.shared_id, grant.session, record)})
+
+    @property
+    def shared_id(self) -> str:
+        """What the MAC of a grant kept in Redis binds it to: the key prefix of this Redis store."""
+        return f"redis:{self.link.prefix}"
+
+    def _shared_grant(self, session: str, grant_id: str, value: str, where: str) -> Grant | None:
+        """A grant read from Redis, if an instance holding the audit key wrote it for this prefix and session
+        and it is not known to be revoked; otherwise None (a forgery: warned and audited)."""
+        grant, why = shared_grant(self._key, self.shared_id, session, grant_id, value, grant_id in self._revoked)
+        if grant is None and why == OLDER_FORMAT:
+            if (grant_id, where) not in self._ignored:
+                self._ignored.add((grant_id, where))
+                logger.warning("grant %s in %s was written by an earlier version (not bound to its session): it "
+                               "is not honoured; give it again", _shown(grant_id), where)
+        elif grant is None:
+            self._forged(grant_id, session, where, why)
         return grant
 
     async def refresh_all(self) -> None:
@@ -495,8 +548,8 @@ class GrantStore(stores.SqliteFile):
              pattern: Callable[[], str]) -> Grant | None:
         now = self.clock()
         keys = tuple(keys)
-        return next((g for g in self.grants.get(session, ()) if g.covers(tool, section, keys, op, pattern, now)),
-                    None)
+        return next((g for g in self.grants.get(session, ()) if g.session == session and g.id not in self._revoked
+                     and g.covers(tool, section, keys, op, pattern, now)), None)
 
     def owner(self, grant_id: str) -> str | None:
         """The session an active grant belongs to, or None."""
@@ -522,6 +575,7 @@ class GrantStore(stores.SqliteFile):
         ended = [g for g in self.active(session) if which in ("all", g.id)]
         for grant in ended:
             grant.revoked = now
+            self._revoked.add(grant.id)
             self._queue.put_nowait(("DELETE FROM grants WHERE id = ?", (grant.id,), None))
             self._share("del", grant)
             self.audit(AuditRecord.revoke(session, actor, grant.tool, grant.op,
@@ -537,7 +591,8 @@ class GrantStore(stores.SqliteFile):
 
     def forget(self, session: str) -> None:
         """A deleted session's grants end with it (a later session with the same id starts with none)."""
-        if self.grants.pop(session, None) is not None:
+        if (ended := self.grants.pop(session, None)) is not None:
+            self._revoked |= {g.id for g in ended}
             self._queue.put_nowait(("DELETE FROM grants WHERE session = ?", (session,), None))
             # In the chain, so a row of this session put back by hand is not honoured again.
             self.audit(AuditRecord.grants_dropped(session))
@@ -559,6 +614,59 @@ class GrantStore(stores.SqliteFile):
         self._last = (seq, mac)
         self._queue.put_nowait((self._INSERT, (*fields, prev, mac), (seq, mac)))
         return seq
+
+
+#: Why `shared_grant` passes over a Redis value written before grants were bound (not a forgery).
+OLDER_FORMAT = "written by an earlier version"
+
+
+def _shown(text: str) -> str:
+    """A stored id or session as a log line shows it: quoted, cut short (it may be an attacker's)."""
+    return repr(str(text)[:64])
+
+
+def stored_grant(key: bytes, store: str, session: str, grant_id: str, record: str, mac: str | None,
+                 verified: audit_chain.Verified | None, migrated: int | None = None) -> tuple[Grant | None, str]:
+    """The grant a stored row holds, kept under `grant_id` for `session` in `store`, if it is the server's:
+    its MAC binds it there and, with `verified` (the chain of the file that keeps it), its grant record is
+    in that chain and it was not revoked or ended. Else (None, why)."""
+    try:
+        grant = from_record(record)
+    except (ValueError, KeyError, TypeError):
+        return None, "its record is not a grant record"
+    if grant.id != grant_id:
+        return None, f"it holds the record of grant {_shown(grant.id)} (copied or edited by hand)"
+    if grant.session != session:
+        return None, f"it holds a grant of session {_shown(grant.session)} (copied into another session)"
+    old = verified.grant_records.get(grant.id) if verified is not None else None
+    if migrated is not None and not mac and old is not None:
+        grant.audit_seq = old  # written before the key: backed by its record in the old chain
+    elif not hmac.compare_digest(audit_chain.grant_mac(key, store, session, record), mac or ""):
+        # A row written before grants were bound to their store counts only while the chain backs it.
+        if verified is None or not hmac.compare_digest(audit_chain.legacy_grant_mac(key, record), mac or ""):
+            return None, ("its MAC does not hold for this store and session (copied from another store or "
+                          "session, edited by hand, or written with another audit key)")
+    why = verified.why_not(grant.id, session, grant.audit_seq) if verified is not None else None
+    return (None, why) if why else (grant, "")
+
+
+def shared_grant(key: bytes, store: str, session: str, grant_id: str, value: str, revoked: bool
+                 ) -> tuple[Grant | None, str]:
+    """The grant a Redis value holds, kept under `grant_id` in `session`'s hash of `store` (`redis:<prefix>`),
+    if an instance holding the audit key wrote it there and it is not `revoked`; else (None, why), why being
+    OLDER_FORMAT for an honest value of an earlier version."""
+    try:
+        data = json.loads(value)
+        record, mac = str(data["record"]), str(data["mac"])
+    except (ValueError, KeyError, TypeError):
+        return None, "its value is not a grant entry"
+    grant, why = stored_grant(key, store, session, grant_id, record, mac, None)
+    if grant is None and data.get("v") != SHARED_FORMAT:
+        if hmac.compare_digest(audit_chain.legacy_grant_mac(key, record), mac) and why.startswith("its MAC"):
+            return None, OLDER_FORMAT
+    if grant is not None and revoked:
+        return None, "it was revoked (a copy put back after its revocation)"
+    return grant, why
 
 
 def from_record(record: str) -> Grant:

@@ -33,6 +33,7 @@ import grants
 import routes
 import state
 import stores
+from audit_chain import AuditRecord
 from config import load_config
 from tests.conftest import ConfigDir
 
@@ -75,11 +76,15 @@ async def run(args: argparse.Namespace) -> None:
         try:
             store = granted.gate.grants
             assert store is not None
-            for n in range(args.grants):  # other grants of the session the lookup passes over
-                store.add(grants.new_grant("s", grants.Decision(decisions.TIMED, "bench", 60), "db_query", "db",
-                                                 [f"table_{n}"], "write"))
-            store.add(grants.new_grant("s", grants.Decision(decisions.SESSION, "bench"), "db_query", "db",
-                                             ["users"], "write"))
+            given = [grants.new_grant("s", grants.Decision(decisions.TIMED, "bench", 60), "db_query", "db",
+                                      [f"table_{n}"], "write")  # other grants of the session the lookup passes over
+                     for n in range(args.grants)]
+            given.append(grants.new_grant("s", grants.Decision(decisions.SESSION, "bench"), "db_query", "db",
+                                          ["users"], "write"))
+            for grant in given:  # each backed by its grant record, as the gate gives them (audit-verify checks)
+                call = AuditRecord.call("s", "db_query", "write", grant.keys)
+                grant.audit_seq = store.audit(call.grant("bench", "granted", grant.id))
+                store.add(grant)
             calls = {"baseline": (base, routes.Request("s", client_classes.UNKNOWN).turn()),
                      "grant": (granted, routes.Request("s", client_classes.UNKNOWN).turn())}
             for rt, turn in calls.values():
@@ -96,7 +101,7 @@ async def run(args: argparse.Namespace) -> None:
                         times[name].append(elapsed)
             await store.flush()
             records = audit_log.verify_file(granted.config.data_dir() / grants.AUDIT_FILE).head.count
-            assert records == args.calls + 100
+            assert records == args.calls + 100 + len(given)
         finally:
             await build.close_runtime(base)
             await build.close_runtime(granted)

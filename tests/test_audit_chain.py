@@ -243,6 +243,29 @@ def _key_replaced(cfg: Path) -> None:
     os.chmod(cfg / "data" / audit_chain.KEY_FILE, 0o600)
 
 
+def _grant_row_forged(cfg: Path) -> None:
+    """A grants row added by hand: the real grant's record widened to another table, under a new id."""
+    with _db(cfg) as db:
+        (record, mac) = db.execute("SELECT record, mac FROM grants").fetchone()
+        forged = {**json.loads(record), "id": "gforged", "keys": ["salaries"]}
+        db.execute("INSERT INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)",
+                   ("gforged", "c1", json.dumps(forged, sort_keys=True), mac))
+
+
+def _grant_row_moved(cfg: Path) -> None:
+    with _db(cfg) as db:
+        db.execute("UPDATE grants SET session = 'c9'")
+
+
+def _grant_row_replayed(cfg: Path) -> None:
+    """The grant revoked (offline, audited), then its saved row put back: a valid MAC, a revoke in the chain."""
+    with _db(cfg) as db:
+        saved = db.execute("SELECT id, session, record, mac FROM grants").fetchone()
+    audit_log.revoke_offline(cfg / "data" / grants.AUDIT_FILE, "all", actor="agentctl")
+    with _db(cfg) as db:
+        db.execute("INSERT INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)", saved)
+
+
 #: (case, damage, what the one line must say)
 TAMPERING = [
     ("edited record", _edit, "record 3 does not match its MAC"),
@@ -267,15 +290,18 @@ TAMPERING = [
     ("key missing", _key_missing, "does not exist"),
     ("key readable by others", _key_readable, "run chmod 600"),
     ("key replaced", _key_replaced, "does not match its MAC"),
+    ("grants row forged", _grant_row_forged, "grant 'gforged' of session 'c1': its MAC does not hold"),
+    ("grants row moved to another session", _grant_row_moved, "of session 'c9': it holds a grant of session 'c1'"),
+    ("grants row put back after its revoke", _grant_row_replayed, "put back after its revocation"),
 ]
 
 
-def _verify(cfg: Path, capsys) -> tuple[int, str, str]:
+def _verify(cfg: Path, capsys, *options: str, command: str = "audit-verify") -> tuple[int, str, str]:
     """`agentctl audit-verify` through its main; the logger it sets up for itself is put back afterwards."""
     logger = logging.getLogger("agent_mcp")
     handlers, propagate = logger.handlers[:], logger.propagate
     try:
-        code = agentctl.main(["--config-dir", str(cfg), "audit-verify"])
+        code = agentctl.main(["--config-dir", str(cfg), command, *options])
     finally:
         logger.handlers[:], logger.propagate = handlers, propagate
     out = capsys.readouterr()
@@ -364,10 +390,12 @@ def test_a_grant_row_not_backed_by_its_record_is_ignored_after_a_restart(real_lo
         finally:
             await store.close()
 
-    with caplog.at_level("ERROR", logger="agent_mcp.grants"):
+    with caplog.at_level("WARNING", logger="agent_mcp.grants"):
         assert asyncio.run(run()) == []
-    ignored = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
-    assert len(ignored) == 3 and all("not backed by its grant record" in m for m in ignored)
+    ignored = [r.getMessage() for r in caplog.records if "is ignored as a forgery" in r.getMessage()]
+    assert len(ignored) == 3 and all("its MAC does not hold" in m for m in ignored), ignored
+    forged = [r for r in audit_log.read_audit(path) if r["event"] == audit_chain.GRANT_FORGED]
+    assert sorted(r["grant_id"] for r in forged) == sorted(["gforged", "gnomac", real["id"]])
 
 
 def test_a_grant_with_a_valid_mac_but_no_record_in_the_chain_is_ignored(real_log, tmp_path, caplog) -> None:
@@ -378,8 +406,9 @@ def test_a_grant_with_a_valid_mac_but_no_record_in_the_chain_is_ignored(real_log
     grant.audit_seq = 3  # a record of the chain, but not this grant's
     record = grants.canonical(grant)
     with _db(cfg) as db:
+        (log_id,) = db.execute("SELECT value FROM audit_meta WHERE key = 'log_id'").fetchone()
         db.execute("INSERT INTO grants (id, session, record, mac) VALUES (?, ?, ?, ?)",
-                   (grant.id, "c1", record, audit_chain.grant_mac(key, record)))
+                   (grant.id, "c1", record, audit_chain.grant_mac(key, f"sqlite:{log_id}", "c1", record)))
 
     async def run() -> list[str]:
         store = grants.GrantStore(cfg / "data" / grants.AUDIT_FILE)
@@ -389,10 +418,11 @@ def test_a_grant_with_a_valid_mac_but_no_record_in_the_chain_is_ignored(real_log
         finally:
             await store.close()
 
-    with caplog.at_level("ERROR", logger="agent_mcp.grants"):
+    with caplog.at_level("WARNING", logger="agent_mcp.grants"):
         active = asyncio.run(run())
     assert grant.id not in active and len(active) == 1  # the real grant still holds
-    assert any(grant.id in r.getMessage() for r in caplog.records)
+    assert any(grant.id in r.getMessage() and "not in the verified audit chain" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_log_written_before_the_key_is_taken_over_and_then_protected(tmp_path, capsys) -> None:
@@ -476,10 +506,10 @@ async def test_a_grant_written_into_redis_by_hand_is_ignored(tmp_path, fake_open
         key = link.key("grants", "c1")
         await link.client.hset(key, forged.id, json.dumps({"record": record, "mac": "0" * 64}))
         await link.client.hset(key, "gplain", record)  # the format before MACs
-        with caplog.at_level("ERROR", logger="agent_mcp.grants"):
+        with caplog.at_level("WARNING", logger="agent_mcp.grants"):
             await store.refresh("c1")
         assert [g.id for g in store.active("c1")] == [real.id]
-        assert sum("is ignored" in r.getMessage() for r in caplog.records) == 2
+        assert sum("is ignored as a forgery" in r.getMessage() for r in caplog.records) == 2
         head = json.loads(await link.client.get(link.key("audit-head", store._log_id)))
         assert head["count"] == 1  # the head is checkpointed in Redis too
 
@@ -512,7 +542,7 @@ def test_a_log_and_head_rolled_back_together_are_caught_by_the_head_in_redis(tmp
     for name in (grants.AUDIT_FILE, audit_chain.HEAD_FILE):
         shutil.copy(backup / name, data / name)
     code, out, err = _verify(cfg.path, capsys)
-    assert code == 2 and "the head checkpointed in Redis says 5 records" in err, err + out
+    assert code == 2 and "but the head checkpointed in Redis says 5" in err, err + out
 
 
 def test_a_revoked_grants_row_put_back_is_not_honoured_again(real_log, tmp_path, caplog) -> None:
@@ -533,6 +563,135 @@ def test_a_revoked_grants_row_put_back_is_not_honoured_again(real_log, tmp_path,
         finally:
             await store.close()
 
-    with caplog.at_level("ERROR", logger="agent_mcp.grants"):
+    with caplog.at_level("WARNING", logger="agent_mcp.grants"):
         assert asyncio.run(run()) == []
-    assert any(saved[0] in r.getMessage() and "is ignored" in r.getMessage() for r in caplog.records)
+    assert any(saved[0] in r.getMessage() and "it was revoked" in r.getMessage() for r in caplog.records)
+
+
+# ── heads kept elsewhere: a rewound head file ─────────────────────────────────────────────────────────
+
+
+def test_a_rewound_head_and_a_cut_tail_are_caught_by_every_head_kept_elsewhere(tmp_path, capsys) -> None:
+    """The issue's case: the tail cut and an older copy of data/audit-head put back. The file and its head agree;
+    `agentctl audit-head` printed into a file outside data/ at each start, the server log's start/stop lines,
+    or a head passed on the command line do not."""
+    from tests.runtime import entry
+
+    cfg = ConfigDir(tmp_path / "cfg")
+    cfg.path.mkdir()
+    cfg.models = {"m": MODEL}
+    cfg.write()
+    data = cfg.path / "data"
+    heads, server_log = tmp_path / "kept" / "audit-heads", tmp_path / "kept" / "agent-mcp.log"
+    heads.parent.mkdir()
+
+    def session(records: int) -> None:
+        """One run of the server: its log as agent-mcp.py writes it at --log-level WARNING, then audit-head."""
+        root = logging.getLogger()
+        saved = root.handlers[:], root.level
+        handler = logging.FileHandler(server_log)
+        handler.setFormatter(entry()._FORMATTER)
+        root.handlers[:], root.level = [handler], logging.WARNING
+        try:
+            async def run() -> None:
+                store = grants.GrantStore(data / grants.AUDIT_FILE)
+                await store.open()
+                for _ in range(records):
+                    store.audit(AuditRecord.call("c1", "", "").decision("shell", "rejected"))
+                await store.close()
+
+            asyncio.run(run())
+        finally:
+            handler.close()
+            root.handlers[:], root.level = saved
+        code, out, err = _verify(cfg.path, capsys, command="audit-head")
+        assert code == 0, err
+        with heads.open("a") as kept:
+            kept.write(out)
+
+    session(3)
+    older_head = (data / audit_chain.HEAD_FILE).read_bytes()
+    session(4)
+    lines = [line for line in server_log.read_text().splitlines() if "audit head" in line]
+    assert [line.rsplit("(", 1)[-1] for line in lines] == ["at start)", "at stop)"] * 2, lines  # at WARNING too
+    (now,) = [line for line in heads.read_text().splitlines()][-1:]
+    assert now.startswith("audit head {") and '"count": 7' in now
+    # The honest log passes against every head.
+    code, out, err = _verify(cfg.path, capsys, "--head-file", str(heads), "--log", str(server_log), "--head", now)
+    assert code == 0, err
+    assert "7 records, chain intact" in out and f"{heads} line 2" in out and f"{server_log} line" in out
+    # Rewound: the tail cut to 3 records and the head file of that time put back.
+    with _db(cfg.path) as db:
+        db.execute("DELETE FROM audit WHERE seq > 3")
+    (data / audit_chain.HEAD_FILE).write_bytes(older_head)
+    code, out, err = _verify(cfg.path, capsys)
+    assert code == 0 and "checked against: " in out  # the file and its head alone agree: what the issue found
+    for options, where in [(("--head-file", str(heads)), f"{heads} line 2"),
+                           (("--log", str(server_log)), f"{server_log} line"),
+                           (("--head", now), "--head line 1")]:
+        code, out, err = _verify(cfg.path, capsys, *options)
+        assert code == 2, (options, out)
+        line = err.strip()
+        assert f"the log has 3 records but the head {where}" in line and "says 7: the tail was cut" in line, line
+        assert "\n" not in line and "Traceback" not in err
+    # audit-head refuses to print a head for a log that does not verify against what it can reach.
+    with _db(cfg.path) as db:
+        db.execute("UPDATE audit SET outcome = 'allowed' WHERE seq = 2")
+    code, out, err = _verify(cfg.path, capsys, command="audit-head")
+    assert code == 2 and "record 2 does not match its MAC" in err and "no head printed" in err and not out
+
+
+def test_head_options_that_hold_no_head_of_this_log_are_refused(real_log, tmp_path, capsys) -> None:
+    cfg = _copy(real_log, tmp_path)
+    empty = tmp_path / "empty"
+    empty.write_text("nothing here\n")
+    code, _, err = _verify(cfg, capsys, "--head-file", str(empty))
+    assert code == 2 and "holds no head, none of this log" in err, err
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(cfg / "data" / audit_chain.KEY_FILE, other / audit_chain.KEY_FILE)
+    _write_log(other, records=3)
+    code, _, err = _verify(cfg, capsys, "--head", (other / audit_chain.HEAD_FILE).read_text())
+    assert code == 2 and "only heads of other logs" in err, err
+    code, out, err = _verify(cfg, capsys, "--log", str(empty))  # a server log may hold none: passed over
+    assert code == 0 and str(empty) not in out, err
+    code, _, err = _verify(cfg, capsys, "--head-file", str(tmp_path / "missing"))
+    assert code == 1 and "cannot be read" in err, err
+    forged = json.loads((cfg / "data" / audit_chain.HEAD_FILE).read_text())
+    forged["count"] = 99
+    code, _, err = _verify(cfg, capsys, "--head", json.dumps(forged))
+    assert code == 2 and "--head line 1 does not match its MAC" in err, err
+
+
+def test_a_forged_grant_in_redis_fails_audit_verify(tmp_path, redis_store, capsys) -> None:
+    """With sessions on Redis, the grants kept there are part of what audit-verify checks."""
+    import redis
+
+    import shared_link
+
+    cfg = ConfigDir(tmp_path / "cfg")
+    cfg.path.mkdir()
+    cfg.models = {"m": MODEL}
+    cfg.env = {"SESSION_STORE": redis_store}
+    cfg.write()
+    data = cfg.path / "data"
+
+    async def write() -> None:
+        store = grants.GrantStore(data / grants.AUDIT_FILE)
+        store.link = shared_link.Link(redis_store)
+        await store.open()
+        grant = grants.new_grant("c1", grants.Decision("allow_session", "shell"), "db_query", "db", ["u"], "write")
+        grant.audit_seq = store.audit(AuditRecord.call("c1", "db_query", "write", ["u"]).grant("shell", "", grant.id))
+        store.add(grant)
+        await store.close()
+        await store.link.client.aclose()
+
+    asyncio.run(write())
+    code, out, err = _verify(cfg.path, capsys)
+    assert code == 0 and "1 grant(s) in Redis" in out, err
+    url, prefix = shared_link.split_prefix(redis_store)
+    with redis.Redis.from_url(url, decode_responses=True) as client:
+        ((grant_id, value),) = client.hgetall(prefix + "grants:c1").items()
+        client.hset(prefix + "grants:c4", grant_id, value)
+    code, out, err = _verify(cfg.path, capsys)
+    assert code == 2 and f"grant {grant_id!r} in {prefix}grants:c4: it holds a grant of session 'c1'" in err, err
