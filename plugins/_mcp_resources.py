@@ -40,7 +40,7 @@ def check_read(who: Principal, uri: str) -> str | None:
             raise forbidden(f"token '{who.name}' ({who.role}) may read only its own session {who.session}")
         return client_id
     if who.role != HUMAN:
-        raise forbidden(f"{uri[:120]} needs a human token")
+        raise forbidden(f"{uri[:120]} needs a human token; token '{who.name}' has role {who.role}")
     return None
 
 def resources_for(plugin: McpServerPlugin, who: Principal) -> list[Resource]:
