@@ -215,6 +215,9 @@ class _Click:
         gate_id = value if isinstance(value, str) else ""
         word = action_id[len(ACTION):] if isinstance(action_id, str) and action_id.startswith(ACTION) else ""
         base = cls(word, gate_id[:GATE_ID_CHARS], user, channel, thread_ts)
+        kind = payload.get("type")
+        if kind != "block_actions":
+            return dataclasses.replace(base, problem=f"malformed: a {str(kind)[:40]!r} payload is no button click")
         if not action:
             return dataclasses.replace(base, problem="malformed: no button in the click")
         if word not in decisions.DECISIONS:
@@ -312,12 +315,11 @@ class SlackApprovals:
 
     # ── clicks ──
 
-    def on_interactive(self, payload: dict[str, Any]) -> bool:
-        """An acked `interactive` envelope: True when it was a button click (a `block_actions` payload, which
-        only gate buttons send this app), handled in a task; a malformed one is refused there."""
-        if not isinstance(payload, dict) or payload.get("type") != "block_actions":
-            return False
-        task = asyncio.create_task(self._click(payload), name="slack-gate-click")
+    def on_interactive(self, payload: Any) -> bool:
+        """An acked `interactive` envelope, handled in a task (always True): this app's only interactive
+        elements are gate buttons, so anything else (another payload type, a malformed click) is refused there."""
+        task = asyncio.create_task(self._click(payload if isinstance(payload, dict) else {}),
+                                   name="slack-gate-click")
         self.clicks.add(task)
         task.add_done_callback(self.clicks.discard)
         return True

@@ -211,12 +211,13 @@ async def test_malformed_clicks_change_nothing_and_the_real_one_still_counts(bot
     async with asyncio.timeout(10):
         assert "REJECTED" in await call
     assert bot.recorder.calls == [] and bot.slack.ephemerals == []  # none said who and where: nobody to tell
-    # Each click that was no click of ours (all but the view submission, which is no click) is audited.
+    # Each of them is audited (the app's only interactive elements are gate buttons).
     refused = [r for r in await audit(bot) if r["event"] == "approval_refused"]
-    assert [r["outcome"].split(":")[0:2] for r in refused] == [["refused", " malformed"]] * 5
+    assert [r["outcome"].split(":")[0:2] for r in refused] == [["refused", " malformed"]] * len(hostile)
     assert refused[2]["actor"] == "slack:?" and refused[3]["actor"] == f"slack:{LEAD}"
     assert refused[3]["session"] == PROXY_ID and refused[3]["tool"] == "db_query"  # the gate it named
-    assert bot.plugin.approvals.stats["forged"] == 5
+    assert "'view_submission' payload is no button click" in refused[5]["outcome"]
+    assert bot.plugin.approvals.stats["forged"] == len(hostile)
 
 
 async def audit(bot: Bot) -> list[dict[str, Any]]:
