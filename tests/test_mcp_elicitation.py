@@ -438,3 +438,80 @@ async def test_answer_approval_takes_only_values_that_fit(mcp_server: McpServer)
         call_json(await approver.call_tool("answer_approval", {"gate_id": gate_id, "decision": "allow_once"}))
         out = call_json(await asyncio.wait_for(call, WAIT))
     assert out["text"] == "ada"
+
+
+async def test_a_routed_gate_left_mid_form_goes_to_its_other_approvers_or_times_out(tmp_path) -> None:
+    """approvals routes the mcp class's gates on `users` to tokens alice and bob, those on `logs` to alice alone
+    (2 s): alice's client goes away mid-form; bob answers the first, nobody the second, which times out. Both
+    turns go on, every step is audited, and both messages and answers are kept."""
+    bob = "human-token-bob-for-tests-01"
+    with FakeOpenAI() as backend:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(backend)}
+        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
+        port = free_port()
+        cfg.plugins.append("plugin_client_mcp")
+        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
+        cfg.gates = {"db": {}}
+        cfg.enabled_extra = {"approvals": {"classes": {"mcp": {
+            "mcp_tokens": ["alice", "bob"], "tables": {"logs": {"mcp_tokens": ["alice"], "timeout_seconds": 2}}}}}}
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps({"tokens": {
+            "alice": {"role": "human", "token": HUMAN}, "bob": {"role": "human", "token": bob}}}))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        url = f"http://127.0.0.1:{port}/mcp"
+        audit = server.data_dir / grants.AUDIT_FILE
+
+        def records(session: str) -> list[dict[str, Any]]:
+            return [r for r in audit_log.read_audit(audit) if r["session"] == f"mcp-{session}"]
+
+        async def leave_mid_form(session: str, text_: str) -> None:
+            shown = asyncio.Event()
+
+            async def hold(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+                shown.set()
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            async def run() -> None:
+                async with eliciting(url, HUMAN, hold, []) as alice:
+                    await alice.call_tool("send_message", {"text": text_, "session": session})
+
+            call = asyncio.create_task(run())
+            await asyncio.wait_for(shown.wait(), WAIT)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await until(lambda: any(r["event"] == "client_gone" for r in records(session)), "the leaving audited")
+
+        async def kept(session: str, answer: str) -> list[dict[str, Any]]:
+            async with connect(url, bob) as reader:
+                async def history() -> list[dict[str, Any]]:
+                    return await read_json(reader, f"agentmcp://sessions/mcp-{session}/history")
+
+                await until(lambda: _ends_with(history(), answer), f"the answer of {session} in its history")
+                return await history()
+
+        try:
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 3"}), text("Deleted 3."))
+            await leave_mid_form("left-users", "delete user 3")
+            async with connect(url, bob) as as_bob:
+                (pending,) = [p for p in await read_json(as_bob, PENDING) if p["session"] == "mcp-left-users"]
+                assert pending["request"]["approvers"] == ["mcp:alice", "mcp:bob"]
+                call_json(await as_bob.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                      "decision": "allow_once"}))
+            assert (await kept("left-users", "Deleted 3."))[0]["content"] == "delete user 3"
+            assert tool_results(backend) == [ROWS]
+            events = [(r["event"], r["actor"]) for r in records("left-users")]
+            assert events == [("client_gone", "mcp:alice"), ("decision", "mcp:bob")]
+
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM logs"}), text("Nobody approved it."))
+            await leave_mid_form("left-logs", "clear the logs")
+            history = await kept("left-logs", "Nobody approved it.")
+            assert history[0]["content"] == "clear the logs"
+            assert tool_results(backend)[0].startswith("TOOL CALL REJECTED: nobody approved")
+            (gone, expired) = records("left-logs")
+            assert gone["event"] == "client_gone" and json.loads(gone["detail"])["waiting_for"] == "MCP token 'alice'"
+            assert (expired["event"], expired["outcome"]) == ("decision", "no answer: rejected")
+        finally:
+            log = server.stop()
+    assert HUMAN not in log and bob not in log and "Traceback" not in log
