@@ -259,7 +259,7 @@ async def test_agent_token_reaches_only_its_own_session(mcp_server: McpServer) -
                               for u in listed)
         for uri in ("agentmcp://sessions/mcp-other/approvals/pending", "agentmcp://sessions/mcp-other/history",
                     "agentmcp://sessions/shell-mcp/state", PENDING, HISTORY, "agentmcp://policy"):
-            with pytest.raises(MCPError, match="forbidden: .*token 'worker'"):  # every refusal names the token
+            with pytest.raises(MCPError, match=r"forbidden: .*token 'worker'"):  # every refusal names the token
                 await worker.read_resource(uri)
         with pytest.raises(MCPError, match="forbidden"):
             async with worker.listen(resource_subscriptions=["agentmcp://sessions/mcp-other/approvals/pending"]):
