@@ -146,7 +146,7 @@ def value_for(field: dict[str, Any], value: Any) -> Any:
             raise FormError(f"field '{name}' is longer than {VALUE_CHARS} characters")
         low, high = field.get("min_length"), field.get("max_length")
         if (low is not None and len(value) < low) or (high is not None and len(value) > high):
-            raise FormError(f"field '{name}' takes {kind_of(field)}, not {len(value)}")
+            raise FormError(f"field '{name}' takes {kind_of(field)}, not {len(value)} characters")
         if field.get("format") and not _format_ok(field["format"], value):
             raise wrong
     if field.get("choices") and str(value) not in field["choices"]:
