@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ from turns import Turn, current_turn
 APPROVERS_OF = {client_classes.SLACK: (approvals.SLACK, approvals.SLACK_CHANNEL),
                 client_classes.SHELL: (approvals.SHELL,), client_classes.MCP: (approvals.MCP,),
                 client_classes.API: (approvals.API,)}
+#: The longest gate id a refusal record names (ours are uuids).
+GATE_ID_CHARS = 64
 #: What ScopeError adds about the grant.
 _GRANT = ("\"grants\": [\"all-sessions\"] in its plugin-manifest.json entry, which only an operator gives")
 
@@ -340,11 +343,32 @@ class PluginGate:
                            else closing is not None)
             as_approver = answerer is not None and answerer.kind in mine and routed_here
             if not (self._scope.sees(session) or as_approver):
+                self._refusal(gate_id, session, gate, str(answerer or by or "anonymous"), channel,
+                              "refused: the gate is of another session and not routed to this channel's approvers")
                 kinds = ", ".join(sorted(mine)) or "none"
                 raise self._scope.outside(f"answer gate '{gate_id[:64]}' of session '{session[:80]}'",
                                           f", and the gate is not routed to the approvers it answers for ({kinds})")
         return await self._keeper.answer(gate_id, decision, answerer=answerer, channel=channel, by=by,
                                          minutes=minutes, may_grant=may_grant, content=content)
+
+    async def refused(self, gate_id: str, actor: str, channel: str, why: str) -> None:
+        """Audit an answer the plugin took in and refused itself (a malformed, stale or unknown one): an
+        `approval_refused` record about the gate it named, of whatever session, with `why` as its outcome."""
+        named = gate_id[:GATE_ID_CHARS]
+        gate = closing = None
+        owner = await self._keeper.owner(named) if named else None
+        if named and self._keeper.desk is not None:
+            gate, closing = await self._keeper.desk.get(named)
+        session = owner or (gate.session if gate else "") or (closing.session if closing else "")
+        self._refusal(named, session, gate, actor, channel, why)
+
+    def _refusal(self, gate_id: str, session: str, gate: approvals.RoutedGate | None, actor: str, channel: str,
+                 why: str) -> None:
+        detail = {"channel": channel, "gate_id": gate_id[:GATE_ID_CHARS], "plugin": self._scope.plugin,
+                  **({"asked": gate.approvers} if gate is not None else {})}
+        record = AuditRecord.approval_refused(session, actor[:200], gate.tool if gate else "", gate.op if gate else "",
+                                              gate.tables if gate else (), json.dumps(detail))
+        self._keeper.audit(dataclasses.replace(record, outcome=why))
 
     async def resolve(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
                       may_grant: bool = True) -> bool:

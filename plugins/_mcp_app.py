@@ -115,11 +115,13 @@ class McpApp:
             name = str(params.get("name", ""))
             if name in TOOL_ROLES:
                 if who.role not in TOOL_ROLES[name]:
-                    raise forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; this one is {who.role}")
+                    raise forbidden(f"{name} needs a {' or '.join(TOOL_ROLES[name])} token; token '{who.name}' "
+                                    f"has role {who.role}")
                 return await call_next(ctx)
             if who.role == AGENT and self.plugin.ctx.tools.get(name) is not None:
                 return await self._call_agent_tool(who, name, params.get("arguments") or {})
-            raise MCPError(INVALID_PARAMS, f"unknown tool '{name[:80]}'; tools/list shows the tools of this token")
+            raise MCPError(INVALID_PARAMS, f"unknown tool '{name[:80]}'; tools/list shows the tools of token "
+                                           f"'{who.name}'")
         if method == "resources/list":
             return ListResourcesResult(resources=resources_for(self.plugin, who))
         if method == "resources/read":
@@ -194,6 +196,7 @@ class McpApp:
         if outcome.refusal is not None:
             refused = outcome.refusal
             raise MCPError(POLICY_DENIED, "policy_denied", {"type": "policy_denied", "decision": refused.kind,
-                                                            "reason": refused.text, "tool": name})
+                                                            "reason": refused.text, "tool": name, "token": who.name,
+                                                            "session": client_id})
         await rt.sessions.save(session)
         return CallToolResult(content=[TextContent(type="text", text=outcome.text)], is_error=outcome.status == "error")

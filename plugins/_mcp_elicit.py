@@ -4,11 +4,13 @@ A `send_message` call whose MCP session declared the `elicitation` capability (p
 later, on a connection that can carry server-to-client requests) gets every gate its turn raises as an
 `elicitation/create` form on that call's own stream: the tool, what it will do, and a `decision` enum
 of the scopes the gate offers (allow once / for N minutes / for the session / for this statement shape
-/ reject) with `minutes`. Accept → that decision; decline or cancel → reject. The answer goes through
-`GateKeeper.answer` as `Approver(MCP, token name)` through channel `mcp-elicitation`, so a gate routed
-to approvers takes it only when the token is one of them; a gate answered elsewhere first closes the
-form. Without the capability, or for an agent token (which may never approve its own gates), nothing
-changes: the gate waits for `answer_approval` as before.
+/ reject) with `minutes`. Accept → that decision, once every value fits the form (`_mcp_forms`: no
+coercion, ranges, choices; an answer that does not fit is asked again saying why, and after ATTEMPTS
+misfits the gate is rejected); decline or cancel → reject. The answer goes through `GateKeeper.answer`
+as `Approver(MCP, token name)` through channel `mcp-elicitation`, so a gate routed to approvers takes it
+only when the token is one of them; a gate answered elsewhere first closes the form. Without the
+capability, or for an agent token (which may never approve its own gates), nothing changes: the gate
+waits for `answer_approval` as before.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import mcp_types as types
-
 import approvals
 import decisions
 import plugin_api
+from plugins._mcp_forms import FormError, content_for, fields_of
 from plugins._mcp_tokens import HUMAN, Principal
 
 logger = logging.getLogger("agent_mcp.mcp_server")
@@ -39,6 +40,8 @@ CHOICES = (
     (decisions.REJECT, decisions.REJECT, "Reject"),
 )
 MESSAGE_ARGS = 600
+#: Answers that do not fit the form before the gate is rejected (each misfit asks again, saying why).
+ATTEMPTS = 3
 
 
 def can_elicit(session: Any) -> bool:
@@ -78,18 +81,20 @@ def form(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), {"type": "object", "properties": props, "required": ["decision"]}
 
 
-def decision_of(result: types.ElicitResult, offered: list[str]) -> tuple[str, int | None]:
-    """The agent-mcp decision (and minutes) an elicitation result stands for: anything but a valid accept
-    rejects (fail closed)."""
-    if result.action != "accept" or not isinstance(result.content, dict):
-        return decisions.REJECT, None
-    word = {w: d for w, d, _ in CHOICES}.get(str(result.content.get("decision", "")))
+def decision_of(content: dict[str, Any], offered: list[str]) -> tuple[str, int | None]:
+    """The agent-mcp decision (and minutes) of a gate form's content, once it fits the form (`_mcp_forms`):
+    anything the gate did not offer rejects (fail closed)."""
+    word = {w: d for w, d, _ in CHOICES}.get(str(content.get("decision", "")))
     if word is None or (word not in (decisions.ALLOW, decisions.REJECT) and word not in offered):
         return decisions.REJECT, None
-    minutes = result.content.get("minutes")
-    if word != "allow_for":
-        return word, None
-    return word, minutes if isinstance(minutes, int) and not isinstance(minutes, bool) else None
+    minutes = content.get("minutes")
+    return (word, minutes) if word == decisions.TIMED and isinstance(minutes, int) else (word, None)
+
+
+def again(message: str, problem: str, left: int) -> str:
+    """A form asked again after an answer that did not fit it: why, first."""
+    return (f"Your answer was not taken: {problem}. Answer again ({left} more "
+            f"{'try' if left == 1 else 'tries'}, then the gate is rejected).\n\n{message}")
 
 
 class GateForms:
@@ -131,6 +136,10 @@ class GateForms:
             if task is not None and not task.done() and data.get("channel") != CHANNEL:
                 task.cancel()  # decided elsewhere (or timed out): the form is withdrawn
 
+    def asked(self, gate_id: str) -> bool:
+        """Whether the gate was sent as a form on this call."""
+        return gate_id in self._tasks
+
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
@@ -146,23 +155,46 @@ class GateForms:
         else:
             message, schema = form(data)
         offered = list(data.get("grants") or ())
+        try:
+            fields = fields_of(schema)
+        except FormError:  # a server's form _mcp_asks took already, and ours, always fit: never here
+            fields = []
         if self._notify is not None:
             self._notify(gate_id, time.time() - seen)
-        try:
-            result = await self.session.elicit_form(message, schema, related_request_id=self.request_id)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the client failed or refused the form: the gate waits as before
-            logger.info("MCP elicitation of gate %s not answered by the client (%s: %s); it waits for "
-                        "answer_approval", gate_id[:8], type(exc).__name__, exc)
-            return
-        content = None
-        if asked is not None:  # accept → allow with the values (checked against the form there); else decline
-            word, minutes = (decisions.ALLOW, None) if result.action == "accept" else (decisions.REJECT, None)
-            content = result.content if result.action == "accept" else None
+        shown, problem, content, action = message, "", None, "cancel"
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                result = await self.session.elicit_form(shown, schema, related_request_id=self.request_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the client failed, refused the form or went away: the gate waits as before
+                logger.info("MCP elicitation of gate %s not answered by the client (%s: %s); it waits for "
+                            "answer_approval", gate_id[:8], type(exc).__name__, exc)
+                return
+            action = result.action
+            if action != "accept":
+                problem = ""
+                break
+            try:  # every value checked against the form before it means anything
+                content = content_for(fields, result.content)
+            except FormError as exc:
+                problem = str(exc)
+                logger.info("MCP elicitation answer %d for gate %s from token '%s' did not fit its form: %s",
+                            attempt, gate_id[:8], self.who.name, problem)
+                shown = again(message, problem, ATTEMPTS - attempt)
+                continue
+            problem = ""
+            break
+        if problem:  # every answer misfit: rejected (fail closed), and said why
+            word, minutes, content = decisions.REJECT, None, None
+            how = f"answers did not fit the form: {problem}"
+        elif action != "accept" or content is None:
+            word, minutes, content, how = decisions.REJECT, None, None, action
+        elif asked is not None:  # a server's form: allow with the values (checked against it again there)
+            word, minutes, how = decisions.ALLOW, None, "accept"
         else:
-            word, minutes = decision_of(result, offered)
-        self._deciders[gate_id] = f"{self.who.label} (elicitation: {result.action})"
+            (word, minutes), content, how = decision_of(content, offered), None, "accept"
+        self._deciders[gate_id] = f"{self.who.label} (elicitation: {how})"
         try:
             answered = await self.ctx.gate.answer(
                 gate_id, word, answerer=approvals.Approver(approvals.MCP, self.who.name), channel=CHANNEL,

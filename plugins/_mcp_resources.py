@@ -40,7 +40,7 @@ def check_read(who: Principal, uri: str) -> str | None:
             raise forbidden(f"token '{who.name}' ({who.role}) may read only its own session {who.session}")
         return client_id
     if who.role != HUMAN:
-        raise forbidden(f"{uri[:120]} needs a human token")
+        raise forbidden(f"{uri[:120]} needs a human token; token '{who.name}' has role {who.role}")
     return None
 
 def resources_for(plugin: McpServerPlugin, who: Principal) -> list[Resource]:
@@ -75,7 +75,7 @@ async def read_session(plugin: McpServerPlugin, who: Principal, ident: str) -> p
     session = plugin.ctx.sessions.get(client_id) if client_id else None
     if session is None or not who.may_read(session.client_id):
         # Another session's existence is not confirmed to an agent token.
-        raise MCPError(INVALID_PARAMS, f"no session '{ident[:140]}' readable with this token")
+        raise MCPError(INVALID_PARAMS, f"no session '{ident[:140]}' readable with token '{who.name}'")
     return session
 
 async def pending(plugin: McpServerPlugin, client_id: str | None = None) -> list[dict[str, Any]]:

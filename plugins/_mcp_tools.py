@@ -6,28 +6,41 @@ approval records and tells subscribers what changed.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
 
 import approvals
 import decisions
 import gate_policy
 import plugin_api
+from audit_chain import AuditRecord
 from plugins import _http
 from plugins._mcp_auth import forbidden, request_principal
 from plugins._mcp_elicit import GateForms
+from plugins._mcp_forms import FormError, content_for
 from plugins._mcp_resources import pending, policy_of, read_session, session_row
 from plugins._mcp_tokens import AGENT, HUMAN, SCHEME, Principal, mcp_client_id
 
 if TYPE_CHECKING:
     from plugins.plugin_client_mcp import McpServerPlugin
 
+logger = logging.getLogger("agent_mcp.mcp_server")
+
+#: The audit event of a gate whose MCP client went away while it waited (the gate stays open).
+CLIENT_GONE = "client_gone"
 #: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
 McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
+#: `answer_approval`'s minutes: a JSON integer in range ("15" and true are refused, not read as 15 or 1).
+Minutes = Annotated[int, Field(strict=True, ge=1, le=decisions.MAX_MINUTES)]
 
 
 
@@ -45,8 +58,7 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         who = request_principal()
         forms = GateForms.for_request(plugin.ctx, ctx, who, plugin._deciders)
         try:
-            return await _send(plugin, who, text, session, model, timeout_seconds,
-                               forms.on_event if forms else None)
+            return await _send(plugin, who, text, session, model, timeout_seconds, _Follow(forms))
         finally:
             if forms is not None:
                 await forms.close()
@@ -78,7 +90,7 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
     async def answer_approval(
         gate_id: str,
         decision: McpDecision,
-        minutes: int = decisions.DEFAULT_MINUTES,
+        minutes: Minutes = decisions.DEFAULT_MINUTES,
         content: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Answer a pending gate: allow_once; allow_for (this tool, or these tables with this permission,
@@ -91,6 +103,8 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         if owner is None:
             raise ToolError(f"no pending gate '{gate_id[:64]}': it was answered, timed out or never existed; "
                             "read agentmcp://approvals/pending")
+        if content is not None:
+            await _check_content(plugin, gate_id, content)
         plugin._deciders[gate_id] = who.label
         try:  # a gate routed to approvers (approvals.py) takes the answer only of a token it names
             result = await plugin.ctx.gate.answer(gate_id, decisions.MCP_WORDS[decision], by=f"mcp token '{who.name}'",
@@ -130,9 +144,82 @@ def add_tools(plugin: McpServerPlugin, mcp: MCPServer) -> None:
         return await _set_default(plugin, request_principal(), section, key, operation, allowed)
 
 
+class _Follow:
+    """The events of one `send_message` call's turn: the gates it has open (what a client that goes away
+    leaves waiting), passed on to the call's forms while its client is there."""
+
+    def __init__(self, forms: GateForms | None = None):
+        self.forms = forms
+        #: gate id → its gate event's data, while the gate waits.
+        self.open: dict[str, dict[str, Any]] = {}
+        self.gone = False
+
+    def __call__(self, ev: plugin_api.Event) -> None:
+        gate_id = str(ev.data.get("gate_id", ""))
+        if gate_id and ev.name == "gate":
+            self.open[gate_id] = ev.data
+        elif gate_id and ev.name == "status" and "decision" in ev.data:
+            self.open.pop(gate_id, None)
+        if self.forms is not None and not self.gone:
+            self.forms.on_event(ev)
+
+
+async def _check_content(plugin: McpServerPlugin, gate_id: str, content: dict[str, Any]) -> None:
+    """ToolError (nothing changed) unless `content` fits the form of the MCP server whose question the gate is."""
+    row = next((r for r in await pending(plugin) if r["gate_id"] == gate_id), None)
+    asked = (row or {}).get("request", {}).get("elicitation")
+    if row is not None and not isinstance(asked, dict):
+        raise ToolError(f"gate '{gate_id[:64]}' is not a question of an MCP server: it takes no content; "
+                        "answer without it")
+    if asked is None:  # not listed here yet: checked where the question waits
+        return
+    try:
+        content_for(asked.get("fields") or [], content)
+    except FormError as exc:
+        raise ToolError(f"the answer does not fit the form of MCP server '{asked.get('server')}': {exc}; nothing "
+                        "was changed, the gate still waits") from None
+
+
+def _left(plugin: McpServerPlugin, who: Principal, client_id: str, follow: _Follow,
+          call: asyncio.Task[dict[str, Any]]) -> None:
+    """The client of a call went away while a gate of its turn waits: the turn goes on without it (its
+    message and what it does are kept), the gate stays open for its approvers or until its timeout, and
+    each open gate's record says the client left."""
+    follow.gone = True
+    plugin._left.add(call)
+    call.add_done_callback(functools.partial(_ended, plugin, who, client_id))
+    for gate_id, data in follow.open.items():
+        args = data.get("tool_args") if isinstance(data.get("tool_args"), dict) else {}
+        asked = follow.forms is not None and follow.forms.asked(gate_id)
+        detail = {"gate_id": gate_id, "token": who.name, "form_shown": asked,
+                  "waiting_for": data.get("waiting_for") or "the session's approvers",
+                  "timeout_s": data.get("timeout_seconds")}
+        plugin.ctx.gate.audit(dataclasses.replace(
+            AuditRecord.call(client_id, str(data.get("tool_name", "")), str(args.get("operation_type", "")),
+                             [str(t) for t in data.get("tables") or ()]),
+            event=CLIENT_GONE, actor=str(approvals.Approver(approvals.MCP, who.name)),
+            outcome="the MCP client went away " + ("mid-form" if asked else "while the gate waited")
+                    + "; the gate stays open for its approvers or until its timeout",
+            detail=json.dumps(detail)))
+        logger.info("MCP client of token '%s' went away while gate %s of %s waits%s: the turn goes on until the "
+                    "gate is answered or expires", who.name, gate_id[:8], client_id, " (form shown)" if asked else "")
+
+
+def _ended(plugin: McpServerPlugin, who: Principal, client_id: str, call: asyncio.Task[dict[str, Any]]) -> None:
+    plugin._left.discard(call)
+    if call.cancelled():
+        return
+    if (exc := call.exception()) is not None:
+        logger.warning("the turn of %s, left by its MCP client (token '%s'), failed: %s: %s", client_id, who.name,
+                       type(exc).__name__, exc)
+        return
+    logger.info("the turn of %s, left by its MCP client (token '%s'), ended: %s", client_id, who.name,
+                call.result().get("status"))
+
+
 async def _send(
     plugin: McpServerPlugin, who: Principal, text: str, session: str, model: str, timeout_seconds: float,
-    on_event: Callable[[plugin_api.Event], None] | None = None,
+    follow: _Follow | None = None,
 ) -> dict[str, Any]:
     ctx = plugin.ctx
     if who.role == AGENT:
@@ -153,7 +240,17 @@ async def _send(
         raise ToolError(f"unknown model '{model[:60]}'; available: {', '.join(ctx.config.models)}")
     request = ctx.request(client_id, text, admin=who.role == HUMAN, model=model or None, identity=f"mcp:{who.name}")
     seconds = min(max(timeout_seconds, 1.0), plugin.cfg.max_wait_seconds)
-    return {"session": client_id, **await ctx.wait_turn(request, seconds, on_event=on_event)}
+    follow = follow or _Follow()
+    call = asyncio.ensure_future(ctx.wait_turn(request, seconds, on_event=follow))
+    try:  # shielded: a client that goes away while a gate waits leaves the turn running (`_left`)
+        answer = await asyncio.shield(call)
+    except asyncio.CancelledError:
+        if follow.open and not call.done():
+            _left(plugin, who, client_id, follow, call)
+        else:
+            call.cancel()  # as leaving wait_turn does: the turn is cancelled
+        raise
+    return {"session": client_id, **answer}
 
 
 def _create(plugin: McpServerPlugin, name: str, model: str) -> dict[str, Any]:

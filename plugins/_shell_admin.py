@@ -3,7 +3,8 @@
 agentctl never writes a file a running server also writes (the audit log and grants, gate-defaults.json,
 llm-models.json): it sends the change here (`POST /admin`, JSON, the endpoint's token, the guard's Host,
 Origin and content-type checks), the server applies it at once, writes the file itself and audits it
-with actor `agentctl`. One action per request; the answer is JSON, an error is `{"error": "..."}`.
+with actor `agentctl`. A file to save is checked whole first: an invalid or unknown field (at any depth) is
+refused, naming it, and nothing is written. One action per request; the answer is JSON, an error is `{"error": "..."}`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 import plugin_api
 from audit_chain import AuditRecord
@@ -24,6 +25,7 @@ from config import (
     ModelsFile,
     atomic_write,
     config_problems,
+    field_problems,
     read_json,
     validate_data,
 )
@@ -75,12 +77,38 @@ async def _revoke(store: Any, which: str) -> list[str]:
     return ended
 
 
+def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
+    """The fields of a loaded config file its schema does not know (dotted: `db.users.wirte`), at any depth;
+    `metadata` is free-form where it appears."""
+    found: list[str] = []
+    if isinstance(obj, BaseModel):
+        found += [f"{prefix}{key}" for key in obj.model_extra or {} if key != "metadata"]
+        for name in type(obj).model_fields:
+            found += unknown_fields(getattr(obj, name), f"{prefix}{name}.")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            found += unknown_fields(value, f"{prefix}{key}.")
+    return found
+
+
+def _validated(model: type[BaseModel], data: dict[str, Any], target: Any) -> Any:
+    """The whole file as `model` (AdminError naming every invalid or unknown field: nothing is written)."""
+    try:  # (not validate_data: it reports unknown fields as ignored, and here they are refused)
+        obj = model.model_validate(data)
+    except ValidationError as exc:
+        lines = field_problems(exc, "(top level)", "  field '{where}': {msg}", "\n")
+        raise AdminError(f"{target}: invalid configuration\n{lines}\nnothing was changed") from None
+    if unknown := unknown_fields(obj):
+        fields = ", ".join(f"'{f[:80]}'" for f in unknown[:20]) + (f" and {len(unknown) - 20} more" if len(unknown) > 20
+                                                                    else "")
+        raise AdminError(f"{target}: unknown field{'s' if len(unknown) > 1 else ''} {fields}: remove "
+                         f"{'them' if len(unknown) > 1 else 'it'} (or fix the spelling); nothing was changed")
+    return obj
+
+
 def _save_gates(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str, Any]:
     target = rt.config.config_dir / GATE_DEFAULTS_FILE
-    try:
-        new = validate_data(GateDefaults, data, target)
-    except ConfigError as exc:
-        raise AdminError(str(exc)) from None
+    new = _validated(GateDefaults, data, target)
     try:  # the keeper saves, puts in force and audits every changed permission
         path = rt.gate.replace_policy(new, ACTOR)
     except (ConfigError, OSError) as exc:
@@ -92,10 +120,7 @@ def _save_gates(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str,
 
 async def _save_models(rt: plugin_api.PluginContext, data: dict[str, Any]) -> dict[str, Any]:
     target = rt.config.config_dir / MODELS_FILE
-    try:
-        models = validate_data(ModelsFile, data, target).models
-    except ConfigError as exc:
-        raise AdminError(str(exc)) from None
+    models = _validated(ModelsFile, data, target).models
     enabled = {k: m for k, m in models.items() if m.enabled}
     if problems := config_problems(rt.config.config_dir, enabled, rt.config.enabled):
         raise AdminError(f"refused: the server would not start with this change: {problems[0]}")

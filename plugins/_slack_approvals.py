@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -184,6 +185,50 @@ def notify(gate: approvals.RoutedGate) -> str:
     return f"{fallback(gate)}" + (f" · {users}" if users else "")
 
 
+@dataclass(frozen=True)
+class _Click:
+    """What a `block_actions` payload says: which button of which gate, who clicked, where; `problem` says
+    why it cannot be a click on one of our buttons (then it decides nothing)."""
+
+    word: str = ""
+    gate_id: str = ""
+    user: str = ""
+    channel: str = ""
+    thread_ts: str | None = None
+    problem: str = ""
+
+    @classmethod
+    def of(cls, payload: dict[str, Any]) -> _Click:
+        def part(name: str) -> dict[str, Any]:
+            value = payload.get(name)
+            return value if isinstance(value, dict) else {}
+
+        user = part("user").get("id")
+        user = user if isinstance(user, str) and len(user) <= 40 else ""
+        channel = part("channel").get("id") or part("container").get("channel_id")
+        channel = channel if isinstance(channel, str) and len(channel) <= 40 else ""
+        thread_ts = part("message").get("thread_ts") or part("container").get("thread_ts")
+        thread_ts = str(thread_ts)[:40] if isinstance(thread_ts, str | int | float) else None
+        actions = payload.get("actions")
+        action = actions[0] if isinstance(actions, list) and actions and isinstance(actions[0], dict) else {}
+        action_id, value = action.get("action_id"), action.get("value")
+        gate_id = value if isinstance(value, str) else ""
+        word = action_id[len(ACTION):] if isinstance(action_id, str) and action_id.startswith(ACTION) else ""
+        base = cls(word, gate_id[:GATE_ID_CHARS], user, channel, thread_ts)
+        kind = payload.get("type")
+        if kind != "block_actions":
+            return dataclasses.replace(base, problem=f"malformed: a {str(kind)[:40]!r} payload is no button click")
+        if not action:
+            return dataclasses.replace(base, problem="malformed: no button in the click")
+        if word not in decisions.DECISIONS:
+            return dataclasses.replace(base, problem=f"malformed: {str(action_id)[:60]!r} is not a gate button")
+        if not gate_id or len(gate_id) > GATE_ID_CHARS:
+            return dataclasses.replace(base, problem="malformed: the button names no gate id")
+        if not user:
+            return dataclasses.replace(base, problem="malformed: the click names no user")
+        return base
+
+
 class SlackApprovals:
     """Posts routed gates to Slack and turns button clicks into answers (one per plugin instance)."""
 
@@ -195,7 +240,8 @@ class SlackApprovals:
         self.feed = desk.watch()  # from now on: gates raised while the plugin starts are not missed
         self.posted: OrderedDict[str, _Posted] = OrderedDict()
         self.clicks: set[asyncio.Task[None]] = set()
-        self.stats: dict[str, int] = {"posted": 0, "clicks": 0, "refused": 0, "late": 0, "answered": 0}
+        self.stats: dict[str, int] = {"posted": 0, "clicks": 0, "refused": 0, "late": 0, "forged": 0,
+                                      "answered": 0}
 
     # ── the feed ──
 
@@ -269,38 +315,30 @@ class SlackApprovals:
 
     # ── clicks ──
 
-    def on_interactive(self, payload: dict[str, Any]) -> bool:
-        """An acked `interactive` envelope: True when it was a gate button (handled in a task)."""
-        actions = payload.get("actions") if isinstance(payload, dict) else None
-        if payload.get("type") != "block_actions" or not isinstance(actions, list) or not actions:
-            return False
-        action = actions[0]
-        if not isinstance(action, dict) or not str(action.get("action_id", "")).startswith(ACTION):
-            return False
-        task = asyncio.create_task(self._click(payload, action), name="slack-gate-click")
+    def on_interactive(self, payload: Any) -> bool:
+        """An acked `interactive` envelope, handled in a task (always True): this app's only interactive
+        elements are gate buttons, so anything else (another payload type, a malformed click) is refused there."""
+        task = asyncio.create_task(self._click(payload if isinstance(payload, dict) else {}),
+                                   name="slack-gate-click")
         self.clicks.add(task)
         task.add_done_callback(self.clicks.discard)
         return True
 
-    async def _click(self, payload: dict[str, Any], action: dict[str, Any]) -> None:
+    async def _click(self, payload: dict[str, Any]) -> None:
         self.stats["clicks"] += 1
+        click = _Click.of(payload)
         try:
-            await self._answer(payload, action)
-        except Exception:  # a malformed payload or an unreachable store: logged, the gate unchanged
+            if click.problem:
+                await self._refuse(click, click.problem, "⛔ This click was not understood; nothing was changed.")
+                return
+            await self._answer(click)
+        except plugin_api.SessionError as exc:  # the shared store is unreachable: said there, once
+            logger.warning("slack: a gate button click was not handled (%s); the gate is unchanged", exc)
+        except Exception:  # a bug: the gate is unchanged
             logger.exception("slack: a gate button click was not handled")
 
-    async def _answer(self, payload: dict[str, Any], action: dict[str, Any]) -> None:
-        def part(name: str) -> dict[str, Any]:
-            value = payload.get(name)
-            return value if isinstance(value, dict) else {}
-
-        word = str(action["action_id"])[len(ACTION):]
-        gate_id, user = str(action.get("value") or ""), str(part("user").get("id") or "")
-        channel = str(part("channel").get("id") or part("container").get("channel_id") or "")
-        thread_ts = part("message").get("thread_ts") or part("container").get("thread_ts")
-        thread_ts = str(thread_ts) if isinstance(thread_ts, str | int | float) else None
-        if not user or not gate_id or len(gate_id) > GATE_ID_CHARS or word not in decisions.DECISIONS:
-            return
+    async def _answer(self, click: _Click) -> None:
+        gate_id, user, channel, word = click.gate_id, click.user, click.channel, click.word
         gate, _ = await self.desk.get(gate_id)
         if gate is None and gate_id in self.posted:  # closed already: what it was is still known here
             gate = self.posted[gate_id].gate
@@ -311,24 +349,42 @@ class SlackApprovals:
             result = await self.ctx.gate.answer(
                 gate_id, word, answerer=approvals.Approver(approvals.SLACK, user), channel=through,
                 minutes=decisions.DEFAULT_MINUTES if word == decisions.TIMED else None)
+        except plugin_api.ScopeError:  # a gate of another session, not routed here: refused (and audited) there
+            self.stats["forged"] += 1
+            logger.warning("slack: a click of %s named gate %s, which is not routed to Slack; refused", user,
+                           gate_id[:12])
+            await self._tell(channel, user, click.thread_ts, "⛔ That button does not belong to a gate you can "
+                                                             "answer here; nothing was changed.")
+            return
         except (ValueError, approvals.ApprovalError) as exc:
-            await self._tell(channel, user, thread_ts, f"Not answered: {exc}")
+            await self._tell(channel, user, click.thread_ts, f"Not answered: {exc}")
             return
         if result.answered:
             self.stats["answered"] += 1
             return  # the CLOSED event edits the message
-        if result.outcome == approvals.NOT_APPROVER:
+        if result.outcome == approvals.NOT_APPROVER:  # (audited by the gate keeper)
             self.stats["refused"] += 1
             may = ", ".join(_who(a) for a in result.approvers if not a.startswith(approvals.SLACK_CHANNEL)) or \
                 "members of the approver channel"
-            text = f"⛔ You are not an approver of this gate; nothing was changed. It may be answered by: {may}."
+            await self._tell(channel, user, click.thread_ts, "⛔ You are not an approver of this gate; nothing was "
+                                                             f"changed. It may be answered by: {may}.")
         elif result.outcome == approvals.DECIDED and result.first is not None:
-            self.stats["late"] += 1
-            text = f"Already answered: {outcome(gate, result.first)}."
+            await self._refuse(click, f"stale: the gate was closed already ({result.first.describe()})",
+                               f"Already answered: {outcome(gate, result.first)}.", late=True)
         else:
-            self.stats["late"] += 1
-            text = escape(approvals.explain(result))
-        await self._tell(channel, user, thread_ts, text)
+            await self._refuse(click, "stale or forged: no such gate is pending", escape(approvals.explain(result)),
+                               late=True)
+
+    async def _refuse(self, click: _Click, why: str, told: str, *, late: bool = False) -> None:
+        """A click that decides nothing: one log line, an audit record, and the clicker told (when Slack said
+        who and where)."""
+        self.stats["late" if late else "forged"] += 1
+        logger.log(logging.INFO if late else logging.WARNING, "slack: a gate button click of %s refused: %s",
+                   click.user[:40] or "an unnamed user", why)
+        await self.ctx.gate.refused(click.gate_id, f"{approvals.SLACK}:{click.user[:40] or '?'}",
+                                    click.channel[:40] or "slack", f"refused: {why}")
+        if click.user:
+            await self._tell(click.channel, click.user, click.thread_ts, told)
 
     async def _tell(self, channel: str, user: str, thread_ts: str | None, text: str) -> None:
         """An ephemeral message: only the clicking user sees it."""

@@ -111,6 +111,8 @@ class McpServerPlugin(BasePlugin):
         #: URIs to notify at once: what they show is in memory already (pending approvals).
         self._notes: asyncio.Queue[tuple[str, ...] | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        #: send_message calls whose client went away while a gate of their turn waits: they run to its end.
+        self._left: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
 
     # ── lifecycle ──
@@ -140,6 +142,9 @@ class McpServerPlugin(BasePlugin):
         return True
 
     async def shutdown(self) -> None:
+        for call in list(self._left):
+            call.cancel()
+        await asyncio.gather(*self._left, return_exceptions=True)
         self._unobserve()
         self._unobserve_grants()
         for stop in self._unsignal:

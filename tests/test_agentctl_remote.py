@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+import httpx
+
 import agentctl_remote
 import audit_log
 import grants
@@ -155,3 +157,41 @@ def test_with_the_endpoint_off_a_running_server_still_keeps_agentctl_out_of_its_
     finally:
         log = server.stop()
     assert "UNIQUE constraint" not in log
+
+
+def test_admin_save_checks_the_whole_file_and_writes_nothing_on_error(config_dir, fake_openai, start_server) -> None:
+    """POST /admin save (httpx, as agentctl sends it): an unknown field, top-level or inside an entry, or a
+    value of the wrong type is refused with a message naming it, and nothing is written or audited."""
+    config_dir.models = {"fake": openai_model(fake_openai)}
+    config_dir.gates = {"db": {"users": {"read": True, "write": False}}}
+    server: AgentServer = start_server(config_dir, wait=False)
+    server.wait_ready(60)  # slow to start on a busy machine
+    gates_file = server.cfg.path / "gate-defaults.json"
+    models_file = server.cfg.path / "llm-models.json"
+    before = (gates_file.read_bytes(), models_file.read_bytes())
+    good = {"version": "1.0.0", "db": {"users": {"read": True, "write": True}}, "tools": {}}
+
+    def save(file: str, data: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{server.url}/admin", json={"action": "save", "file": file, "data": data},
+                          headers=server.auth, timeout=30)
+
+    cases = [({**good, "allow_all": True}, "unknown field 'allow_all': remove it"),
+             ({**good, "allow_all": True, "bypass": 1}, "unknown fields 'allow_all', 'bypass': remove them"),
+             ({**good, "db": {"users": {"read": True, "wirte": True}}}, "unknown field 'db.users.wirte'"),
+             ({**good, "db": {"users": {"read": "yes please"}}}, "field 'db.users.read'")]
+    for data, why in cases:
+        refused = save("gate-defaults.json", data)
+        assert refused.status_code == 400, refused.text
+        assert why in refused.json()["error"] and "nothing was changed" in refused.json()["error"], refused.text
+    models = json.loads(models_file.read_text())
+    refused = save("llm-models.json", {**models, "defualt": "fake"})
+    assert refused.status_code == 400 and "unknown field 'defualt'" in refused.json()["error"], refused.text
+    assert (gates_file.read_bytes(), models_file.read_bytes()) == before
+    saved = save("gate-defaults.json", good)
+    assert saved.status_code == 200, saved.text
+    assert json.loads(gates_file.read_text())["db"]["users"] == {"read": True, "write": True, "ddl": False}
+    log = server.stop()
+    assert "unknown field" not in log  # refused, not "ignored"
+    policy = [r for r in audit_log.read_audit(server.data_dir / grants.AUDIT_FILE) if r["event"] == "policy"]
+    assert [(r["tables"], r["op"], r["outcome"]) for r in policy] == [
+        (["users"], "write", "gate-defaults.json: auto-allow")]  # the good save only

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 from typing import Any
 
 import mcp_types as types
@@ -73,7 +74,7 @@ def test_a_servers_question_is_answered_from_a_shell_window(config_dir, fake_ope
 
     # A JSON object: accepted with those values over the form's defaults.
     fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Booked."))
-    events = asyncio.run(answer_from_shell(server, "shell-ask1", "allow", {"seats": "2", "window": True}))
+    events = asyncio.run(answer_from_shell(server, "shell-ask1", "allow", {"seats": 2, "window": True}))
     (gate,) = [e for e in events if e.name == "gate"]
     asked = gate.data["elicitation"]
     assert asked["server"] == "local" and asked["message"] == "How many seats for 'Hamlet'?"
@@ -99,11 +100,16 @@ def test_a_servers_question_is_answered_from_a_shell_window(config_dir, fake_ope
     assert tool_results(fake_openai) == ["not booked: decline"]
     assert any(e.name == "status" and "needs a value for seats" in e.text for e in events)
 
-    # Values that do not fit the form: declined (never sent on to the server as they are).
-    fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
-    events = asyncio.run(answer_from_shell(server, "shell-ask4", "allow", {"seats": 2, "meal": "fish"}))
-    assert tool_results(fake_openai) == ["not booked: decline"]
-    assert any(e.name == "status" and "meal' takes one of: veg, meat" in e.text for e in events)
+    # Values that do not fit the server's form (a choice it does not offer, beyond its maximum of 9, the text
+    # "2" for its integer, true for it): declined, told why, never sent on to the server.
+    for n, (given, why) in enumerate([({"seats": 2, "meal": "fish"}, "meal' takes one of: veg, meat"),
+                                      ({"seats": 50}, "seats' takes an integer from 1 to 9, not 50"),
+                                      ({"seats": "2"}, "seats' takes an integer from 1 to 9, not \"2\""),
+                                      ({"seats": True}, "seats' takes an integer from 1 to 9, not true")]):
+        fake_openai.script(tool_call("local_book", {"title": "Hamlet"}), text("Not booked."))
+        events = asyncio.run(answer_from_shell(server, f"shell-ask4{n}", "allow", given))
+        assert tool_results(fake_openai) == ["not booked: decline"], given
+        assert any(e.name == "status" and why in e.text for e in events), (given, [e.text for e in events])
 
 
 @pytest.mark.parametrize("era", ERAS)
@@ -128,17 +134,53 @@ async def test_with_nobody_to_ask_the_question_is_declined(make_rt, fake_openai,
 
 
 def test_forms_beyond_flat_primitive_fields_are_refused_with_the_reason() -> None:
-    from plugins._mcp_asks import FormError, content_for, fields_of
+    from plugins._mcp_forms import FormError, content_for, fields_of
 
     with pytest.raises(FormError, match="field 'where' is not a string, number, integer or boolean"):
         fields_of({"type": "object", "properties": {"where": {"type": "object"}}})
     fields = fields_of({"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}})
     assert content_for(fields, None) == {"ok": True}  # a yes to one yes/no question
-    assert content_for(fields, {"ok": "no"}) == {"ok": False}
+    assert content_for(fields, {"ok": False}) == {"ok": False}
+    for wrong in ("no", "false", 0, 1, None):  # a boolean is true or false, nothing read as one
+        with pytest.raises(FormError, match="field 'ok' takes true or false"):
+            content_for(fields, {"ok": wrong})
     with pytest.raises(FormError, match="the form has no field other"):
         content_for(fields, {"other": 1})
+    with pytest.raises(FormError, match="not an object of field values"):
+        content_for(fields, ["ok"])
     assert types.ElicitResult(action="accept", content=content_for(fields, {"ok": True})).content == {"ok": True}
     assert json.dumps(fields)  # the gate event carries them as they are
+
+
+def test_every_value_is_checked_against_its_fields_schema_without_coercion() -> None:
+    """Types, ranges, lengths, formats and choices of the MCP spec's primitive fields, as the asking server
+    wrote them; nothing converted ("15" is not 15, true is not 1, 2.5 is not an integer)."""
+    from plugins._mcp_forms import FormError, content_for, describe, fields_of
+
+    fields = fields_of({"type": "object", "required": ["n"], "properties": {
+        "n": {"type": "integer", "minimum": 1, "maximum": 100},
+        "x": {"type": "number", "minimum": 0.5},
+        "name": {"type": "string", "minLength": 2, "maxLength": 5},
+        "mail": {"type": "string", "format": "email"},
+        "day": {"type": "string", "format": "date"},
+        "size": {"type": "string", "oneOf": [{"const": "s", "title": "Small"}, {"const": "l", "title": "Large"}]}}})
+    assert content_for(fields, {"n": 100, "x": 0.5, "name": "ab", "mail": "a@b.org", "day": "2026-12-08",
+                                "size": "l"}) == {"n": 100, "x": 0.5, "name": "ab", "mail": "a@b.org",
+                                                  "day": "2026-12-08", "size": "l"}
+    assert content_for(fields, {"n": 7.0}) == {"n": 7}  # JSON's 7.0 is the integer 7
+    for given, why in [({"n": "15"}, 'n\' takes an integer from 1 to 100, not "15"'),
+                       ({"n": True}, "n' takes an integer from 1 to 100, not true"),
+                       ({"n": 101}, "not 101"), ({"n": 0}, "not 0"), ({"n": 2.5}, "not 2.5"),
+                       ({"n": 1, "x": 0.1}, "x' takes a number of at least 0.5, not 0.1"),
+                       ({"n": 1, "x": float("nan")}, "x' takes a number"),
+                       ({"n": 1, "name": "a"}, "name' takes text of 2 to 5 characters, not 1"),
+                       ({"n": 1, "name": "abcdef"}, "not 6"), ({"n": 1, "name": 12}, "name' takes text"),
+                       ({"n": 1, "mail": "nobody"}, "mail' takes text (email)"),
+                       ({"n": 1, "day": "tomorrow"}, "day' takes text (date)"),
+                       ({"n": 1, "size": "m"}, "size' takes one of: s, l"), ({}, "needs a value for n")]:
+        with pytest.raises(FormError, match=re.escape(why)):
+            content_for(fields, given)
+    assert describe(fields).startswith("n (an integer from 1 to 100, required); x (a number of at least 0.5)")
 
 
 async def test_a_question_routed_to_approvers_is_answered_by_a_shell_approver_window(tmp_path, fake_openai) -> None:

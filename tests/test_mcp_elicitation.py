@@ -15,10 +15,13 @@ from typing import Any
 
 import httpx2
 import mcp_types as types
+import pytest
 from mcp import Client
 from mcp.client.session import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 
+import audit_log
+import grants
 from shell_client import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
@@ -27,6 +30,7 @@ from tests.test_gate_e2e import DB_PLUGIN, tool_results
 from tests.test_mcp_client import stdio_server, write_config
 from tests.test_mcp_server import (
     HUMAN,
+    PENDING,
     TOKENS,
     WAIT,
     WORKER,
@@ -35,6 +39,7 @@ from tests.test_mcp_server import (
     call_json,
     connect,
     mcp_server,
+    read_json,
 )
 from tests.waiting import until
 
@@ -263,23 +268,30 @@ async def test_a_servers_question_is_passed_on_to_the_mcp_client_whose_turn_call
             backend.script(tool_call("shows_book", {"title": "Hamlet"}), text("Booked."))
             asked: list[types.ElicitRequestFormParams] = []
 
-            async def fill(params: types.ElicitRequestFormParams) -> types.ElicitResult:
-                return types.ElicitResult(action="accept", content={"seats": 5, "window": True})
-
+            # Beyond the server's maximum (9) first: asked again with why, never sent on; then a value that fits.
+            fill = answers({"seats": 50, "window": True}, {"seats": 5, "window": True})
             async with eliciting(url, HUMAN, fill, asked) as client:
                 out = call_json(await asyncio.wait_for(client.call_tool("send_message", {"text": "book",
                                                                                          "session": "shows"}), WAIT))
             assert out["text"] == "Booked."
             assert tool_results(backend) == ['booked Hamlet: {"seats":5,"window":true,"meal":"veg"}']
-            (form,) = asked
+            form, again = asked
             assert form.message == "MCP server 'shows' asks (during shows_book): How many seats for 'Hamlet'?"
             assert form.requested_schema["properties"]["seats"]["type"] == "integer"  # the server's own form
+            assert again.message.startswith("Your answer was not taken: field 'seats' takes an integer from 1 to 9, "
+                                            "not 50.") and again.message.endswith(form.message)
 
             backend.script(tool_call("shows_book", {"title": "Lear"}), text("Booked Lear."))
             async with connect(url, HUMAN) as plain, connect(url, HUMAN) as approver:
                 call = asyncio.create_task(plain.call_tool("send_message", {"text": "book", "session": "lear"}))
                 (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-lear"]
                 assert pending["request"]["elicitation"]["server"] == "shows"
+                for content in ({"seats": 50}, {"seats": "1"}, {"seats": 1, "meal": "fish"}, {"rows": 1}):
+                    refused = await approver.call_tool("answer_approval", {
+                        "gate_id": pending["gate_id"], "decision": "allow_once", "content": content})
+                    assert refused.is_error, content
+                    assert "the answer does not fit the form of MCP server 'shows': " in \
+                        refused.content[0].text and "the gate still waits" in refused.content[0].text
                 call_json(await approver.call_tool("answer_approval", {
                     "gate_id": pending["gate_id"], "decision": "allow_once", "content": {"seats": 1}}))
                 out = call_json(await asyncio.wait_for(call, WAIT))
@@ -288,3 +300,218 @@ async def test_a_servers_question_is_passed_on_to_the_mcp_client_whose_turn_call
         finally:
             log = server.stop()
     assert HUMAN not in log
+
+
+# ── A client that goes away mid-form ────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("how", ["closes its session", "drops the connection"])
+async def test_a_client_that_goes_away_mid_form_leaves_the_gate_open_audited_and_the_turn_kept(
+        mcp_server: McpServer, how: str) -> None:
+    """The form's client goes away (its SDK client closed: DELETE of its session; or only its connection cut):
+    the gate stays open for the others, the leaving is audited, and once another client answers, the turn goes
+    on and its message and answer are in the session's history."""
+    backend = mcp_server.backend
+    session = "gone-" + ("closed" if how == "closes its session" else "dropped")
+    backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 9"}), text("Deleted 9."))
+    shown = asyncio.Event()
+
+    async def hold(ctx: ClientRequestContext, params: types.ElicitRequestParams) -> types.ElicitResult:
+        shown.set()
+        await asyncio.Event().wait()  # the human never answers: the client goes away first
+        raise AssertionError("unreachable")
+
+    async def leaving() -> None:
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {HUMAN}"}) as http:
+            async with Client(streamable_http_client(mcp_server.url, http_client=http,
+                                                     terminate_on_close=how == "closes its session"),
+                              mode="legacy", cache=None, elicitation_callback=hold) as client:
+                await client.call_tool("send_message", {"text": "delete user 9", "session": session})
+
+    audit = mcp_server.server.data_dir / grants.AUDIT_FILE
+
+    def records(event: str) -> list[dict[str, Any]]:
+        return [r for r in audit_log.read_audit(audit) if r["event"] == event and r["session"] == f"mcp-{session}"]
+
+    call = asyncio.create_task(leaving())
+    await asyncio.wait_for(shown.wait(), WAIT)
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    await until(lambda: bool(records("client_gone")), "the client's leaving in the audit log")
+    (gone,) = records("client_gone")
+    assert (gone["actor"], gone["tool"], gone["op"]) == ("mcp:alice", "db_query", "write")
+    assert "went away mid-form" in gone["outcome"] and json.loads(gone["detail"])["form_shown"] is True
+    async with connect(mcp_server.url, HUMAN) as other:
+        (pending,) = [p for p in await read_json(other, PENDING) if p["session"] == f"mcp-{session}"]
+        call_json(await other.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "allow_once"}))
+
+        async def history() -> list[dict[str, Any]]:
+            return await read_json(other, f"agentmcp://sessions/mcp-{session}/history")
+
+        await until(lambda: _ends_with(history(), "Deleted 9."), "the turn's answer in the history")
+        kept = await history()
+    assert kept[0]["role"] == "user" and kept[0]["content"] == "delete user 9"
+    (decided,) = records("decision")
+    assert decided["outcome"] == "allowed once" and decided["tool"] == "db_query"
+    assert tool_results(backend) == [ROWS]
+
+
+async def _ends_with(history: Awaitable[list[dict[str, Any]]], answer: str) -> bool:
+    rows = await history
+    return bool(rows) and rows[-1].get("content") == answer
+
+
+# ── Strict answers ──────────────────────────────────────────────────────────────────────────
+
+
+def answers(*contents: dict[str, Any]) -> Answer:
+    """Accept the forms with these contents, one after another."""
+    left = list(contents)
+
+    async def answer(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+        return types.ElicitResult(action="accept", content=left.pop(0))
+    return answer
+
+
+async def test_a_form_answer_that_does_not_fit_is_asked_again_saying_why(mcp_server: McpServer) -> None:
+    """minutes "15" and minutes true are not 15 minutes: the form comes again with the reason, and the answer
+    that fits decides (a 30-minute grant)."""
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada"))
+    asked: list[types.ElicitRequestFormParams] = []
+    given = answers({"decision": "allow_for", "minutes": "15"}, {"decision": "allow_for", "minutes": True},
+                    {"decision": "allow_for", "minutes": 30})
+    async with eliciting(mcp_server.url, HUMAN, given, asked) as client:
+        out = call_json(await asyncio.wait_for(client.call_tool(
+            "send_message", {"text": "users?", "session": "elicit-strict"}), WAIT))
+    assert out["text"] == "ada" and tool_results(backend) == [ROWS]
+    assert len(asked) == 3
+    assert asked[1].message.startswith("Your answer was not taken: field 'minutes' takes an integer from 1 to 1440, "
+                                       'not "15". Answer again (2 more tries')
+    assert asked[2].message.startswith("Your answer was not taken: field 'minutes' takes an integer from 1 to 1440, "
+                                       "not true. Answer again (1 more try")
+    assert asked[2].message.endswith(asked[0].message) and asked[2].requested_schema == asked[0].requested_schema
+    async with connect(mcp_server.url, HUMAN) as human:
+        (grant,) = await read_json(human, "agentmcp://sessions/mcp-elicit-strict/grants")
+    assert grant["scope"] == "allow_for" and 29 * 60 < grant["expires"] - grant["created"] <= 30 * 60
+
+
+async def test_answers_that_never_fit_reject_the_gate(mcp_server: McpServer) -> None:
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "DELETE FROM users"}), text("Not run."))
+    asked: list[types.ElicitRequestFormParams] = []
+    given = answers({"decision": "allow_for", "minutes": 5000}, {"decision": "allow_everything"},
+                    {"decision": "allow_once", "extra": 1})
+    async with eliciting(mcp_server.url, HUMAN, given, asked) as client:
+        await asyncio.wait_for(client.call_tool("send_message", {"text": "delete", "session": "elicit-never"}), WAIT)
+    assert len(asked) == 3 and "not 5000" in asked[1].message and "allow_everything" in asked[2].message
+    assert tool_results(backend)[0].startswith("TOOL CALL REJECTED: the user rejected")
+    async with connect(mcp_server.url, HUMAN) as human:
+        async def history() -> list[dict[str, Any]]:
+            return await read_json(human, "agentmcp://sessions/mcp-elicit-never/approvals/history")
+
+        await until(history, "the decision is recorded")
+        (record,) = await history()
+    assert record["decision"] == "reject"
+    assert record["decided_by"] == "human:alice (elicitation: answers did not fit the form: the form has no field " \
+                                   "extra (its fields: decision, minutes))"
+
+
+async def test_answer_approval_takes_only_values_that_fit(mcp_server: McpServer) -> None:
+    """answer_approval's minutes is a JSON integer in range; content for a server's question must fit its form
+    (else the answerer is told why and the gate still waits); a gate that is no question takes no content."""
+    backend = mcp_server.backend
+    backend.script(tool_call("db_query", {"sql": "SELECT name FROM users"}), text("ada"))
+    async with connect(mcp_server.url, HUMAN) as plain, connect(mcp_server.url, HUMAN) as approver:
+        call = asyncio.create_task(plain.call_tool("send_message", {"text": "users?", "session": "strict-answer"}))
+        (pending,) = [p for p in await _first_pending(approver) if p["session"] == "mcp-strict-answer"]
+        gate_id = pending["gate_id"]
+        for minutes in ("15", True, 0, 1441):
+            refused = await approver.call_tool("answer_approval", {"gate_id": gate_id, "decision": "allow_for",
+                                                                    "minutes": minutes})
+            assert refused.is_error and "minutes" in refused.content[0].text, (minutes, refused.content)
+        refused = await approver.call_tool("answer_approval", {"gate_id": gate_id, "decision": "allow_once",
+                                                                "content": {"seats": 1}})
+        assert refused.is_error and "is not a question of an MCP server" in refused.content[0].text
+        assert [p["gate_id"] for p in await read_json(approver, PENDING)
+                if p["session"] == "mcp-strict-answer"] == [gate_id]  # nothing changed
+        call_json(await approver.call_tool("answer_approval", {"gate_id": gate_id, "decision": "allow_once"}))
+        out = call_json(await asyncio.wait_for(call, WAIT))
+    assert out["text"] == "ada"
+
+
+async def test_a_routed_gate_left_mid_form_goes_to_its_other_approvers_or_times_out(tmp_path) -> None:
+    """approvals routes the mcp class's gates on `users` to tokens alice and bob, those on `logs` to alice alone
+    (2 s): alice's client goes away mid-form; bob answers the first, nobody the second, which times out. Both
+    turns go on, every step is audited, and both messages and answers are kept."""
+    bob = "human-token-bob-for-tests-01"
+    with FakeOpenAI() as backend:
+        cfg = ConfigDir(tmp_path)
+        cfg.models = {"fake": openai_model(backend)}
+        cfg.add_plugin("plugin_test_db", DB_PLUGIN)
+        port = free_port()
+        cfg.plugins.append("plugin_client_mcp")
+        cfg.plugin_config["plugin_client_mcp"] = {"port": port}
+        cfg.gates = {"db": {}}
+        cfg.enabled_extra = {"approvals": {"classes": {"mcp": {
+            "mcp_tokens": ["alice", "bob"], "tables": {"logs": {"mcp_tokens": ["alice"], "timeout_seconds": 2}}}}}}
+        (tmp_path / "mcp-tokens.json").write_text(json.dumps({"tokens": {
+            "alice": {"role": "human", "token": HUMAN}, "bob": {"role": "human", "token": bob}}}))
+        (tmp_path / "mcp-tokens.json").chmod(0o600)
+        server = AgentServer(cfg.write(), {"SESSION_STORE": "memory"}).start()
+        url = f"http://127.0.0.1:{port}/mcp"
+        audit = server.data_dir / grants.AUDIT_FILE
+
+        def records(session: str) -> list[dict[str, Any]]:
+            return [r for r in audit_log.read_audit(audit) if r["session"] == f"mcp-{session}"]
+
+        async def leave_mid_form(session: str, text_: str) -> None:
+            shown = asyncio.Event()
+
+            async def hold(params: types.ElicitRequestFormParams) -> types.ElicitResult:
+                shown.set()
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            async def run() -> None:
+                async with eliciting(url, HUMAN, hold, []) as alice:
+                    await alice.call_tool("send_message", {"text": text_, "session": session})
+
+            call = asyncio.create_task(run())
+            await asyncio.wait_for(shown.wait(), WAIT)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await until(lambda: any(r["event"] == "client_gone" for r in records(session)), "the leaving audited")
+
+        async def kept(session: str, answer: str) -> list[dict[str, Any]]:
+            async with connect(url, bob) as reader:
+                async def history() -> list[dict[str, Any]]:
+                    return await read_json(reader, f"agentmcp://sessions/mcp-{session}/history")
+
+                await until(lambda: _ends_with(history(), answer), f"the answer of {session} in its history")
+                return await history()
+
+        try:
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM users WHERE id = 3"}), text("Deleted 3."))
+            await leave_mid_form("left-users", "delete user 3")
+            async with connect(url, bob) as as_bob:
+                (pending,) = [p for p in await read_json(as_bob, PENDING) if p["session"] == "mcp-left-users"]
+                assert pending["request"]["approvers"] == ["mcp:alice", "mcp:bob"]
+                call_json(await as_bob.call_tool("answer_approval", {"gate_id": pending["gate_id"],
+                                                                      "decision": "allow_once"}))
+            assert (await kept("left-users", "Deleted 3."))[0]["content"] == "delete user 3"
+            assert tool_results(backend) == [ROWS]
+            events = [(r["event"], r["actor"]) for r in records("left-users")]
+            assert events == [("client_gone", "mcp:alice"), ("decision", "mcp:bob")]
+
+            backend.script(tool_call("db_query", {"sql": "DELETE FROM logs"}), text("Nobody approved it."))
+            await leave_mid_form("left-logs", "clear the logs")
+            history = await kept("left-logs", "Nobody approved it.")
+            assert history[0]["content"] == "clear the logs"
+            assert tool_results(backend)[0].startswith("TOOL CALL REJECTED: nobody approved")
+            (gone, expired) = records("left-logs")
+            assert gone["event"] == "client_gone" and json.loads(gone["detail"])["waiting_for"] == "MCP token 'alice'"
+            assert (expired["event"], expired["outcome"]) == ("decision", "no answer: rejected")
+        finally:
+            log = server.stop()
+    assert HUMAN not in log and bob not in log and "Traceback" not in log

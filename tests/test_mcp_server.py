@@ -259,13 +259,16 @@ async def test_agent_token_reaches_only_its_own_session(mcp_server: McpServer) -
                               for u in listed)
         for uri in ("agentmcp://sessions/mcp-other/approvals/pending", "agentmcp://sessions/mcp-other/history",
                     "agentmcp://sessions/shell-mcp/state", PENDING, HISTORY, "agentmcp://policy"):
-            with pytest.raises(MCPError, match="forbidden"):
+            with pytest.raises(MCPError, match=r"forbidden: .*token 'worker'"):  # every refusal names the token
                 await worker.read_resource(uri)
         with pytest.raises(MCPError, match="forbidden"):
             async with worker.listen(resource_subscriptions=["agentmcp://sessions/mcp-other/approvals/pending"]):
                 pass
-        with pytest.raises(MCPError, match="forbidden"):
+        with pytest.raises(MCPError, match="forbidden: answer_approval needs a human token; token 'worker' has role "
+                                           "agent"):
             await worker.call_tool("answer_approval", {"gate_id": pending["gate_id"], "decision": "allow_once"})
+        with pytest.raises(MCPError, match="unknown tool 'nope'; tools/list shows the tools of token 'worker'"):
+            await worker.call_tool("nope", {})
         with pytest.raises(MCPError, match="forbidden"):
             await worker.call_tool("send_message", {"session": "other", "text": "hi"})
         tools = {t.name for t in (await worker.list_tools()).tools}
@@ -284,6 +287,8 @@ async def test_agent_token_reaches_only_its_own_session(mcp_server: McpServer) -
         assert error.code == -32950 and error.message == "policy_denied"
         assert error.data["decision"] == "reject" and error.data["tool"] == "db_query"
         assert error.data["type"] == "policy_denied" and "rejected" in error.data["reason"]
+        assert (error.data["token"], error.data["session"]) == ("other", "mcp-other")
+        assert OTHER not in json.dumps(error.data)  # its name, never its secret
         # The worker's own tools: an open one runs, and send_message talks to its own session.
         info = await worker.call_tool("get_system_info", {})
         assert not info.is_error and info.content[0].text

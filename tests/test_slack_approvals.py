@@ -182,6 +182,11 @@ async def test_a_non_approvers_click_is_refused_the_gate_stays_open_and_a_late_c
     _, closing = await bot.rt.gate.desk.get(gate.gate_id)
     assert closing is not None and closing.decision == "reject" and closing.by == f"slack:{LEAD}"
     assert bot.recorder.calls == [] and bot.plugin.approvals.stats["refused"] == 1
+    # Both refusals are audited: the non-approver's (by the gate keeper) and the stale click (by the plugin).
+    refused = [r for r in await audit(bot) if r["event"] == "approval_refused"]
+    assert [(r["actor"], r["outcome"].split(" (")[0]) for r in refused] == [
+        (f"slack:{NOBODY}", "not an approver of this gate"),
+        (f"slack:{LEAD}", "refused: stale: the gate was closed already")]
 
 
 async def test_malformed_clicks_change_nothing_and_the_real_one_still_counts(bot: Bot) -> None:
@@ -205,7 +210,50 @@ async def test_malformed_clicks_change_nothing_and_the_real_one_still_counts(bot
     assert (await bot.rt.gate.desk.get(gate_id))[1].by == f"slack:{NOBODY}"
     async with asyncio.timeout(10):
         assert "REJECTED" in await call
-    assert bot.recorder.calls == [] and bot.slack.ephemerals == []
+    assert bot.recorder.calls == [] and bot.slack.ephemerals == []  # none said who and where: nobody to tell
+    # Each of them is audited (the app's only interactive elements are gate buttons).
+    refused = [r for r in await audit(bot) if r["event"] == "approval_refused"]
+    assert [r["outcome"].split(":")[0:2] for r in refused] == [["refused", " malformed"]] * len(hostile)
+    assert refused[2]["actor"] == "slack:?" and refused[3]["actor"] == f"slack:{LEAD}"
+    assert refused[3]["session"] == PROXY_ID and refused[3]["tool"] == "db_query"  # the gate it named
+    assert "'view_submission' payload is no button click" in refused[5]["outcome"]
+    assert bot.plugin.approvals.stats["forged"] == len(hostile)
+
+
+async def audit(bot: Bot) -> list[dict[str, Any]]:
+    await bot.rt.gate.grants.flush()
+    return list(audit_log.read_audit(bot.rt.config.data_dir() / grants.AUDIT_FILE))
+
+
+async def test_a_forged_click_naming_another_sessions_gate_is_refused_quietly_audited_and_told(
+        bot: Bot, caplog: pytest.LogCaptureFixture) -> None:
+    """A click whose button names the gate of a shell session (not routed to Slack): refused with a WARNING line
+    and no traceback, audited, the clicker told; the gate still waits for its own session."""
+    victim = "shell-victim"
+    await bot.rt.sessions.get_or_create(victim, "fake")
+    with as_request(bot.rt, victim):
+        call = asyncio.ensure_future(execute(bot.rt, victim, "db_query", {"sql": "DELETE FROM t"}))
+    await bot.slack.until(lambda: any(c == victim for c, _ in bot.rt.gate.pending.values()))
+    gate_id = next(g for g, (c, _) in bot.rt.gate.pending.items() if c == victim)
+    root = "1600000000.000077"
+    forged = {"type": "block_actions", "user": {"id": LEAD}, "channel": {"id": "C1"},
+              "container": {"type": "message", "channel_id": "C1", "thread_ts": root},
+              "actions": [{"type": "button", "action_id": ALLOW, "value": gate_id}]}
+    bot.slack.send_raw({"envelope_id": "forged-1", "type": "interactive", "payload": forged})
+    [told] = await bot.slack.until(lambda: bot.slack.told(LEAD))
+    assert (told.channel, told.thread_ts) == ("C1", root)
+    assert told.text == "⛔ That button does not belong to a gate you can answer here; nothing was changed."
+    (record,) = [r for r in await audit(bot) if r["event"] == "approval_refused"]
+    assert (record["actor"], record["session"]) == (f"slack:{LEAD}", victim)
+    assert record["outcome"].startswith("refused: the gate is of another session")
+    assert json.loads(record["detail"])["plugin"] == "plugin_client_slack"
+    assert gate_id in bot.rt.gate.pending and not call.done()  # nothing changed
+    slack_lines = [r for r in caplog.records if r.name.startswith("agent_mcp.slack")]
+    assert [r.levelname for r in slack_lines if "click" in r.getMessage()] == ["WARNING"]
+    assert not any(r.exc_info or r.levelname == "ERROR" for r in slack_lines)
+    assert await bot.rt.gate.resolve(gate_id, "reject", by="shell")
+    async with asyncio.timeout(10):
+        assert "REJECTED" in await call
 
 
 async def test_a_gate_nobody_answers_times_out_and_its_message_says_so(bot: Bot) -> None:
