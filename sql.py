@@ -208,10 +208,10 @@ def strongest(ops: Any) -> str:
 
 # ── What the server reads ───────────────────────────────────────────────────────────────────
 
-#: The server version the readings of versioned comments start from: every MariaDB is 10.0 or later.
-MIN_SERVER_VERSION = 100000
+#: The server versions the readings of versioned comments start from: MariaDB 10.0, MySQL 5.7.
+MIN_SERVER_VERSION, MYSQL_57 = 100000, 50700
 # More readings than this (distinct version numbers in one text) and the text is refused.
-_MAX_READINGS = 16
+_MAX_READINGS = 24
 _VERSIONED = re.compile(r"/\*M?!(\d{5}\d?)")
 _SPECIAL = re.compile(r"['\"`#/*-]")
 _LINE_COMMENT_AFTER = frozenset(" \t\n\r\v\f")  # and every control character (MariaDB: space or cntrl)
@@ -222,7 +222,7 @@ class _Refused(Exception):
 
 
 def server_readings(sql: str) -> list[str] | None:
-    """Every text MariaDB may run for `sql` once its executable comments are read, or None when the
+    """Every text the server may run for `sql` once its executable comments are read, or None when the
     classifier does not model how the server would read it (then it may touch anything).
 
     `[sql]` itself when nothing in its code (outside strings, quoted names and comments) is read
@@ -230,30 +230,31 @@ def server_readings(sql: str) -> list[str] | None:
     comments that run replaced by a space, their text kept, and the comments that do not run
     replaced by a space, following MariaDB's lexer (sql_lex.cc): `/*!` and `/*M!` without a version
     run; with one (5 digits, or 6), when it is at most the server's, except `/*!50700`…`/*!99999`,
-    which MariaDB skips (a reading where they run too is added: MySQL runs them); inside a running
-    comment a string, a quoted name, `#` or `-- ` may hold `*/`, a plain comment nests once, and
-    the first `*/` in code ends it. The server's version is unknown, so there is one reading per
-    version it may have (each version number in the text, and 10.0). `--` before a character that
-    is neither a space nor a control character is no comment for the server: `- -` in the reading.
-    Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments, MariaDB 12.3+), `/*m!`,
-    a NUL character, more than `_MAX_READINGS` readings.
+    which MariaDB skips; inside a running comment a string, a quoted name, `#` or `-- ` may hold
+    `*/`, a plain comment nests once, and the first `*/` in code ends it. The server's version is
+    unknown, so there is one reading per version it may have (10.0, and each version number in the
+    text); where the text has `/*M!` or a version from 5.7 on, MySQL's readings too (`/*M!` is a
+    plain comment, every `/*!` up to its version runs, 6 digits only before a space). `--` before a
+    character beyond ASCII is no comment for the server: `- -` in the reading, so sqlglot does not
+    take it for one. Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments, MariaDB
+    12.3+), `/*m!`, a NUL character, more than `_MAX_READINGS` readings.
     """
     if "\x00" in sql:
         return None
     if not EXECUTABLE_COMMENT.search(sql) and not _ODD_DASHES.search(sql):
         return [sql]
-    versions = {int(v) for v in _VERSIONED.findall(sql)}
-    thresholds = sorted({MIN_SERVER_VERSION} | {v for v in versions if v > MIN_SERVER_VERSION})
-    mysql_flags = [False, True] if any(50700 <= v <= 99999 for v in versions) else [False]
-    if len(thresholds) * len(mysql_flags) > _MAX_READINGS:
+    versions = {int(n) for v in _VERSIONED.findall(sql) for n in (v, v[:5])}
+    worlds = [(v, False) for v in sorted({MIN_SERVER_VERSION} | {v for v in versions if v > MIN_SERVER_VERSION})]
+    if "/*M!" in sql or any(v >= MYSQL_57 for v in versions):
+        worlds += [(v, True) for v in sorted({MYSQL_57, 999999} | {v for v in versions if MYSQL_57 < v < 999999})]
+    if len(worlds) > _MAX_READINGS:
         return None
     readings: list[str] = []
     try:
-        for threshold in thresholds:
-            for mysql in mysql_flags:
-                text = _read(sql, threshold, mysql)
-                if text not in readings:
-                    readings.append(text)
+        for threshold, mysql in worlds:
+            text = _read(sql, threshold, mysql)
+            if text not in readings:
+                readings.append(text)
     except _Refused:
         return None
     return readings
@@ -264,7 +265,7 @@ _ODD_DASHES = re.compile(r"--[^\x00-\x7f]")
 
 
 def _read(sql: str, threshold: int, mysql: bool) -> str:
-    """`sql` as a server of version `threshold` runs it (`mysql`: `/*!50700`…`/*!99999` run too)."""
+    """`sql` as a server of version `threshold` runs it (`mysql`: MySQL's rules, see `server_readings`)."""
     out: list[str] = []
     i, n, running = 0, len(sql), False  # running: inside an executable comment that runs
     while i < n:
@@ -310,11 +311,11 @@ def _comment(sql: str, j: int, threshold: int, mysql: bool, out: list[str]) -> i
     inside an executable comment that runs (its text is code)."""
     k = j + 2
     maria = sql.startswith("M!", k)
-    if not (maria or sql.startswith("!", k)):
-        if sql.startswith("m!", k):
-            raise _Refused  # a plain comment for MariaDB, but one letter from MariaDB's own marker
+    if sql.startswith("m!", k):
+        raise _Refused  # a plain comment for MariaDB, but one letter from MariaDB's own marker
+    if not (maria or sql.startswith("!", k)) or (maria and mysql):  # MySQL: /*M! is a plain comment
         end = _comment_end(sql, k, 0)
-        out.append(sql[j:end])  # a plain comment (an optimizer hint stays one): sqlglot reads it the same
+        out.append(sql[j:end] if not maria else " ")  # a plain comment (an optimizer hint stays one)
         return end
     k += 2 if maria else 1
     if sql.startswith("!", k):
@@ -322,16 +323,17 @@ def _comment(sql: str, j: int, threshold: int, mysql: bool, out: list[str]) -> i
     digits = 0
     while digits < 6 and k + digits < len(sql) and sql[k + digits] in "0123456789":
         digits += 1
-    if digits < 5:  # no version: the text runs on every MariaDB (digits it starts with are code)
+    if digits < 5:  # no version: the text runs on every server (digits it starts with are code)
         out.append(" ")
         return -k
+    if mysql and digits == 6 and not (k + 6 < len(sql) and sql[k + 6].isspace()):
+        digits = 5  # MySQL: a sixth digit is the version's only before a space
     version = int(sql[k:k + digits])
-    if version <= threshold and (version < 50700 or version > 99999 or maria or mysql):
-        out.append(" ")
-        return -(k + digits)
-    end = _comment_end(sql, j + (4 if maria else 3), 1)  # skipped: one plain comment may nest in it
+    runs = version <= threshold and (mysql or maria or not MYSQL_57 <= version <= 99999)
     out.append(" ")
-    return end
+    if runs:
+        return -(k + digits)
+    return _comment_end(sql, j + (4 if maria else 3), 1)  # skipped: one plain comment may nest in it
 
 
 def _comment_end(sql: str, i: int, nesting: int) -> int:

@@ -24,7 +24,7 @@ SQL_CORPUS = [
     # executable comments run in MySQL: classified as what they hold; a `;` in one is several statements in one
     ("SELECT 1 /*!50000 ; DROP TABLE users */", D, {META, "users", ANY}),
     ("/*!50000 DELETE FROM users */ SELECT 1", D, {"users", ANY}),
-    ("SELECT 1 /*M! DROP TABLE accounts */", D, {"accounts", ANY}),
+    ("SELECT 1 /*M! DROP TABLE accounts */", D, {META, "accounts", ANY}),  # MySQL: a plain comment
     # several statements
     ("SELECT 1; DROP TABLE users", D, {META, "users"}),
     ("SELECT * FROM a; SELECT * FROM b;", R, {"a", "b"}),
