@@ -170,3 +170,51 @@ async def test_the_mysql_plugin_hands_the_case_rule_to_the_gate(server: pymysql.
     models = {"fake": openai_model(fake_openai)}
     async with runtime(tmp_path, models, env=env, plugins=("plugin_database_mysql",)) as rt:
         assert gate.case_rule(rt.tools.entry("db_query")) is (str(lower) == "0")
+
+
+def _outcome(conn: pymysql.Connection, text: str) -> tuple[Any, ...]:
+    """What MariaDB does with `text` sent as one query in a new database holding `users`, `t` and
+    `secrets` (one row each): its rows or its error code, then every table's rows after it."""
+    name = f"sqlcls_read_{secrets.token_hex(4)}"
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{name}`")
+        try:
+            for table in ("users", "t", "secrets"):
+                cur.execute(f"CREATE TABLE `{name}`.`{table}` {COLUMNS}")
+                cur.execute(f"INSERT INTO `{name}`.`{table}` VALUES (1, 1, '{table}', 'nobody', 1)")
+            with _connect(database=name) as alone, alone.cursor() as run:
+                run.execute("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'")
+                try:
+                    run.execute(text)
+                    result: Any = run.fetchall()
+                except pymysql.err.MySQLError as exc:
+                    result = exc.args[0]
+            after = []
+            for table in ("users", "t", "secrets"):
+                cur.execute(f"SELECT * FROM `{name}`.`{table}` ORDER BY id")
+                after.append(cur.fetchall())
+            return result, tuple(after)
+        finally:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+
+
+_EXECUTABLE = [t for t, _, _ in ATTACKS + SQL_CORPUS if sql.EXECUTABLE_COMMENT.search(t)
+               and sql.server_readings(t) not in (None, [t])]
+
+
+@pytest.mark.parametrize("text", _EXECUTABLE, ids=[t[:60] for t in _EXECUTABLE])
+def test_the_server_runs_one_of_the_readings_the_classifier_keys(server: pymysql.Connection, text: str) -> None:
+    # The classifier keys every reading it makes of an executable comment; MariaDB must do exactly what
+    # one of them does (same rows or error, same tables after), so no reading of the server's is missed.
+    readings = sql.server_readings(text)
+    assert readings
+    # A reading of nothing but blanks is a query the server runs as nothing (it refuses a blank one).
+    ran = [_outcome(server, reading if reading.strip() else "DO 0") for reading in readings]
+    assert _outcome(server, text) in ran
+
+
+def test_the_readings_check_has_teeth(server: pymysql.Connection) -> None:
+    # A reading that drops a comment MariaDB runs is told apart from what MariaDB does.
+    text = "SELECT * FROM users /*! , secrets */"
+    assert _outcome(server, text) != _outcome(server, "SELECT * FROM users")
+    assert _outcome(server, text) == _outcome(server, "SELECT * FROM users   , secrets  ")
