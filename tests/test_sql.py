@@ -9,6 +9,7 @@ import pytest
 
 import sql
 from sql_shape import sql_shape
+from tests.sql_attack_corpus import ROLE_SWITCHES
 from tests.sql_cases import SQL_CORPUS
 from tests.sql_corpus import ATTACKS, CASE_SENSITIVE
 
@@ -240,3 +241,10 @@ def test_compound_statements_dynamic_sql_and_role_switches_are_ddl_on_any_table(
 def test_a_compound_statement_is_keyed_by_every_statement_inside() -> None:
     text = "/*!BEGIN NOT ATOMIC SELECT a FROM secrets; UPDATE users SET a = 1; DELETE FROM shop.t; END */"
     assert sql.classify_sql(text) == ("ddl", frozenset({"secrets", "users", "shop.t", "*"}))
+
+
+@pytest.mark.parametrize("text", ROLE_SWITCHES)
+def test_no_role_switch_of_the_issue_is_less_than_ddl_on_any_table(text: str) -> None:
+    # The classifier alone must stop these (the database stops them by itself too, see docs/security.md).
+    op, keys = sql.classify_sql(text.format(role="amcp_r_0123456789abcdef"))
+    assert op == "ddl" and "*" in keys

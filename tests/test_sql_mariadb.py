@@ -23,6 +23,7 @@ import sql
 from database import Database, DatabaseSettings
 from tests.conftest import openai_model
 from tests.runtime import runtime
+from tests.sql_attack_corpus import ROLE_SWITCHES
 from tests.sql_cases import SQL_CORPUS
 from tests.sql_corpus import ATTACKS, CASE_SENSITIVE, CTE_SCOPES, KEYWORD_NAMES, SHOW_WHERE
 
@@ -198,8 +199,8 @@ def _outcome(conn: pymysql.Connection, text: str) -> tuple[Any, ...]:
             cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
 
 
-_EXECUTABLE = [t for t, _, _ in ATTACKS + SQL_CORPUS if sql.EXECUTABLE_COMMENT.search(t)
-               and sql.server_readings(t) not in (None, [t])]
+_CRAFTED = [t for t, _, _ in ATTACKS + SQL_CORPUS] + [r.format(role="no_such_role") for r in ROLE_SWITCHES]
+_EXECUTABLE = [t for t in _CRAFTED if sql.EXECUTABLE_COMMENT.search(t) and sql.server_readings(t) not in (None, [t])]
 
 
 @pytest.mark.parametrize("text", _EXECUTABLE, ids=[t[:60] for t in _EXECUTABLE])
