@@ -20,15 +20,15 @@ Rules (see docs/security.md):
   parse, or whose effect cannot be known, is `ddl` on `*` (any table): nothing weaker covers it.
 - Executable comments are classified as the SQL the server runs (`server_readings`): MariaDB runs
   the text of `/*! … */` and `/*M! … */`, and of `/*!NNNNN`/`/*M!NNNNNN … */` when the version is
-  at most its own (MariaDB skips `/*!50700`…`/*!99999`, MySQL runs them). The server's version is
-  unknown, so the text is read once per version it may have (and once with those MySQL comments
-  run), following MariaDB's lexer (strings, quoted names and line comments inside the comment,
-  one nested plain comment, the first `*/` in code ends it), and a batch is the strongest of all
-  readings with the keys of all. A `/*!` in a string or a line comment is text, not code. A statement
-  the splitter sees as one but the server as several (`SELECT 1 /*!; DROP …*/`), a comment left
-  open, `/*m!`, `/*!!`/`/*M!!` (reversed comments of MariaDB 12.3+), a NUL, or more than 16
-  readings are `ddl` on `*`. `--` before a non-ASCII character is code for the server, so sqlglot
-  is not let take it for a comment.
+  at most its own (MariaDB skips `/*!50700`…`/*!99999`, MySQL runs them and reads `/*M!` as a plain
+  comment). The server's version is unknown, so the text is read once per version it may have
+  (and as MySQL would, where that differs), following MariaDB's lexer (strings, quoted names and
+  line comments inside the comment, one nested plain comment, the first `*/` in code ends it), and
+  a batch is the strongest of all readings with the keys of all. A `/*!` in a string or a line
+  comment is text, not code. A statement the splitter sees as one but the server as several
+  (`SELECT 1 /*!; DROP …*/`), a comment left open, `/*m!`, `/*!!`/`/*M!!` (reversed comments of
+  newer MariaDB), a NUL, or more than 24 readings are `ddl` on `*`. `--` before a non-ASCII
+  character is code for the server, so sqlglot is not let take it for a comment.
 - Compound statements are keyed by every statement inside them and refused as a whole: their own
   parts (`BEGIN NOT ATOMIC`, labels, `IF … THEN`, `WHILE … DO`, `LOOP`, `REPEAT`, `CASE`, `FOR`,
   `DECLARE`, `END …`) are never known, so a compound is `ddl` on `*` plus the tables of each
@@ -236,8 +236,8 @@ def server_readings(sql: str) -> list[str] | None:
     text); where the text has `/*M!` or a version from 5.7 on, MySQL's readings too (`/*M!` is a
     plain comment, every `/*!` up to its version runs, 6 digits only before a space). `--` before a
     character beyond ASCII is no comment for the server: `- -` in the reading, so sqlglot does not
-    take it for one. Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments, MariaDB
-    12.3+), `/*m!`, a NUL character, more than `_MAX_READINGS` readings.
+    take it for one. Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments of newer
+    MariaDB), `/*m!`, a NUL character, more than `_MAX_READINGS` readings.
     """
     if "\x00" in sql:
         return None
@@ -319,7 +319,7 @@ def _comment(sql: str, j: int, threshold: int, mysql: bool, out: list[str]) -> i
         return end
     k += 2 if maria else 1
     if sql.startswith("!", k):
-        raise _Refused  # /*!! and /*M!!: reversed comments, read differently by different versions
+        raise _Refused  # /*!! and /*M!!: reversed comments (newer MariaDB), read differently by different versions
     digits = 0
     while digits < 6 and k + digits < len(sql) and sql[k + digits] in "0123456789":
         digits += 1

@@ -222,6 +222,8 @@ EXECUTABLE = [
     ("SELECT * FROM users # /*! , secrets */", R, {"users"}),
     ("SELECT * FROM users /* /*! , secrets */", R, {"users"}),  # a plain comment ends at the first */
     ("SELECT * FROM users /* x /*! , secrets */ */", D, {ANY}),  # … and the rest is a syntax error
+    ("SELECT * FROM users /* x /* y */ UNION SELECT * FROM secrets -- */", R, {"users", S}),  # no nesting
+    ("SELECT * FROM users /*/ UNION SELECT * FROM secrets */", R, {"users"}),  # /*/ opens, it does not close
     # refused: one statement for the splitter but several for the server, left open, forms read differently
     ("SELECT 1 /*!; UPDATE secrets SET a = 1 */", D, {META, S, ANY}),
     ("/*!SELECT 1; UPDATE secrets SET a = 1 */", D, {META, S, ANY}),
