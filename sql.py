@@ -214,7 +214,8 @@ MIN_SERVER_VERSION, MYSQL_57 = 100000, 50700
 _MAX_READINGS = 24
 _VERSIONED = re.compile(r"/\*M?!(\d{5}\d?)")
 _SPECIAL = re.compile(r"['\"`#/*-]")
-_LINE_COMMENT_AFTER = frozenset(" \t\n\r\v\f")  # and every control character (MariaDB: space or cntrl)
+# `--` before a character beyond ASCII: sqlglot may take it for a comment (a Unicode space), MariaDB never does.
+_ODD_DASHES = re.compile(r"--[^\x00-\x7f]")
 
 
 class _Refused(Exception):
@@ -260,10 +261,6 @@ def server_readings(sql: str) -> list[str] | None:
     return readings
 
 
-# `--` before a character beyond ASCII: sqlglot may take it for a comment (a Unicode space), MariaDB never does.
-_ODD_DASHES = re.compile(r"--[^\x00-\x7f]")
-
-
 def _read(sql: str, threshold: int, mysql: bool) -> str:
     """`sql` as a server of version `threshold` runs it (`mysql`: MySQL's rules, see `server_readings`)."""
     out: list[str] = []
@@ -302,8 +299,9 @@ def _read(sql: str, threshold: int, mysql: bool) -> str:
 
 
 def _starts_line_comment(sql: str, k: int) -> bool:
-    """Whether `--` followed by sql[k] opens a comment for MariaDB: a space, a control character or the end."""
-    return k >= len(sql) or sql[k] in _LINE_COMMENT_AFTER or ord(sql[k]) < 0x20 or sql[k] == "\x7f"
+    """Whether `--` followed by sql[k] opens a comment for MariaDB: a space, a control character (tabs and
+    line ends among them) or the end of the text."""
+    return k >= len(sql) or sql[k] == " " or ord(sql[k]) < 0x20 or sql[k] == "\x7f"
 
 
 def _comment(sql: str, j: int, threshold: int, mysql: bool, out: list[str]) -> int:
@@ -699,17 +697,18 @@ def _classify(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
         return _classify_text(sql, case_sensitive)
     # What the server runs: the readings of the whole text, and of each statement as split_statements cuts
     # it (each is sent on its own); a statement that the server would read as several is unknown.
+    # A reading of nothing (a comment that does not run) adds nothing, unless nothing else is read.
     verdicts = [_classify_text(text, case_sensitive) for text in readings if text.strip() or not any(readings)]
     pieces = split_statements(sql)
-    for piece in pieces if len(pieces) > 1 else []:
-        piece_readings = server_readings(piece)
+    for piece in pieces:
+        piece_readings = server_readings(piece) if len(pieces) > 1 else readings
         if piece_readings is None:
             verdicts.append((DDL, frozenset(_guess_tables(piece, case_sensitive) | {ANY_TABLE})))
             continue
-        verdicts.extend(_classify_text(text, case_sensitive) for text in piece_readings)
-    for piece in pieces:
-        if any(len(split_statements(text)) > 1 for text in server_readings(piece) or []):
-            verdicts.append((DDL, frozenset({ANY_TABLE})))
+        if len(pieces) > 1:
+            verdicts.extend(_classify_text(text, case_sensitive) for text in piece_readings)
+        if any(len(split_statements(text)) > 1 for text in piece_readings):
+            verdicts.append((DDL, frozenset({ANY_TABLE})))  # one statement for the splitter, several for the server
     return strongest(v[0] for v in verdicts), frozenset().union(*(v[1] for v in verdicts))
 
 
