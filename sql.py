@@ -235,9 +235,10 @@ def server_readings(sql: str) -> list[str] | None:
     `*/`, a plain comment nests once, and the first `*/` in code ends it. The server's version is
     unknown, so there is one reading per version it may have (10.0, and each version number in the
     text); where the text has `/*M!` or a version from 5.7 on, MySQL's readings too (`/*M!` is a
-    plain comment, every `/*!` up to its version runs, 6 digits only before a space). `--` before a
-    character beyond ASCII is no comment for the server: `- -` in the reading, so sqlglot does not
-    take it for one. Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments of newer
+    plain comment, every `/*!` up to its version runs, 6 digits only before a space). `--` that is no
+    comment for the server (not before a space or a control character) is `- -` in the reading, so
+    neither sqlglot (`--` before a no-break space) nor the reading itself (`--/*!*/1`) takes it for
+    one. Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments of newer
     MariaDB), `/*m!`, a NUL character, more than `_MAX_READINGS` readings.
     """
     if "\x00" in sql:
@@ -281,7 +282,9 @@ def _read(sql: str, threshold: int, mysql: bool) -> str:
             i = n if end < 0 else end
             out.append(sql[j:i])
         elif c == "-" and sql.startswith("--", j):
-            out.append("- " if ord(sql[j + 2]) > 0x7f else "-")  # no comment: keep sqlglot from reading one
+            # Two minus signs for the server. Kept apart, so that neither a marker read away after them
+            # (`--/*!*/1`) nor a character sqlglot counts as a space (`--\u00a0`) makes a comment of them.
+            out.append("- ")
             i = j + 1
         elif c == "/" and sql.startswith("/*", j):
             i = _comment(sql, j, threshold, mysql, out)

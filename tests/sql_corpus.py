@@ -235,6 +235,7 @@ EXECUTABLE = [
     ("SELECT * FROM users /*M!!100000 , secrets */", D, {"users", ANY}),
     ("SELECT * FROM users /*!1000000 , secrets */", D, {"users", ANY}),  # 6 digits, then `0` is code
     ("SELECT * FROM users WHERE 1 --\u00a0, (SELECT 1)\n", D, {"users", ANY}),  # `--` + no space: no comment
+    ("SELECT note FROM users WHERE a = 1 --/*!*/1 UNION SELECT note FROM secrets", R, {"users", S}),  # 1 - - 1
 ]
 
 # Compound statements, dynamic SQL and role switches (issue 39): keyed by every statement inside, never known.

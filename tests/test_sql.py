@@ -169,6 +169,9 @@ def test_lists_subqueries_and_groups_still_generalise() -> None:
     ("SELECT 1 /*! , 2 /* plain */ */", ["SELECT 1   , 2 /* plain */  "]),
     # `--` before a character beyond ASCII is code for MariaDB: kept from reading as a comment
     ("SELECT a FROM t WHERE 1 --\u00a0x", ["SELECT a FROM t WHERE 1 - -\u00a0x"]),
+    # … and neither does a marker read away right after `--` (MariaDB: `1 - - 1 UNION …`)
+    ("SELECT a FROM users WHERE a = 1 --/*!*/1 UNION SELECT a FROM secrets",
+     ["SELECT a FROM users WHERE a = 1 - -  1 UNION SELECT a FROM secrets"]),
 ])
 def test_the_readings_of_an_executable_comment_follow_the_server(text: str, readings: list[str]) -> None:
     assert sql.server_readings(text) == readings
