@@ -18,6 +18,25 @@ Rules (see docs/security.md):
   system table they reveal; any other form touches any table.
 - DDL (CREATE, DROP, ALTER, RENAME, TRUNCATE) is its own operation; a statement that does not
   parse, or whose effect cannot be known, is `ddl` on `*` (any table): nothing weaker covers it.
+- Executable comments are classified as the SQL the server runs (`server_readings`): MariaDB runs
+  the text of `/*! … */` and `/*M! … */`, and of `/*!NNNNN`/`/*M!NNNNNN … */` when the version is
+  at most its own (MariaDB skips `/*!50700`…`/*!99999`, MySQL runs them and reads `/*M!` as a plain
+  comment). The server's version is unknown, so the text is read once per version it may have
+  (and as MySQL would, where that differs), following MariaDB's lexer (strings, quoted names and
+  line comments inside the comment, one nested plain comment, the first `*/` in code ends it), and
+  a batch is the strongest of all readings with the keys of all. A `/*!` in a string or a line
+  comment is text, not code. A statement the splitter sees as one but the server as several
+  (`SELECT 1 /*!; DROP …*/`), a comment left open, `/*m!`, `/*!!`/`/*M!!` (reversed comments of
+  newer MariaDB), a NUL, or more than 24 readings are `ddl` on `*`. `--` before a non-ASCII
+  character is code for the server, so sqlglot is not let take it for a comment.
+- Compound statements are keyed by every statement inside them and refused as a whole: their own
+  parts (`BEGIN NOT ATOMIC`, labels, `IF … THEN`, `WHILE … DO`, `LOOP`, `REPEAT`, `CASE`, `FOR`,
+  `DECLARE`, `END …`) are never known, so a compound is `ddl` on `*` plus the tables of each
+  statement in it. So are dynamic SQL (`EXECUTE [IMMEDIATE]`, `PREPARE`, `DEALLOCATE`, even with a
+  literal: the text it runs is data), `CALL` and role switches (`SET ROLE`, `SET DEFAULT ROLE`,
+  `GRANT role`): `ddl` on `*` needs a human's approval for anything on any table, and nothing an
+  agent does day to day needs them, while a plain comment or an optimizer hint (`SELECT /*+ … */`)
+  classifies as it always did.
 - Keys keep the case the server distinguishes: `case_sensitive=True` (`lower_case_table_names=0`)
   keeps names as written, otherwise they are lower-cased. `information_schema` is case-insensitive
   on every server and always lower-cased.
@@ -60,7 +79,8 @@ ASSUMED_SQL_MODE_OFF = ("NO_BACKSLASH_ESCAPES", "ANSI_QUOTES")
 SYSTEM_SCHEMAS = frozenset({"mysql", "information_schema", "performance_schema", "sys"})
 # Schemas whose names (and table names) the server compares without case on every setting.
 _CASELESS_SCHEMAS = frozenset({"information_schema"})
-#: MySQL runs the text of /*! … */ (MariaDB also /*M! … */); sqlglot sees a comment.
+#: What may start an executable comment (`/*!`, `/*M!`, and `/*m!`, which the classifier refuses), found
+#: anywhere in the raw text, strings included: a text without it has none. sqlglot sees a comment.
 EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 
 
@@ -186,6 +206,168 @@ def strongest(ops: Any) -> str:
     return OPERATIONS[rank]
 
 
+# ── What the server reads ───────────────────────────────────────────────────────────────────
+
+#: The server versions the readings of versioned comments start from: MariaDB 10.0, MySQL 5.7.
+MIN_SERVER_VERSION, MYSQL_57 = 100000, 50700
+# More readings than this (distinct version numbers in one text) and the text is refused.
+_MAX_READINGS = 24
+_VERSIONED = re.compile(r"/\*M?!(\d{5}\d?)")
+_SPECIAL = re.compile(r"['\"`#/*-]")
+# `--` before a character beyond ASCII: sqlglot may take it for a comment (a Unicode space), MariaDB never does.
+_ODD_DASHES = re.compile(r"--[^\x00-\x7f]")
+
+
+class _Refused(Exception):
+    """Text whose reading by the server the classifier does not model: it may touch anything."""
+
+
+def server_readings(sql: str) -> list[str] | None:
+    """Every text the server may run for `sql` once its executable comments are read, or None when the
+    classifier does not model how the server would read it (then it may touch anything).
+
+    `[sql]` itself when nothing in its code (outside strings, quoted names and comments) is read
+    differently by the server and by sqlglot. Otherwise each reading has the markers of the
+    comments that run replaced by a space, their text kept, and the comments that do not run
+    replaced by a space, following MariaDB's lexer (sql_lex.cc): `/*!` and `/*M!` without a version
+    run; with one (5 digits, or 6), when it is at most the server's, except `/*!50700`…`/*!99999`,
+    which MariaDB skips; inside a running comment a string, a quoted name, `#` or `-- ` may hold
+    `*/`, a plain comment nests once, and the first `*/` in code ends it. The server's version is
+    unknown, so there is one reading per version it may have (10.0, and each version number in the
+    text); where the text has `/*M!` or a version from 5.7 on, MySQL's readings too (`/*M!` is a
+    plain comment, every `/*!` up to its version runs, 6 digits only before a space). `--` that is no
+    comment for the server (not before a space or a control character) is `- -` in the reading, so
+    neither sqlglot (`--` before a no-break space) nor the reading itself (`--/*!*/1`) takes it for
+    one. Refused: a comment left open, `/*!!` and `/*M!!` (reversed comments of newer
+    MariaDB), `/*m!`, a NUL character, more than `_MAX_READINGS` readings.
+    """
+    if "\x00" in sql:
+        return None
+    if not EXECUTABLE_COMMENT.search(sql) and not _ODD_DASHES.search(sql):
+        return [sql]
+    versions = {int(n) for v in _VERSIONED.findall(sql) for n in (v, v[:5])}
+    worlds = [(v, False) for v in sorted({MIN_SERVER_VERSION} | {v for v in versions if v > MIN_SERVER_VERSION})]
+    if "/*M!" in sql or any(v >= MYSQL_57 for v in versions):
+        worlds += [(v, True) for v in sorted({MYSQL_57, 999999} | {v for v in versions if MYSQL_57 < v < 999999})]
+    if len(worlds) > _MAX_READINGS:
+        return None
+    readings: list[str] = []
+    try:
+        for threshold, mysql in worlds:
+            text = _read(sql, threshold, mysql)
+            if text not in readings:
+                readings.append(text)
+    except _Refused:
+        return None
+    return readings
+
+
+def _read(sql: str, threshold: int, mysql: bool) -> str:
+    """`sql` as a server of version `threshold` runs it (`mysql`: MySQL's rules, see `server_readings`)."""
+    out: list[str] = []
+    i, n, running = 0, len(sql), False  # running: inside an executable comment that runs
+    while i < n:
+        found = _SPECIAL.search(sql, i)
+        if found is None:
+            out.append(sql[i:])
+            break
+        j = found.start()
+        out.append(sql[i:j])
+        c = sql[j]
+        if c in "'\"`":
+            i = _quoted_end(sql, j)
+            out.append(sql[j:i])
+        elif c == "#" or (c == "-" and sql.startswith("--", j) and _starts_line_comment(sql, j + 2)):
+            end = sql.find("\n", j)
+            i = n if end < 0 else end
+            out.append(sql[j:i])
+        elif c == "-" and sql.startswith("--", j):
+            # Two minus signs for the server. Kept apart, so that neither a marker read away after them
+            # (`--/*!*/1`) nor a character sqlglot counts as a space (`--\u00a0`) makes a comment of them.
+            out.append("- ")
+            i = j + 1
+        elif c == "/" and sql.startswith("/*", j):
+            i = _comment(sql, j, threshold, mysql, out)
+            running = running or i < 0
+            i = abs(i)
+        elif c == "*" and running and sql.startswith("*/", j):
+            out.append(" ")
+            i, running = j + 2, False
+        else:
+            out.append(c)
+            i = j + 1
+    if running:
+        raise _Refused  # the server: a syntax error
+    return "".join(out)
+
+
+def _starts_line_comment(sql: str, k: int) -> bool:
+    """Whether `--` followed by sql[k] opens a comment for MariaDB: a space, a control character (tabs and
+    line ends among them) or the end of the text."""
+    return k >= len(sql) or sql[k] == " " or ord(sql[k]) < 0x20 or sql[k] == "\x7f"
+
+
+def _comment(sql: str, j: int, threshold: int, mysql: bool, out: list[str]) -> int:
+    """Read the comment at sql[j] (`/*`) into `out`: where the reading goes on, negated when it goes on
+    inside an executable comment that runs (its text is code)."""
+    k = j + 2
+    maria = sql.startswith("M!", k)
+    if sql.startswith("m!", k):
+        raise _Refused  # a plain comment for MariaDB, but one letter from MariaDB's own marker
+    if not (maria or sql.startswith("!", k)) or (maria and mysql):  # MySQL: /*M! is a plain comment
+        end = _comment_end(sql, k, 0)
+        out.append(sql[j:end] if not maria else " ")  # a plain comment (an optimizer hint stays one)
+        return end
+    k += 2 if maria else 1
+    if sql.startswith("!", k):
+        raise _Refused  # /*!! and /*M!!: reversed comments (newer MariaDB), read differently by different versions
+    digits = 0
+    while digits < 6 and k + digits < len(sql) and sql[k + digits] in "0123456789":
+        digits += 1
+    if digits < 5:  # no version: the text runs on every server (digits it starts with are code)
+        out.append(" ")
+        return -k
+    if mysql and digits == 6 and not (k + 6 < len(sql) and sql[k + 6].isspace()):
+        digits = 5  # MySQL: a sixth digit is the version's only before a space
+    version = int(sql[k:k + digits])
+    runs = version <= threshold and (mysql or maria or not MYSQL_57 <= version <= 99999)
+    out.append(" ")
+    if runs:
+        return -(k + digits)
+    return _comment_end(sql, j + (4 if maria else 3), 1)  # skipped: one plain comment may nest in it
+
+
+def _comment_end(sql: str, i: int, nesting: int) -> int:
+    """Where a comment whose text starts at sql[i] ends for MariaDB (after the first `*/`, letting
+    `nesting` levels of `/* … */` nest); quotes mean nothing in it."""
+    n = len(sql)
+    while i < n:
+        c = sql[i]
+        i += 1
+        if nesting > 0 and c == "/" and i < n and sql[i] == "*":
+            i = _comment_end(sql, i + 1, nesting - 1)
+        elif c == "*" and i < n and sql[i] == "/":
+            return i + 1
+    raise _Refused  # left open: the server refuses it
+
+
+def _quoted_end(sql: str, j: int) -> int:
+    """Where the string or quoted name starting at sql[j] ends (backslash escapes in strings, doubled quotes)."""
+    quote, i, n = sql[j], j + 1, len(sql)
+    while i < n:
+        c = sql[i]
+        if c == "\\" and quote != "`":
+            i += 2
+        elif c == quote:
+            if i + 1 < n and sql[i + 1] == quote:
+                i += 2
+            else:
+                return i + 1
+        else:
+            i += 1
+    raise _Refused  # left open: the server refuses it
+
+
 # ── Statements ──────────────────────────────────────────────────────────────────────────────
 
 
@@ -193,9 +375,9 @@ def split_statements(sql: str) -> list[str]:
     """The statements of `sql` as sqlglot's MySQL tokenizer separates them, each with its original text.
 
     Semicolons inside strings and comments do not split. Empty statements and statements of
-    nothing but comments are dropped, except executable comments (`/*!40101 SET … */`), which the
-    server runs. Text the tokenizer rejects is returned whole: the server then runs at most one
-    statement of it.
+    nothing but comments are dropped, except executable comments (`/*!40101 SET … */` in code, not
+    in a string or a line comment), which the server runs. Text the tokenizer rejects is returned
+    whole: the server then runs at most one statement of it.
     """
     from sqlglot.dialects.mysql import MySQL
     from sqlglot.errors import SqlglotError
@@ -211,7 +393,7 @@ def split_statements(sql: str) -> list[str]:
             continue
         end = token.start if token is not None else len(sql)
         text = sql[start:end].strip()
-        if has_tokens or EXECUTABLE_COMMENT.search(text):
+        if has_tokens or (EXECUTABLE_COMMENT.search(text) and server_readings(text) != [text]):
             statements.append(text)
         start, has_tokens = end + 1, False
     return statements
@@ -425,6 +607,31 @@ def _plain_show_tail(words: list[str], kinds: list[str]) -> bool:
     return True
 
 
+# First words of the parts of a compound statement (BEGIN NOT ATOMIC … END, IF, loops, CASE, handlers,
+# cursors), and of statements that run SQL the text does not hold or change the privileges of the session.
+_NEVER_KNOWN = frozenset({
+    "IF", "ELSEIF", "ELSE", "WHILE", "LOOP", "REPEAT", "UNTIL", "CASE", "WHEN", "FOR", "END", "DECLARE", "LEAVE",
+    "ITERATE", "OPEN", "FETCH", "CLOSE", "RETURN", "SIGNAL", "RESIGNAL", "GET",
+    "EXECUTE", "PREPARE", "DEALLOCATE", "CALL",
+})
+
+
+def _never_known(text: str) -> bool:
+    """Whether a statement is one whose effect the classifier never claims to know, whatever the parser
+    makes of it: a part of a compound statement (`BEGIN NOT ATOMIC`, a label, `IF`, `WHILE`, `DECLARE`,
+    …), dynamic SQL (`EXECUTE [IMMEDIATE]`, `PREPARE`, `DEALLOCATE`), `CALL`, a role switch (`SET
+    [DEFAULT] ROLE`)."""
+    tokens = _tokens(text)
+    if not tokens:
+        return False
+    words = [t.text.upper() if t.token_type.name not in ("IDENTIFIER", "STRING") else "" for t in tokens[:4]]
+    if words[0] in _NEVER_KNOWN or words[:2] == ["BEGIN", "NOT"] or words[:2] == ["DROP", "PREPARE"]:
+        return True
+    if len(tokens) > 1 and tokens[0].token_type.name in _NAME_TOKENS and tokens[1].token_type.name == "COLON":
+        return True  # `label: BEGIN …`, `label: LOOP …`
+    return words[0] == "SET" and "ROLE" in words[1:3]
+
+
 def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -> Verdict | None:
     """(operation, tables) of one parsed statement, or None when it cannot be trusted."""
     from sqlglot import exp
@@ -472,8 +679,9 @@ def classify_sql(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozen
     A plain read (SELECT/UNION without INTO, locks or side-effect functions) is a read of its
     tables (`__meta__` when it touches none). INSERT/UPDATE/DELETE are writes; CREATE/DROP/ALTER/
     TRUNCATE/RENAME are `ddl`. A statement that does not parse, or whose effect cannot be known
-    (CALL, SET, GRANT, executable comments, …) is `ddl` on `*`, meaning any table. The operation of
-    a batch is its strongest statement's; its keys are all of theirs.
+    (CALL, SET, GRANT, EXECUTE, a compound statement, …) is `ddl` on `*`, meaning any table. An
+    executable comment is classified as the SQL the server runs (every reading of it). The
+    operation of a batch is its strongest statement's; its keys are all of theirs.
     """
     if not isinstance(sql, str) or not sql.strip():
         return DDL, frozenset({ANY_TABLE})
@@ -485,14 +693,39 @@ def classify_sql(sql: Any, *, case_sensitive: bool = False) -> tuple[str, frozen
 
 
 def _classify(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
-    from sqlglot import exp
-    if EXECUTABLE_COMMENT.search(sql):
+    readings = server_readings(sql)
+    if readings is None:
         return DDL, frozenset(_guess_tables(sql, case_sensitive) | {ANY_TABLE})
+    if readings == [sql]:
+        return _classify_text(sql, case_sensitive)
+    # What the server runs: the readings of the whole text, and of each statement as split_statements cuts
+    # it (each is sent on its own); a statement that the server would read as several is unknown.
+    # A reading of nothing (a comment that does not run) adds nothing, unless nothing else is read.
+    verdicts = [_classify_text(text, case_sensitive) for text in readings if text.strip() or not any(readings)]
+    pieces = split_statements(sql)
+    for piece in pieces:
+        piece_readings = server_readings(piece) if len(pieces) > 1 else readings
+        if piece_readings is None:
+            verdicts.append((DDL, frozenset(_guess_tables(piece, case_sensitive) | {ANY_TABLE})))
+            continue
+        if len(pieces) > 1:
+            verdicts.extend(_classify_text(text, case_sensitive) for text in piece_readings)
+        if any(len(split_statements(text)) > 1 for text in piece_readings):
+            verdicts.append((DDL, frozenset({ANY_TABLE})))  # one statement for the splitter, several for the server
+    return strongest(v[0] for v in verdicts), frozenset().union(*(v[1] for v in verdicts))
+
+
+def _classify_text(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]:
+    """(operation, keys) of text with no executable comment left in its code, statement by statement."""
+    from sqlglot import exp
     statements = split_statements(sql) if ";" in sql else [sql.strip()]  # no ';': one statement, no second pass
     ops, tables, unknown = [], set(), not statements
     for text in statements:
-        tree = _parse(text)
-        if tree is not None:
+        never = _never_known(text)
+        tree = None if never else _parse(text)
+        if never:
+            verdict = None
+        elif tree is not None:
             verdict = _classify_statement(tree, text, case_sensitive)
         else:  # SHOW forms sqlglot does not know are judged from their words
             verdict = _classify_show(text, None, case_sensitive)

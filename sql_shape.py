@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from sql import EXECUTABLE_COMMENT, split_statements
+from sql import server_readings, split_statements
 
 if TYPE_CHECKING:
     from sqlglot.tokens import Token
@@ -38,8 +38,8 @@ def sql_shape(sql: Any) -> str:
     like `LIMIT 1000`. Built from the tokens (keywords upper-cased, comments dropped, quoted names
     kept quoted), so nothing the parser drops can hide in it.
     """
-    if not isinstance(sql, str) or EXECUTABLE_COMMENT.search(sql) or len(split_statements(sql)) != 1:
-        return ""
+    if not isinstance(sql, str) or server_readings(sql) != [sql] or len(split_statements(sql)) != 1:
+        return ""  # text the server reads otherwise than the tokens say (an executable comment) has no shape
     import sqlglot
     from sqlglot import exp
     from sqlglot.dialects.mysql import MySQL

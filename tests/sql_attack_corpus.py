@@ -126,5 +126,32 @@ DDL_AND_MORE = [
 #: `agentctl db-setup` sets the password again. Not in ATTACKS: the run would lose its account.
 SELF_SERVICE = ["SET PASSWORD = PASSWORD('x')", "ALTER USER CURRENT_USER IDENTIFIED BY 'x'"]
 
+#: Role switches hidden where the splitter sees one statement (issue 39, item 6): executable comments in
+#: every MariaDB form, compound statements, dynamic SQL, default roles. `{role}` is a role another call
+#: holds (a wide one). Not in ATTACKS yet: the enforcement test formats `{role}` with a live role.
+ROLE_SWITCHES = [
+    "/*!BEGIN NOT ATOMIC SET ROLE {role}; SELECT s FROM secrets LIMIT 1; END */",
+    "/*!BEGIN NOT ATOMIC SET ROLE {role}; UPDATE secrets SET s = 'owned'; END */",
+    "/*M!100000 BEGIN NOT ATOMIC SET ROLE {role}; SELECT s FROM secrets LIMIT 1; END */",
+    "/*M!BEGIN NOT ATOMIC SET ROLE {role}; DELETE FROM secrets; END */",
+    "/*!100400 BEGIN NOT ATOMIC SET ROLE {role}; SELECT s FROM secrets LIMIT 1; END */",
+    "/*!BEGIN NOT ATOMIC EXECUTE IMMEDIATE 'SET ROLE {role}'; SELECT s FROM secrets LIMIT 1; END */",
+    "/*!BEGIN NOT ATOMIC EXECUTE IMMEDIATE CONCAT('SET ROLE ', '{role}'); SELECT s FROM secrets LIMIT 1; END */",
+    "/*!BEGIN NOT ATOMIC PREPARE p FROM 'SET ROLE {role}'; EXECUTE p; SELECT s FROM secrets LIMIT 1; END */",
+    "/*!BEGIN NOT ATOMIC SET @r = '{role}'; EXECUTE IMMEDIATE CONCAT('SET ROLE ', @r); "
+    "INSERT INTO users (name) SELECT s FROM secrets; END */",
+    "/*!IF 1 THEN SET ROLE {role}; UPDATE secrets SET s = 'owned'; END IF */",
+    "/*!WHILE (SELECT 1) DO SET ROLE {role}; DELETE FROM secrets; END WHILE */",
+    "/*!REPEAT SET ROLE {role}; UPDATE secrets SET s = 'owned'; UNTIL 1 END REPEAT */",
+    "/*!CASE WHEN 1 THEN SET ROLE {role}; SELECT s FROM secrets LIMIT 1; END CASE */",
+    "/*!BEGIN NOT ATOMIC DECLARE CONTINUE HANDLER FOR SQLEXCEPTION SET @e = 1; SET ROLE {role}; "
+    "SELECT s FROM secrets LIMIT 1; END */",
+    "/*!BEGIN NOT ATOMIC SET DEFAULT ROLE {role}; SET ROLE {role}; SELECT s FROM secrets LIMIT 1; END */",
+    "/*!SET ROLE {role} */", "/*M!SET ROLE {role} */", "/*!SET DEFAULT ROLE {role} */",
+    "SELECT 1 /*!; SET ROLE {role} */", "EXECUTE IMMEDIATE 'SET ROLE {role}'", "SET DEFAULT ROLE {role}",
+    "SET ROLE {role}", "PREPARE p FROM 'SET ROLE {role}'", "EXECUTE IMMEDIATE 'SELECT s FROM secrets LIMIT 1'",
+    "BEGIN NOT ATOMIC SET ROLE {role}; SELECT s FROM secrets LIMIT 1; END",
+]
+
 #: Every attack statement above, in order.
 ATTACKS = CTE_SHADOWS + SHOW_READS + NAMES + QUOTING + STATE + DDL_AND_MORE

@@ -21,10 +21,10 @@ SQL_CORPUS = [
     ("-- list everyone\nSELECT * FROM users", R, {"users"}),
     ("/* harmless */ DELETE FROM users WHERE id = 1", W, {"users"}),
     ("# mysql comment\nUPDATE users SET name = 'x'", W, {"users"}),
-    # executable comments run in MySQL: never a read
-    ("SELECT 1 /*!50000 ; DROP TABLE users */", D, {"users", ANY}),
+    # executable comments run in MySQL: classified as what they hold; a `;` in one is several statements in one
+    ("SELECT 1 /*!50000 ; DROP TABLE users */", D, {META, "users", ANY}),
     ("/*!50000 DELETE FROM users */ SELECT 1", D, {"users", ANY}),
-    ("SELECT 1 /*M! DROP TABLE accounts */", D, {"accounts", ANY}),
+    ("SELECT 1 /*M! DROP TABLE accounts */", D, {META, "accounts", ANY}),  # MySQL: a plain comment
     # several statements
     ("SELECT 1; DROP TABLE users", D, {META, "users"}),
     ("SELECT * FROM a; SELECT * FROM b;", R, {"a", "b"}),

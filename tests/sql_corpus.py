@@ -1,7 +1,8 @@
 """Crafted statements of issue 25 with the exact (operation, gate keys) the classifier must give (plain data).
 
 `ATTACKS` holds statements written as an attacker would (CTE names hiding tables in every
-scope, SHOW … WHERE subqueries, tables named like keywords, quoting, DDL, locks, sequences):
+scope, SHOW … WHERE subqueries, tables named like keywords, quoting, DDL, locks, sequences;
+executable comments and compound statements of issue 39):
 each with the operation and keys under the default case rule (`case_sensitive=False`).
 `CASE_SENSITIVE` holds statements with their keys on a server with `lower_case_table_names=0`.
 The tables they name: `users` (allowed in the tests), `secrets` (never allowed), `copy`,
@@ -183,7 +184,97 @@ DDL_FORMS = [
     ("CREATE TABLE t2 (note VARCHAR(20)) ENGINE=MERGE UNION=(secrets)", D, {"t2", ANY}),
 ]
 
-ATTACKS = CTE_SCOPES + SHOW_WHERE + KEYWORD_NAMES + QUOTING + OTHER_FORMS + DDL_FORMS
+# Executable comments (issue 39): the server runs their text, so it is classified as the SQL it is, in every
+# reading the server may make of it (its version is unknown: a versioned comment is read run and not run).
+EXECUTABLE = [
+    ("SELECT * FROM users /*!, secrets */", R, {"users", S}),
+    ("SELECT * FROM users/*!,secrets*/", R, {"users", S}),  # no space after the marker
+    ("SELECT * FROM users /*!50000 , secrets */", R, {"users", S}),  # 5 digits: runs on every MariaDB
+    ("SELECT * FROM users /*!100400 , secrets */", R, {"users", S}),  # 6 digits
+    ("SELECT * FROM users /*!999999 , secrets */", R, {"users", S}),  # a version above the server's: may run
+    ("SELECT * FROM users /*!50700 , secrets */", R, {"users", S}),  # MariaDB skips it, MySQL runs it
+    ("SELECT * FROM users /*!10000a , secrets */", R, {"users", S}),  # `a` is code (an alias)
+    ("SELECT * FROM users /*M!, secrets */", R, {"users", S}),
+    ("SELECT * FROM users /*M!50700 , secrets */", R, {"users", S}),  # MariaDB's own: runs
+    ("SELECT * FROM users /*M!100000 , secrets */", R, {"users", S}),
+    ("SELECT * FROM users /*M!999999 , secrets */", R, {"users", S}),
+    ("SELECT * FROM users /*! , secrets /* one plain comment nests */ */", R, {"users", S}),
+    ("SELECT * FROM users /*!999999 , t /* nested */ */ , secrets", R, {"users", "t", S}),
+    ("SELECT * FROM users /* a */ /*! , secrets */ /* b */", R, {"users", S}),
+    # a string or a quoted name inside the comment may hold */: the comment goes on
+    ("SELECT * FROM users /*! WHERE note = '*/' UNION SELECT * FROM secrets */", R, {"users", S}),
+    ('SELECT * FROM users /*! WHERE note = "*/" UNION SELECT * FROM secrets */', R, {"users", S}),
+    ("SELECT * FROM users /*! , `x*/y` */", R, {"users", "x*/y"}),
+    # a line comment inside it hides its */ up to the end of the line
+    ("SELECT * FROM users /*! WHERE 1 # */ UNION SELECT * FROM secrets\n */", R, {"users"}),
+    ("SELECT * FROM users /*! WHERE 1 -- */ UNION SELECT * FROM secrets\n */", R, {"users"}),
+    ("/*!SELECT * FROM secrets*/", R, {S}),
+    ("/*!UPDATE secrets SET a = 1*/", W, {S}),
+    ("/*M!100000 DELETE FROM secrets */", W, {S}),
+    ("/*!999999 DELETE FROM secrets */", W, {S}),
+    ("SELECT /*!STRAIGHT_JOIN*/ * FROM users", R, {"users"}),
+    ("/*!40101 SET NAMES utf8mb4 */", D, {ANY}),
+    # not executable: in a string, a quoted name, a line comment, a plain comment
+    ("SELECT * FROM users WHERE note = '/*!, secrets */'", R, {"users"}),
+    ('SELECT * FROM users WHERE note = "/*!, secrets */"', R, {"users"}),
+    ("SELECT * FROM `users/*!` WHERE 1", R, {"users/*!"}),
+    ("SELECT * FROM users -- /*! , secrets */", R, {"users"}),
+    ("SELECT * FROM users # /*! , secrets */", R, {"users"}),
+    ("SELECT * FROM users /* /*! , secrets */", R, {"users"}),  # a plain comment ends at the first */
+    ("SELECT * FROM users /* x /*! , secrets */ */", D, {ANY}),  # … and the rest is a syntax error
+    ("SELECT * FROM users /* x /* y */ UNION SELECT * FROM secrets -- */", R, {"users", S}),  # no nesting
+    ("SELECT * FROM users /*/ UNION SELECT * FROM secrets */", R, {"users"}),  # /*/ opens, it does not close
+    # refused: one statement for the splitter but several for the server, left open, forms read differently
+    ("SELECT 1 /*!; UPDATE secrets SET a = 1 */", D, {META, S, ANY}),
+    ("/*!SELECT 1; UPDATE secrets SET a = 1 */", D, {META, S, ANY}),
+    ("SELECT * FROM users /*! , secrets", D, {"users", ANY}),
+    ("SELECT * FROM users /*! , secrets /* */", D, {ANY}),
+    ("SELECT * FROM users /*! /*!999999 , t */ , secrets */", D, {"users", S, ANY}),  # where it runs: */ */
+    ("SELECT * FROM users /*m!100000 , secrets */", D, {"users", ANY}),
+    ("SELECT * FROM users /*!!100000 , secrets */", D, {"users", ANY}),
+    ("SELECT * FROM users /*M!!100000 , secrets */", D, {"users", ANY}),
+    ("SELECT * FROM users /*!1000000 , secrets */", D, {"users", ANY}),  # 6 digits, then `0` is code
+    ("SELECT * FROM users WHERE 1 --\u00a0, (SELECT 1)\n", D, {"users", ANY}),  # `--` + no space: no comment
+    ("SELECT note FROM users WHERE a = 1 --/*!*/1 UNION SELECT note FROM secrets", R, {"users", S}),  # 1 - - 1
+]
+
+# Compound statements, dynamic SQL and role switches (issue 39): keyed by every statement inside, never known.
+COMPOUND = [
+    ("/*!BEGIN NOT ATOMIC SET ROLE r1; SELECT a FROM secrets LIMIT 1; END */", D, {S, ANY}),
+    ("/*!BEGIN NOT ATOMIC SET ROLE r1; UPDATE secrets SET a = 1; END */", D, {S, ANY}),
+    ("/*M!100000 BEGIN NOT ATOMIC SET ROLE r1; SELECT a FROM secrets LIMIT 1; END */", D, {S, ANY}),
+    ("/*!BEGIN NOT ATOMIC EXECUTE IMMEDIATE 'SET ROLE r1'; SELECT a FROM secrets LIMIT 1; END */", D, {S, ANY}),
+    ("/*!BEGIN NOT ATOMIC SELECT a FROM users; END */", D, {"users", ANY}),
+    ("/*!IF 1 THEN UPDATE secrets SET a = 1; END IF */", D, {S, ANY}),
+    ("/*!WHILE (SELECT a FROM secrets) = 42 DO UPDATE users SET a = 7; END WHILE */", D, {S, "users", ANY}),
+    ("/*!REPEAT UPDATE users SET a = a + 1; UNTIL 1 END REPEAT */", D, {"users", ANY}),
+    ("/*!CASE WHEN 1 THEN SELECT * FROM secrets; END CASE */", D, {S, ANY}),
+    ("/*!l1: LOOP SELECT * FROM secrets; LEAVE l1; END LOOP l1 */", D, {S, ANY}),
+    ("/*!BEGIN NOT ATOMIC DECLARE c CURSOR FOR SELECT a FROM secrets; OPEN c; END */", D, {S, ANY}),
+    ("/*!FOR r IN (SELECT a FROM secrets) DO SELECT 1; END FOR */", D, {S, ANY}),
+    ("BEGIN NOT ATOMIC SELECT a FROM secrets; END", D, {S, ANY}),
+    ("IF 1 THEN SELECT a FROM secrets; END IF", D, {S, ANY}),
+    ("EXECUTE IMMEDIATE 'SELECT a FROM secrets'", D, {ANY}),
+    ("EXECUTE IMMEDIATE @q", D, {ANY}),
+    ("EXECUTE IMMEDIATE CONCAT('SELECT a FROM ', 'secrets')", D, {ANY}),
+    ("PREPARE s FROM 'SELECT a FROM secrets'", D, {ANY}),
+    ("PREPARE s FROM @q", D, {ANY}),
+    ("EXECUTE s", D, {ANY}),
+    ("EXECUTE s USING @a", D, {ANY}),
+    ("DEALLOCATE PREPARE s", D, {ANY}),
+    ("DROP PREPARE s", D, {ANY}),
+    ("CALL p()", D, {ANY}),
+    ("SET ROLE r1", D, {ANY}),
+    ("SET ROLE NONE", D, {ANY}),
+    ("SET DEFAULT ROLE r1", D, {ANY}),
+    ("SET DEFAULT ROLE r1 FOR u", D, {ANY}),
+    ("GRANT r1 TO CURRENT_USER", D, {ANY}),
+    ("CREATE PROCEDURE p() BEGIN SELECT a FROM secrets; END", D, {ANY}),
+    ("CREATE FUNCTION f() RETURNS INT RETURN (SELECT COUNT(*) FROM secrets)", D, {ANY}),
+    ("CREATE EVENT e ON SCHEDULE EVERY 1 DAY DO DELETE FROM secrets", D, {S, ANY}),
+]
+
+ATTACKS = CTE_SCOPES + SHOW_WHERE + KEYWORD_NAMES + QUOTING + OTHER_FORMS + DDL_FORMS + EXECUTABLE + COMPOUND
 
 # On a server that tells names apart by case (lower_case_table_names=0): names keep their case;
 # information_schema is case-insensitive everywhere and always lower-cased.

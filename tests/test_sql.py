@@ -9,6 +9,7 @@ import pytest
 
 import sql
 from sql_shape import sql_shape
+from tests.sql_attack_corpus import ROLE_SWITCHES
 from tests.sql_cases import SQL_CORPUS
 from tests.sql_corpus import ATTACKS, CASE_SENSITIVE
 
@@ -151,3 +152,102 @@ def test_lists_subqueries_and_groups_still_generalise() -> None:
         "INSERT INTO users ( name , a ) VALUES ( ?s , ?n )")
     assert sql_shape("SELECT * FROM t WHERE (a = 1 OR b = 'x') AND c IN (SELECT d FROM e WHERE f = 2)") == (
         "SELECT * FROM t WHERE ( a = ?n OR b = ?s ) AND c IN ( SELECT d FROM e WHERE f = ?n )")
+
+
+# ── Executable comments and compound statements (issue 39) ──
+
+
+@pytest.mark.parametrize(("text", "readings"), [
+    # no version: runs on every server; a version: once run, once skipped (the server's version is unknown)
+    ("SELECT * FROM users /*!, secrets */", ["SELECT * FROM users  , secrets  "]),
+    ("SELECT * FROM users /*!100400 , secrets */", ["SELECT * FROM users  ", "SELECT * FROM users   , secrets  "]),
+    ("SELECT 1 /*!50701 , 2 */", ["SELECT 1  ", "SELECT 1   , 2  "]),  # MariaDB skips it, MySQL runs it
+    ("SELECT * FROM users /*M!, secrets */", ["SELECT * FROM users  , secrets  ", "SELECT * FROM users  "]),
+    # a string holding */ does not end the comment; a line comment does hide one
+    ("SELECT 1 /*! , '*/' */", ["SELECT 1   , '*/'  "]),
+    ("SELECT 1 /*! # */\n */", ["SELECT 1   # */\n  "]),
+    ("SELECT 1 /*! , 2 /* plain */ */", ["SELECT 1   , 2 /* plain */  "]),
+    # `--` before a character beyond ASCII is code for MariaDB: kept from reading as a comment
+    ("SELECT a FROM t WHERE 1 --\u00a0x", ["SELECT a FROM t WHERE 1 - -\u00a0x"]),
+    # … and neither does a marker read away right after `--` (MariaDB: `1 - - 1 UNION …`)
+    ("SELECT a FROM users WHERE a = 1 --/*!*/1 UNION SELECT a FROM secrets",
+     ["SELECT a FROM users WHERE a = 1 - -  1 UNION SELECT a FROM secrets"]),
+])
+def test_the_readings_of_an_executable_comment_follow_the_server(text: str, readings: list[str]) -> None:
+    assert sql.server_readings(text) == readings
+
+
+@pytest.mark.parametrize("text", [
+    "SELECT '/*!, secrets */'", 'SELECT "/*!, secrets */"', "SELECT `/*!x` FROM t", "SELECT 1 -- /*!, secrets */",
+    "SELECT 1 # /*!, secrets */", "SELECT 1 /* /*!, secrets */", "SELECT /*+ BKA(t) */ a FROM t", "SELECT 1 --1",
+])
+def test_text_with_no_executable_comment_in_its_code_is_read_as_written(text: str) -> None:
+    assert sql.server_readings(text) == [text]
+    assert sql.classify_sql(text) == sql._classify_text(text, False)  # classified exactly as before issue 39
+
+
+@pytest.mark.parametrize("text", [
+    "SELECT 1 /*! , 2", "SELECT 1 /*! , 2 /* */", "SELECT 1 /*!999999 , 2", "SELECT 1 /*! , 'x */",
+    "SELECT 1 /*m! , 2 */", "SELECT 1 /*!!100000 , 2 */", "SELECT 1 /*M!!100000 , 2 */", "SELECT 1 /*!1*/\x00",
+    " ".join(f"SELECT 1 /*!{100000 + i} , {i} */" for i in range(30)),
+])
+def test_comments_the_classifier_does_not_model_are_refused(text: str) -> None:
+    assert sql.server_readings(text) is None
+    op, keys = sql.classify_sql(text)
+    assert op == "ddl" and "*" in keys
+
+
+def test_a_hint_and_a_plain_comment_classify_as_before() -> None:
+    assert sql.classify_sql("SELECT a /* why */ FROM t -- done") == ("read", frozenset({"t"}))
+    assert sql.classify_sql("SELECT /*!STRAIGHT_JOIN*/ a FROM t") == ("read", frozenset({"t"}))
+    hint = "SELECT /*+ BKA(t) */ a FROM t"
+    assert sql.classify_sql(hint) == sql._classify_text(hint, False)
+
+
+def test_a_statement_the_server_reads_as_several_is_never_known() -> None:
+    # The splitter sees one statement (the ';' is in a comment for sqlglot), the server two: any table.
+    assert sql.classify_sql("SELECT 1 /*!; SELECT 2 */") == ("ddl", frozenset({"__meta__", "*"}))
+    assert sql.classify_sql("SELECT 1; SELECT 2") == ("read", frozenset({"__meta__"}))
+
+
+def test_each_statement_the_database_sends_is_classified_on_its_own_too() -> None:
+    # database.py sends split_statements' pieces one by one: a piece's readings count even where the whole
+    # text reads otherwise (here the whole text's reading hides the UPDATE in a line comment).
+    text = "/*! # */ ; UPDATE secrets SET a = 1\n */"
+    assert sql.split_statements(text) == ["/*! # */", "UPDATE secrets SET a = 1\n */"]
+    op, keys = sql.classify_sql(text)
+    assert op == "ddl" and {"secrets", "*"} <= keys
+
+
+def test_executable_comments_split_and_shape_by_where_they_are() -> None:
+    assert sql.split_statements("SELECT 1; # /*! x */") == ["SELECT 1"]  # a line comment: nothing to run
+    assert sql.split_statements("SELECT 1; /*! SELECT 2 */") == ["SELECT 1", "/*! SELECT 2 */"]
+    assert sql_shape("SELECT * FROM users WHERE note = '/*!x*/'") == "SELECT * FROM users WHERE note = ?s"
+    assert sql_shape("SELECT * FROM users WHERE note = 'x' /*! OR 1 = 1 */") == ""
+    assert sql_shape("SELECT a FROM t WHERE 1 --\u00a0, 2") == ""  # sqlglot would drop what the server runs
+
+
+@pytest.mark.parametrize("text", [
+    "BEGIN NOT ATOMIC SELECT 1; END", "lbl: BEGIN NOT ATOMIC SELECT 1; END lbl", "IF 1 THEN SELECT 1; END IF",
+    "WHILE 0 DO SELECT 1; END WHILE", "REPEAT SELECT 1; UNTIL 1 END REPEAT", "l: LOOP LEAVE l; END LOOP",
+    "CASE WHEN 1 THEN SELECT 1; END CASE", "FOR i IN 1..2 DO SELECT 1; END FOR", "DECLARE x INT",
+    "EXECUTE IMMEDIATE 'SELECT 1'", "EXECUTE IMMEDIATE ?", "PREPARE s FROM 'SELECT 1'", "EXECUTE s",
+    "DEALLOCATE PREPARE s", "DROP PREPARE s", "CALL p()", "SET ROLE r", "SET ROLE NONE", "SET DEFAULT ROLE r",
+    "set default role r for u", "/*!BEGIN NOT ATOMIC SELECT 1; END */", "/*M!100000 SET ROLE r */",
+])
+def test_compound_statements_dynamic_sql_and_role_switches_are_ddl_on_any_table(text: str) -> None:
+    # Even when every statement inside is a plain read: what they run, and under which role, is not in the text.
+    op, keys = sql.classify_sql(text)
+    assert op == "ddl" and "*" in keys
+
+
+def test_a_compound_statement_is_keyed_by_every_statement_inside() -> None:
+    text = "/*!BEGIN NOT ATOMIC SELECT a FROM secrets; UPDATE users SET a = 1; DELETE FROM shop.t; END */"
+    assert sql.classify_sql(text) == ("ddl", frozenset({"secrets", "users", "shop.t", "*"}))
+
+
+@pytest.mark.parametrize("text", ROLE_SWITCHES)
+def test_no_role_switch_of_the_issue_is_less_than_ddl_on_any_table(text: str) -> None:
+    # The classifier alone must stop these (the database stops them by itself too, see docs/security.md).
+    op, keys = sql.classify_sql(text.format(role="amcp_r_0123456789abcdef"))
+    assert op == "ddl" and "*" in keys

@@ -10,6 +10,7 @@ absent, so the server proves the CTE (not the table) was read. The test creates 
 from __future__ import annotations
 
 import os
+import random
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from database import Database, DatabaseSettings
 from tests import needs
 from tests.conftest import openai_model
 from tests.runtime import runtime
+from tests.sql_attack_corpus import ROLE_SWITCHES
 from tests.sql_cases import SQL_CORPUS
 from tests.sql_corpus import ATTACKS, CASE_SENSITIVE, CTE_SCOPES, KEYWORD_NAMES, SHOW_WHERE
 
@@ -171,3 +173,101 @@ async def test_the_mysql_plugin_hands_the_case_rule_to_the_gate(server: pymysql.
     models = {"fake": openai_model(fake_openai)}
     async with runtime(tmp_path, models, env=env, plugins=("plugin_database_mysql",)) as rt:
         assert gate.case_rule(rt.tools.entry("db_query")) is (str(lower) == "0")
+
+
+def _outcome(conn: pymysql.Connection, text: str) -> tuple[Any, ...]:
+    """What MariaDB does with `text` sent as one query in a new database holding `users`, `t` and
+    `secrets` (one row each): its rows or its error code, then every table's rows after it."""
+    name = f"sqlcls_read_{secrets.token_hex(4)}"
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{name}`")
+        try:
+            for table in ("users", "t", "secrets"):
+                cur.execute(f"CREATE TABLE `{name}`.`{table}` {COLUMNS}")
+                cur.execute(f"INSERT INTO `{name}`.`{table}` VALUES (1, 1, '{table}', 'nobody', 1)")
+            with _connect(database=name) as alone, alone.cursor() as run:
+                run.execute("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'")
+                try:
+                    run.execute(text)
+                    result: Any = run.fetchall()
+                except pymysql.err.MySQLError as exc:
+                    result = exc.args[0]
+            after = []
+            for table in ("users", "t", "secrets"):
+                cur.execute(f"SELECT * FROM `{name}`.`{table}` ORDER BY id")
+                after.append(cur.fetchall())
+            return result, tuple(after)
+        finally:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+
+
+_CRAFTED = [t for t, _, _ in ATTACKS + SQL_CORPUS] + [r.format(role="no_such_role") for r in ROLE_SWITCHES]
+_EXECUTABLE = [t for t in _CRAFTED if sql.EXECUTABLE_COMMENT.search(t) and sql.server_readings(t) not in (None, [t])]
+
+
+@pytest.mark.parametrize("text", _EXECUTABLE, ids=[t[:60] for t in _EXECUTABLE])
+def test_the_server_runs_one_of_the_readings_the_classifier_keys(server: pymysql.Connection, text: str) -> None:
+    # The classifier keys every reading it makes of an executable comment; MariaDB must do exactly what
+    # one of them does (same rows or error, same tables after), so no reading of the server's is missed.
+    readings = sql.server_readings(text)
+    assert readings
+    # A reading of nothing but blanks is a query the server runs as nothing (it refuses a blank one).
+    ran = [_outcome(server, reading if reading.strip() else "DO 0") for reading in readings]
+    assert _outcome(server, text) in ran
+
+
+def test_the_readings_check_has_teeth(server: pymysql.Connection) -> None:
+    # A reading that drops a comment MariaDB runs is told apart from what MariaDB does.
+    text = "SELECT * FROM users /*! , secrets */"
+    assert _outcome(server, text) != _outcome(server, "SELECT * FROM users")
+    assert _outcome(server, text) == _outcome(server, "SELECT * FROM users   , secrets  ")
+
+
+# Pieces of text for generated statements: comment openers of every form, and code that closes, quotes,
+# hides or continues them.
+_OPENERS = ["/*!", "/*M!", "/*!50000", "/*!50700 ", "/*!100000", "/*!100400 ", "/*!999999 ", "/*M!999999 ",
+            "/*M!50700", "/*", "/*!40101", "/*M!100000"]
+_CODE = [" , secrets", " , t", " WHERE 1", " WHERE a = 1 -", " UNION SELECT * FROM secrets", " AS x", "1", "-", "--",
+         "-- x\n", "# x\n", "# */", "-- */", "'*/'", '"*/"', "`x*/`", "'/*'", "\n", " ", "'", "!", "*", "/", "*/",
+         " LIMIT 1", "+1", ";"]
+
+
+def _generated(rng: random.Random, depth: int = 0) -> str:
+    if rng.random() < 0.45 or depth > 2:
+        return rng.choice(_CODE)
+    inner = "".join(_generated(rng, depth + 1) for _ in range(rng.randint(0, 3)))
+    return rng.choice(_OPENERS) + inner + ("*/" if rng.random() < 0.9 else "")
+
+
+def test_generated_comments_are_read_as_mariadb_reads_them(server: pymysql.Connection) -> None:
+    # 300 statements built from comment pieces (fixed seed, all reads): whatever MariaDB does with one,
+    # one of its readings does too, and a secret it returns is always keyed (or the statement is keyed `*`).
+    rng = random.Random(39)
+    texts = ["SELECT * FROM users" + "".join(_generated(rng) for _ in range(rng.randint(1, 4))) for _ in range(300)]
+    name = f"sqlcls_gen_{secrets.token_hex(4)}"
+    with server.cursor() as cur:
+        cur.execute(f"CREATE DATABASE `{name}`")
+        try:
+            for table in ("users", "t", "secrets"):
+                cur.execute(f"CREATE TABLE `{name}`.`{table}` {COLUMNS}")
+                cur.execute(f"INSERT INTO `{name}`.`{table}` VALUES (1, 1, '{table}', 'nobody', 1)")
+            with _connect(database=name) as conn, conn.cursor() as run:
+                run.execute("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'")
+
+                def result(text: str) -> Any:
+                    try:
+                        run.execute(text or "DO 0")  # a reading of nothing: a query that runs nothing
+                        return run.fetchall()
+                    except pymysql.err.MySQLError as exc:
+                        return exc.args[0]
+
+                missed = []
+                for text in texts:
+                    got, keys, readings = result(text), sql.classify_sql(text)[1], sql.server_readings(text)
+                    if "'secrets'" in repr(got) and not {"secrets", "*"} & keys:
+                        missed.append((text, "a secret it does not key"))
+                    if readings is not None and got not in [result(r.strip()) for r in readings]:
+                        missed.append((text, "no reading does what MariaDB does"))
+        finally:
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+    assert missed == [], "\n".join(map(str, missed))
