@@ -37,7 +37,7 @@ from database import Database, DatabaseSettings, query_text, read_accounts
 from tests import needs
 from tests.plugin_host import isolate_env, plugin, plugin_runtime
 from tests.runtime import SHIPPED_NAMESPACES, ask, execute, with_events
-from tests.sql_attack_corpus import ATTACKS, SELF_SERVICE
+from tests.sql_attack_corpus import ATTACKS, ROLE_SWITCHES, SELF_SERVICE
 from tests.sql_cases import SQL_CORPUS
 from tests.waiting import until
 
@@ -531,6 +531,7 @@ def _switches(fx: Fixture) -> list[str]:
             out += [f"/*!BEGIN NOT ATOMIC {body} END */", f"/*M!100000 BEGIN NOT ATOMIC {body} END */",
                     f"/*!50000 BEGIN NOT ATOMIC {body} END */", f"BEGIN NOT ATOMIC {body} END"]
         out += [f"SET ROLE `{role}`", f"SET DEFAULT ROLE `{role}`", f"EXECUTE IMMEDIATE 'SET ROLE `{role}`'"]
+        out += [sql.format(role=f"`{role}`") for sql in ROLE_SWITCHES]
     out += ["SELECT * FROM v_secrets", "SELECT leak()", "CALL leak_proc()", "SET ROLE NONE",
             "SELECT s FROM secrets", "BEGIN NOT ATOMIC DECLARE x TEXT; SELECT s INTO x FROM secrets LIMIT 1; "
             "SELECT x; END"]
