@@ -273,7 +273,7 @@ async def test_openai_abrupt_cut_breaks_the_connection_after_the_chunks(make_ope
     with pytest.raises(openai.APIConnectionError):
         async for chunk in make_openai().astream("hi"):
             received.append(chunk.content)
-    assert "".join(received) == "alpha be"
+    assert "alpha be".startswith("".join(received))  # what was in flight with the drop may be lost with it
     openai_backend.script(cut("alpha ", "be", abrupt=True))
     async with httpx.AsyncClient(timeout=STEP) as http:  # non-streamed: half a JSON body, then the connection drops
         with pytest.raises(httpx.RemoteProtocolError):
@@ -418,7 +418,8 @@ async def test_gemini_cut_stream_sends_no_finish_reason(make_gemini, gemini_back
         assert abrupt, exc  # the body broke off before its end: the transport's error
         assert any(type(e).__name__ == "ClientPayloadError" or isinstance(e, httpx.RemoteProtocolError)
                    for e in failures.chain(exc)), repr(exc)
-    assert "".join(_texts(received)) == "alpha be"
+    got = "".join(_texts(received))
+    assert got == "alpha be" if not abrupt else "alpha be".startswith(got)  # the drop may lose what was in flight
     assert not any(c.response_metadata.get("finish_reason") for c in received)
 
 
