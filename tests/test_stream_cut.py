@@ -158,11 +158,18 @@ class Server:
         return "".join(self.server._lines)
 
     def cuts(self) -> dict[str, float]:
-        """agent_mcp_model_stream_cut_total by model, as /metrics says (parsed by prometheus_client)."""
+        """agent_mcp_model_stream_cut_total by model, and as `errors:<model>` model_errors_total of kind stream_cut,
+        as /metrics says (parsed by prometheus_client)."""
         page = httpx.get(f"{self.metrics}/metrics", timeout=5)
         assert page.status_code == 200, page.text
-        return {s.labels["model"]: s.value for family in text_string_to_metric_families(page.text)
-                for s in family.samples if s.name == "agent_mcp_model_stream_cut_total"}
+        found = {}
+        for family in text_string_to_metric_families(page.text):
+            for s in family.samples:
+                if s.name == "agent_mcp_model_stream_cut_total":
+                    found[s.labels["model"]] = s.value
+                elif s.name == "agent_mcp_model_errors_total" and s.labels["kind"] == "stream_cut":
+                    found[f"errors:{s.labels['model']}"] = s.value
+        return found
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +220,8 @@ async def test_the_api_reports_a_cut_answer_as_an_error_with_its_partial_text(sr
     body = r.json()
     assert r.status_code == 200 and body["status"] == "error" and body["partial"] == "alpha be", body
     assert CUT_OFF in body["error"] and body["text"] == body["error"]
-    assert srv.cuts()[model] == before.get(model, 0) + 2
+    after = srv.cuts()
+    assert after[model] == before.get(model, 0) + 2 and after[f"errors:{model}"] == before.get(f"errors:{model}", 0) + 2
     # One WARNING line per cut turn, the whole story in it.
     lines = [line for line in srv.log().splitlines() if CUT_OFF in line and f"model '{model}'" in line]
     assert len(lines) >= 2 and all("WARNING" in line for line in lines), lines
@@ -257,6 +265,13 @@ def test_the_ollama_client_gets_a_response_error_and_never_done(srv, wire) -> No
         with pytest.raises(ollama.ResponseError, match=CUT_OFF) as whole:
             client.chat(model=f"{model}:latest", messages=hi, stream=False)
         assert whole.value.status_code == 502
+
+        backend.script(cut("alpha ", "be"))
+        generated = []
+        with pytest.raises(ollama.ResponseError, match=CUT_OFF):
+            for part in client.generate(model=f"{model}:latest", prompt="say alpha beta", stream=True):
+                generated.append(part)
+        assert "".join(p.response for p in generated) == "alpha be" and not any(p.done for p in generated)
 
 
 @pytest.mark.slow
