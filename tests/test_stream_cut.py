@@ -231,7 +231,7 @@ async def test_the_api_reports_a_cut_answer_as_an_error_with_its_partial_text(sr
 @pytest.mark.parametrize("wire", list(WIRES))
 def test_the_openai_sdk_gets_an_api_error_and_never_stop(srv, wire) -> None:
     model, backend = WIRES[wire], srv.backends[wire]
-    hi = [{"role": "user", "content": "say alpha beta"}]
+    hi = [{"role": "user", "content": f"say alpha beta ({uuid.uuid4().hex[:8]})"}]  # a conversation of its own
     with openai.OpenAI(base_url=srv.proxy + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
         backend.script(cut("alpha ", "be"))
         pieces, finishes = [], []
@@ -241,6 +241,12 @@ def test_the_openai_sdk_gets_an_api_error_and_never_stop(srv, wire) -> None:
                 finishes.append(chunk.choices[0].finish_reason)
         assert "".join(pieces) == "alpha be" and finishes == [None] * len(finishes)  # no `stop`, no [DONE]
         assert caught.value.body["type"] == "server_error" and caught.value.body["code"] == "backend_error"
+        # The conversation sent back with the partial answer goes on in its session, which shows the answer cut off.
+        backend.script(text("beta."))
+        again = [*hi, {"role": "assistant", "content": "alpha be"}, {"role": "user", "content": "go on"}]
+        answer = client.chat.completions.create(model=f"{model}:latest", messages=again)
+        assert answer.choices[0].message.content == "beta." and answer.choices[0].finish_reason == "stop"
+        assert f"alpha be\n\n{agents.CUT_MARK}" in _sent_texts(backend)
 
         backend.script(cut("alpha ", "be"))
         with pytest.raises(openai.InternalServerError, match=CUT_OFF) as whole:
