@@ -416,7 +416,10 @@ async def stream_once(
             how = broke_off(exc, bool(chunks))
             if how is None:
                 raise
-            raise cut(chunks, f"the connection to the backend broke before the answer's end ({how})") from exc
+            if not any(c.response_metadata.get("finish_reason") for c in chunks):
+                raise cut(chunks, f"the connection to the backend broke before the answer's end ({how})") from exc
+            # Only what follows the finish reason was lost (usage, the end marker): the answer is whole.
+            logger.info("the model stream of %s broke after its finish reason (%s)", client_id, how)
         if not chunks:
             raise LLMError("the backend closed the stream without sending anything")
         # One merge at the end (LangChain's own n-way merge), not a new merged message per chunk.

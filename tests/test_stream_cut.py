@@ -11,6 +11,7 @@ the log's WARNING line and `/metrics`.
 from __future__ import annotations
 
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,13 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 import agents
+import routes
 from api_client import AgentClient, AgentError
 from shell_client import ShellClient
 from tests.conftest import AgentServer, ConfigDir, free_port, gemini_model, openai_model
 from tests.fakes.backend import FakeBackend, cut, text, tool_call
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
-from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, runtime, turn
+from tests.runtime import ALL_OPEN, Recorder, add_plugin_tools, ask, runtime, turn
 
 GEMINI_KEY = {"FAKE_GEMINI_KEY": "fake-gemini-key"}
 CUT_OFF = "the answer was cut off"
@@ -136,6 +138,28 @@ async def test_an_answer_with_its_finish_reason_is_no_cut(tmp_path, fake_openai,
             out, events = await turn(rt, f"@{key} say alpha beta", client_id=f"c-{key}")
             assert out == "alpha beta" and not _errors(events)
             assert rt.sessions.get(f"c-{key}").history[-1] == {"role": "assistant", "content": "alpha beta"}
+
+
+async def test_a_connection_dropped_after_the_finish_reason_loses_nothing_of_the_answer(tmp_path,
+                                                                                        fake_gemini) -> None:
+    """Gemini's last piece carries the text and the finish reason together: once its text is seen, the finish
+    reason has come, and the connection is dropped then (the test holds the cut until that moment)."""
+    async with runtime(tmp_path, {"g": gemini_model(fake_gemini)}, env=GEMINI_KEY) as rt:
+        seen = threading.Event()
+        fake_gemini.script(cut("alpha ", "beta", finished=True, abrupt=True, hold=seen))
+        sub = rt.hub.subscribe("c1", rt.hub.last_id("c1"))
+        await routes.submit(rt, ask(rt, "c1", "say alpha beta", {"interactive": True}))
+        events, out = [], ""
+        async for ev in sub:
+            events.append(ev)
+            out += ev.data.get("text", "") if ev.name == "tok" else ""
+            if out == "alpha beta":
+                seen.set()
+            if ev.name == "done":
+                break
+        await sub.aclose()
+        assert seen.is_set() and out == "alpha beta" and not _errors(events)
+        assert rt.sessions.get("c1").history[-1] == {"role": "assistant", "content": "alpha beta"}
 
 
 # ── Over real sockets: the API, the proxy, the shell, the log and /metrics ─────────────────

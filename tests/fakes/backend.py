@@ -95,6 +95,11 @@ class CutReply:
 
     reply: TextReply | ToolCallsReply
     abrupt: bool = False
+    #: The piece with the finish reason is sent before the cut (only what follows it is lost: usage, `[DONE]`).
+    finished: bool = False
+    #: Cut only once the test sets this event (it saw the pieces arrive: a dropped connection loses what it
+    #: had not read yet).
+    hold: threading.Event | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -155,11 +160,13 @@ def malformed() -> MalformedReply:
     return MalformedReply()
 
 
-def cut(*chunks: str, abrupt: bool = False, reply: TextReply | ToolCallsReply | None = None) -> CutReply:
-    """A stream of `chunks` (or of `reply`'s pieces) that ends without its finish reason (see CutReply)."""
+def cut(*chunks: str, abrupt: bool = False, reply: TextReply | ToolCallsReply | None = None,
+        finished: bool = False, hold: threading.Event | None = None) -> CutReply:
+    """A stream of `chunks` (or of `reply`'s pieces) that ends without its finish reason (see CutReply); with
+    `finished`, cut right after the finish reason instead; with `hold`, cut once the test sets it."""
     if (reply is None) == (not chunks):
         raise ValueError("cut() needs either text chunks or reply=")
-    return CutReply(reply or text(*chunks), abrupt)
+    return CutReply(reply or text(*chunks), abrupt, finished, hold)
 
 
 def repeat() -> RepeatReply:
@@ -383,6 +390,10 @@ class FakeBackend(ThreadedServer):
         """The provider's JSON error body for `reply`."""
         raise NotImplementedError
 
+    def finishes(self, payload: str) -> bool:
+        """Whether the streamed `payload` carries the model's finish reason."""
+        raise NotImplementedError
+
     def render_json(self, reply: TextReply | ToolCallsReply, request: RecordedRequest) -> dict[str, Any]:
         """The non-streamed response body for `reply`."""
         raise NotImplementedError
@@ -443,8 +454,12 @@ class FakeBackend(ThreadedServer):
             yield "data: {this is not json\n\n"
             return
         if isinstance(reply, CutReply):
-            async for payload in self.render_stream(reply.reply, recorded, end=False):
+            async for payload in self.render_stream(reply.reply, recorded, end=reply.finished):
                 yield f"data: {payload}\n\n"
+                if reply.finished and self.finishes(payload):
+                    break
+            if reply.hold is not None:
+                await self._wait_hold(reply.hold)
             return
         assert isinstance(reply, TextReply | ToolCallsReply)
         async for payload in self.render_stream(reply, recorded):

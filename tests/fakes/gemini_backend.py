@@ -68,6 +68,10 @@ class FakeGemini(FakeBackend):
                 return texts[-1]
         return ""
 
+    def finishes(self, payload: str) -> bool:
+        """A response whose candidate has a `finishReason`."""
+        return any(c.get("finishReason") for c in json.loads(payload).get("candidates") or [])
+
     def error_body(self, reply: ErrorReply) -> dict[str, Any]:
         """`{"error": {"code", "message", "status"}}` as Google APIs send it."""
         status = _STATUS_NAMES.get(reply.status, "INTERNAL" if reply.status >= 500 else "FAILED_PRECONDITION")

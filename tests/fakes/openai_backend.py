@@ -144,6 +144,11 @@ class FakeOpenAI(FakeBackend):
         """OpenAI streams when the body says `"stream": true`."""
         return bool((request.json or {}).get("stream"))
 
+    def finishes(self, payload: str) -> bool:
+        """A chunk whose choice has a `finish_reason`."""
+        chunk = json.loads(payload) if payload != "[DONE]" else {}
+        return any(choice.get("finish_reason") for choice in chunk.get("choices") or [])
+
     def error_body(self, reply: ErrorReply) -> dict[str, Any]:
         """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it."""
         kind = _ERROR_TYPES.get(

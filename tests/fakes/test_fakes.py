@@ -280,6 +280,19 @@ async def test_openai_abrupt_cut_breaks_the_connection_after_the_chunks(make_ope
             await http.post(openai_backend.base_url + "/chat/completions", json={"model": "m", "messages": []})
 
 
+async def test_openai_cut_after_the_finish_reason_loses_only_usage_and_done(openai_backend):
+    openai_backend.script(cut("alpha ", "be", finished=True, abrupt=True))
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
+    received = ""
+    async with httpx.AsyncClient(timeout=STEP) as http:
+        with pytest.raises(httpx.RemoteProtocolError):  # the body's end never comes
+            async with http.stream("POST", openai_backend.base_url + "/chat/completions", json=body) as r:
+                async for piece in r.aiter_text():
+                    received += piece
+    chunks = [json.loads(e.removeprefix("data: ")) for e in received.split("\n\n") if e]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]  # no usage, no [DONE]
+
+
 async def test_openai_first_chunk_arrives_while_backend_holds(make_openai, openai_backend):
     await _first_chunk_while_held(make_openai(), openai_backend)
 
