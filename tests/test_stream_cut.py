@@ -10,6 +10,7 @@ the log's WARNING line and `/metrics`.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import uuid
@@ -276,6 +277,19 @@ def test_the_openai_sdk_gets_an_api_error_and_never_stop(srv, wire) -> None:
         with pytest.raises(openai.InternalServerError, match=CUT_OFF) as whole:
             client.chat.completions.create(model=f"{model}:latest", messages=hi)
         assert whole.value.status_code == 502 and whole.value.code == "backend_error"
+
+
+@pytest.mark.slow
+def test_the_proxys_sse_ends_with_the_error_object_and_no_done(srv) -> None:
+    srv.backends["openai"].script(cut("alpha ", "be"))
+    body = {"model": "gpt:latest", "stream": True, "messages": [{"role": "user", "content": "say alpha beta"}]}
+    r = httpx.post(f"{srv.proxy}/v1/chat/completions", json=body, timeout=30)
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.startswith("data: ")]
+    assert r.status_code == 200 and "[DONE]" not in events and '"finish_reason":"stop"' not in r.text.replace(" ", "")
+    last = json.loads(events[-1])
+    assert set(last) == {"error"} and CUT_OFF in last["error"]["message"] and last["error"]["code"] == "backend_error"
+    texts = [json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]]
+    assert "".join(texts) == "alpha be"
 
 
 @pytest.mark.slow
