@@ -29,7 +29,7 @@ import events
 import stores
 import turns
 from config import MAX_TOOL_ITERATIONS, AppConfig, ModelConfig
-from llm_errors import ContextFull, LLMError, describe_llm_error, from_backend, llm_error_kind, overflowed
+from llm_errors import ContextFull, LLMError, StreamCut, describe_llm_error, from_backend, llm_error_kind, overflowed
 from models import HistoryCache, built_model, content_text, model_window, router_wants_tools, stream_once
 from sessions import SessionManager, trim_history
 from text_calls import (
@@ -62,6 +62,16 @@ ModelCall = Callable[[Any, ModelConfig, list[BaseMessage], str, TextCallFilter |
 ToolCall = Callable[[turns.Turn, str, dict[str, Any]], Awaitable[ToolOutcome]]
 #: A line for a session's status stream: (client id, text).
 Status = Callable[[str, str], None]
+
+
+#: Ends the stored text of an answer whose stream broke off (models.stream_once's StreamCut): the next turn's
+#: model, and anyone reading the history, see that it is not the whole answer.
+CUT_MARK = "[answer cut off: the model's stream ended before the answer was finished]"
+
+
+def cut_answer(partial: str) -> dict[str, Any]:
+    """The history message of an answer cut off after `partial`: its text with CUT_MARK, flagged `cut`."""
+    return {"role": "assistant", "content": f"{partial}\n\n{CUT_MARK}" if partial.strip() else CUT_MARK, "cut": True}
 
 
 # ── The loop ────────────────────────────────────────────────────────────────────────────────
@@ -535,7 +545,9 @@ class Agent:
         """Run one LLM turn of `text` on the turn's model (default: the session's).
 
         On failure the history is rolled back to how it was before the turn (the user message
-        included) and the client gets an `error` event; cancellation rolls back too and propagates.
+        included) and the client gets an `error` event; cancellation rolls back too and propagates. An answer
+        whose stream broke off (StreamCut) is an error too, but the turn is kept, its partial answer marked
+        as cut off (`cut_answer`).
         """
         session = turn.session
         assert session is not None
@@ -558,7 +570,11 @@ class Agent:
         except Exception as exc:
             if not from_backend(exc):  # a backend failure is reported below; anything else is a bug to see
                 logger.warning("LLM turn of %s on %s failed", session.client_id, key, exc_info=True)
-            del session.history[mark:]
+            if isinstance(exc, StreamCut):  # the turn so far is kept: its calls ran, and the answer began
+                session.history.append(cut_answer(exc.partial))
+                session.history[:] = trim_history(session.history, self.config.models[key].max_context)
+            else:
+                del session.history[mark:]
             message = describe_llm_error(exc, key, cfg)
             logger.warning("turn of %s failed: %s", session.client_id, message)  # one line, the whole text
             if not client_classes.may_administer(turn):

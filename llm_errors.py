@@ -26,6 +26,20 @@ class ContextFull(LLMError):
     """The next request does not fit the model's context window, even with the history trimmed."""
 
 
+class StreamCut(LLMError):
+    """The model's stream ended before the model finished (no finish reason came: the backend stopped sending or
+    the connection broke); `partial` is the answer text that came before."""
+
+    def __init__(self, how: str, partial: str):
+        super().__init__(f"the answer was cut off: {how}")
+        self.how, self.partial = how, partial
+
+
+#: Exception classes (by name) that mean a connection broke mid-answer: the body ended before its end.
+_BROKEN_OFF = frozenset({"ClientPayloadError", "RemoteProtocolError", "ReadError", "IncompleteRead",
+                         "ServerDisconnectedError", "ConnectionResetError"})
+
+
 #: HTTP statuses of a backend that may answer a second attempt (overloaded, restarting, rate-limited).
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -39,9 +53,26 @@ def _openai(name: str) -> tuple[type[BaseException], ...]:
     return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
 
 
-def llm_error_kind(exc: BaseException) -> Literal["timeout", "backend"]:
-    """"timeout" when the model did not answer within llm_call_timeout, else "backend" (any other failure)."""
+def llm_error_kind(exc: BaseException) -> Literal["timeout", "cut", "backend"]:
+    """"timeout" when the model did not answer within llm_call_timeout, "cut" when its stream ended before its
+    finish reason (StreamCut), else "backend" (any other failure)."""
+    if isinstance(exc, StreamCut):
+        return "cut"
     return "timeout" if failures.failure(exc).kind == "timeout" else "backend"
+
+
+def broke_off(exc: BaseException, began: bool) -> str | None:
+    """What broke, when `exc` (raised while a stream was being read) says the connection closed or broke before the
+    body's end, not that the backend was slow or reported an error of its own; else None. `began`: chunks of the
+    stream had come (then any lost connection counts; before, only a body that broke off, not a refused connect)."""
+    found = failures.failure(exc)
+    if found.kind == "timeout" or (isinstance(exc, _openai("APIError"))
+                                   and not isinstance(exc, _openai("APIConnectionError"))):  # the backend's error event
+        return None
+    for e in failures.chain(exc):  # (aiohttp's names the body's end missing with a status 400: first)
+        if any(cls.__name__ in _BROKEN_OFF for cls in type(e).__mro__):
+            return f"{type(e).__name__}: {_words(str(e))}" if str(e) else type(e).__name__
+    return found.message if began and found.kind == "unreachable" else None
 
 
 def retryable(exc: BaseException) -> bool:
@@ -63,9 +94,13 @@ def from_backend(exc: BaseException) -> bool:
 
 def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) -> str:
     """One line for the user: which model failed, why, and what to do."""
+    where = f"model '{key}'" + (f" at {cfg.host}" if cfg and cfg.host else "")
+    if isinstance(exc, StreamCut):
+        kept = f"the {len(exc.partial):,} characters that came are kept, marked as cut off" if exc.partial \
+            else "no answer text had come"
+        return f"{where}: {exc} ({kept}); ask again, or say 'continue'"
     if isinstance(exc, LLMError):
         return str(exc)
-    where = f"model '{key}'" + (f" at {cfg.host}" if cfg and cfg.host else "")
     if llm_error_kind(exc) == "timeout":
         timeout = f"{cfg.llm_call_timeout:g}" if cfg else "?"
         return (f"{where}: no answer within {timeout} s (llm_call_timeout), not retried. Check that the model "
@@ -95,9 +130,12 @@ def _words(text: str) -> str:
 
 
 def failure_kind(exc: BaseException) -> str:
-    """How a model call failed, for metrics: context_overflow, timeout, unreachable, http_<status> or other."""
+    """How a model call failed, for metrics: context_overflow, stream_cut, timeout, unreachable, http_<status> or
+    other."""
     if overflowed(exc):
         return "context_overflow"
+    if isinstance(exc, StreamCut):
+        return "stream_cut"
     found = failures.failure(exc)
     if found.kind == "status" and found.status:
         return f"http_{found.status}"

@@ -125,8 +125,11 @@ class Metrics:
         self.model_calls = Counter(f"{p}_model_calls", "Model calls (retries included) by model and outcome.",
                                    ("model", "outcome"), registry=r)
         self.model_errors = Counter(f"{p}_model_errors", "Failed model calls by model and kind (timeout, "
-                                    "unreachable, http_<status>, context_overflow, other).", ("model", "kind"),
-                                    registry=r)
+                                    "unreachable, http_<status>, context_overflow, stream_cut, other).",
+                                    ("model", "kind"), registry=r)
+        self.stream_cuts = Counter(f"{p}_model_stream_cut", "Model streams that ended before their finish reason (the "
+                                   "connection closed or broke mid-answer): answers cut off, by model.", ("model",),
+                                   registry=r)
         self.model_seconds = Histogram(f"{p}_model_call_duration_seconds", "One model call, streamed to its end.",
                                        ("model",), buckets=CALL_BUCKETS, registry=r)
         self.tokens = Counter(f"{p}_tokens", "Tokens the backends reported, by model and direction (input, output).",
@@ -214,6 +217,11 @@ class Metrics:
         if usage.get("output_tokens"):
             self.tokens.labels(model, "output").inc(usage["output_tokens"])
 
+    def stream_cut(self) -> None:
+        """A model call of the running turn (its model) ended its stream before the finish reason."""
+        clock = _CLOCK.get()
+        self.stream_cuts.labels(clock.model if clock is not None else OTHER).inc()
+
     # ── tools and gates ──
 
     def tool_call(self, name: str, status: str, refusal_kind: str | None, seconds: float | None,
@@ -284,6 +292,9 @@ class _Off(Metrics):
     @contextlib.contextmanager
     def model_call(self, classify: Callable[[BaseException], str]) -> Iterator[_Call]:
         yield _Call()
+
+    def stream_cut(self) -> None:
+        return None
 
     def tool_call(self, name: str, status: str, refusal_kind: str | None, seconds: float | None,
                   tool_type: str = "") -> None:

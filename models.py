@@ -31,7 +31,7 @@ import budget
 import chat_openai
 import tracing
 from config import AppConfig, ModelConfig, resolve_api_key
-from llm_errors import LLMError, describe_llm_error, failure_kind, llm_error_kind, retryable
+from llm_errors import LLMError, StreamCut, broke_off, describe_llm_error, failure_kind, llm_error_kind, retryable
 from text_calls import TextCallFilter
 
 if TYPE_CHECKING:
@@ -394,27 +394,46 @@ async def stream_once(
         chunks: list[AIMessageChunk] = []
         # Our own clock besides the SDK's read timeout: a backend that trickles keepalives
         # without ever producing a token is cut off too.
-        async with asyncio.timeout(cfg.llm_call_timeout + _CLOCK_SLACK) as limit:
-            async for chunk in _chunks(llm, context):
-                now = loop.time()
-                if now - moved > _CLOCK_SLACK:  # a timer cancelled and made anew costs more than the chunk's own work
-                    moved = now
-                    limit.reschedule(now + cfg.llm_call_timeout + _CLOCK_SLACK)
-                streamed = True
-                text = content_text(chunk.content)
-                if text:
-                    first = not streamed_text
-                    if first:
-                        streamed_text = True
-                        metrics.first_answer_token()
-                    tok(client_id, hold.feed(text) if hold else text)
-                    if first:
-                        await _let_readers_run()
-                chunks.append(chunk)
+        try:
+            async with asyncio.timeout(cfg.llm_call_timeout + _CLOCK_SLACK) as limit:
+                async for chunk in _chunks(llm, context):
+                    now = loop.time()
+                    if now - moved > _CLOCK_SLACK:  # a timer cancelled and made anew costs more than the chunk's work
+                        moved = now
+                        limit.reschedule(now + cfg.llm_call_timeout + _CLOCK_SLACK)
+                    streamed = True
+                    text = content_text(chunk.content)
+                    if text:
+                        first = not streamed_text
+                        if first:
+                            streamed_text = True
+                            metrics.first_answer_token()
+                        tok(client_id, hold.feed(text) if hold else text)
+                        if first:
+                            await _let_readers_run()
+                    chunks.append(chunk)
+        except Exception as exc:
+            how = broke_off(exc, bool(chunks))
+            if how is None:
+                raise
+            if not any(c.response_metadata.get("finish_reason") for c in chunks):
+                raise cut(chunks, f"the connection to the backend broke before the answer's end ({how})") from exc
+            # Only what follows the finish reason was lost (usage, the end marker): the answer is whole.
+            logger.info("the model stream of %s broke after its finish reason (%s)", client_id, how)
         if not chunks:
             raise LLMError("the backend closed the stream without sending anything")
         # One merge at the end (LangChain's own n-way merge), not a new merged message per chunk.
-        return add_ai_message_chunks(chunks[0], *chunks[1:]) if len(chunks) > 1 else chunks[0]
+        reply = add_ai_message_chunks(chunks[0], *chunks[1:]) if len(chunks) > 1 else chunks[0]
+        if not reply.response_metadata.get("finish_reason"):
+            raise cut(chunks, "the backend's stream ended without the model's finish reason")
+        return reply
+
+    def cut(chunks: list[AIMessageChunk], how: str) -> StreamCut:
+        """The stream of `chunks` broke off: its text so far (what `hold` kept back is shown now), a cut counted."""
+        if hold is not None:
+            tok(client_id, hold.finish([]))
+        metrics.stream_cut()
+        return StreamCut(how, "".join(content_text(c.content) for c in chunks))
 
     def log_retry(failed: int, exc: BaseException | None) -> None:
         logger.info("model call of %s failed (%s); attempt %d of %d", client_id, type(exc).__name__, failed + 1,

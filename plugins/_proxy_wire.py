@@ -157,6 +157,9 @@ class Output:
         #: The HTTP status of a failed turn: 504 the model did not answer in time, 503 the turn was
         #: cancelled, 502 any other failure of the agent's backend.
         self.error_status = 502
+        #: The error is an answer cut off (its model stream ended before its finish reason): the session keeps the
+        #: partial answer, marked, so the conversation goes on from it when the client sends it back.
+        self.cut = False
         self._tail = "\n\n"
         #: A gate of this turn waits for its approvers (approvals.py): the stream is kept alive meanwhile, and a
         #: client that goes away leaves the turn running until the gate is answered or expires (TurnPump).
@@ -193,6 +196,7 @@ class Output:
         elif ev.name == "error" and self.error is None:
             self.error = str(ev.data.get("message", "error"))
             self.error_status = 504 if ev.data.get("kind") == "timeout" else 502
+            self.cut = ev.data.get("kind") == "cut"
         elif ev.name == "done":
             self.ended = time.monotonic_ns()
         if content:

@@ -338,11 +338,12 @@ class LlamaProxyPlugin(BasePlugin):
 
     async def _then_remember(self, events: AsyncIterator[plugin_api.Event], out: Output, client_id: str, scope: str,
                              transcript: list[Turn]) -> AsyncIterator[plugin_api.Event]:
-        """`events`, remembering the transcript the client will send back next when the turn ends well:
-        before its `done` is passed on, so the client cannot send it before it is known (and stored)."""
+        """`events`, remembering the transcript the client will send back next when the turn ends well (or with its
+        answer cut off, which the session keeps): before its `done` is passed on, so the client cannot send it
+        before it is known (and stored)."""
         async with contextlib.aclosing(events):
             async for ev in events:
-                if ev.name == "done" and out.error is None:  # every event before it has been fed to `out`
+                if ev.name == "done" and (out.error is None or out.cut):  # every event before it was fed to `out`
                     answer = ("assistant", "".join(out.text))
                     await self.conversations.remember(client_id, fingerprint(scope, [*transcript, answer]))
                 yield ev

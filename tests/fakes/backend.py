@@ -88,12 +88,27 @@ class MalformedReply:
 
 
 @dataclass(frozen=True)
+class CutReply:
+    """A stream that sends the pieces of `reply` and ends without its end: no finish reason, no usage, no
+    `[DONE]`. `abrupt`: the connection is dropped before the body's end (no closing HTTP chunk), as a backend
+    that died; else the body ends cleanly, as a proxy that gave up. Non-streamed: the JSON body cut in half."""
+
+    reply: TextReply | ToolCallsReply
+    abrupt: bool = False
+    #: The piece with the finish reason is sent before the cut (only what follows it is lost: usage, `[DONE]`).
+    finished: bool = False
+    #: Cut only once the test sets this event (it saw the pieces arrive: a dropped connection loses what it
+    #: had not read yet).
+    hold: threading.Event | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class RepeatReply:
     """A small local model's habit: while tools are offered, make the conversation's last tool call again
     (native, or the same text); once a request offers none, answer from the last tool result."""
 
 
-Reply = TextReply | ToolCallsReply | ErrorReply | HangReply | MalformedReply | RepeatReply
+Reply = TextReply | ToolCallsReply | ErrorReply | HangReply | MalformedReply | CutReply | RepeatReply
 """Any scripted reply; build one with the constructors below."""
 
 
@@ -143,6 +158,15 @@ def hang(seconds: float) -> HangReply:
 def malformed() -> MalformedReply:
     """A stream that breaks after one valid chunk (non-streamed: a 200 with an invalid JSON body)."""
     return MalformedReply()
+
+
+def cut(*chunks: str, abrupt: bool = False, reply: TextReply | ToolCallsReply | None = None,
+        finished: bool = False, hold: threading.Event | None = None) -> CutReply:
+    """A stream of `chunks` (or of `reply`'s pieces) that ends without its finish reason (see CutReply); with
+    `finished`, cut right after the finish reason instead; with `hold`, cut once the test sets it."""
+    if (reply is None) == (not chunks):
+        raise ValueError("cut() needs either text chunks or reply=")
+    return CutReply(reply or text(*chunks), abrupt, finished, hold)
 
 
 def repeat() -> RepeatReply:
@@ -366,14 +390,19 @@ class FakeBackend(ThreadedServer):
         """The provider's JSON error body for `reply`."""
         raise NotImplementedError
 
+    def finishes(self, payload: str) -> bool:
+        """Whether the streamed `payload` carries the model's finish reason."""
+        raise NotImplementedError
+
     def render_json(self, reply: TextReply | ToolCallsReply, request: RecordedRequest) -> dict[str, Any]:
         """The non-streamed response body for `reply`."""
         raise NotImplementedError
 
     def render_stream(
-        self, reply: TextReply | ToolCallsReply, request: RecordedRequest
+        self, reply: TextReply | ToolCallsReply, request: RecordedRequest, end: bool = True
     ) -> AsyncIterator[str]:
-        """The SSE `data:` payloads (already serialised) for a streamed `reply`."""
+        """The SSE `data:` payloads (already serialised) for a streamed `reply`; without its end (finish
+        reason, usage, `[DONE]`) when `end` is false."""
         raise NotImplementedError
 
     # -- shared request handling --------------------------------------------------------------------------
@@ -397,10 +426,17 @@ class FakeBackend(ThreadedServer):
             await self._wait_hold(reply.hold)
         if isinstance(reply, ErrorReply):
             return JSONResponse(self.error_body(reply), status_code=reply.status)
+        if isinstance(reply, CutReply) and reply.abrupt:
+            return _Dropped(self._sse(reply, recorded) if self.wants_stream(recorded) else
+                            _half(json.dumps(self.render_json(reply.reply, recorded))),
+                            "text/event-stream" if self.wants_stream(recorded) else "application/json")
         if self.wants_stream(recorded):
             return StreamingResponse(self._sse(reply, recorded), media_type="text/event-stream")
         if isinstance(reply, MalformedReply):
             return Response('{"this is": not json', media_type="application/json")
+        if isinstance(reply, CutReply):
+            return Response(await anext(_half(json.dumps(self.render_json(reply.reply, recorded)))),
+                            media_type="application/json")
         return JSONResponse(self.render_json(reply, recorded))
 
     async def pace(self, reply: TextReply, index: int) -> None:
@@ -416,6 +452,14 @@ class FakeBackend(ThreadedServer):
             yield f"data: {await anext(events)}\n\n"
             await events.aclose()
             yield "data: {this is not json\n\n"
+            return
+        if isinstance(reply, CutReply):
+            async for payload in self.render_stream(reply.reply, recorded, end=reply.finished):
+                yield f"data: {payload}\n\n"
+                if reply.finished and self.finishes(payload):
+                    break
+            if reply.hold is not None:
+                await self._wait_hold(reply.hold)
             return
         assert isinstance(reply, TextReply | ToolCallsReply)
         async for payload in self.render_stream(reply, recorded):
@@ -453,6 +497,25 @@ class FakeBackend(ThreadedServer):
         while not stopping.is_set():
             if await asyncio.to_thread(hold.wait, 0.1):
                 return
+
+
+async def _half(body: str) -> AsyncIterator[str]:
+    """The first half of `body`: a JSON answer cut short."""
+    yield body[: len(body) // 2]
+
+
+class _Dropped(Response):
+    """A 200 answer whose body is `parts`, after which the connection is closed without the body's end (uvicorn
+    closes a connection whose app returned before its response was complete, and logs one line for it)."""
+
+    def __init__(self, parts: AsyncIterator[str], media_type: str) -> None:  # no body: no content-length either
+        self.status_code, self.background, self.parts = 200, None, parts
+        self.raw_headers = [(b"content-type", media_type.encode())]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for part in self.parts:
+            await send({"type": "http.response.body", "body": part.encode(), "more_body": True})
 
 
 def run_cli(backend_class: type[FakeBackend], argv: Sequence[str] | None = None) -> None:

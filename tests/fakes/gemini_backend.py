@@ -68,6 +68,10 @@ class FakeGemini(FakeBackend):
                 return texts[-1]
         return ""
 
+    def finishes(self, payload: str) -> bool:
+        """A response whose candidate has a `finishReason`."""
+        return any(c.get("finishReason") for c in json.loads(payload).get("candidates") or [])
+
     def error_body(self, reply: ErrorReply) -> dict[str, Any]:
         """`{"error": {"code", "message", "status"}}` as Google APIs send it."""
         status = _STATUS_NAMES.get(reply.status, "INTERNAL" if reply.status >= 500 else "FAILED_PRECONDITION")
@@ -82,11 +86,12 @@ class FakeGemini(FakeBackend):
         return self._response(parts, request, 5 * len(reply.calls), final=True)
 
     async def render_stream(
-        self, reply: TextReply | ToolCallsReply, request: RecordedRequest
+        self, reply: TextReply | ToolCallsReply, request: RecordedRequest, end: bool = True
     ) -> AsyncIterator[str]:
-        """One `GenerateContentResponse` per chunk; the last carries finishReason and usage. No [DONE]."""
+        """One `GenerateContentResponse` per chunk; the last carries finishReason and usage (with `end`). No
+        [DONE]."""
         if isinstance(reply, TextReply):
-            last = len(reply.chunks) - 1
+            last = len(reply.chunks) - 1 if end else -1
             for i, piece in enumerate(reply.chunks):
                 await self.pace(reply, i)
                 yield json.dumps(self._response([{"text": piece}], request, i + 1, final=i == last))
@@ -94,7 +99,7 @@ class FakeGemini(FakeBackend):
         if reply.text_before:
             yield json.dumps(self._response([{"text": reply.text_before}], request, 1, final=False))
         calls = [_function_call(call) for call in reply.calls]
-        yield json.dumps(self._response(calls, request, 5 * len(reply.calls), final=True))
+        yield json.dumps(self._response(calls, request, 5 * len(reply.calls), final=end))
 
     def _response(
         self, parts: list[dict[str, Any]], request: RecordedRequest, output_tokens: int, *, final: bool

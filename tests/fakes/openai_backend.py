@@ -144,6 +144,11 @@ class FakeOpenAI(FakeBackend):
         """OpenAI streams when the body says `"stream": true`."""
         return bool((request.json or {}).get("stream"))
 
+    def finishes(self, payload: str) -> bool:
+        """A chunk whose choice has a `finish_reason`."""
+        chunk = json.loads(payload) if payload != "[DONE]" else {}
+        return any(choice.get("finish_reason") for choice in chunk.get("choices") or [])
+
     def error_body(self, reply: ErrorReply) -> dict[str, Any]:
         """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it."""
         kind = _ERROR_TYPES.get(
@@ -180,9 +185,10 @@ class FakeOpenAI(FakeBackend):
         }
 
     async def render_stream(
-        self, reply: TextReply | ToolCallsReply, request: RecordedRequest
+        self, reply: TextReply | ToolCallsReply, request: RecordedRequest, end: bool = True
     ) -> AsyncIterator[str]:
-        """`chat.completion.chunk` events: role first, content or tool-call deltas, finish, usage, [DONE]."""
+        """`chat.completion.chunk` events: role first, content or tool-call deltas, finish, usage, [DONE] (the
+        last three only with `end`)."""
         body = request.json or {}
         head = {
             "id": new_id("chatcmpl-"),
@@ -209,6 +215,8 @@ class FakeOpenAI(FakeBackend):
                 for fragment in _split(_arguments(call)):
                     yield chunk({"tool_calls": [{"index": i, "function": {"arguments": fragment}}]})
             finish, completion_tokens = "tool_calls", 5 * len(reply.calls)
+        if not end:
+            return
         yield chunk({}, finish)
         if (body.get("stream_options") or {}).get("include_usage"):
             yield json.dumps({**head, "choices": [], "usage": _usage(request, completion_tokens)})

@@ -26,7 +26,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 import failures
-from tests.fakes.backend import FakeBackend, error, hang, malformed, text, tokens, tool_call, tool_calls
+from tests.fakes.backend import FakeBackend, cut, error, hang, malformed, text, tokens, tool_call, tool_calls
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
 
@@ -252,6 +252,47 @@ async def test_openai_malformed_stream_raises(make_openai, openai_backend):
         await _stream(make_openai(), "hi")
 
 
+async def test_openai_cut_stream_ends_without_finish_reason_usage_or_done(openai_backend):
+    openai_backend.script(cut("alpha ", "be"), cut(reply=tool_call("get_weather", {"city": "Paris"})))
+    async with httpx.AsyncClient(timeout=STEP) as http:
+        for _ in range(2):
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "stream_options": {"include_usage": True}}
+            r = await http.post(openai_backend.base_url + "/chat/completions", json=body)
+            events = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
+            assert r.status_code == 200 and events and "[DONE]" not in events
+            chunks = [json.loads(e) for e in events]
+            assert all(c["choices"] and c["choices"][0]["finish_reason"] is None and "usage" not in c for c in chunks)
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks]
+    assert texts[0] is None and any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+
+
+async def test_openai_abrupt_cut_breaks_the_connection_after_the_chunks(make_openai, openai_backend):
+    openai_backend.script(cut("alpha ", "be", abrupt=True))
+    received = []
+    with pytest.raises(openai.APIConnectionError):
+        async for chunk in make_openai().astream("hi"):
+            received.append(chunk.content)
+    assert "alpha be".startswith("".join(received))  # what was in flight with the drop may be lost with it
+    openai_backend.script(cut("alpha ", "be", abrupt=True))
+    async with httpx.AsyncClient(timeout=STEP) as http:  # non-streamed: half a JSON body, then the connection drops
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.post(openai_backend.base_url + "/chat/completions", json={"model": "m", "messages": []})
+
+
+async def test_openai_cut_after_the_finish_reason_loses_only_usage_and_done(openai_backend):
+    openai_backend.script(cut("alpha ", "be", finished=True, abrupt=True))
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True}}
+    received = ""
+    async with httpx.AsyncClient(timeout=STEP) as http:
+        with pytest.raises(httpx.RemoteProtocolError):  # the body's end never comes
+            async with http.stream("POST", openai_backend.base_url + "/chat/completions", json=body) as r:
+                async for piece in r.aiter_text():
+                    received += piece
+    chunks = [json.loads(e.removeprefix("data: ")) for e in received.split("\n\n") if e]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]  # no usage, no [DONE]
+
+
 async def test_openai_first_chunk_arrives_while_backend_holds(make_openai, openai_backend):
     await _first_chunk_while_held(make_openai(), openai_backend)
 
@@ -377,6 +418,22 @@ async def test_gemini_malformed_stream_raises(make_gemini, gemini_backend):
     gemini_backend.script(malformed())
     with pytest.raises(genai_errors.UnknownApiResponseError):
         await _stream(make_gemini(), "hi")
+
+
+@pytest.mark.parametrize("abrupt", [False, True])
+async def test_gemini_cut_stream_sends_no_finish_reason(make_gemini, gemini_backend, abrupt):
+    gemini_backend.script(cut("alpha ", "be", abrupt=abrupt))
+    received: list[AIMessageChunk] = []
+    try:
+        async for chunk in make_gemini().astream("hi"):
+            received.append(chunk)
+    except Exception as exc:
+        assert abrupt, exc  # the body broke off before its end: the transport's error
+        assert any(type(e).__name__ == "ClientPayloadError" or isinstance(e, httpx.RemoteProtocolError)
+                   for e in failures.chain(exc)), repr(exc)
+    got = "".join(_texts(received))
+    assert got == "alpha be" if not abrupt else "alpha be".startswith(got)  # the drop may lose what was in flight
+    assert not any(c.response_metadata.get("finish_reason") for c in received)
 
 
 async def test_gemini_first_chunk_arrives_while_backend_holds(make_gemini, gemini_backend):
