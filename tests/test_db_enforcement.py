@@ -324,7 +324,7 @@ USERS_ONLY = turns.DbAccess("approval", frozenset({("users", gate.WRITE)}))
 
 async def test_nothing_carries_over_between_calls_on_one_connection(fx: Fixture) -> None:
     fx.fill()
-    settings = DatabaseSettings.from_env(fx.env()).model_copy(update={"pool_size": 1, "timeout": 2})
+    settings = DatabaseSettings.from_env(fx.env()).model_copy(update={"runners": 1, "timeout": 2})  # one runner
     db = Database(settings)
     try:
         assert await db.enforce() is None
@@ -369,9 +369,9 @@ async def test_user_variables_and_temporary_tables_do_not_cross_sessions_or_clie
         fx: Fixture, tmp_path: Path) -> None:
     fx.fill()
     every = {"db": {"*": {"read": True, "write": True}, "__meta__": {"read": True, "write": True}}, "tools": {}}
-    async with plugin_runtime(tmp_path, {PLUGIN: {"timeout": 2}}, fx.env(), gates=every) as rt:
+    one_runner = {**fx.env(), "MYSQL_RUNNERS": "1"}  # every call on the same account and connection
+    async with plugin_runtime(tmp_path, {PLUGIN: {"timeout": 2}}, one_runner, gates=every) as rt:
         rt.client_namespaces.update(SHIPPED_NAMESPACES)
-        plugin(rt, PLUGIN).db.settings.pool_size = 1
         for sql in ("SET @v = (SELECT s FROM secrets LIMIT 1)",
                     "CREATE TEMPORARY TABLE users AS SELECT * FROM secrets"):
             assert not (await execute(rt, "api-one", "db_query", {"sql": sql})).startswith("ERROR")
