@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -86,11 +86,11 @@ ApiScope = Literal[tuple(_SCOPES)]  # type: ignore[valid-type]
 
 
 class _GateBody(_Body):
-    approve: bool
+    approve: StrictBool
     #: How far a yes reaches (admin key only beyond `once`): this call, N `minutes` of this tool or these
     #: tables, the rest of the session, or calls of the same shape.
     scope: ApiScope = "once"
-    minutes: int | None = None
+    minutes: StrictInt | None = None  # "15" or true is no number of minutes
 
 
 class _StopBody(_Body):

@@ -16,7 +16,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -54,7 +54,7 @@ class _GateBody(BaseModel):
     gate_id: str = Field(min_length=1, max_length=128)
     decision: str
     #: For allow_for: how long the grant lasts.
-    minutes: int | None = None
+    minutes: StrictInt | None = None  # "15" or true is no number of minutes
     #: The answering window, when it answers a gate of another session as an approver (`!approver on`).
     approver: str | None = Field(default=None, pattern=_http.CLIENT_ID_PATTERN)
     #: The values filled in, for a question asking for some (an MCP server's elicitation: docs/approvals.md).
