@@ -156,11 +156,15 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
     resolv = Path("/etc/resolv.conf").resolve()
     if network == "host" and _inside(resolv, Path("/run")):
         box += ["--ro-bind", str(resolv), str(resolv)]
+    emptied = [p for p in hidden if p.is_dir()]
     for path in hidden:
         if path.is_dir():
             box += ["--tmpfs", str(path)]
         elif path.exists():
             box += ["--ro-bind", "/dev/null", str(path)]
-    box += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir), "--", *launcher]
+    box += ["--bind", str(workdir), str(workdir)]
+    for path in emptied:  # after the bind, which may need a mount point inside one
+        box += ["--remount-ro", str(path)]
+    box += ["--chdir", str(workdir), "--", *launcher]
     return Launch(host.bwrap, box, workdir, True, summary)
 
