@@ -15,6 +15,8 @@ from config import CODE_DIR
 from plugins._mcp_servers import Limits, StdioServer
 
 LAUNCHER = Path(__file__).with_name("_mcp_launch.py")
+#: Where the sandbox has empty dirs of its own instead of the host's.
+PRIVATE_DIRS = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"), Path("/run"))
 #: Files of a config dir that is also the program's checkout: hidden one by one (the code stays visible).
 CONFIG_PATTERNS = (".env*", "*.json", "*.sqlite3", "*.key", "*.pem", ".system_prompt")
 INSTALL_HINT = "apt-get install bubblewrap"
@@ -130,10 +132,11 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
         if exposed:
             raise FenceError(f"its cwd {workdir} holds agent-mcp's own files ({exposed[0]}), which a sandboxed "
                              "server must not see: give it a directory of its own (\"cwd\" in mcp-servers.json)")
-        hiding = next((h for h in hidden if _inside(Path(command).resolve(), h)), None)
-        if hiding is not None and not _inside(Path(command).resolve(), workdir):
-            raise FenceError(f"its command {command} is inside {hiding}, which the sandbox hides: install the "
-                             "server elsewhere, or put it in its own working dir (\"cwd\")")
+        real = Path(command).resolve()
+        hiding = next((h for h in [*hidden, *PRIVATE_DIRS] if _inside(real, h)), None)
+        if hiding is not None and not _inside(real, workdir):
+            raise FenceError(f"its command {command} is inside {hiding}, which the sandbox hides or replaces: "
+                             "install the server elsewhere, or put it in its own working dir (\"cwd\")")
     limits = _limits(spec.limits or Limits(), sandboxed)
     network = spec.network or "none"
     launcher = [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER)]
@@ -162,6 +165,10 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
             box += ["--tmpfs", str(path)]
         elif path.exists():
             box += ["--ro-bind", "/dev/null", str(path)]
+    # The launcher and its Python must be there even when they live in a dir the sandbox replaces.
+    for own in (LAUNCHER, Path(sys.base_prefix).resolve()):
+        if any(_inside(own, d) for d in [*PRIVATE_DIRS, *hidden]):
+            box += ["--ro-bind", str(own), str(own)]
     box += ["--bind", str(workdir), str(workdir)]
     for path in emptied:  # after the bind, which may need a mount point inside one
         box += ["--remount-ro", str(path)]

@@ -298,3 +298,21 @@ async def test_network_host_and_sandbox_off_are_the_entrys_choice(fenced_rt, hom
         assert plugin(rt).servers["open"].fence.startswith('NOT sandboxed ("sandbox": "off"')
     finally:
         listener.close()
+
+
+def mcp_server_time() -> str:
+    """The third-party `mcp-server-time` (PyPI), on the PATH or at AGENT_TEST_MCP_SERVER_TIME, or skip."""
+    found = os.environ.get("AGENT_TEST_MCP_SERVER_TIME") or shutil.which("mcp-server-time")
+    if not found:
+        pytest.skip("mcp-server-time is not installed (python3 -m venv /opt/mst && /opt/mst/bin/pip install "
+                    "mcp-server-time; then AGENT_TEST_MCP_SERVER_TIME=/opt/mst/bin/mcp-server-time)")
+    return found
+
+
+async def test_a_real_third_party_server_works_in_the_sandbox(fenced_rt):
+    bwrap_or_skip()
+    rt = await fenced_rt({"time": {"command": mcp_server_time(), "args": ["--local-timezone", "UTC"]}})
+    conn = plugin(rt).servers["time"]
+    assert conn.status == "connected" and conn.fence and conn.fence.startswith("sandboxed")
+    now = json.loads(await execute(rt, "c1", "time_get_current_time", {"timezone": "Asia/Tokyo"}))
+    assert now["timezone"] == "Asia/Tokyo" and now["datetime"].endswith("+09:00")
