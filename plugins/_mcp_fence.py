@@ -36,6 +36,8 @@ class Host:
     bwrap: str | None
     #: Why there is no sandbox (not installed, or it cannot create namespaces here); "" when there is one.
     no_sandbox: str = ""
+    #: Secret files of agent-mcp kept outside its dirs (`AGENT_*_FILE` settings, e.g. the audit key).
+    secret_files: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def _inside(path: Path, root: Path) -> bool:
 
 def _hidden(host: Host, extra: list[str]) -> list[Path]:
     """What no sandboxed server sees: the config dir (or, when it is the program's checkout, its agent files),
-    the data dir, `.env`, and the entry's hidden paths."""
+    the data dir, `.env`, agent-mcp's secret files elsewhere, and the entry's hidden paths."""
     config = host.config_dir.resolve()
     paths: list[Path] = []
     if _inside(CODE_DIR, config):
@@ -88,6 +90,7 @@ def _hidden(host: Host, extra: list[str]) -> list[Path]:
     else:
         paths.append(config)
     paths.append(host.data_dir.resolve())
+    paths += [p.resolve() for p in host.secret_files]
     paths += [Path(os.path.expanduser(p)).resolve() for p in extra]
     return paths
 

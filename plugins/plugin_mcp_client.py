@@ -74,7 +74,9 @@ class McpClientPlugin(BasePlugin):
         app = self.context.config
         self.config_file = app.path(MCP_SERVERS_FILE)
         servers = load_servers(self.config_file)
-        host = await self._sandbox(servers, app.config_dir, app.data_dir(), app.env.get("PATH"))
+        secret_files = tuple(Path(v) for k, v in app.env.items()
+                             if k.startswith("AGENT_") and k.endswith("_FILE") and v and Path(v).is_absolute())
+        host = await self._sandbox(servers, app.config_dir, app.data_dir(), app.env.get("PATH"), secret_files)
         for name, spec in servers.servers.items():
             if spec.enabled:
                 from plugins._mcp_connection import Connection  # the MCP SDK, imported with a server to connect
@@ -84,7 +86,8 @@ class McpClientPlugin(BasePlugin):
         return True
 
     @staticmethod
-    async def _sandbox(servers: McpServersFile, config_dir: Path, data_dir: Path, path: str | None) -> Host | None:
+    async def _sandbox(servers: McpServersFile, config_dir: Path, data_dir: Path, path: str | None,
+                       secret_files: tuple[Path, ...]) -> Host | None:
         """Look for bubblewrap once, when a stdio server may use it, and say at start whether servers are fenced."""
         stdio = [s for s in servers.servers.values() if s.enabled and isinstance(s, StdioServer)]
         if not stdio:
@@ -103,7 +106,7 @@ class McpClientPlugin(BasePlugin):
             logger.warning("MCP stdio servers are NOT sandboxed: %s. With bubblewrap (%s) they could not read %s, %s "
                            "or .env, nor reach the network; now they run only with resource limits and their "
                            "declared environment", why, INSTALL_HINT, config_dir, data_dir)
-        return Host(config_dir, data_dir, bwrap, why)
+        return Host(config_dir, data_dir, bwrap, why, secret_files)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))

@@ -181,13 +181,17 @@ def test_the_sandbox_hides_the_agents_dirs_and_binds_only_the_working_dir(tmp_pa
     config, data = tmp_path / "cfg", tmp_path / "elsewhere" / "data"
     config.mkdir()
     (config / ".env").write_text("X=1\n")
-    host = Host(config, data, "/usr/bin/bwrap")
+    audit_key = tmp_path / "keys" / "audit-key"
+    audit_key.parent.mkdir()
+    audit_key.write_text("k")
+    host = Host(config, data, "/usr/bin/bwrap", secret_files=(audit_key,))
     spec = McpServersFile.model_validate({"servers": {"s": {"command": "x"}}}).servers["s"]
     launch = fenced("s", spec, "/usr/bin/true", ["a"], ["TOKEN"], host)
     argv = launch.args
     assert launch.command == "/usr/bin/bwrap" and launch.sandboxed and launch.cwd == data.resolve() / "mcp" / "s"
     pairs = list(itertools.pairwise(argv))
     assert ("--tmpfs", str(config.resolve())) in pairs and ("--tmpfs", str(data.resolve())) in pairs
+    assert ("--ro-bind", "/dev/null") in pairs and ("/dev/null", str(audit_key.resolve())) in pairs
     assert ("--tmpfs", "/run") in pairs and ("--tmpfs", "/tmp") in pairs and "--share-net" not in argv
     assert ("--cap-drop", "ALL") in pairs and "--unshare-all" in argv and "--die-with-parent" in argv
     assert argv[argv.index("--bind") + 1:argv.index("--bind") + 3] == [str(launch.cwd)] * 2
