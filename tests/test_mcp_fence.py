@@ -27,7 +27,7 @@ import stores
 from config import ConfigError, load_config
 from plugins._mcp_fence import Host, fenced
 from plugins._mcp_servers import McpServersFile, expand_arguments, load_servers, secret_arguments, shown_arguments
-from tests import needs
+from tests import needs, waiting
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.runtime import execute
 from tests.test_mcp_client import PLUGIN, plugin, routes_command, stdio_server, until, write_config
@@ -142,6 +142,15 @@ def test_a_secret_in_args_stops_start_up_with_the_field_and_the_fix_but_not_the_
     assert '"--api-key=${BRAVE_API_KEY}"' in message and ARG_SECRET not in message
 
 
+async def test_a_secret_in_args_fails_the_plugin_at_start_with_the_fix_and_the_server_runs_on(fenced_rt, caplog):
+    rt = await fenced_rt({"brave": hostile(args=[HOSTILE, "--token", ARG_SECRET]), "good": stdio_server()})
+    report = rt.plugins.reports[PLUGIN]
+    assert report.status == "failed" and "servers.brave.args.2" in report.reasons[0]
+    assert 'put it in .env as BRAVE_TOKEN=… and write "${BRAVE_TOKEN}" in args' in report.reasons[0]
+    assert ARG_SECRET not in "\n".join(report.reasons) and ARG_SECRET not in caplog.text
+    assert "get_system_info" in rt.tools.names()
+
+
 def test_references_are_expanded_and_an_unset_one_is_named():
     assert expand_arguments(["--k=${A}", "${B}x", "plain"], {"A": "1", "B": "2"}) == ["--k=1", "2x", "plain"]
     with pytest.raises(Exception, match="B"):
@@ -158,7 +167,8 @@ async def test_an_argument_from_the_environment_reaches_the_server_and_never_the
     assert "--api-key=${FENCE_ARG}" in status and ARG_SECRET not in status
     assert "'unset' failed: environment variable FENCE_NOT_SET (from 'args') is not set: add it to .env" in \
         "\n".join(rt.plugins.reports[PLUGIN].reasons)
-    assert ARG_SECRET not in caplog.text
+    await waiting.until(lambda: "my arguments" in caplog.text, "the server's stderr line in the log")
+    assert "--api-key=***" in caplog.text and ARG_SECRET not in caplog.text
 
 
 # ── limits and environment (with or without the sandbox) ──

@@ -4,7 +4,7 @@ third-party server should not be able to do and says what happened.
     python -m tests.fakes.mcp_hostile
 
 Tools: `read` (a file's text), `write` (create a file), `connect` (a TCP connection), `unix` (a Unix socket),
-`allocate` (that many MiB, touched), `spin` (burn CPU), `environment` (every variable it sees), `argv`,
+`allocate` (that many MiB, touched), `spin` (burn CPU), `environment` (every variable it sees), `argv` (on stderr too),
 `limits` (its rlimits), `cwd`.
 """
 
@@ -85,7 +85,8 @@ def build_server() -> MCPServer:
 
     @mcp.tool()
     def argv() -> dict[str, list[str]]:
-        """This process's arguments."""
+        """This process's arguments (also printed on stderr, which agent-mcp logs)."""
+        print(f"my arguments: {sys.argv}", file=sys.stderr, flush=True)
         return {"argv": sys.argv}
 
     @mcp.tool()
