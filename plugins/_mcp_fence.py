@@ -122,13 +122,11 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
         raise FenceError(f"its entry says \"sandbox\": \"required\" but {host.no_sandbox}")
     why_not = "\"sandbox\": \"off\" in mcp-servers.json" if want == "off" else host.no_sandbox
     config = host.config_dir.resolve()
-    if spec.cwd:
-        workdir = (config / spec.cwd).resolve()
-    elif sandboxed:
-        workdir = host.data_dir.resolve() / "mcp" / name
-        workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    else:
-        workdir = config
+    #: A sandboxed server's own dir, kept between starts: its HOME, and its cwd unless the entry names one.
+    home = host.data_dir.resolve() / "mcp" / name
+    if sandboxed:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    workdir = (config / spec.cwd).resolve() if spec.cwd else home if sandboxed else config
     hidden = _hidden(host, spec.hidden or [])
     if sandboxed:
         exposed = [p for p in (config, host.data_dir.resolve(), config / ".env") if _inside(p, workdir)]
@@ -137,7 +135,7 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
                              "server must not see: give it a directory of its own (\"cwd\" in mcp-servers.json)")
         real = Path(command).resolve()
         hiding = next((h for h in [*hidden, *PRIVATE_DIRS] if _inside(real, h)), None)
-        if hiding is not None and not _inside(real, workdir):
+        if hiding is not None and not _inside(real, workdir) and not _inside(real, home):
             raise FenceError(f"its command {command} is inside {hiding}, which the sandbox hides or replaces: "
                              "install the server elsewhere, or put it in its own working dir (\"cwd\")")
     limits = _limits(spec.limits or Limits(), sandboxed)
@@ -148,7 +146,7 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
     for var in dict.fromkeys(["PATH", *child_env]):
         launcher += ["--keep", var]
     if "HOME" not in child_env:
-        launcher += ["--keep", "HOME"] if not sandboxed else ["--set", "HOME=/tmp"]
+        launcher += ["--keep", "HOME"] if not sandboxed else ["--set", f"HOME={home}"]
     if "LANG" not in child_env:
         launcher += ["--set", f"LANG={os.environ.get('LANG') or 'C.UTF-8'}"]
     launcher += ["--", command, *args]
@@ -172,8 +170,9 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
     for own in (LAUNCHER, Path(sys.base_prefix).resolve()):
         if any(_inside(own, d) for d in [*PRIVATE_DIRS, *hidden]):
             box += ["--ro-bind", str(own), str(own)]
-    box += ["--bind", str(workdir), str(workdir)]
-    for path in emptied:  # after the bind, which may need a mount point inside one
+    for writable in dict.fromkeys([home, workdir]):
+        box += ["--bind", str(writable), str(writable)]
+    for path in emptied:  # after the binds, which may need a mount point inside one
         box += ["--remount-ro", str(path)]
     box += ["--chdir", str(workdir), "--", *launcher]
     return Launch(host.bwrap, box, workdir, True, summary)

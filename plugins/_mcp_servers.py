@@ -231,8 +231,8 @@ class StdioServer(_ServerConfig):
     #: Variables passed to the child, as names (same name) or child name → agent-mcp variable.
     #: Nothing else of agent-mcp's environment is passed (the child gets PATH, HOME and LANG besides).
     env: dict[EnvName, EnvName] = {}
-    #: Working directory, the only one it may write in the sandbox; relative paths are relative to the
-    #: config directory. Default: the config directory unsandboxed, `<data dir>/mcp/<server>` sandboxed.
+    #: Working directory (writable in the sandbox, beside its own `<data dir>/mcp/<server>`); relative to
+    #: the config directory. Default: the config directory unsandboxed, its own dir sandboxed.
     cwd: str | None = None
     #: Overrides of `stdio.limits` for this server, field by field.
     limits: Limits | None = None

@@ -100,7 +100,7 @@ class McpClientPlugin(BasePlugin):
         bwrap, why = await find_sandbox(path)
         if bwrap:
             logger.info("MCP stdio servers run in a bubblewrap sandbox (%s): no view of %s, %s or .env, a read-only "
-                        "filesystem but for their own working dir and a private /tmp, no network unless their entry "
+                        "filesystem but for their own dir, cwd and a private /tmp, no network unless their entry "
                         "says \"network\": \"host\"; with resource limits", bwrap, config_dir, data_dir)
         else:
             logger.warning("MCP stdio servers are NOT sandboxed: %s. With bubblewrap (%s) they could not read %s, %s "

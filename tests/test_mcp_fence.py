@@ -206,7 +206,10 @@ def test_the_sandbox_hides_the_agents_dirs_and_binds_only_the_working_dir(tmp_pa
     assert ("--cap-drop", "ALL") in pairs and "--unshare-all" in argv and "--die-with-parent" in argv
     assert argv[argv.index("--bind") + 1:argv.index("--bind") + 3] == [str(launch.cwd)] * 2
     assert argv.count("--bind") == 1
-    assert argv[-2:] == ["/usr/bin/true", "a"] and ("--keep", "TOKEN") in pairs and ("--set", "HOME=/tmp") in pairs
+    assert argv[-2:] == ["/usr/bin/true", "a"] and ("--keep", "TOKEN") in pairs
+    assert ("--set", f"HOME={launch.cwd}") in pairs
+    elsewhere = fenced("s", spec.model_copy(update={"cwd": str(tmp_path / "work")}), "/usr/bin/true", [], [], host)
+    assert elsewhere.cwd == tmp_path / "work" and elsewhere.args.count("--bind") == 2
     with pytest.raises(Exception, match="holds agent-mcp's own files"):
         fenced("s", spec.model_copy(update={"cwd": str(tmp_path)}), "/usr/bin/true", [], [], host)
     with pytest.raises(Exception, match="required"):
@@ -277,7 +280,7 @@ async def test_a_hostile_server_in_the_sandbox_reaches_no_secret_no_file_and_no_
         assert not big["ok"] and "MemoryError" in big["detail"]
         assert (await outcome(rt, "h_allocate", {"mib": 16}))["ok"]
         env = json.loads(await execute(rt, "c1", "h_environment", {}))
-        assert DOTENV not in json.dumps(env) and env["FENCE_GIVEN"] == "given" and env["HOME"] == "/tmp"
+        assert DOTENV not in json.dumps(env) and env["FENCE_GIVEN"] == "given" and env["HOME"] == own
         assert set(env) <= {"PATH", "HOME", "LANG", "FENCE_GIVEN", "LC_CTYPE"}
         assert await execute(rt, "c1", "good_add", {"a": 2, "b": 3}) == "5"
         assert conn.status == "connected" and "h [connected]" in await routes_command(rt, "!mcp")
