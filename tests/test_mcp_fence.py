@@ -333,3 +333,18 @@ async def test_a_real_third_party_server_works_in_the_sandbox(fenced_rt):
     assert conn.status == "connected" and conn.fence and conn.fence.startswith("sandboxed")
     now = json.loads(await execute(rt, "c1", "time_get_current_time", {"timezone": "Asia/Tokyo"}))
     assert now["timezone"] == "Asia/Tokyo" and now["datetime"].endswith("+09:00")
+
+
+async def test_a_bubblewrap_that_cannot_make_a_sandbox_here_is_reported_and_not_used(fenced_rt, tmp_path, monkeypatch,
+                                                                                      caplog):
+    caplog.set_level(logging.INFO)
+    broken = tmp_path / "bwrap"
+    broken.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.path.dirname(sys.executable)}")
+    rt = await fenced_rt({"h": hostile()})
+    assert f"NOT sandboxed: {broken} cannot create a sandbox here (bwrap: setting up uid map: Permission denied)" \
+        in caplog.text and "user namespaces may be switched off" in caplog.text
+    conn = plugin(rt).servers["h"]
+    assert conn.status == "connected" and conn.fence and conn.fence.startswith(f"NOT sandboxed ({broken} cannot")
+    assert json.loads(await execute(rt, "c1", "h_limits", {}))["data"] == 1024 << 20
