@@ -348,3 +348,12 @@ async def test_a_bubblewrap_that_cannot_make_a_sandbox_here_is_reported_and_not_
     conn = plugin(rt).servers["h"]
     assert conn.status == "connected" and conn.fence and conn.fence.startswith(f"NOT sandboxed ({broken} cannot")
     assert json.loads(await execute(rt, "c1", "h_limits", {}))["data"] == 1024 << 20
+
+
+def test_a_config_dir_that_is_the_checkout_keeps_its_code_visible_and_hides_its_agent_files(tmp_path):
+    spec = McpServersFile.model_validate({"servers": {"s": {"command": "x"}}}).servers["s"]
+    launch = fenced("s", spec, "/usr/bin/true", [], [], Host(ROOT, tmp_path / "data", "/usr/bin/bwrap"))
+    pairs = list(itertools.pairwise(launch.args))
+    assert ("--tmpfs", str(ROOT)) not in pairs and ("--tmpfs", str((tmp_path / "data").resolve())) in pairs
+    assert ("/dev/null", str(ROOT / "plugin-manifest.json")) in pairs
+    assert ("/dev/null", str(ROOT / "agent-mcp.py")) not in pairs
