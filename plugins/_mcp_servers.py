@@ -84,7 +84,8 @@ _KNOWN_SECRET = re.compile(
     r"xai-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|npm_[A-Za-z0-9]{30,}|pypi-[A-Za-z0-9_-]{30,}|"
     r"dop_v1_[a-f0-9]{30,}|SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}|eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,})"
 )
-_PIECES = re.compile(r"[A-Za-z0-9+_.~-]{32,}")
+#: A run of 32 or more letters, digits, + and = with no separator in it (hex and base64 keys, not words).
+_PIECES = re.compile(r"[A-Za-z0-9+=]{32,}")
 
 
 def _entropy(text: str) -> float:
@@ -97,7 +98,7 @@ def _secret_value(value: str) -> str | None:
     if match := _KNOWN_SECRET.search(value):
         return f"it has the form of a known kind of key or token ({len(match.group())} characters)"
     for piece in _PIECES.findall(value):
-        if any(c.isdigit() for c in piece) and any(c.isalpha() for c in piece) and _entropy(piece) >= 3.5:
+        if sum(c.isdigit() for c in piece) >= 2 and sum(c.isalpha() for c in piece) >= 2 and _entropy(piece) >= 3.5:
             return f"it holds a long random-looking string ({len(piece)} characters)"
     return None
 

@@ -121,6 +121,8 @@ def test_a_literal_secret_in_args_is_found_and_masked(args, index):
     ["--api-key=${BRAVE_API_KEY}", "--token", "${TOKEN}"],
     ["--key", "/etc/ssl/private/server.pem", "--token-file", "./token.txt"],
     ["--local-timezone", "Europe/Amsterdam", "--port", "8080"],
+    ["my-company-internal-mcp-server-2024-edition", "org.example.mcp.server.filesystem.v1234"],
+    ["--session", "3fa85f64-5717-4562-b3fc-2c963f66afa6"],
 ])
 def test_ordinary_arguments_and_references_are_not_secrets(args):
     assert secret_arguments("x", args) == [] and shown_arguments(args) == args
