@@ -25,7 +25,7 @@ import build
 import state
 import stores
 from config import ConfigError, load_config
-from plugins._mcp_fence import Host, fenced
+from plugins._mcp_fence import Host, fenced, find_sandbox
 from plugins._mcp_servers import McpServersFile, expand_arguments, load_servers, secret_arguments, shown_arguments
 from tests import needs, waiting
 from tests.conftest import ROOT, ConfigDir, free_port, openai_model
@@ -50,8 +50,13 @@ def exists(path: Path) -> bool:
     return path.exists()
 
 
-def bwrap_or_skip() -> str:
-    return needs.program("bwrap", "bubblewrap", "bubblewrap")
+async def bwrap_or_skip() -> str:
+    """The bwrap that can make a sandbox here; else skip (or fail, when AGENT_TEST_REQUIRE names it) saying why."""
+    needs.program("bwrap", "bubblewrap", "bubblewrap")
+    found, why = await find_sandbox(os.environ.get("PATH"))
+    if found is None:
+        needs.absent("bubblewrap", why)
+    return found
 
 
 @pytest.fixture
@@ -242,7 +247,7 @@ async def test_without_bubblewrap_start_up_says_so_and_limits_and_environment_st
 
 
 async def test_a_hostile_server_in_the_sandbox_reaches_no_secret_no_file_and_no_network(fenced_rt, home_dir):
-    bwrap_or_skip()
+    await bwrap_or_skip()
     listener = socket.create_server(("127.0.0.1", free_port()))
     (home_dir / "data").mkdir(mode=0o700)
     unix_path = home_dir / "data" / "agent.sock"
@@ -305,7 +310,7 @@ async def test_a_server_past_its_cpu_time_is_stopped_reported_and_restarted(fenc
 
 
 async def test_network_host_and_sandbox_off_are_the_entrys_choice(fenced_rt, home_dir):
-    bwrap_or_skip()
+    await bwrap_or_skip()
     listener = socket.create_server(("127.0.0.1", free_port()))
     (home_dir / "w").mkdir()
     try:
@@ -329,7 +334,7 @@ def mcp_server_time() -> str:
 
 
 async def test_a_real_third_party_server_works_in_the_sandbox(fenced_rt):
-    bwrap_or_skip()
+    await bwrap_or_skip()
     rt = await fenced_rt({"time": {"command": mcp_server_time(), "args": ["--local-timezone", "UTC"]}})
     conn = plugin(rt).servers["time"]
     assert conn.status == "connected" and conn.fence and conn.fence.startswith("sandboxed")
