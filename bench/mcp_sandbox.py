@@ -93,12 +93,12 @@ async def main() -> None:
     parser.add_argument("--command", nargs=argparse.REMAINDER, default=None)
     opts = parser.parse_args()
     command, *args = opts.command or [sys.executable, "-m", "tests.fakes.mcp_server", "stdio"]
-    bwrap, why = await find_sandbox(None)
+    bwrap, why, flags = await find_sandbox(None)
     if bwrap is None:
         raise SystemExit(f"no sandbox to measure: {why}")
     with tempfile.TemporaryDirectory(dir=Path.home(), prefix=".mcp-sandbox-bench-") as tmp:
         config = Path(tmp)
-        host = Host(config, config / "data", bwrap)
+        host = Host(config, config / "data", bwrap, bwrap_flags=flags)
         modes = {
             "bare (SDK, no fence)": lambda: bare(command, args, ROOT),
             "limits + env only": lambda: fenced(command, args, ROOT, host, "off"),

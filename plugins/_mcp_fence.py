@@ -20,6 +20,8 @@ PRIVATE_DIRS = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"), Path("/run"))
 #: Files of a config dir that is also the program's checkout: hidden one by one (the code stays visible).
 CONFIG_PATTERNS = (".env*", "*.json", "*.sqlite3", "*.key", "*.pem", ".system_prompt")
 INSTALL_HINT = "apt-get install bubblewrap"
+#: No user namespaces inside the sandbox (a nested one would give the server capabilities there): bwrap 0.8+.
+NO_NESTED_USERNS = ("--disable-userns",)
 
 
 class FenceError(Exception):
@@ -38,6 +40,8 @@ class Host:
     no_sandbox: str = ""
     #: Secret files of agent-mcp kept outside its dirs (`AGENT_*_FILE` settings, e.g. the audit key).
     secret_files: tuple[Path, ...] = ()
+    #: Flags this bwrap takes beyond the common ones (found by `find_sandbox`).
+    bwrap_flags: tuple[str, ...] = NO_NESTED_USERNS
 
 
 @dataclass(frozen=True)
@@ -52,28 +56,38 @@ class Launch:
     summary: str
 
 
-def _namespaces(network: str) -> list[str]:
-    return ["--unshare-all", *(["--share-net"] if network == "host" else []), "--die-with-parent",
-            "--cap-drop", "ALL"]
+def _namespaces(network: str, extra: tuple[str, ...]) -> list[str]:
+    # --unshare-user, not the "-try" of --unshare-all: without a user namespace of its own, no sandbox.
+    return ["--unshare-all", "--unshare-user", *(["--share-net"] if network == "host" else []), *extra,
+            "--die-with-parent", "--cap-drop", "ALL"]
 
 
-async def find_sandbox(path: str | None) -> tuple[str | None, str]:
-    """(bwrap, "") when bubblewrap is installed and can make a sandbox here, else (None, why not)."""
+async def _probe(exe: str, extra: tuple[str, ...]) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        exe, *_namespaces("none", extra), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "true",
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    return proc.returncode or 0, (err.decode(errors="replace").strip().splitlines() or ["no reason given"])[-1]
+
+
+async def find_sandbox(path: str | None) -> tuple[str | None, str, tuple[str, ...]]:
+    """(bwrap, "", its extra flags) when bubblewrap is installed and can make a sandbox here, else (None, why
+    not, ())."""
     exe = shutil.which("bwrap", path=path)
     if exe is None:
-        return None, f"bubblewrap is not installed ({INSTALL_HINT})"
+        return None, f"bubblewrap is not installed ({INSTALL_HINT})", ()
+    extra = NO_NESTED_USERNS
     try:
-        proc = await asyncio.create_subprocess_exec(
-            exe, *_namespaces("none"), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "true",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        code, last = await _probe(exe, extra)
+        if code != 0 and "Unknown option" in last:  # older than 0.8: nested user namespaces stay possible
+            extra = ()
+            code, last = await _probe(exe, extra)
     except (OSError, TimeoutError) as exc:
-        return None, f"{exe} does not run here ({exc})"
-    if proc.returncode != 0:
-        last = (err.decode(errors="replace").strip().splitlines() or ["no reason given"])[-1]
+        return None, f"{exe} does not run here ({exc})", ()
+    if code != 0:
         return None, (f"{exe} cannot create a sandbox here ({last}); user namespaces may be switched off "
-                      "(sysctl kernel.unprivileged_userns_clone, or an AppArmor profile for bwrap)")
-    return exe, ""
+                      "(sysctl kernel.unprivileged_userns_clone, or an AppArmor profile for bwrap)"), ()
+    return exe, "", extra
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -154,7 +168,7 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
     if not sandboxed:
         return Launch(launcher[0], launcher[1:], workdir, False, summary)
     assert host.bwrap is not None
-    box = [*_namespaces(network), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+    box = [*_namespaces(network, host.bwrap_flags), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
            # Unix sockets (databases, Docker, D-Bus) answer through a read-only mount: /run goes too.
            "--tmpfs", "/tmp", "--tmpfs", "/var/tmp", "--tmpfs", "/dev/shm", "--tmpfs", "/run"]
     resolv = Path("/etc/resolv.conf").resolve()

@@ -97,7 +97,7 @@ class McpClientPlugin(BasePlugin):
             logger.warning("MCP stdio servers are NOT sandboxed: every entry says \"sandbox\": \"off\"; they run "
                            "with resource limits and only their declared environment")
             return Host(config_dir, data_dir, None, "\"sandbox\": \"off\"")
-        bwrap, why = await find_sandbox(path)
+        bwrap, why, flags = await find_sandbox(path)
         if bwrap:
             logger.info("MCP stdio servers run in a bubblewrap sandbox (%s): no view of %s, %s or .env, a read-only "
                         "filesystem but for their own dir, cwd and a private /tmp, no network unless their entry "
@@ -106,7 +106,7 @@ class McpClientPlugin(BasePlugin):
             logger.warning("MCP stdio servers are NOT sandboxed: %s. With bubblewrap (%s) they could not read %s, %s "
                            "or .env, nor reach the network; now they run only with resource limits and their "
                            "declared environment", why, INSTALL_HINT, config_dir, data_dir)
-        return Host(config_dir, data_dir, bwrap, why, secret_files)
+        return Host(config_dir, data_dir, bwrap, why, secret_files, flags)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))

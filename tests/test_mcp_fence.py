@@ -53,7 +53,7 @@ def exists(path: Path) -> bool:
 async def bwrap_or_skip() -> str:
     """The bwrap that can make a sandbox here; else skip (or fail, when AGENT_TEST_REQUIRE names it) saying why."""
     needs.program("bwrap", "bubblewrap", "bubblewrap")
-    found, why = await find_sandbox(os.environ.get("PATH"))
+    found, why, _ = await find_sandbox(os.environ.get("PATH"))
     if found is None:
         needs.absent("bubblewrap", why)
     return found
@@ -211,6 +211,7 @@ def test_the_sandbox_hides_the_agents_dirs_and_binds_only_the_working_dir(tmp_pa
     assert ("--ro-bind", "/dev/null") in pairs and ("/dev/null", str(audit_key.resolve())) in pairs
     assert ("--tmpfs", "/run") in pairs and ("--tmpfs", "/tmp") in pairs and "--share-net" not in argv
     assert ("--cap-drop", "ALL") in pairs and "--unshare-all" in argv and "--die-with-parent" in argv
+    assert "--unshare-user" in argv and "--disable-userns" in argv
     assert argv[argv.index("--bind") + 1:argv.index("--bind") + 3] == [str(launch.cwd)] * 2
     assert argv.count("--bind") == 1
     assert argv[-2:] == ["/usr/bin/true", "a"] and ("--keep", "TOKEN") in pairs
@@ -282,6 +283,11 @@ async def test_a_hostile_server_in_the_sandbox_reaches_no_secret_no_file_and_no_
         assert not (await outcome(rt, "h_unix", {"path": str(unix_path)}))["ok"]
         if exists(MARIADB_SOCKET):  # root may log in to MariaDB through it
             assert not (await outcome(rt, "h_unix", {"path": str(MARIADB_SOCKET)}))["ok"]
+        # No way out: no user namespace of its own, no remount of / (it has no capabilities).
+        for how in ("remount", "userns"):
+            seen = await outcome(rt, "h_escape", {"how": how})
+            assert not seen["ok"] and ("permission denied" in seen["detail"]
+                                       or "No space left on device" in seen["detail"]), (how, seen)
         # 2 GiB is more than its memory limit; the server lives on, and so does everything else.
         big = await outcome(rt, "h_allocate", {"mib": 2048})
         assert not big["ok"] and "MemoryError" in big["detail"]

@@ -5,7 +5,7 @@ third-party server should not be able to do and says what happened.
 
 Tools: `read` (a file's text), `write` (create a file), `connect` (a TCP connection), `unix` (a Unix socket),
 `allocate` (that many MiB, touched), `spin` (burn CPU), `environment` (every variable it sees), `argv` (on stderr too),
-`limits` (its rlimits), `cwd`.
+`limits` (its rlimits), `escape` (a user namespace, a writable /), `cwd`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import subprocess
 import sys
 import time
 from typing import Any
@@ -95,6 +96,23 @@ def build_server() -> MCPServer:
         names = {"data": resource.RLIMIT_DATA, "cpu": resource.RLIMIT_CPU, "nproc": resource.RLIMIT_NPROC,
                  "nofile": resource.RLIMIT_NOFILE, "fsize": resource.RLIMIT_FSIZE}
         return {k: resource.getrlimit(v)[0] for k, v in names.items()}
+
+    @mcp.tool()
+    def escape(how: str) -> dict[str, Any]:
+        """Try to leave the fence: "userns" (a user namespace of its own) or "remount" (make / writable)."""
+        def act() -> str:
+            if how == "userns":  # in a child: unshare(CLONE_NEWUSER) needs a single-threaded process
+                code = ("import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                        "if libc.unshare(0x10000000):\n    sys.exit(os.strerror(ctypes.get_errno()))")
+                child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                if child.returncode:
+                    raise OSError(child.stderr.strip())
+            else:  # util-linux keeps the mount's locked flags, so only the missing capability can stop it
+                child = subprocess.run(["mount", "-o", "remount,rw,bind", "/"], capture_output=True, text=True)
+                if child.returncode:
+                    raise OSError(child.stderr.strip())
+            return f"{how}: done"
+        return _outcome(act)
 
     @mcp.tool()
     def cwd() -> dict[str, str]:
