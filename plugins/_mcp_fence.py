@@ -1,6 +1,6 @@
 """The fence of a stdio MCP server: resource limits, only its declared environment, and a bubblewrap sandbox
-(no view of agent-mcp's config and data dirs and `.env`, a read-only filesystem but for its own working
-dir and a private /tmp, no network unless its entry allows it)."""
+(no view of agent-mcp's config and data dirs and `.env`, a read-only filesystem but for its own dirs and a
+private /tmp, no network unless its entry allows it)."""
 
 from __future__ import annotations
 
@@ -141,6 +141,8 @@ def fenced(name: str, spec: StdioServer, command: str, args: list[str], child_en
     if sandboxed:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
     workdir = (config / spec.cwd).resolve() if spec.cwd else home if sandboxed else config
+    if not workdir.is_dir():
+        raise FenceError(f"its cwd {workdir} is not a directory: create it, or fix \"cwd\" in mcp-servers.json")
     hidden = _hidden(host, spec.hidden or [])
     if sandboxed:
         exposed = [p for p in (config, host.data_dir.resolve(), config / ".env") if _inside(p, workdir)]

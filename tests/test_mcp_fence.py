@@ -216,10 +216,13 @@ def test_the_sandbox_hides_the_agents_dirs_and_binds_only_the_working_dir(tmp_pa
     assert argv.count("--bind") == 1
     assert argv[-2:] == ["/usr/bin/true", "a"] and ("--keep", "TOKEN") in pairs
     assert ("--set", f"HOME={launch.cwd}") in pairs
+    (tmp_path / "work").mkdir()
     elsewhere = fenced("s", spec.model_copy(update={"cwd": str(tmp_path / "work")}), "/usr/bin/true", [], [], host)
     assert elsewhere.cwd == tmp_path / "work" and elsewhere.args.count("--bind") == 2
     with pytest.raises(Exception, match="holds agent-mcp's own files"):
         fenced("s", spec.model_copy(update={"cwd": str(tmp_path)}), "/usr/bin/true", [], [], host)
+    with pytest.raises(Exception, match="is not a directory: create it"):
+        fenced("s", spec.model_copy(update={"cwd": str(tmp_path / "nowhere")}), "/usr/bin/true", [], [], host)
     with pytest.raises(Exception, match="required"):
         fenced("s", spec.model_copy(update={"sandbox": "required"}), "/usr/bin/true", [], [],
                Host(config, data, None, "bubblewrap is not installed (apt-get install bubblewrap)"))
