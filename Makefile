@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-growth bench-floor bench-local bench-metrics dashboard metrics clean
+.PHONY: run test bench bench-db bench-proxy bench-first bench-budget bench-api bench-mcp bench-approvals bench-slack-approvals bench-elicitation bench-guard bench-grants bench-scale bench-growth bench-floor bench-local bench-metrics bench-mcp-sandbox dashboard metrics clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,10 @@ bench-grants: $(STAMP)
 # Metrics on vs off: server CPU per turn and per token (docs/benchmarks.md).
 bench-metrics: $(STAMP)
 	$(PY) bench/metrics_overhead.py
+
+# Needs Debian's bubblewrap (apt-get install bubblewrap): the start-up cost of a sandboxed stdio MCP server.
+bench-mcp-sandbox: $(STAMP)
+	$(PY) bench/mcp_sandbox.py
 
 # Needs Debian's prometheus (apt-get install prometheus): runs every query of deploy/grafana-agent-mcp.json against
 # a Prometheus that scraped a minute of traffic, and draws the main panels into docs/dashboard.svg.

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -24,7 +25,17 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 import plugin_api
 from plugin_api import ToolError
-from plugins._mcp_servers import HttpServer, StdioServer, format_result
+from plugins._mcp_fence import FenceError, Host, fenced
+from plugins._mcp_launch import PREFIX as FENCE_PREFIX
+from plugins._mcp_servers import (
+    ARG_REFERENCE,
+    HttpServer,
+    MissingVariable,
+    StdioServer,
+    expand_arguments,
+    format_result,
+    shown_arguments,
+)
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 STDERR_LINES_KEPT = 20
@@ -80,8 +91,10 @@ async def _watched(transport: Any, on_eof: Callable[[], None]) -> AsyncIterator[
 class _StderrTap:
     """A pipe for a child's stderr: each line goes to the log, the last ones explain failures."""
 
-    def __init__(self, server: str):
+    def __init__(self, server: str, secrets: list[str]):
         self.server = server
+        #: Values the child was given (from .env): masked if it prints them.
+        self._secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
         read_fd, write_fd = os.pipe()
         self.child_end = os.fdopen(write_fd, "w")
         self._read_end = os.fdopen(read_fd, "rb")
@@ -98,6 +111,8 @@ class _StderrTap:
         try:
             while line := await reader.readline():
                 text = line.decode(errors="replace").rstrip()
+                for secret in self._secrets:
+                    text = text.replace(secret, "***")
                 if text:
                     self.lines.append(text)
                     logger.info("[mcp %s] %s", self.server, text)
@@ -110,6 +125,10 @@ class _StderrTap:
 
     def tail(self) -> str:
         return " | ".join(list(self.lines)[-3:])
+
+    def fence_note(self) -> str:
+        """What the launcher said about how the server ended (a signal, a limit), or ""."""
+        return next((line for line in reversed(self.lines) if line.startswith(FENCE_PREFIX)), "")
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -143,8 +162,13 @@ class Connection:
     """One configured MCP server: its live session (owned by a task of its own), tools and status."""
 
     def __init__(self, name: str, spec: StdioServer | HttpServer, env: dict[str, str], config_dir: Path,
-                 on_change: Callable[[Connection], None], on_elicit: Elicit | None = None):
+                 on_change: Callable[[Connection], None], on_elicit: Elicit | None = None,
+                 sandbox: Host | None = None):
         self.name, self.spec, self._env, self._config_dir = name, spec, env, config_dir
+        #: The agent's dirs and the bubblewrap found at start (None: no sandbox was looked for).
+        self._host = sandbox or Host(config_dir, config_dir / "data", None, "no sandbox was looked for")
+        #: How the running (or last) stdio server is fenced, for the log and `!mcp`.
+        self.fence: str | None = None
         self._on_change = on_change
         #: Asks the human of a calling turn an elicitation of the server (None: every one is declined).
         self._on_elicit = on_elicit
@@ -173,7 +197,7 @@ class Connection:
     def describe(self) -> str:
         """How the server is reached, without secrets."""
         if isinstance(self.spec, StdioServer):
-            return f"stdio: {' '.join([self.spec.command, *self.spec.args])}"
+            return f"stdio: {' '.join([self.spec.command, *shown_arguments(self.spec.args)])}"
         return f"http: {_safe_url(self.spec.url)}"
 
     def _explain(self, exc: BaseException) -> str:
@@ -206,14 +230,36 @@ class Connection:
             raise ConnectError(f"environment variable {var} (from '{field}') is not set: add it to .env")
         return value
 
+    def _command_path(self, command: str, cwd: Path) -> str:
+        """The server's executable as a path (looked up as the child would: PATH, or relative to its cwd)."""
+        if os.sep in command:
+            path = Path(command) if os.path.isabs(command) else cwd / command
+            found = str(path) if os.access(path, os.X_OK) and path.is_file() else None
+        else:
+            found = shutil.which(command, path=os.environ.get("PATH"))
+        if found is None:
+            raise ConnectError(f"command not found: {command} (install it or fix 'command' in mcp-servers.json)")
+        return os.path.abspath(found)
+
     async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
         spec = self.spec
         if isinstance(spec, StdioServer):
             env = {child: self._env_value(src, "env") for child, src in spec.env.items()}
-            cwd = self._config_dir / spec.cwd if spec.cwd else self._config_dir
-            self._stderr = tap = _StderrTap(self.name)
+            try:
+                args = expand_arguments(spec.args, self._env)
+            except MissingVariable as exc:
+                raise ConnectError(f"environment variable {exc.name} (from 'args') is not set: add it to .env") \
+                    from None
+            cwd = (self._config_dir / spec.cwd) if spec.cwd else self._config_dir
+            try:
+                launch = fenced(self.name, spec, self._command_path(spec.command, cwd), args, list(env), self._host)
+            except FenceError as exc:
+                raise ConnectError(str(exc)) from None
+            self.fence = launch.summary
+            referenced = [self._env[n] for a in spec.args for n in ARG_REFERENCE.findall(a)]
+            self._stderr = tap = _StderrTap(self.name, [*env.values(), *referenced])
             stack.callback(tap.close)
-            params = StdioServerParameters(command=spec.command, args=spec.args, env=env, cwd=cwd)
+            params = StdioServerParameters(command=launch.command, args=launch.args, env=env, cwd=launch.cwd)
             return stdio_client(params, errlog=tap.child_end)
         headers = dict(spec.headers)
         headers.update({h: self._env_value(v, "headers_env") for h, v in spec.headers_env.items()})
@@ -308,8 +354,8 @@ class Connection:
             log = logger.error if status == "failed" else logger.warning
             log("MCP server %s (%s) %s: %s", self.name, self.describe(), status, error)
         else:
-            logger.info("MCP server %s (%s) %s, protocol %s, %d tool(s)", self.name, self.describe(), status,
-                        self.protocol, len(self.tools))
+            logger.info("MCP server %s (%s) %s, protocol %s, %d tool(s)%s", self.name, self.describe(), status,
+                        self.protocol, len(self.tools), f"; {self.fence}" if self.fence else "")
         self._on_change(self)
 
     def _lost(self, reason: str) -> None:
@@ -362,6 +408,10 @@ class Connection:
                             ready.set_result(None)
                         await stop.wait()
                         tg.cancel_scope.cancel()
+            # The child has stopped and its stderr is read to the end: say which limit stopped it, if one did.
+            if self.status == "disconnected" and self._stderr and (note := self._stderr.fence_note()):
+                self.error = f"{self.error}; {note}"
+                self._on_change(self)
         except Exception as exc:
             self._unreachable = any(isinstance(e, httpx2.ConnectError) for e in _leaves(exc))
             reason = self._explain(exc)
@@ -471,8 +521,10 @@ class Connection:
                 if self._unreachable:
                     raise ToolError(f"MCP server '{self.name}' cannot be reached, so {exposed} did not run: "
                                     f"{self.error}")
-                raise ToolError(f"the connection to MCP server '{self.name}' was lost while {exposed} ran; "
-                                "it may or may not have completed. The server is restarted on the next call.")
+                note = self._stderr.fence_note() if self._stderr else ""
+                raise ToolError(f"the connection to MCP server '{self.name}' was lost while {exposed} ran"
+                                + (f" ({note})" if note else "")
+                                + "; it may or may not have completed. The server is restarted on the next call.")
             if code == types.REQUEST_TIMEOUT:
                 raise ToolError(f"{exposed}: no answer from MCP server '{self.name}' within "
                                 f"{self.spec.call_timeout:g} s.")

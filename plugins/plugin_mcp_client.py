@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 import plugin_api
 from plugin_api import BasePlugin, PluginSettings, parse_settings
 from plugins._mcp_servers import (
+    McpServersFile,
     McpTool,
+    StdioServer,
     _args_model,
     _llm_schema,
     exposed_name,
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     import mcp_types as types
 
     from plugins._mcp_connection import Connection
+    from plugins._mcp_fence import Host
 
 logger = logging.getLogger("agent_mcp.mcp_client")
 
@@ -71,13 +74,39 @@ class McpClientPlugin(BasePlugin):
         app = self.context.config
         self.config_file = app.path(MCP_SERVERS_FILE)
         servers = load_servers(self.config_file)
+        secret_files = tuple(Path(v) for k, v in app.env.items()
+                             if k.startswith("AGENT_") and k.endswith("_FILE") and v and Path(v).is_absolute())
+        host = await self._sandbox(servers, app.config_dir, app.data_dir(), app.env.get("PATH"), secret_files)
         for name, spec in servers.servers.items():
             if spec.enabled:
                 from plugins._mcp_connection import Connection  # the MCP SDK, imported with a server to connect
                 self.servers[name] = Connection(name, spec, app.env, app.config_dir, self._server_changed,
-                                                self._elicitation)
+                                                self._elicitation, sandbox=host)
         await asyncio.gather(*(c.connect() for c in self.servers.values()))
         return True
+
+    @staticmethod
+    async def _sandbox(servers: McpServersFile, config_dir: Path, data_dir: Path, path: str | None,
+                       secret_files: tuple[Path, ...]) -> Host | None:
+        """Look for bubblewrap once, when a stdio server may use it, and say at start whether servers are fenced."""
+        stdio = [s for s in servers.servers.values() if s.enabled and isinstance(s, StdioServer)]
+        if not stdio:
+            return None
+        from plugins._mcp_fence import INSTALL_HINT, Host, find_sandbox
+        if all(s.sandbox == "off" for s in stdio):
+            logger.warning("MCP stdio servers are NOT sandboxed: every entry says \"sandbox\": \"off\"; they run "
+                           "with resource limits and only their declared environment")
+            return Host(config_dir, data_dir, None, "\"sandbox\": \"off\"")
+        bwrap, why, flags = await find_sandbox(path)
+        if bwrap:
+            logger.info("MCP stdio servers run in a bubblewrap sandbox (%s): no view of %s, %s or .env, a read-only "
+                        "filesystem but for their own dir, cwd and a private /tmp, no network unless their entry "
+                        "says \"network\": \"host\"; with resource limits", bwrap, config_dir, data_dir)
+        else:
+            logger.warning("MCP stdio servers are NOT sandboxed: %s. With bubblewrap (%s) they could not read %s, %s "
+                           "or .env, nor reach the network; now they run only with resource limits and their "
+                           "declared environment", why, INSTALL_HINT, config_dir, data_dir)
+        return Host(config_dir, data_dir, bwrap, why, secret_files, flags)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.close() for c in self.servers.values()))
@@ -198,6 +227,8 @@ class McpClientPlugin(BasePlugin):
                                             "trusted" if conn.spec.trusted else ""]))
             how = conn.describe() if admin else conn.describe().partition(":")[0]  # stdio / http, nothing more
             lines.append(f"  {conn.name} [{conn.status}] {how}" + (f" ({flags})" if flags else ""))
+            if admin and conn.fence:
+                lines.append(f"    fence: {conn.fence}")
             if conn.error:
                 lines.append(f"    why: {conn.error}" if admin else "    why: see !mcp in the shell (operators only)")
             for exposed in by_server.get(conn.name, []):

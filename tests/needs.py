@@ -1,9 +1,10 @@
-"""What a test needs from the machine (nginx, Redis, MariaDB, Prometheus), and what happens when it is absent.
+"""What a test needs from the machine (nginx, Redis, MariaDB, Prometheus, bubblewrap), and what happens when it
+is absent.
 
 On a fresh machine (`make test` after the README's quick start) such a test is skipped, with the
 reason shown in pytest's summary (`-ra`). A name listed in `AGENT_TEST_REQUIRE` (comma-separated:
-`nginx`, `redis`, `mariadb`, `prometheus`, or `all`) turns that skip into a failure: `.ci/run` names them all, so
-CI can never pass by skipping them.
+`nginx`, `redis`, `mariadb`, `prometheus`, `bubblewrap`, or `all`) turns that skip into a failure: `.ci/run`
+names them all, so CI can never pass by skipping them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 
 #: Every name AGENT_TEST_REQUIRE accepts, with the other spellings a reader may use for it.
 NAMES = {"nginx": "nginx", "redis": "redis", "redis-server": "redis", "mariadb": "mariadb", "mariadbd": "mariadb",
-         "mysql": "mariadb", "prometheus": "prometheus"}
+         "mysql": "mariadb", "prometheus": "prometheus",
+         "bubblewrap": "bubblewrap", "bwrap": "bubblewrap"}
 
 
 def required() -> set[str]:
@@ -27,7 +29,7 @@ def required() -> set[str]:
     unknown = sorted(asked - NAMES.keys())
     if unknown:
         raise pytest.UsageError(f"AGENT_TEST_REQUIRE names {', '.join(unknown)}: use nginx, redis, mariadb, "
-                                "prometheus or all")
+                                "prometheus, bubblewrap or all")
     return {NAMES[name] for name in asked}
 
 

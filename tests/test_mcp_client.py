@@ -34,6 +34,36 @@ PLUGIN = "plugin_mcp_client"
 TOKEN = "mcp-test-token-4242"
 
 
+def server_pids(root: int | None = None) -> list[int]:
+    """Host pids of the test MCP servers below process `root` (default: this one), sandboxed or not.
+
+    A sandboxed server sees a pid of its own pid namespace, so `whoami`'s pid is not one to signal here.
+    """
+    parents: dict[int, int] = {}
+    commands: dict[int, list[str]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                parents[int(entry.name)] = int(fh.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                commands[int(entry.name)] = fh.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+
+    def below(pid: int) -> bool:
+        for _ in range(64):
+            pid = parents.get(pid, 0)
+            if pid == (root or os.getpid()):
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return sorted(pid for pid, cmd in commands.items() if cmd[1:3] == ["-m", "tests.fakes.mcp_server"] and below(pid))
+
+
 def stdio_server(**extra: Any) -> dict[str, Any]:
     """An mcp-servers.json entry that starts the SDK test server over stdio."""
     return {"command": sys.executable, "args": ["-m", "tests.fakes.mcp_server", "stdio"], "cwd": str(ROOT), **extra}
@@ -310,12 +340,13 @@ async def test_tool_list_changes_replace_the_servers_tools(make_rt, http_server,
 async def test_a_killed_stdio_server_is_restarted_on_the_next_call(make_rt):
     rt = await make_rt({"local": stdio_server()})
     conn = plugin(rt).servers["local"]
-    first = json.loads(await execute(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    (first,) = server_pids()
     os.kill(first, signal.SIGKILL)
     await until(rt, lambda: conn.status == "disconnected", "the plugin to notice the dead server")
     status = await routes_command(rt, "!mcp")
     assert "local [disconnected]" in status and "restarted on the next call" in status
-    second = json.loads(await execute(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    assert json.loads(await execute(rt, "c1", "local_whoami", {"names": []}))["pid"]
+    (second,) = server_pids()
     assert second != first and conn.status == "connected" and conn.starts == 2
     assert await execute(rt, "c1", "local_add", {"a": 1, "b": 1}) == "2"
 
@@ -370,7 +401,10 @@ async def test_shutdown_closes_every_session_and_child_process(tmp_path, fake_op
     rt = await build.build_runtime(load_config(write_config(cfg, {"a": stdio_server(), "b": stdio_server()}).path),
                                     store=stores.MemoryStore())
     await rt.plugins.load_all()
-    pids = [json.loads(await execute(rt, "c1", f"{s}_whoami", {"names": []}))["pid"] for s in "ab"]
+    for s in "ab":
+        assert json.loads(await execute(rt, "c1", f"{s}_whoami", {"names": []}))["pid"]
+    pids = server_pids()
+    assert len(pids) == 2
     conns = list(plugin(rt).servers.values())
     await build.close_runtime(rt)
     assert [c.status for c in conns] == ["stopped", "stopped"]
@@ -412,7 +446,9 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
     assert "remote_shout" in offered and not any(n.startswith("broken_") for n in offered)
     results = [m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"]
     assert results[:2] == ["42", "HELLO"]
-    pid = json.loads(results[2])["pid"]
+    assert json.loads(results[2])["pid"]
+    assert server.proc is not None
+    (pid,) = server_pids(server.proc.pid)
 
     # Kill the stdio server: the next call starts it again.
     os.kill(pid, signal.SIGKILL)
@@ -422,9 +458,7 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
         time.sleep(0.05)
     fake_openai.script(tool_call("local_whoami", {"names": []}), text("again"))
     assert answer(run_turn(server, "c1", "who are you now")) == "again"
-    new_pid = json.loads([m["content"] for m in fake_openai.requests[-1].json["messages"] if m["role"] == "tool"][-1])[
-        "pid"
-    ]
+    (new_pid,) = server_pids(server.proc.pid)
     assert new_pid != pid
     assert "local [connected]" in answer(run_turn(server, "c1", "!mcp"))
 
