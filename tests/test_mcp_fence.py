@@ -334,11 +334,12 @@ async def test_network_host_and_sandbox_off_are_the_entrys_choice(fenced_rt, hom
 
 
 def mcp_server_time() -> str:
-    """The third-party `mcp-server-time` (PyPI), on the PATH or at AGENT_TEST_MCP_SERVER_TIME, or skip."""
-    found = os.environ.get("AGENT_TEST_MCP_SERVER_TIME") or shutil.which("mcp-server-time")
-    if not found:
-        pytest.skip("mcp-server-time is not installed (python3 -m venv /opt/mst && /opt/mst/bin/pip install "
-                    "mcp-server-time; then AGENT_TEST_MCP_SERVER_TIME=/opt/mst/bin/mcp-server-time)")
+    """The third-party `mcp-server-time` (PyPI; a dev dependency), beside this interpreter, on the PATH or at
+    AGENT_TEST_MCP_SERVER_TIME."""
+    beside = Path(sys.executable).parent / "mcp-server-time"
+    found = os.environ.get("AGENT_TEST_MCP_SERVER_TIME") or (str(beside) if beside.exists() else None) \
+        or shutil.which("mcp-server-time")
+    assert found, "mcp-server-time is not installed: `make test` installs it (pyproject.toml's dev extra)"
     return found
 
 
