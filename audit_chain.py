@@ -40,6 +40,8 @@ AUDIT_FIELDS = ("seq", "ts", "event", "session", "actor", "tool", "op", "tables"
 GRANTS_DROPPED = "grants_dropped"
 #: The event recorded when a stored grant that is not the server's is found and ignored.
 GRANT_FORGED = "grant_forged"
+#: The event recorded when a call's client went away while its gate waits.
+CLIENT_GONE = "client_gone"
 META_TABLE = "CREATE TABLE IF NOT EXISTS audit_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 
 
@@ -85,12 +87,15 @@ class AuditRecord:
 
     # ── other events ──
 
+    def client_gone(self, actor: str, outcome: str) -> AuditRecord:
+        """The client of the call went away while its gate waits (the gate stays open for its approvers)."""
+        return replace(self, event=CLIENT_GONE, actor=actor, outcome=outcome)
+
     @classmethod
     def approval_refused(cls, session: str, actor: str, tool: str, op: str, tables: Iterable[str],
-                         detail: str) -> AuditRecord:
-        """Someone who is not an approver of a routed gate tried to answer it."""
-        return cls("approval_refused", actor, session, tool, op, tuple(tables),
-                   outcome="not an approver of this gate", detail=detail)
+                         detail: str, why: str = "not an approver of this gate") -> AuditRecord:
+        """An answer to a routed gate was refused: by default, its sender is not an approver of it."""
+        return cls("approval_refused", actor, session, tool, op, tuple(tables), outcome=why, detail=detail)
 
     @classmethod
     def revoke(cls, session: str, actor: str, tool: str, op: str, tables: Iterable[str], grant_id: str,

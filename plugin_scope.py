@@ -366,9 +366,9 @@ class PluginGate:
                  why: str) -> None:
         detail = {"channel": channel, "gate_id": gate_id[:GATE_ID_CHARS], "plugin": self._scope.plugin,
                   **({"asked": gate.approvers} if gate is not None else {})}
-        record = AuditRecord.approval_refused(session, actor[:200], gate.tool if gate else "", gate.op if gate else "",
-                                              gate.tables if gate else (), json.dumps(detail))
-        self._keeper.audit(dataclasses.replace(record, outcome=why))
+        self._keeper.audit(AuditRecord.approval_refused(session, actor[:200], gate.tool if gate else "",
+                                                        gate.op if gate else "", gate.tables if gate else (),
+                                                        json.dumps(detail), why))
 
     async def resolve(self, gate_id: str, decision: str, *, by: str = "", minutes: Any = None,
                       may_grant: bool = True) -> bool:

@@ -7,7 +7,6 @@ approval records and tells subscribers what changed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -35,8 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 
-#: The audit event of a gate whose MCP client went away while it waited (the gate stays open).
-CLIENT_GONE = "client_gone"
 #: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
 McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
 #: `answer_approval`'s minutes: a JSON integer in range ("15" and true are refused, not read as 15 or 1).
@@ -194,13 +191,12 @@ def _left(plugin: McpServerPlugin, who: Principal, client_id: str, follow: _Foll
         detail = {"gate_id": gate_id, "token": who.name, "form_shown": asked,
                   "waiting_for": data.get("waiting_for") or "the session's approvers",
                   "timeout_s": data.get("timeout_seconds")}
-        plugin.ctx.gate.audit(dataclasses.replace(
+        plugin.ctx.gate.audit(
             AuditRecord.call(client_id, str(data.get("tool_name", "")), str(args.get("operation_type", "")),
-                             [str(t) for t in data.get("tables") or ()]),
-            event=CLIENT_GONE, actor=str(approvals.Approver(approvals.MCP, who.name)),
-            outcome="the MCP client went away " + ("mid-form" if asked else "while the gate waited")
-                    + "; the gate stays open for its approvers or until its timeout",
-            detail=json.dumps(detail)))
+                             [str(t) for t in data.get("tables") or ()]).with_detail(json.dumps(detail)).client_gone(
+                str(approvals.Approver(approvals.MCP, who.name)),
+                "the MCP client went away " + ("mid-form" if asked else "while the gate waited")
+                + "; the gate stays open for its approvers or until its timeout"))
         logger.info("MCP client of token '%s' went away while gate %s of %s waits%s: the turn goes on until the "
                     "gate is answered or expires", who.name, gate_id[:8], client_id, " (form shown)" if asked else "")
 
