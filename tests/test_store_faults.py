@@ -22,10 +22,16 @@ from pathlib import Path
 
 import pytest
 
+import build
+import sessions
+import stores
+from config import ConfigError
 from shell_client import ShellClient, ShellEvent
 from tests.conftest import AgentServer, ConfigDir, openai_model
 from tests.fakes.backend import text
 from tests.fakes.openai_backend import FakeOpenAI
+from tests.runtime import runtime, turn
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -261,3 +267,62 @@ async def test_a_store_locked_for_good_keeps_the_message_until_it_stops_and_then
     assert "ERROR agent_mcp.state: the server stops with unsaved changes of 1 session(s), which are lost: " \
            "locked-d" in out, out[-3000:]
     assert "Traceback" not in out
+
+
+async def test_a_save_cancelled_while_it_waits_for_the_lock_leaves_no_transaction_open(tmp_path: Path) -> None:
+    """A save whose tail moves to rows is a transaction; cancelled while SQLite waits for the lock (a newer
+    message replaced its request), it is rolled back once SQLite is done, so the next saves are not written
+    into a transaction nobody commits."""
+    path = tmp_path / "s.db"
+    store = stores.SqliteStore(path)
+    store.BUSY_SECONDS = 60  # the first try waits in SQLite until the lock goes
+    m = sessions.SessionManager(store)
+    await m.open()
+    try:
+        s = await m.get_or_create("c", "m1")
+        s.history += [{"role": "user", "content": f"m{i}"} for i in range(stores.TAIL_MESSAGES + 1)]
+        with Locker(path) as lock:
+            task = asyncio.create_task(m.save(s))
+            await until(lambda: store._conn().in_transaction, "the save's transaction to begin")
+            task.cancel()
+            lock.release()  # (SQLite's wait ends here: only then is the save done with, rolled back)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        s.history.append({"role": "assistant", "content": "after"})
+        await m.save(s)
+    finally:
+        await m.close()
+    again = sessions.SessionManager(stores.SqliteStore(path))
+    await again.open()
+    try:
+        assert again.get("c").history == s.history
+    finally:
+        await again.close()
+
+
+async def test_a_client_that_is_not_an_admin_is_told_of_the_lock_without_the_store_s_location(tmp_path: Path
+                                                                                           ) -> None:
+    path = tmp_path / "data" / "sessions.sqlite3"
+    with FakeOpenAI() as backend:
+        async with runtime(tmp_path, {"gpt": openai_model(backend)}, env={"SESSION_STORE_LOCK_SECONDS": "2"},
+                           store=stores.SqliteStore(path)) as rt:
+            with Locker(path):
+                _, events = await turn(rt, "hello", client_id="api-x")
+            said = [e.data for e in events if e.name in ("status", "error") and "locked" in str(e.data)]
+            assert said[0] == {"text": "the session store is locked by another process: <data dir>/sessions.sqlite3; "
+                                       "retrying (for up to 2 s)", "store": True}
+            assert said[1]["kind"] == "store" and said[1]["message"].startswith(
+                "the session store is locked by another process: <data dir>/sessions.sqlite3; still locked after "
+                "2 s (SESSION_STORE_LOCK_SECONDS): find the process holding it (`fuser -v <data dir>/sessions"), said
+            assert not any(str(tmp_path) in str(e.data) for e in events)
+            assert len(rt.sessions.get("api-x").history) == 1
+    # The runtime's close wrote the kept message (the lock was gone by then).
+    assert stored(path, "api-x") == [("user", "hello")]
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "3601", "nan"])
+def test_a_lock_bound_that_is_not_a_number_of_seconds_stops_start_up_saying_what_it_takes(raw: str) -> None:
+    with pytest.raises(ConfigError, match=r"SESSION_STORE_LOCK_SECONDS=.*: must be a number of seconds from 0 to 3600 "
+                                          r"\(default 30\)"):
+        build.store_lock_seconds({"SESSION_STORE_LOCK_SECONDS": raw})
+    assert build.store_lock_seconds({}) == 30 and build.store_lock_seconds({"SESSION_STORE_LOCK_SECONDS": "2.5"}) == 2.5
