@@ -335,7 +335,8 @@ class SessionManager:
                 if self._sessions.get(session.client_id) is session:
                     if finished:
                         await self.save(session)
-                    else:  # an error is on its way already: one try, no wait; a failure stays kept and retried
+                    elif session.client_id not in self._unwritten:  # (else kept already: `_retry_unwritten` writes it)
+                        # An error is on its way already: one try, no wait; a failure stays kept and retried.
                         with contextlib.suppress(StoreFault):
                             await self.save(session, wait=False)
                 if finished and ended is not None:
