@@ -236,8 +236,27 @@ async def test_a_write_that_fails_midway_keeps_the_answer_and_says_so(tmp_path: 
             finally:
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
             await until_event(client, seen, "took this session's unsaved changes")
-            assert stored(path, "full-c") == [("user", "a question the disk fills under"),
-                                              ("assistant", "first half, second half")]
+            first_turn = [("user", "a question the disk fills under"), ("assistant", "first half, second half")]
+            assert stored(path, "full-c") == first_turn
+            # A write that fails at the question itself: the turn stops before the model, the question is kept.
+            seen.clear()
+            try:
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (1, hard))
+                await client.submit("a question the disk is full for")
+                async for ev in client.events():
+                    seen.append(ev)
+                    if ev.name == "done":
+                        break
+                (error,) = [e for e in seen if e.name in ("error", "tok")]
+                assert error.name == "error" and error.data.get("kind") == "store", seen
+                assert "free disk space there or make it writable; this change was not saved yet" in error.text
+                assert len(backend.requests) == 1
+                assert await history_length(client) == 3
+                assert stored(path, "full-c") == first_turn
+            finally:
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+            await until_event(client, seen, "took this session's unsaved changes")
+            assert stored(path, "full-c") == [*first_turn, ("user", "a question the disk is full for")]
     log = server.output
     assert f"WARNING agent_mcp.state: session full-c: cannot write {path}" in log, log[-3000:]
     assert "WARNING agent_mcp.state: session full-c saved to SQLite" in log, log[-3000:]
