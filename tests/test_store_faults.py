@@ -33,8 +33,6 @@ from tests.fakes.openai_backend import FakeOpenAI
 from tests.runtime import runtime, turn
 from tests.waiting import until
 
-pytestmark = pytest.mark.slow
-
 TOKEN = "shell-token-store-faults-01"
 
 #: Another process holding the sessions database's write lock until a line arrives on its stdin.
@@ -132,6 +130,7 @@ def answer(events: list[ShellEvent]) -> str:
     return "".join(e.text for e in events if e.name == "tok")
 
 
+@pytest.mark.slow
 async def test_a_lock_that_clears_within_the_bound_lets_the_turn_go_on(tmp_path: Path) -> None:
     with FakeOpenAI() as backend, serving(tmp_path, backend, lock_seconds=60) as server:
         path = server.data_dir / "sessions.sqlite3"
@@ -160,6 +159,7 @@ async def test_a_lock_that_clears_within_the_bound_lets_the_turn_go_on(tmp_path:
     assert "the session store is writable again: session locked-a waited" in log, log[-3000:]
 
 
+@pytest.mark.slow
 async def test_a_lock_past_the_bound_says_where_and_what_to_do_and_keeps_the_message(tmp_path: Path) -> None:
     with FakeOpenAI() as backend, serving(tmp_path, backend, lock_seconds=1) as server:
         path = server.data_dir / "sessions.sqlite3"
@@ -203,6 +203,7 @@ async def test_a_lock_past_the_bound_says_where_and_what_to_do_and_keeps_the_mes
     assert "WARNING agent_mcp.state: session locked-b saved to SQLite" in log, log[-3000:]
 
 
+@pytest.mark.slow
 async def test_a_write_that_fails_midway_keeps_the_answer_and_says_so(tmp_path: Path) -> None:
     hold = threading.Event()
     with FakeOpenAI() as backend, serving(tmp_path, backend, lock_seconds=60) as server:
@@ -262,6 +263,7 @@ async def test_a_write_that_fails_midway_keeps_the_answer_and_says_so(tmp_path: 
     assert "WARNING agent_mcp.state: session full-c saved to SQLite" in log, log[-3000:]
 
 
+@pytest.mark.slow
 async def test_a_store_locked_for_good_keeps_the_message_until_it_stops_and_then_says_it_is_lost(tmp_path: Path
                                                                                                 ) -> None:
     """The last resort: a server stopped while the lock is still held tries once more and names what it lost."""
