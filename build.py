@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from plugin_checks import is_enabled
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
 from registry import ToolRegistry
-from sessions import SessionLimits, SessionManager, SessionPolicy
+from sessions import DEFAULT_LOCK_SECONDS, SessionLimits, SessionManager, SessionPolicy
 
 logger = logging.getLogger("agent_mcp.build")
 
@@ -54,6 +54,30 @@ def event_buffer(env: Mapping[str, str]) -> int:
         raise ConfigError(f"environment variable AGENT_EVENT_BUFFER={raw[:40]!r}: must be a whole number of events "
                           f"from 10 to 1000000 (default {events.EVENT_BUFFER})")
     return int(raw)
+
+
+def store_lock_seconds(env: Mapping[str, str]) -> float:
+    """SESSION_STORE_LOCK_SECONDS: how long a save waits while another process holds the session store's lock
+    (default DEFAULT_LOCK_SECONDS) before the request fails, its change kept in memory and retried."""
+    raw = env.get("SESSION_STORE_LOCK_SECONDS", "").strip()
+    if not raw:
+        return DEFAULT_LOCK_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 3600:
+        raise ConfigError(f"environment variable SESSION_STORE_LOCK_SECONDS={raw[:40]!r}: must be a number of seconds "
+                          f"from 0 to 3600 (default {DEFAULT_LOCK_SECONDS:g})")
+    return seconds
+
+
+def _store_news(hub: events.EventHub, hide: Callable[[str], str], client_id: str, text: str) -> None:
+    """Tell a session's clients what its store does (SessionManager.store_news); the file's location only to
+    the shell and admins, as every error is."""
+    turn = turns.current_turn()
+    shown = text if turn is not None and client_classes.may_administer(turn) else hide(text)
+    hub.publish(client_id, "status", {"text": shown, "store": True})
 
 
 @dataclass
@@ -74,7 +98,8 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     rules = approvals.ApprovalRules(config.enabled.approvals, client_classes.CLASSES, [client_classes.SHELL])
     registry, prompt = ToolRegistry(), PromptTree(config.path(PROMPT_DIR)).load()
     sessions = SessionManager(store or shared_store.open_store(config.env.get("SESSION_STORE"), config.data_dir()),
-                              session_policy(config.enabled.sessions, namespaces))
+                              session_policy(config.enabled.sessions, namespaces),
+                              lock_seconds=store_lock_seconds(config.env))
     await sessions.open()
     link = sessions.store.link if isinstance(sessions.store, shared_store.RedisStore) else None
     buffer = event_buffer(config.env)
@@ -136,6 +161,7 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
     sessions.interrupted = functools.partial(routes.interrupted, rt.hub)
+    sessions.store_news = functools.partial(_store_news, rt.hub, hide)
     await sessions.recover()  # turns a stopped server left unfinished (later: SessionManager.start_sweeping)
     sessions.start_sweeping()
     ctx = command_context(rt)

@@ -362,9 +362,13 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
             else:
                 logger.exception("request of %s failed", client_id)
             detail = f": {type(exc).__name__}: {exc}" if turn.may_administer else " (details are in the server log)"
-            if isinstance(exc, stores.SessionError):  # the store is unreachable: say so, whoever asks
-                detail = f": {exc}"
-            rt.hub.error(client_id, f"internal error{detail}")
+            if isinstance(exc, stores.StoreFault):  # locked, full, read-only: what it is and what to do, not a bug
+                said = str(exc) if turn.may_administer else client_classes.without_locations(rt.config, str(exc))
+                rt.hub.error(client_id, said, "store")
+            else:
+                if isinstance(exc, stores.SessionError):  # the store is unreachable: say so, whoever asks
+                    detail = f": {exc}"
+                rt.hub.error(client_id, f"internal error{detail}")
         finally:
             untrack()
             if not cancelled and not done:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import time
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stores import FIRST_SHORTHAND, Session, SessionError, SessionStore
+from stores import FIRST_SHORTHAND, LOCKED, Session, SessionError, SessionStore, StoreFault, StoreLocked
 
 logger = logging.getLogger("agent_mcp.state")
 
@@ -30,6 +31,18 @@ TRUNCATED = "\n…(truncated: longer than the stored message limit)"
 RECOVER_SECONDS = 1.0
 #: Removed sessions whose reason is remembered for a client that comes back (SessionManager.take_gone).
 MAX_GONE = 4096
+#: Seconds a write waits while another process holds the session store's lock before it fails (the default of
+#: SESSION_STORE_LOCK_SECONDS; see SessionManager.save).
+DEFAULT_LOCK_SECONDS = 30.0
+#: Seconds between two tries of a write to a locked store (each try also waits in the store: SqliteStore.BUSY_SECONDS).
+LOCK_PAUSE_SECONDS = 0.1
+#: Seconds between two tries to write the sessions a failed save left in memory (`_retry_unwritten`).
+RETRY_SECONDS = 1.0
+#: What the clients of a session whose change a write could not store are told, after why.
+KEPT = ("this change was not saved yet: it is kept in memory and written as soon as the store takes it "
+        "(tried every {retry:g} s)")
+#: … once it is written after all.
+WRITTEN = "[session] the session store took this session's unsaved changes again: they are saved"
 #: Seconds between two log lines about evictions of one client class (`_evict`: the second gives the count since).
 EVICTION_LOG_SECONDS = 60.0
 
@@ -105,14 +118,25 @@ class SessionManager:
     """
 
     def __init__(self, store: SessionStore, policy: SessionPolicy | None = None,
-                 clock: Callable[[], float] = time.time, is_busy: Callable[[str], bool] | None = None):
+                 clock: Callable[[], float] = time.time, is_busy: Callable[[str], bool] | None = None,
+                 lock_seconds: float = DEFAULT_LOCK_SECONDS):
         self.store = store
         self.policy = policy or SessionPolicy()
         self.clock = clock
         self.is_busy = is_busy
+        #: How long a write waits for a store locked by another process (SESSION_STORE_LOCK_SECONDS).
+        self.lock_seconds = lock_seconds
         self.forgotten: list[ForgetHook] = []
         #: Called with (client id, request id) for a request found to have died with its process.
         self.interrupted: Callable[[str, str], None] | None = None
+        #: Called with (client id, text) to tell a session's clients what its store does (locked: waiting; its
+        #: unsaved changes written after all).
+        self.store_news: Callable[[str, str], None] | None = None
+        #: Sessions a failed write left changed in memory only, and since when (monotonic): `_retry_unwritten`
+        #: writes them as soon as the store takes writes again.
+        self._unwritten: dict[str, float] = {}
+        self._retrier: asyncio.Task[None] | None = None
+        self._closed = False
         self._sessions: dict[str, Session] = {}
         self._by_short: dict[int, str] = {}
         self._last_short = FIRST_SHORTHAND - 1
@@ -143,12 +167,17 @@ class SessionManager:
         self._last_short = max(last, FIRST_SHORTHAND - 1)
 
     async def close(self) -> None:
-        for task in (self._sweeper, self._recoverer):
+        for task in (self._sweeper, self._recoverer, self._retrier):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._sweeper = self._recoverer = None
+        self._sweeper = self._recoverer = self._retrier = None
+        self._closed = True
+        await self._write_unwritten()  # a last try: what still fails is named in the log, never dropped unsaid
+        if self._unwritten:
+            logger.error("the server stops with unsaved changes of %d session(s), which are lost: %s (%s could not "
+                         "be written)", len(self._unwritten), ", ".join(self._unwritten), self.store.describe())
         await self.store.close()
 
     def start_sweeping(self) -> None:
@@ -222,6 +251,7 @@ class SessionManager:
         if self._by_short.get(session.shorthand) == client_id:
             del self._by_short[session.shorthand]
         self._unsaved.discard(client_id)
+        self._unwritten.pop(client_id, None)  # nothing of it is to be written any more
         del self._lru[self._kind.pop(client_id)][client_id]
         return session
 
@@ -294,14 +324,21 @@ class SessionManager:
             session.running = turn_id
             finished = False
             try:
-                if not saves_at_once or created or self.store.shared:
+                # (A new session whose request saves at once is saved there: the store is written once, and when
+                # it refuses, the user's message is in the session it keeps in memory.)
+                if not saves_at_once or self.store.shared:
                     await self.save(session)
                 yield created
                 finished = True
             finally:
                 session.running = None
                 if self._sessions.get(session.client_id) is session:
-                    await self.save(session)
+                    if finished:
+                        await self.save(session)
+                    elif session.client_id not in self._unwritten:  # (else kept already: `_retry_unwritten` writes it)
+                        # An error is on its way already: one try, no wait; a failure stays kept and retried.
+                        with contextlib.suppress(StoreFault):
+                            await self.save(session, wait=False)
                 if finished and ended is not None:
                     await ended()
 
@@ -363,8 +400,13 @@ class SessionManager:
             return self._by_short.get(int(ident))
         return None
 
-    async def save(self, session: Session) -> None:
-        """Store the session (its history bounded first) as active now; a new one may evict its class's LRU."""
+    async def save(self, session: Session, *, wait: bool = True) -> None:
+        """Store the session (its history bounded first) as active now; a new one may evict its class's LRU.
+
+        While another process holds the store's lock, the write is tried again for up to `lock_seconds` (without
+        `wait`: once), and the session's clients are told why they wait. A write that fails (still locked, disk
+        full, read-only) raises StoreFault saying so; the session keeps the change in memory and is written
+        as soon as the store takes it (`_retry_unwritten`), or by its next save."""
         if self._sessions.get(session.client_id) is not session:
             return
         if not session.shorthand:
@@ -372,13 +414,103 @@ class SessionManager:
             self._by_short[session.shorthand] = session.client_id
         self._bound_history(session)
         self._touch(session)
-        if await self.store.save(session, self._last_short, create=session.client_id in self._unsaved) is False:
-            self._drop(session.client_id)  # removed on another instance meanwhile: not brought back
+        await self._store(session, wait)
+
+    async def _store(self, session: Session, wait: bool) -> None:
+        """Write the session as it is (see `save`)."""
+        client_id = session.client_id
+
+        async def write() -> bool | None:
+            if self._sessions.get(client_id) is not session:
+                return None  # removed while it waited for the store's lock: not written back
+            return await self.store.save(session, self._last_short, create=client_id in self._unsaved)
+
+        try:
+            written = await self._waiting(client_id, write, wait)
+        except StoreFault as exc:
+            self._keep(client_id, exc, wait)
+            raise type(exc)(self._kept(exc, wait), exc.path) from None
+        if client_id in self._unwritten:
+            since = self._unwritten.pop(client_id)
+            logger.warning("session %s saved to %s after all, %.1f s after its first failed write", client_id,
+                           self.store.describe(), time.monotonic() - since)
+            self._tell(client_id, WRITTEN)
+        if written is None:
             return
-        if session.client_id in self._unsaved:
-            self._unsaved.discard(session.client_id)
-            kind = self._kind[session.client_id]
-            await self._evict(kind, self.policy.limits(kind).max_sessions, keep=session.client_id)
+        if written is False:
+            self._drop(client_id)  # removed on another instance meanwhile: not brought back
+            return
+        if client_id in self._unsaved:
+            self._unsaved.discard(client_id)
+            kind = self._kind[client_id]
+            await self._evict(kind, self.policy.limits(kind).max_sessions, keep=client_id)
+
+    async def _waiting(self, client_id: str, write: Callable[[], Awaitable[Any]], wait: bool = True) -> Any:
+        """`write()`, tried again while the store is locked by another process, for up to `lock_seconds`
+        (without `wait`: once); the session's clients are told once that it waits, and why."""
+        deadline = time.monotonic() + (self.lock_seconds if wait else 0.0)
+        started, told = time.monotonic(), False
+        while True:
+            try:
+                result = await write()
+            except StoreLocked as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                if not told:
+                    told = True
+                    logger.warning("%s; session %s waits for it up to %g s (SESSION_STORE_LOCK_SECONDS)",
+                                   LOCKED.format(path=exc.path), client_id, self.lock_seconds)
+                    self._tell(client_id, f"{LOCKED.format(path=exc.path)}; retrying (for up to "
+                                          f"{self.lock_seconds:g} s)")
+                await asyncio.sleep(LOCK_PAUSE_SECONDS)
+                continue
+            if told:
+                logger.warning("the session store is writable again: session %s waited %.1f s for its lock",
+                               client_id, time.monotonic() - started)
+            return result
+
+    def _kept(self, exc: StoreFault, waited: bool) -> str:
+        """What a failed write says: why, what to do, and that its change is kept."""
+        kept = KEPT.format(retry=RETRY_SECONDS)
+        if isinstance(exc, StoreLocked):
+            path = exc.path
+            still = (f"still locked after {self.lock_seconds:g} s (SESSION_STORE_LOCK_SECONDS)" if waited
+                     else "still locked")
+            return (f"{LOCKED.format(path=path)}; {still}: find the process holding it (`fuser -v {path}` lists "
+                    f"those that have it open besides agent-mcp) and let it finish or stop it; {kept}")
+        return f"{str(exc).removesuffix('; this change was not saved')}; {kept}"
+
+    def _keep(self, client_id: str, exc: StoreFault, waited: bool) -> None:
+        """Remember that `client_id`'s session holds changes its store does not (retried until it does)."""
+        if client_id not in self._unwritten:
+            self._unwritten[client_id] = time.monotonic()
+            logger.warning("session %s: %s", client_id, self._kept(exc, waited))
+        if not self._closed and (self._retrier is None or self._retrier.done()):
+            # In a context of its own: what it says belongs to no request (not the one that failed first).
+            self._retrier = asyncio.create_task(self._retry_unwritten(), name="unsaved-sessions",
+                                                context=contextvars.Context())
+
+    async def _retry_unwritten(self) -> None:
+        """Write the sessions failed writes left in memory, every RETRY_SECONDS, until none is left."""
+        while self._unwritten:
+            await asyncio.sleep(RETRY_SECONDS)
+            try:
+                await self._write_unwritten()
+            except Exception:  # never the end of the retries
+                logger.exception("writing the unsaved sessions failed")
+
+    async def _write_unwritten(self) -> None:
+        """One try to write each session a failed write left in memory, up to the first that fails again (the
+        store still refuses). A session a request holds is left to it: its request saves it at its end."""
+        for client_id in list(self._unwritten):
+            session = self._sessions.get(client_id)
+            if session is None:
+                self._unwritten.pop(client_id, None)
+            elif not session.lock.locked():
+                try:
+                    await self._store(session, wait=False)
+                except StoreFault:
+                    return
 
     def _bound_history(self, session: Session) -> None:
         """Drop the oldest whole turns beyond `max_history` messages; cut texts over `max_message_chars`."""
@@ -417,13 +549,17 @@ class SessionManager:
             if len(self._gone) > MAX_GONE:
                 self._gone.popitem(last=False)
         session = self._drop(client_id)
-        await self.store.delete(client_id)
+        await self._waiting(client_id, lambda: self.store.delete(client_id))
         for hook in list(self.forgotten):
             try:
                 hook(client_id)
             except Exception:
                 logger.exception("session hook %r failed for %s", hook, client_id)
         return session
+
+    def _tell(self, client_id: str, text: str) -> None:
+        if self.store_news is not None:
+            self.store_news(client_id, text)
 
     def busy(self, session: Session) -> bool:
         """Whether a request runs on (or waits for) the session: then it is never expired or evicted."""

@@ -33,6 +33,23 @@ class SessionError(Exception):
     """A session cannot be found or changed; the message says which and why."""
 
 
+class StoreFault(SessionError):
+    """A write to the session store at `path` failed (disk full, file gone read-only); nothing of it was
+    committed. The SessionManager keeps the change in memory and writes it again (see SessionManager.save)."""
+
+    def __init__(self, message: str, path: Path):
+        super().__init__(message)
+        self.path = path
+
+
+class StoreLocked(StoreFault):
+    """Another process holds the session store's write lock (SQLite's `database is locked`): waiting may help."""
+
+
+#: What a store locked by another process is called, wherever it is said (logs, status and error events).
+LOCKED = "the session store is locked by another process: {path}"
+
+
 @dataclass
 class Session:
     """One conversation, keyed by client id. `history` holds OpenAI-style message dicts."""
@@ -194,6 +211,8 @@ class SqliteFile:
     `SCHEMA` at open."""
 
     SCHEMA: tuple[str, ...] = ()
+    #: Seconds a statement waits for a lock another connection holds before it fails (sqlite3's `timeout`).
+    BUSY_SECONDS = 5.0
     #: Each statement its own transaction (no `commit()` to send after it), for a store whose writes are one
     #: statement each.
     AUTOCOMMIT = False
@@ -207,7 +226,8 @@ class SqliteFile:
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             make_private(self.path)
-            self._db = await aiosqlite.connect(self.path, **({"isolation_level": None} if self.AUTOCOMMIT else {}))
+            autocommit = {"isolation_level": None} if self.AUTOCOMMIT else {}
+            self._db = await aiosqlite.connect(self.path, timeout=self.BUSY_SECONDS, **autocommit)
             await self._db.execute("PRAGMA journal_mode=WAL")
             for statement in self.SCHEMA:
                 await self._db.execute(statement)
@@ -294,6 +314,9 @@ class SqliteStore(SqliteFile, SessionStore):
     #: need no common transaction: `load` takes the larger of `last_shorthand` and the highest stored id. When
     #: the tail moves to rows, the rows, the record and the deletion of leftovers are one transaction.
     AUTOCOMMIT = True
+    #: Short: a write to a locked file fails soon, and SessionManager tries again, telling the session's clients
+    #: why they wait, for up to its `lock_seconds`.
+    BUSY_SECONDS = 0.5
     _written_shorthand = -1
 
     def __init__(self, path: Path):
@@ -384,15 +407,31 @@ class SqliteStore(SqliteFile, SessionStore):
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[None]:
-        """A write that fails (disk full, file gone read-only) is rolled back and becomes one SessionError
-        that names the file and the fix; what was committed before stays."""
+        """A write that fails is rolled back and becomes one StoreFault that names the file and the fix (StoreLocked
+        when another process holds the file's lock); what was committed before stays. A write cancelled midway
+        is rolled back too: its transaction must not stay open for the next saves to write into."""
         try:
             yield
         except (OSError, sqlite3.Error) as exc:
-            with contextlib.suppress(sqlite3.Error, ValueError):
-                await self._conn().rollback()
-            raise SessionError(f"cannot write {self.path} ({exc}): free disk space there or make it writable; "
-                               "this change was not saved") from None
+            await self._rollback()
+            if _busy(exc):
+                raise StoreLocked(f"{LOCKED.format(path=self.path)}; this change was not saved", self.path) from None
+            raise StoreFault(f"cannot write {self.path} ({exc}): free disk space there or make it writable; "
+                             "this change was not saved", self.path) from None
+        except asyncio.CancelledError:
+            await asyncio.shield(self._rollback())
+            raise
+
+    async def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error, ValueError):
+            await self._conn().rollback()
+
+
+def _busy(exc: BaseException) -> bool:
+    """Whether SQLite failed because another connection holds a lock (SQLITE_BUSY, SQLITE_LOCKED and their
+    extended codes), not because the disk or the file refused the write."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def open_store(url: str | None, data_dir: Path) -> SessionStore:
