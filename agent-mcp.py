@@ -43,7 +43,7 @@ import shared_link
 import state
 import stores
 from audit_chain import AuditError
-from config import CODE_DIR, AppConfig, ConfigError, load_config, own_copies, secret_values
+from config import CODE_DIR, AppConfig, ConfigError, env_seconds, load_config, own_copies, secret_values
 from guard import Guard, hide_userinfo
 from plugin_api import BasePlugin
 from prompt import PROMPT_DIR
@@ -352,17 +352,8 @@ async def serve(config: AppConfig) -> int:
 def drain_seconds(env: dict[str, str], shared: bool) -> float:
     """AGENT_DRAIN_SECONDS: how long a stopping server lets its running turns finish. Default: 30 s with
     several instances on one store (the others take new requests meanwhile), else 0 (they end at once)."""
-    raw = env.get("AGENT_DRAIN_SECONDS", "").strip()
-    if not raw:
-        return DRAIN_SECONDS if shared else 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 3600:
-        raise ConfigError(f"environment variable AGENT_DRAIN_SECONDS={raw!r}: must be a number of seconds from 0 "
-                          "(end running turns at once) to 3600")
-    return value
+    return env_seconds(env, "AGENT_DRAIN_SECONDS", DRAIN_SECONDS if shared else 0.0,
+                       meaning="end running turns at once")
 
 
 async def _drained(rt: state.Runtime, seconds: float, hurry: asyncio.Event) -> None:

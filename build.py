@@ -34,7 +34,7 @@ import tool_calls
 import tools
 import tracing
 import turns
-from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig
+from config import CORE_GATES, AppConfig, ConfigError, SessionsConfig, env_seconds
 from plugin_checks import is_enabled
 from plugin_loader import PluginLoader
 from prompt import PROMPT_DIR, PromptTree
@@ -59,17 +59,7 @@ def event_buffer(env: Mapping[str, str]) -> int:
 def store_lock_seconds(env: Mapping[str, str]) -> float:
     """SESSION_STORE_LOCK_SECONDS: how long a save waits while another process holds the session store's lock
     (default DEFAULT_LOCK_SECONDS) before the request fails, its change kept in memory and retried."""
-    raw = env.get("SESSION_STORE_LOCK_SECONDS", "").strip()
-    if not raw:
-        return DEFAULT_LOCK_SECONDS
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 3600:
-        raise ConfigError(f"environment variable SESSION_STORE_LOCK_SECONDS={raw[:40]!r}: must be a number of seconds "
-                          f"from 0 to 3600 (default {DEFAULT_LOCK_SECONDS:g})")
-    return seconds
+    return env_seconds(env, "SESSION_STORE_LOCK_SECONDS", DEFAULT_LOCK_SECONDS)
 
 
 def _store_news(hub: events.EventHub, hide: Callable[[str], str], client_id: str, text: str) -> None:

@@ -18,7 +18,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -356,6 +356,23 @@ class AppConfig(BaseModel):
     def path(self, name: str) -> Path:
         """A config-relative file: the config dir's copy, else the one shipped with the code."""
         return config_path(self.config_dir, name)
+
+
+def env_seconds(env: Mapping[str, str], name: str, default: float, *, meaning: str = "") -> float:
+    """A number of seconds from 0 to 3600 in environment variable `name` (`default` when unset); ConfigError naming
+    it otherwise (`meaning`: what 0 does, for the message)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        zero = f" ({meaning})" if meaning else ""
+        raise ConfigError(f"environment variable {name}={raw[:40]!r}: must be a number of seconds from 0{zero} to "
+                          f"3600 (default {default:g})")
+    return value
 
 
 def config_path(config_dir: Path, name: str) -> Path:

@@ -255,7 +255,7 @@ def test_a_drain_setting_that_is_not_seconds_stops_start_up_with_one_clear_line(
     assert server.proc is not None and server.proc.wait(60) == 1
     lines = [line for line in server.stop().splitlines() if "AGENT_DRAIN_SECONDS" in line]
     assert lines == ["agent-mcp: cannot start: environment variable AGENT_DRAIN_SECONDS='a minute': must be a number "
-                     "of seconds from 0 (end running turns at once) to 3600"]
+                     "of seconds from 0 (end running turns at once) to 3600 (default 0)"]
 
 
 def test_start_up_with_an_unreachable_redis_stops_with_one_clear_line(tmp_path, fake_openai) -> None:
