@@ -133,8 +133,12 @@ class DatabaseSettings(BaseModel):
         return db_roles.names_for(self.db, self.instance, self.runners)
 
     def where(self) -> str:
-        """`user@host:port/db`, for messages (never the password)."""
-        return f"{self.user}@{self.host}:{self.port}" + (f"/{self.db}" if self.db else "")
+        """`user@host:port/db` (db-setup's runners as `first…last`), for messages (never the password)."""
+        user = self.user
+        if self.grantor_user and self.db:
+            names = self.names()
+            user = names.runner(1) + (f"…{names.runner(names.runners)}" if names.runners > 1 else "")
+        return f"{user}@{self.host}:{self.port}" + (f"/{self.db}" if self.db else "")
 
 
 # ── The pool ────────────────────────────────────────────────────────────────────────────────
