@@ -217,7 +217,7 @@ def test_the_stored_grantor_has_no_power_over_any_account(db_name: str, tmp_path
 @pytest.mark.parametrize("require", ["", "mariadb"])
 def test_without_mariadb_the_database_tests_skip_with_their_reason(require: str) -> None:
     files = ["tests/test_db_enforcement.py", "tests/test_db_accounts.py", "tests/test_database_mysql.py",
-             "tests/test_sql_mariadb.py"]
+             "tests/test_sql_mariadb.py", "tests/test_slack_approvals.py"]  # every file that uses the MariaDB server
     env = {**os.environ, "TEST_MYSQL_PORT": str(free_port()), "AGENT_TEST_REQUIRE": require}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files,
                            "-k", "not without_mariadb"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -230,6 +230,8 @@ def test_without_mariadb_the_database_tests_skip_with_their_reason(require: str)
     else:  # a newcomer's machine: every database test skips and says why, none errors
         assert done.returncode == 0 and "error" not in summary and "failed" not in summary, tail
         assert skipped and all("MariaDB is not reachable" in line for line in skipped), skipped
+    uses = {p.name for p in (ROOT / "tests").glob("test_*.py") if "TEST_MYSQL_PORT" in p.read_text()}
+    assert uses == {Path(f).name for f in files}, "a new MariaDB test file belongs in this list"
 
 
 # ── Two server processes on one database ────────────────────────────────────────────────────

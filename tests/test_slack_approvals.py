@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,7 +387,8 @@ async def test_two_instances_on_one_redis_post_a_gate_once_and_either_takes_the_
 
 # ── over a real server, with MariaDB ────────────────────────────────────────────────────────
 
-MYSQL = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
+MYSQL = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"), "port": int(os.environ.get("TEST_MYSQL_PORT", "3306")),
+         "user": os.environ.get("TEST_MYSQL_USER", "root"), "password": os.environ.get("TEST_MYSQL_PASS", "")}
 
 
 @pytest.fixture
@@ -394,7 +396,8 @@ def people() -> Any:
     try:
         admin = pymysql.connect(**MYSQL, autocommit=True, connect_timeout=5)
     except pymysql.err.MySQLError as exc:
-        needs.absent("mariadb", f"MariaDB is not reachable at 127.0.0.1:3306 as root ({exc}): start mariadb-server")
+        needs.absent("mariadb", f"MariaDB is not reachable at {MYSQL['host']}:{MYSQL['port']} as {MYSQL['user']} "
+                                f"({exc}): start mariadb-server")
     name, user, password = (f"amcp_slackappr_{secrets.token_hex(4)}", f"amcp_sa_{secrets.token_hex(4)}",
                             secrets.token_hex(12))
     try:
@@ -404,8 +407,8 @@ def people() -> Any:
             cur.execute(f"GRANT ALL PRIVILEGES ON `{name}`.* TO %s@'%%'", (user,))
             cur.execute(f"CREATE TABLE `{name}`.people (id INT PRIMARY KEY, name VARCHAR(40))")
             cur.execute(f"INSERT INTO `{name}`.people VALUES (7, 'bob')")
-        yield name, {"MYSQL_HOST": "127.0.0.1", "MYSQL_PORT": "3306", "MYSQL_USER": user, "MYSQL_PASS": password,
-                     "MYSQL_DB": name}, admin
+        yield name, {"MYSQL_HOST": MYSQL["host"], "MYSQL_PORT": str(MYSQL["port"]), "MYSQL_USER": user,
+                     "MYSQL_PASS": password, "MYSQL_DB": name}, admin
     finally:
         with admin.cursor() as cur:
             cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
