@@ -541,7 +541,7 @@ class Agent:
             known = self.bindings[key] = (llm, list(tools), bound)  # holding them keeps their ids theirs
         return known[2]
 
-    async def dispatch_llm(self, turn: turns.Turn, text: str) -> None:
+    async def dispatch_llm(self, turn: turns.HeldTurn, text: str) -> None:
         """Run one LLM turn of `text` on the turn's model (default: the session's).
 
         On failure the history is rolled back to how it was before the turn (the user message
@@ -550,7 +550,6 @@ class Agent:
         as cut off (`cut_answer`).
         """
         session = turn.session
-        assert session is not None
         key = turn.model or session.model
         mark = len(session.history)
         session.history.append({"role": "user", "content": text})

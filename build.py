@@ -158,8 +158,8 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     for name, handler in commands.COMMANDS.items():
         rt.commands[name] = turns.Command(functools.partial(handler, ctx), usage=turns.usage_of(handler))
     parts = gate_commands.Parts(gate=rt.gate, rate_limiter=rt.rate_limiter, sessions=rt.sessions, tools=rt.tools)
-    for name, handler in gate_commands.COMMANDS.items():
-        rt.commands[name] = turns.Command(functools.partial(handler, parts), usage=turns.usage_of(handler))
+    for name, gate_command in gate_commands.COMMANDS.items():
+        rt.commands[name] = turns.Command(functools.partial(gate_command, parts), usage=turns.usage_of(gate_command))
     return rt
 
 

@@ -78,7 +78,8 @@ class SharedValues:
 
     async def get(self, name: str) -> str | None:
         with self.link.calling():
-            return await self.r.get(self.link.key("core-value", name))
+            value: str | None = await self.r.get(self.link.key("core-value", name))  # type: ignore[assignment]  # decoded: str (Link.client)
+            return value
 
 
 # A plugin's values live under `plugin-value:<plugin>:<name>`, the core's under `core-value:<name>`: no name
