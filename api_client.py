@@ -28,7 +28,7 @@ import json
 import os
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,7 +276,7 @@ class AgentClient:
         parts = [piece async for piece in self.stream(text, timeout)]
         return "".join(parts)
 
-    async def stream(self, text: str, timeout: float | None = None) -> AsyncIterator[str]:  # noqa: ASYNC109
+    async def stream(self, text: str, timeout: float | None = None) -> AsyncGenerator[str, None]:  # noqa: ASYNC109
         """Send one message and yield the answer text as it is produced (raises like `send`)."""
         parts: list[str] = []
         stopped = False
@@ -293,7 +293,8 @@ class AgentClient:
                     why = "stopped (stop())" if stopped else "cancelled on the server"
                     raise AgentCancelled(f"the turn was {why}", "".join(parts))
 
-    async def events(self, text: str, timeout: float | None = None) -> AsyncIterator[AgentEvent]:  # noqa: ASYNC109
+    async def events(self, text: str, timeout: float | None = None  # noqa: ASYNC109
+                     ) -> AsyncGenerator[AgentEvent, None]:
         """Send one message and yield every event of its turn, through its last one.
 
         Gates are answered by the policy before their event is yielded. Raises AgentTimeout (with

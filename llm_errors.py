@@ -87,8 +87,8 @@ def retryable(exc: BaseException) -> bool:
 
 def from_backend(exc: BaseException) -> bool:
     """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
-    reported = (LLMError, *_openai("APIError"), httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
-                json.JSONDecodeError)
+    reported: tuple[type[BaseException], ...] = (LLMError, *_openai("APIError"), httpx.HTTPError, TimeoutError,
+                                                 ConnectionError, ModelError, json.JSONDecodeError)
     return any(isinstance(e, reported) or failures.status_of(e) is not None for e in failures.chain(exc))
 
 

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +229,7 @@ FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than i
 
 
 async def run_turn(rt: state.Runtime, request: Request, *, cancel_running: bool = False
-                   ) -> AsyncIterator[Event]:
+                   ) -> AsyncGenerator[Event, None]:
     """Submit the request and yield the events of this request only, ending with its `done`.
 
     For client plugins that answer one request per HTTP call or message (proxy, Slack, API
@@ -342,7 +342,8 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
                                     "empty one", "session_gone": why})
                     rt.hub.publish(client_id, "user", {"text": text})  # every window shows who said what, in order
                     if turn.model is not None and turn.model not in rt.config.models:
-                        rt.hub.error(client_id, f"unknown model '{turn.model}'; available: {', '.join(rt.config.models)}")
+                        rt.hub.error(client_id,
+                                     f"unknown model '{turn.model}'; available: {', '.join(rt.config.models)}")
                     else:
                         await _process(rt, held, text)
         except asyncio.CancelledError as exc:

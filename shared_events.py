@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from events import EVENT_BUFFER, LOST, MAX_IDLE_CHANNELS, Event, EventHub
@@ -232,7 +232,7 @@ class RedisEventHub(EventHub):
                 return
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
-                        ) -> AsyncIterator[Event]:
+                        ) -> AsyncGenerator[Event, None]:
         key, seen_key = self._key(client_id), self.link.key("seen", client_id)
         with self.link.calling():
             if last_event_id is not None:
