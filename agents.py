@@ -360,7 +360,8 @@ async def _round(loop: _Loop) -> str | None:
         found = find_text_calls(text, by_name) if not calls and not broken else TextCalls()
         hub.tok(client_id, hold.finish(found.spans + found.bad_spans if found.calls or found.problems else []))
         if found.calls or found.problems:
-            return await _text_round(loop, text, found)
+            await _text_round(loop, text, found)
+            return None
     if not calls and not broken:
         if not text.strip() and loop.results:
             loop.finish = "the model's answer after the tool results was empty"

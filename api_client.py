@@ -212,7 +212,8 @@ async def send_retrying(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.
     refused, or a RETRY_STATUSES answer); then the last answer, or the connection error."""
     def last(state: RetryCallState) -> httpx.Response:
         assert state.outcome is not None
-        return state.outcome.result()  # the last answer, or raises the last error
+        answer: httpx.Response = state.outcome.result()  # the last answer, or raises the last error
+        return answer
 
     async def once() -> httpx.Response:
         return await send()
@@ -435,7 +436,7 @@ class AgentClient:
         try:
             response = await (send_retrying(send) if again else send())
         except httpx.TransportError as exc:
-            raise AgentConnectionError(f"cannot reach {self.base_url}: {exc or type(exc).__name__}") from exc
+            raise AgentConnectionError(f"cannot reach {self.base_url}: {str(exc) or type(exc).__name__}") from exc
         self._raise_for(response)
         try:
             body = response.json()

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+import grants
 import models
 import routes
 import state
@@ -301,7 +302,7 @@ class PluginContext:
         return await self._rt.pipeline.execute(turn, name, args)
 
     async def ask_gate(self, client_id: str, payload: dict[str, Any], seconds: float,
-                       routed: Any = None) -> tuple[str, str]:
+                       routed: Any = None) -> tuple[grants.Decision, str]:
         """Raise a gate on the session and wait for its decision (`GateKeeper.ask`): (decision, gate id)."""
         self._scope.check(client_id)
         return await self._rt.gate.ask(client_id, payload, seconds, routed)
@@ -366,7 +367,7 @@ class PluginContext:
         if not self._scope.everything:
             raise ScopeError(f"plugin {self._plugin.PLUGIN_NAME}: the Redis connection reaches every session; use "
                              "ctx.values and ctx.signals (or have an operator grant it all-sessions)")
-        return self._rt.link  # type: ignore[no-any-return]
+        return self._rt.link
 
     # ── observability ──
 
@@ -386,7 +387,7 @@ class PluginContext:
         """Set when the server stops, so endless event streams end."""
         if self._rt.stopping is None:
             self._rt.stopping = anyio.Event()
-        return self._rt.stopping  # type: ignore[no-any-return]
+        return self._rt.stopping
 
     def stream_opened(self) -> None:
         """An event-stream response started: a stopping server waits for it to end."""

@@ -28,7 +28,7 @@ TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
 
 def approval_gate(data: Mapping[str, Any], now: float) -> dict[str, Any]:
     """A feed `approval` event (approvals.RoutedGate) as the gate dict the shell's panel shows (`routed`: True)."""
-    args = data.get("args") if isinstance(data.get("args"), dict) else {}
+    args = given if isinstance(given := data.get("args"), dict) else {}
     shape = data.get("summary") if data.get("tables") else None
     return {"gate_id": data.get("gate_id"), "tool_name": data.get("tool"), "tables": data.get("tables") or [],
             "tool_args": {**args, "operation_type": data.get("op")}, "grants": data.get("scopes") or [],
@@ -215,7 +215,8 @@ class ShellClient:
 
     async def health(self) -> dict[str, Any]:
         """GET /health: ``{"status", "models", "default_model"}``."""
-        return await self._request("GET", "/health")
+        answer: dict[str, Any] = await self._request("GET", "/health")
+        return answer
 
     async def sessions(self, client_id: str | None = None) -> list[dict[str, Any]]:
         """GET /sessions, filtered by a full client id or a shorthand such as "101"."""
@@ -228,7 +229,8 @@ class ShellClient:
         payload: dict[str, Any] = {"client_id": self._client_id, "text": text}
         if default_model:
             payload["default_model"] = default_model
-        return await self._request("POST", "/submit", json=payload, again=True)
+        answer: dict[str, Any] = await self._request("POST", "/submit", json=payload, again=True)
+        return answer
 
     async def stop(self) -> bool:
         """POST /stop: cancel this session's running turn (it ends with `[stopped]` and `done`); whether one ran."""
@@ -249,11 +251,14 @@ class ShellClient:
             body["approver"] = self.window_id
         if content is not None:
             body["content"] = content
-        return await self._request("POST", "/gate_response", json=body, again=True)
+        answer: dict[str, Any] = await self._request("POST", "/gate_response", json=body, again=True)
+        return answer
 
     async def set_approver(self, on: bool) -> dict[str, Any]:
         """POST /approver: this window answers (or stops answering) gates routed to shell approvers."""
-        return await self._request("POST", "/approver", json={"window": self.window_id, "on": on}, again=True)
+        answer: dict[str, Any] = await self._request("POST", "/approver", json={"window": self.window_id, "on": on},
+                                                     again=True)
+        return answer
 
     async def approvals(self) -> AsyncIterator[ShellEvent]:
         """The approver feed while this window is an approver: `approval` (a routed gate, see approvals.RoutedGate)
