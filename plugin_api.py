@@ -17,7 +17,7 @@ The loader builds one context per plugin before `init()`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import anyio
@@ -148,11 +148,11 @@ class BasePlugin(ABC):
         return self.CLIENT_NAMESPACES[max(owning, key=len)] if owning else UNKNOWN
 
     @abstractmethod
-    def init(self, config: dict[str, Any]) -> bool:
+    def init(self, config: dict[str, Any]) -> bool | Awaitable[bool]:
         """Start with this plugin's `plugin_config` block; return False to be skipped. May be async."""
 
     @abstractmethod
-    def shutdown(self) -> None:
+    def shutdown(self) -> Awaitable[None] | None:
         """Close connections and stop background work. May be async."""
 
     def get_tools(self) -> dict[str, Any]:
@@ -262,7 +262,7 @@ class PluginContext:
         self._vouch_request(request)
         await routes.process_request(request, rt=self._rt)
 
-    def run_turn(self, request: Request, *, cancel_running: bool = False) -> AsyncIterator[Event]:
+    def run_turn(self, request: Request, *, cancel_running: bool = False) -> AsyncGenerator[Event, None]:
         """Submit the request and iterate its own events, ending with its `done` (`routes.run_turn`)."""
         self._vouch_request(request)
         return routes.run_turn(self._rt, request, cancel_running=cancel_running)

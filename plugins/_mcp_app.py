@@ -29,6 +29,7 @@ from mcp_types import (
     Tool,
     UnsubscribeRequestParams,
 )
+from pydantic import AnyHttpUrl
 
 from plugins._mcp_auth import TokenTable, forbidden, request_principal
 from plugins._mcp_resources import add_resources, check_read, resources_for
@@ -91,7 +92,8 @@ class McpApp:
             instructions=("agent-mcp sessions, pending approvals and gate policy as resources (agentmcp://…); "
                           "tools to talk to sessions and to answer gates."),
             token_verifier=verifier,
-            auth=AuthSettings(issuer_url=resource, resource_server_url=resource, validate_token_resource=True),
+            auth=AuthSettings(issuer_url=AnyHttpUrl(resource), resource_server_url=AnyHttpUrl(resource),
+                              validate_token_resource=True),
             subscriptions=self.bus,
             middleware=[self._middleware],
         )

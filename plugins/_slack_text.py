@@ -49,7 +49,8 @@ class _Mrkdwn(SlackifyMarkdown):
 
 def to_mrkdwn(markdown: str) -> str:
     """An answer in (GitHub-style) markdown as Slack mrkdwn."""
-    return _Mrkdwn(markdown).slackify().strip("\n")
+    text: str = _Mrkdwn(markdown).slackify()  # slackify_markdown ships no types
+    return text.strip("\n")
 
 
 @dataclass(frozen=True, slots=True)
