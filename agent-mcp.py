@@ -26,7 +26,7 @@ from typing import Any
 
 # httpx's package imports its command line (`httpx._main`: click, rich and pygments, about 5 MiB) when it
 # can; the server never runs it. A None entry makes that import fail, and httpx goes without its CLI.
-sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]  # None blocks the import, as Python documents
 
 import uvicorn
 from sse_starlette.sse import AppStatus

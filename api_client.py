@@ -28,7 +28,7 @@ import json
 import os
 import ssl
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,7 +151,7 @@ class AgentEvent:
         return cls("tok" if raw.event in ("", "message") else raw.event, data, event_id)
 
 
-async def sse_events(source: EventSource) -> AsyncIterator[AgentEvent]:
+async def sse_events(source: EventSource) -> AsyncGenerator[AgentEvent, None]:
     """The events of an SSE stream as the WHATWG algorithm dispatches them: never one without data.
     (httpx-sse also yields an empty message after every keepalive comment once an id was seen, which
     would read as an empty `tok` every 15 s.)"""

@@ -63,8 +63,8 @@ class RawCompletions:
                 options[option] = value
         content = _encoded(params, options)
         template = self._template() if content is not None and len(options) == 1 else None
-        if template is not None:
-            return await self._send(template, content)  # type: ignore[arg-type]
+        if template is not None and content is not None:  # (a template only comes with content)
+            return await self._send(template, content)
         return await self._client.post("/chat/completions", body=params if content is None else None, content=content,
                                        cast_to=object, options=options, stream=True, stream_cls=self.stream_cls)
 

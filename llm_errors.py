@@ -118,7 +118,7 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
     if found.kind == "status":
         return f"{where}: the backend answered HTTP {found.status}: {_words(found.message)}"
     if isinstance(exc, _openai("APIError")):
-        return f"{where}: the backend reported an error: {_words(exc.message)}"  # type: ignore[attr-defined]
+        return f"{where}: the backend reported an error: {_words(exc.message)}"  # type: ignore[attr-defined]  # APIError
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
         return f"{where}: malformed response from the backend ({type(exc).__name__}: {_words(str(exc))})"
     return f"{where}: {type(exc).__name__}: {_words(str(exc))}"

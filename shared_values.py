@@ -126,12 +126,14 @@ class PluginValues:
 
     async def get(self, name: str) -> str | None:
         with self._link.calling():
-            return await self._link.client.eval(_GET, 2, *self._keys(name))  # type: ignore[no-any-return]
+            value: str | None = await self._link.client.eval(_GET, 2, *self._keys(name))  # the value, or nil
+            return value
 
     async def take(self, name: str) -> str | None:
         """The value under `name`, removed (one instance gets it)."""
         with self._link.calling():
-            return await self._link.client.eval(_TAKE, 2, *self._keys(name))  # type: ignore[no-any-return]
+            value: str | None = await self._link.client.eval(_TAKE, 2, *self._keys(name))  # the value, or nil
+            return value
 
     async def drop(self, name: str) -> None:
         with self._link.calling():

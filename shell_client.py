@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +260,7 @@ class ShellClient:
                                                      again=True)
         return answer
 
-    async def approvals(self) -> AsyncIterator[ShellEvent]:
+    async def approvals(self) -> AsyncGenerator[ShellEvent, None]:
         """The approver feed while this window is an approver: `approval` (a routed gate, see approvals.RoutedGate)
         and `approval_closed` events; after a drop it opts in again and reconnects (the open gates come again)."""
         while not self._closed:
@@ -335,7 +335,7 @@ class ShellClient:
         self._ensure_stream()
         return await self._wait_connected(max_wait)
 
-    async def events(self) -> AsyncIterator[ShellEvent]:
+    async def events(self) -> AsyncGenerator[ShellEvent, None]:
         """Yield the current session's events in order until aclose(); raises AuthRequired.
 
         Survives drops (reconnecting with Last-Event-ID) and attach() (switching streams at once;

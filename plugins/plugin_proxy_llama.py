@@ -306,7 +306,8 @@ class LlamaProxyPlugin(BasePlugin):
 
     @staticmethod
     def _caller(request: Request) -> Caller:
-        return request.state.caller  # type: ignore[no-any-return]
+        caller: Caller = request.state.caller  # set by _endpoint before any handler runs
+        return caller
 
     def _address(self, request: Request) -> str:
         """`llama-<client ip>` anonymous (the reference's id); with a key, the key's user comes first."""
