@@ -377,7 +377,8 @@ def _remembering_class() -> type:
     class RememberingChatOpenAI(ChatOpenAI):
         _converted: dict[int, tuple[weakref.ref[Any], dict[str, Any]]] = PrivateAttr(default_factory=dict)
 
-        def _get_request_payload(self, input_: Any, *, stop: list[str] | None = None, **kwargs: Any) -> dict:
+        def _get_request_payload(self, input_: Any, *, stop: list[str] | None = None, **kwargs: Any
+                                 ) -> dict[str, Any]:
             payload = super()._get_request_payload([], stop=stop, **kwargs)
             if "messages" not in payload:  # the Responses API: its input is built differently, left to LangChain
                 return super()._get_request_payload(input_, stop=stop, **kwargs)

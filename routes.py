@@ -311,7 +311,7 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
     turn = request.turn(turn_id)
     task = asyncio.current_task()
     # A plugin may call this directly: then the request tracks itself (a submitted one is tracked already).
-    untrack = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
+    untrack: Callable[[], None] = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
         else _track(rt.active_tasks, client_id, task, turn.id)
     cancelled = started = done = False
 
