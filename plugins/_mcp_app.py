@@ -185,8 +185,7 @@ class McpApp:
         if client_id not in plugin._known_sessions:
             plugin._known_sessions.add(client_id)
             await plugin.notify(f"{SCHEME}sessions")
-        turn = rt.request(client_id).turn()
-        turn.session = session
+        turn = rt.request(client_id).turn().holding(session)
         try:
             outcome = await rt.execute_tool(turn, name, arguments if isinstance(arguments, dict) else {})
         finally:
