@@ -26,7 +26,7 @@ from typing import Any
 
 # httpx's package imports its command line (`httpx._main`: click, rich and pygments, about 5 MiB) when it
 # can; the server never runs it. A None entry makes that import fail, and httpx goes without its CLI.
-sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]  # None blocks the import, as Python documents
 
 import uvicorn
 from sse_starlette.sse import AppStatus
@@ -40,6 +40,7 @@ import models
 import routes
 import sessions
 import shared_link
+import shared_values
 import state
 import stores
 from audit_chain import AuditError
@@ -228,7 +229,8 @@ def _prepare_servers(rt: build.Server, drain: float) -> list[tuple[_Server, sock
                 # No front door speaks WebSocket: uvicorn need not import a WebSocket library.
                 ws="none",
                 # Open requests (event streams of draining turns among them) may finish; then they are ended.
-                timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,
+                # Seconds as a float: uvicorn passes it to asyncio.wait_for (its annotation says int).
+                timeout_graceful_shutdown=drain + routes.CANCEL_GRACE_SECONDS + 3,  # type: ignore[arg-type]  # float
             )
             prepared.append((_Server(config), sock, f"{cfg.get('name', name)} ({name}) on http://{host}:{port}"))
     except BaseException:
@@ -244,18 +246,18 @@ STREAMS_GRACE_SECONDS = 2.0
 PROMPT_SEEN_SECONDS = 7 * 24 * 3600
 
 
-async def _compare_prompts(rt: state.Runtime) -> None:
+async def _compare_prompts(rt: state.Runtime, values: shared_values.SharedValues) -> None:
     """Instances on one Redis share sessions but each reads its own `.system_prompt/` tree: say at start
     when this one's differs from what the last instance to start had (then one conversation would get two
     prompts, depending on which instance runs a turn)."""
     mine = hashlib.sha256(rt.prompt.assemble().encode()).hexdigest()[:16]
-    seen = await rt.values.get("system-prompt")
+    seen = await values.get("system-prompt")
     if seen is not None and seen.partition(" ")[0] != mine:
         logger.warning("this instance's system prompt (%s, %s) differs from the one %s started with: give "
                        "every instance on this Redis the same .system_prompt/ tree (copy it, then !sysprompt "
                        "reload)", mine, rt.config.path(PROMPT_DIR), seen.partition(" ")[2] or "another instance")
     instance = getattr(getattr(rt.sessions.store, "link", None), "instance", "")
-    await rt.values.put("system-prompt", f"{mine} instance {instance}".strip(), PROMPT_SEEN_SECONDS)
+    await values.put("system-prompt", f"{mine} instance {instance}".strip(), PROMPT_SEEN_SECONDS)
 
 
 async def serve(config: AppConfig) -> int:
@@ -266,16 +268,17 @@ async def serve(config: AppConfig) -> int:
         store = rt.sessions.store
         sharing = f"; other instances sharing them now: {await store.instances() - 1}" if store.shared else ""
         logger.info("sessions: %s%s", store.describe(), sharing)
-        if store.shared:
-            await _compare_prompts(rt)
+        if store.shared and rt.values is not None:  # shared sessions come with shared values (build.py)
+            await _compare_prompts(rt, rt.values)
         reports = await rt.plugins.load_all()
         problems = [r for r in reports if r.status in ("invalid", "failed")]
         # Before any port listens, the default model is built (in a worker thread: `Agent.warm`), so "ready"
         # means its first turn waits for no import; other models are built at their first use.
         started = time.monotonic()
-        _, *windows = await asyncio.gather(rt.agent.warm(config.default_model),
-                                           *(models.model_window(rt.windows, key, cfg)
-                                             for key, cfg in config.models.items()))
+        async def probe_windows() -> list[tuple[int, str]]:
+            return await asyncio.gather(*(models.model_window(rt.windows, key, cfg)
+                                          for key, cfg in config.models.items()))
+        _, windows = await asyncio.gather(rt.agent.warm(config.default_model), probe_windows())
         logger.info(
             "default model ready in %.2f s; context windows: %s",
             time.monotonic() - started,

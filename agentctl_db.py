@@ -281,7 +281,8 @@ def db_setup(files: ConfigFiles, term: Terminal, args: list[str]) -> None:
         with pymysql.connect(host=host, port=port, user=admin_user, password=admin_password, autocommit=True,
                              connect_timeout=10) as conn, conn.cursor() as cur:
             cur.execute("SELECT VERSION()")
-            version = db_roles.mariadb_version(str(cur.fetchone()[0]))
+            row = cur.fetchone()  # SELECT VERSION() has one row
+            version = db_roles.mariadb_version(str(row[0])) if row is not None else None
             if version is None or version < db_roles.MIN_VERSION:
                 raise InputError(f"db-setup needs MariaDB ≥ {'.'.join(map(str, db_roles.MIN_VERSION))} (roles, "
                                  "locked accounts, COM_RESET_CONNECTION); db_query keeps running on the classifier "

@@ -89,15 +89,18 @@ class ConfigFiles:
 
     @property
     def models(self) -> dict[str, ModelConfig]:
-        return self.parsed(MODELS_FILE).models
+        parsed: ModelsFile = self.parsed(MODELS_FILE)
+        return parsed.models
 
     @property
     def enabled(self) -> EnabledConfig:
-        return self.parsed(ENABLED_FILE)
+        parsed: EnabledConfig = self.parsed(ENABLED_FILE)
+        return parsed
 
     @property
     def manifest(self) -> Manifest:
-        return self.parsed(MANIFEST_FILE)
+        parsed: Manifest = self.parsed(MANIFEST_FILE)
+        return parsed
 
     def app_config(self) -> AppConfig:
         """What the server would see (for the plugin checks it runs at start)."""

@@ -28,11 +28,12 @@ class GateCommands(CommandBase):
                             "tools": {k: v.model_dump() for k, v in gates.tools.items()}})
             return
         table = Table("scope", "name", "read", "write", "ddl")
-        for scope, entries in (("db", gates.db), ("tools", gates.tools)):
-            for key, perm in entries.items():
-                values = (perm.read, perm.write, perm.ddl) if scope == "db" else (perm.read, perm.write)
-                table.add_row(scope, escape(key), *("auto-allow" if v else "gated" for v in values),
-                              *(("—",) if scope == "tools" else ()), style="yellow" if any(values) else None)
+        listed: list[tuple[str, str, tuple[bool, ...]]] = [
+            *(("db", key, (perm.read, perm.write, perm.ddl)) for key, perm in gates.db.items()),
+            *(("tools", key, (perm.read, perm.write)) for key, perm in gates.tools.items())]
+        for scope, key, values in listed:
+            table.add_row(scope, escape(key), *("auto-allow" if v else "gated" for v in values),
+                          *(("—",) if scope == "tools" else ()), style="yellow" if any(values) else None)
         self.term.table(table)
         self.term.say("db keys: a table, * (every other table), __meta__ (SHOW, DESCRIBE, …); tools: a tool or *. "
                       "ddl (CREATE, DROP, ALTER, RENAME, TRUNCATE) is never covered by write. "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -156,7 +157,7 @@ class ModelCommands(CommandBase):
                                 ("llm_call_timeout", "llm_call_timeout (seconds)"),
                                 ("description", "description"), ("llm_tools", "llm_tools (all, or tool1,tool2)")):
             default = ModelConfig.model_fields[field].default
-            fields[field] = ask(question, lambda t, f=field: model_value(f, t), str(default) if default != "" else "")
+            fields[field] = ask(question, functools.partial(model_value, field), str(default) if default != "" else "")
         return name, fields
 
     def cmd_model_remove(self, args: list[str]) -> None:

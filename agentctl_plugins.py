@@ -104,7 +104,7 @@ class PluginCommands(CommandBase):
         manifest = cfg.manifest.plugins
         names = sorted(dict.fromkeys([*manifest, *cfg.enabled.enabled_plugins]),
                        key=lambda n: (manifest[n].priority, n) if n in manifest else (10**9, n))
-        rows = []
+        rows: list[dict[str, Any]] = []  # JSON rows (--json prints them as they are)
         for name in names:
             status, problems = self._status(cfg, name)
             entry = manifest.get(name)
@@ -224,7 +224,7 @@ class PluginCommands(CommandBase):
         """port-list: the host and port of every client interface plugin, and whether the port is taken now."""
         self._args(args, self.cmd_port_list, 0)
         cfg = self.files.app_config()
-        rows = []
+        rows: list[dict[str, Any]] = []  # JSON rows (--json prints them as they are)
         for name, entry in sorted(cfg.manifest.plugins.items(), key=lambda kv: kv[1].priority):
             if entry.type != "client_interface":
                 continue

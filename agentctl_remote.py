@@ -198,10 +198,10 @@ def _redis_state(cfg: AppConfig, path: Path) -> tuple[str | None, tuple[str, lis
     try:
         client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
         with client:
-            head = client.get(prefix + f"audit-head:{log_id}")
-            entries = []
+            head: str | None = client.get(prefix + f"audit-head:{log_id}")  # type: ignore[assignment]  # decoded: str
+            entries: list[tuple[str, str, str, bool]] = []
             for key in client.scan_iter(match=_glob_escaped(hashes) + "*", count=1000):
-                rows = client.hgetall(key)
+                rows: dict[str, str] = client.hgetall(key)  # type: ignore[assignment]  # decoded: str
                 tombs = client.hmget(prefix + "grants-revoked", list(rows)) if rows else []
                 entries += [(key[len(hashes):], i, v, t is not None)
                             for (i, v), t in zip(rows.items(), tombs, strict=True)]

@@ -38,7 +38,7 @@ class RepairCommands(CommandBase):
             return
         for row in report:
             self.term.say(f"{'✓' if row['action'] != 'failed' else '✗'} {row['file']}: {row['detail']}")
-        if any(r["action"] in ("repaired", "created") for r in report):
+        if any(r["action"] == "repaired" for r in report):
             self.term.say(RESTART, style="dim")
 
     def _data_dir(self) -> Path:
@@ -64,14 +64,12 @@ class RepairCommands(CommandBase):
         if name in agentctl_remote.SERVER_OWNED and agentctl_remote.server_holds_log(self._data_dir()):
             return {"file": name, "action": "failed", "detail": f"{problem}; the running server owns this file "
                     "and writes it: stop the server, then repair it (nothing was changed)"}
-        saved = None
-        if own:
-            saved = target.with_name(f"{name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")
-            target.rename(saved)
+        # Only a file of its own gets here (else it returned above): it is saved aside, then re-created.
+        saved = target.with_name(f"{name}.broken-{time.strftime('%Y%m%dT%H%M%S')}")
+        target.rename(saved)
         atomic_write(target, default)
-        return {"file": name, "action": "repaired" if own else "created", "saved_as": str(saved) if saved else None,
-                "detail": f"{problem}; " + (f"saved as {saved.name}, " if saved else "") +
-                          "re-created from the shipped defaults"}
+        return {"file": name, "action": "repaired", "saved_as": str(saved),
+                "detail": f"{problem}; saved as {saved.name}, re-created from the shipped defaults"}
 
 
 def _shipped_default(name: str) -> str | None:

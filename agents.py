@@ -360,7 +360,8 @@ async def _round(loop: _Loop) -> str | None:
         found = find_text_calls(text, by_name) if not calls and not broken else TextCalls()
         hub.tok(client_id, hold.finish(found.spans + found.bad_spans if found.calls or found.problems else []))
         if found.calls or found.problems:
-            return await _text_round(loop, text, found)
+            await _text_round(loop, text, found)
+            return None
     if not calls and not broken:
         if not text.strip() and loop.results:
             loop.finish = "the model's answer after the tool results was empty"
@@ -541,7 +542,7 @@ class Agent:
             known = self.bindings[key] = (llm, list(tools), bound)  # holding them keeps their ids theirs
         return known[2]
 
-    async def dispatch_llm(self, turn: turns.Turn, text: str) -> None:
+    async def dispatch_llm(self, turn: turns.HeldTurn, text: str) -> None:
         """Run one LLM turn of `text` on the turn's model (default: the session's).
 
         On failure the history is rolled back to how it was before the turn (the user message
@@ -550,7 +551,6 @@ class Agent:
         as cut off (`cut_answer`).
         """
         session = turn.session
-        assert session is not None
         key = turn.model or session.model
         mark = len(session.history)
         session.history.append({"role": "user", "content": text})

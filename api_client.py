@@ -28,7 +28,7 @@ import json
 import os
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,7 +151,7 @@ class AgentEvent:
         return cls("tok" if raw.event in ("", "message") else raw.event, data, event_id)
 
 
-async def sse_events(source: EventSource) -> AsyncIterator[AgentEvent]:
+async def sse_events(source: EventSource) -> AsyncGenerator[AgentEvent, None]:
     """The events of an SSE stream as the WHATWG algorithm dispatches them: never one without data.
     (httpx-sse also yields an empty message after every keepalive comment once an id was seen, which
     would read as an empty `tok` every 15 s.)"""
@@ -212,7 +212,8 @@ async def send_retrying(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.
     refused, or a RETRY_STATUSES answer); then the last answer, or the connection error."""
     def last(state: RetryCallState) -> httpx.Response:
         assert state.outcome is not None
-        return state.outcome.result()  # the last answer, or raises the last error
+        answer: httpx.Response = state.outcome.result()  # the last answer, or raises the last error
+        return answer
 
     async def once() -> httpx.Response:
         return await send()
@@ -276,7 +277,7 @@ class AgentClient:
         parts = [piece async for piece in self.stream(text, timeout)]
         return "".join(parts)
 
-    async def stream(self, text: str, timeout: float | None = None) -> AsyncIterator[str]:  # noqa: ASYNC109
+    async def stream(self, text: str, timeout: float | None = None) -> AsyncGenerator[str, None]:  # noqa: ASYNC109
         """Send one message and yield the answer text as it is produced (raises like `send`)."""
         parts: list[str] = []
         stopped = False
@@ -293,7 +294,8 @@ class AgentClient:
                     why = "stopped (stop())" if stopped else "cancelled on the server"
                     raise AgentCancelled(f"the turn was {why}", "".join(parts))
 
-    async def events(self, text: str, timeout: float | None = None) -> AsyncIterator[AgentEvent]:  # noqa: ASYNC109
+    async def events(self, text: str, timeout: float | None = None  # noqa: ASYNC109
+                     ) -> AsyncGenerator[AgentEvent, None]:
         """Send one message and yield every event of its turn, through its last one.
 
         Gates are answered by the policy before their event is yielded. Raises AgentTimeout (with
@@ -434,7 +436,7 @@ class AgentClient:
         try:
             response = await (send_retrying(send) if again else send())
         except httpx.TransportError as exc:
-            raise AgentConnectionError(f"cannot reach {self.base_url}: {exc or type(exc).__name__}") from exc
+            raise AgentConnectionError(f"cannot reach {self.base_url}: {str(exc) or type(exc).__name__}") from exc
         self._raise_for(response)
         try:
             body = response.json()

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -386,13 +386,13 @@ class ApprovalDesk:
             found = list(self._open.values())
         return sorted((g for g in found if g.deadline > now), key=lambda g: g.deadline)
 
-    def watch(self) -> AsyncIterator[FeedEvent]:
+    def watch(self) -> AsyncGenerator[FeedEvent, None]:
         """The approver feed from this call on: every open routed gate first (as OPENED events), then every
         event as it comes. A front-end shows a gate on OPENED and takes it away on CLOSED (`closing` says who
         decided); the feed ends when the server stops."""
         return self._watch(self.hub.last_id(FEED))
 
-    async def _watch(self, mark: int) -> AsyncIterator[FeedEvent]:
+    async def _watch(self, mark: int) -> AsyncGenerator[FeedEvent, None]:
         told = set()
         for gate in await self.pending():
             told.add(gate.gate_id)

@@ -95,10 +95,10 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     buffer = event_buffer(config.env)
     hub = shared_events.RedisEventHub(link, buffer) if link else events.EventHub(buffer=buffer)
     keeper = gate.GateKeeper.from_env(config.gates, hub, config.env, config.config_dir)
-    keeper.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
-                                      key_file=audit_chain.key_path(config.data_dir(), config.env))
+    grant_store = keeper.grants = grants.GrantStore(config.data_dir() / grants.AUDIT_FILE,
+                                                    key_file=audit_chain.key_path(config.data_dir(), config.env))
     try:
-        await keeper.grants.open()
+        await grant_store.open()
     except BaseException:
         await sessions.close()
         raise
@@ -141,14 +141,14 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     if link is not None:  # several instances: gates, grants, windows and plugin values in Redis
         rt.gate.relay, rt.rate_limiter.shared = shared_gates.GateRelay(link), shared_values.SharedLimits(link)
         rt.values = shared_values.SharedValues(link)
-        rt.gate.grants.link = link
+        grant_store.link = link
         rt.signals = rt.gate.signals = shared_link.Signals(link)
         rt.signals.on(gate.POLICY_SIGNAL, rt.gate.policy_changed_elsewhere)
         for what in ("cancel", "stop"):
             rt.signals.on(what, functools.partial(routes.signalled, rt.active_tasks, rt.hub, what))
         rt.signals.start()
     # Whatever removes a session (delete, expiry, eviction) also drops its stream, rate-limit windows and grants.
-    sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, rt.gate.grants.forget]
+    sessions.forgotten += [rt.hub.drop, rt.rate_limiter.forget, grant_store.forget]
     sessions.is_busy = lambda client_id: bool(rt.active_tasks.get(client_id))
     sessions.interrupted = functools.partial(routes.interrupted, rt.hub)
     sessions.store_news = functools.partial(_store_news, rt.hub, hide)
@@ -158,8 +158,8 @@ async def build_runtime(config: AppConfig, store: stores.SessionStore | None = N
     for name, handler in commands.COMMANDS.items():
         rt.commands[name] = turns.Command(functools.partial(handler, ctx), usage=turns.usage_of(handler))
     parts = gate_commands.Parts(gate=rt.gate, rate_limiter=rt.rate_limiter, sessions=rt.sessions, tools=rt.tools)
-    for name, handler in gate_commands.COMMANDS.items():
-        rt.commands[name] = turns.Command(functools.partial(handler, parts), usage=turns.usage_of(handler))
+    for name, gate_command in gate_commands.COMMANDS.items():
+        rt.commands[name] = turns.Command(functools.partial(gate_command, parts), usage=turns.usage_of(gate_command))
     return rt
 
 

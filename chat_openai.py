@@ -63,8 +63,8 @@ class RawCompletions:
                 options[option] = value
         content = _encoded(params, options)
         template = self._template() if content is not None and len(options) == 1 else None
-        if template is not None:
-            return await self._send(template, content)  # type: ignore[arg-type]
+        if template is not None and content is not None:  # (a template only comes with content)
+            return await self._send(template, content)
         return await self._client.post("/chat/completions", body=params if content is None else None, content=content,
                                        cast_to=object, options=options, stream=True, stream_cls=self.stream_cls)
 
@@ -171,11 +171,17 @@ class RawCompletions:
                 resp.release()
             raise self._client._make_status_error_from_response(httpx2.Response(
                 resp.status, headers=resp.raw_headers, content=body, request=_request(template, content))) from None
-        return self.stream_cls(cast_to=object, response=_AiohttpAnswer(resp, template, content), client=self._client)
+        return self.stream_cls(cast_to=object, response=_AiohttpAnswer(resp, template, content),  # type: ignore[arg-type]  # duck-types httpx.Response
+                               client=self._client)
 
 
 #: The answer encodings aiohttp decodes without optional packages (`RawCompletions._direct`).
 _DECODED = {"gzip", "deflate", "identity"}
+
+
+def _forget(memo: dict[int, Any], key: int, _: object) -> None:
+    """A remembered message is gone (its weak reference's callback): drop its request dict."""
+    memo.pop(key, None)
 
 
 def _request(template: Any, content: bytes) -> Any:
@@ -247,7 +253,7 @@ def chunk_stream() -> type[AsyncStream[object]]:
         failures the SDK's exceptions.
         """
 
-        async def __stream__(self) -> AsyncIterator[object]:  # type: ignore[override]
+        async def __stream__(self) -> AsyncIterator[object]:
             response = self.response
             pending = b""
             done = False
@@ -368,15 +374,16 @@ def _remembering_class() -> type:
     from langchain_openai import ChatOpenAI
     from pydantic import PrivateAttr
 
-    class RememberingChatOpenAI(ChatOpenAI):  # type: ignore[misc]
+    class RememberingChatOpenAI(ChatOpenAI):
         _converted: dict[int, tuple[weakref.ref[Any], dict[str, Any]]] = PrivateAttr(default_factory=dict)
 
-        def _get_request_payload(self, input_: Any, *, stop: list[str] | None = None, **kwargs: Any) -> dict:
+        def _get_request_payload(self, input_: Any, *, stop: list[str] | None = None, **kwargs: Any
+                                 ) -> dict[str, Any]:
             payload = super()._get_request_payload([], stop=stop, **kwargs)
             if "messages" not in payload:  # the Responses API: its input is built differently, left to LangChain
                 return super()._get_request_payload(input_, stop=stop, **kwargs)
             memo = self._converted  # a private attribute: read once, pydantic's lookup of it costs 3 µs
-            dicts = []
+            dicts: list[dict[str, Any] | BaseMessage] = []  # a message until converted below
             # A list of messages (what the agent loop passes) is read as it is: LangChain's conversion would
             # validate each into a prompt value first, a slower pass over the whole history at every call.
             messages = input_ if isinstance(input_, list) and all(isinstance(m, BaseMessage) for m in input_) \
@@ -411,7 +418,7 @@ def _remembering_class() -> type:
             memo = self._converted
             for message, body in zip(messages, converted, strict=True):
                 key = id(message)
-                memo[key] = (weakref.ref(message, lambda _, key=key: memo.pop(key, None)), body)
+                memo[key] = (weakref.ref(message, functools.partial(_forget, memo, key)), body)
             return converted
 
     return RememberingChatOpenAI

@@ -58,7 +58,7 @@ def _models_list(ctx: Context, current: str | None) -> str:
     return "Available models:\n" + "\n".join(rows)
 
 
-async def cmd_help(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_help(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!help — this help"""
     lines = ["Commands:"]
     for name, cmd in sorted(ctx.commands.items()):
@@ -96,7 +96,7 @@ async def cmd_help(ctx: Context, turn: turns.Turn, args: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def cmd_model(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_model(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!model [key] — list models / switch this session's model"""
     session = turn.session
     if not args:
@@ -109,7 +109,7 @@ async def cmd_model(ctx: Context, turn: turns.Turn, args: str) -> str:
     return f"Model set to '{args}'."
 
 
-async def cmd_reset(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_reset(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!reset — clear this session's history"""
     session = turn.session
     count = len(session.history)
@@ -118,7 +118,7 @@ async def cmd_reset(ctx: Context, turn: turns.Turn, args: str) -> str:
     return f"Conversation history cleared ({count} messages removed)."
 
 
-async def cmd_session(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_session(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!session [<ID> [delete]] — list sessions / show or delete one (full or shorthand id)
 
     Other people's sessions are visible only to the shell and admin requests: a proxy, Slack or
@@ -144,6 +144,8 @@ async def cmd_session(ctx: Context, turn: turns.Turn, args: str) -> str:
             turn.ends_session = True
             return f"Deleted session ID [{session.shorthand}]: {client_id} (the next message starts a new one)"
         deleted = await ctx.delete_session(client_id)  # never cancels this request itself
+        if deleted is None:  # deleted elsewhere since it was resolved above
+            return f"Session not found: {ident}\nUse !session to list sessions."
         return f"Deleted session ID [{deleted.shorthand}]: {client_id}"
     if action == "attach":
         return "!session <ID> attach is a shell.py command: it switches the terminal to that session."
@@ -155,7 +157,7 @@ async def cmd_session(ctx: Context, turn: turns.Turn, args: str) -> str:
             f"  tool_preview_length: {s.tool_preview_length or 'unlimited'}")
 
 
-async def cmd_tool_preview_length(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_tool_preview_length(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!tool_preview_length [n] — characters of tool results shown (0/off = all)"""
     session = turn.session
     def show(n: int) -> str:
@@ -171,7 +173,7 @@ async def cmd_tool_preview_length(ctx: Context, turn: turns.Turn, args: str) -> 
     return f"Tool preview length set to {show(value)}."
 
 
-async def cmd_sysprompt(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_sysprompt(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!sysprompt [reload] — show the system prompt / re-read it from disk"""
     if not args:
         return "--- Current system prompt ---\n" + ctx.prompt.assemble()
@@ -182,7 +184,7 @@ async def cmd_sysprompt(ctx: Context, turn: turns.Turn, args: str) -> str:
     return "ERROR: Invalid arguments\nUsage: !sysprompt  |  !sysprompt reload"
 
 
-async def cmd_read_system_prompt(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_read_system_prompt(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!read_system_prompt [section] — the cached prompt, or one section (name or index)"""
     if not args:
         return "--- Cached system prompt ---\n" + ctx.prompt.assemble()
@@ -215,7 +217,7 @@ def _positive_seconds(word: str) -> float | None:
 
 
 async def _change_models(
-    ctx: Context, turn: turns.Turn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
+    ctx: Context, turn: turns.HeldTurn, args: str, command: str, field: str, parse: Any, shown: Any, usage: str
 ) -> tuple[str, Any]:
     """`[model] value` of a model-setting command: (reply, the value set, or None when nothing changed)."""
     parts = args.split()
@@ -235,7 +237,7 @@ async def _change_models(
     return f"{field}={shown(value)} set for {who}\n{note}", value
 
 
-async def cmd_llm_call(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_llm_call(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!llm_call [model] [bool] — which models accept delegation (llm_clean_text/tool)"""
     session = turn.session
     if not args:
@@ -249,7 +251,7 @@ async def cmd_llm_call(ctx: Context, turn: turns.Turn, args: str) -> str:
     return reply
 
 
-async def cmd_llm_timeout(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_llm_timeout(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!llm_timeout [model] [secs] — delegation timeouts (llm_call_timeout)"""
     if not args:
         return "LLM delegation timeouts:\n" + "\n".join(
@@ -260,7 +262,7 @@ async def cmd_llm_timeout(ctx: Context, turn: turns.Turn, args: str) -> str:
     return reply
 
 
-async def cmd_stream(ctx: Context, turn: turns.Turn, args: str) -> str:
+async def cmd_stream(ctx: Context, turn: turns.HeldTurn, args: str) -> str:
     """!stream [on|off] — agent_call: relay the other agent's answer live"""
     session = turn.session
     if not args:
@@ -277,7 +279,7 @@ async def cmd_stream(ctx: Context, turn: turns.Turn, args: str) -> str:
 
 
 #: The server's own `!commands` besides the gate commands (gate_commands.COMMANDS): name → handler (ctx, turn, args).
-COMMANDS: dict[str, Callable[[Context, turns.Turn, str], Awaitable[str]]] = {
+COMMANDS: dict[str, Callable[[Context, turns.HeldTurn, str], Awaitable[str]]] = {
     "help": cmd_help, "model": cmd_model, "reset": cmd_reset, "session": cmd_session,
     "tool_preview_length": cmd_tool_preview_length, "sysprompt": cmd_sysprompt,
     "read_system_prompt": cmd_read_system_prompt, "llm_call": cmd_llm_call, "llm_timeout": cmd_llm_timeout,

@@ -20,7 +20,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from dotenv import dotenv_values
@@ -400,7 +400,7 @@ def read_json(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
 
 
-def atomic_write(path: Path, text: str, check: Callable[[Path], None] | None = None) -> None:
+def atomic_write(path: Path, text: str, check: Callable[[Path], object] | None = None) -> None:
     """Replace `path` with `text` all at once; `check(tmp)` may inspect the written copy and raise to abort."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
@@ -446,7 +446,10 @@ def field_problems(exc: ValidationError, top: str, template: str = "{where}: {ms
     return sep.join(template.format(where=".".join(map(str, e["loc"])) or top, msg=e["msg"]) for e in exc.errors())
 
 
-def validate_data(model: type[BaseModel], data: Any, path: Path) -> Any:
+_Validated = TypeVar("_Validated", bound=BaseModel)
+
+
+def validate_data(model: type[_Validated], data: Any, path: Path) -> _Validated:
     """`data` (parsed JSON of `path`) as `model`; a ConfigError lists every invalid field by name."""
     try:
         obj = model.model_validate(data)

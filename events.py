@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,7 +202,7 @@ class EventHub:
             self._notify(client_id, None)
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
-                        ) -> AsyncIterator[Event]:
+                        ) -> AsyncGenerator[Event, None]:
         """Events after `last_event_id`; without one, every event no subscriber has seen yet, then live.
 
         A subscriber that falls more than `buffer` events behind misses the oldest; with

@@ -115,7 +115,8 @@ def gate_type(entry: RegisteredTool | None) -> str:
 def _overrides(session: stores.Session | None, section: str) -> dict[str, dict[str, bool]]:
     if session is None:
         return {}
-    return session.settings.get("gates", {}).get(section, {})
+    overrides: dict[str, dict[str, bool]] = session.settings.get("gates", {}).get(section, {})
+    return overrides
 
 
 def _env_seconds(env: dict[str, str], name: str, default: float) -> float:

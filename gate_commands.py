@@ -67,7 +67,7 @@ _AUTOAIDB_USAGE = (
 )
 
 
-async def cmd_autoaidb(ctx: Parts, turn: turns.Turn, args: str) -> str:
+async def cmd_autoaidb(ctx: Parts, turn: turns.HeldTurn, args: str) -> str:
     """!autoAIdb [status | <table> [read|write|ddl] <bool> | <read|write|ddl> <bool>] — database gates"""
     session = turn.session
     words = args.split()
@@ -124,7 +124,7 @@ def _autogate_status(keeper: GateKeeper, session: stores.Session, groups: dict[s
     return "\n".join(lines)
 
 
-async def cmd_autogate(ctx: Parts, turn: turns.Turn, args: str) -> str:
+async def cmd_autogate(ctx: Parts, turn: turns.HeldTurn, args: str) -> str:
     """!autogate [status | <type|tool> [[read|write] <bool>] | <read|write> <bool>] — tool gates"""
     session = turn.session
     parts = args.split()
@@ -160,7 +160,7 @@ async def cmd_autogate(ctx: Parts, turn: turns.Turn, args: str) -> str:
     return f"autogate {what} {'+'.join(ops)}: {_state_word(value)} for this session."
 
 
-async def cmd_autoaisysprompt(ctx: Parts, turn: turns.Turn, args: str) -> str:
+async def cmd_autoaisysprompt(ctx: Parts, turn: turns.HeldTurn, args: str) -> str:
     """!autoAISysPrompt [read|write] [bool] — gates of reading / editing the system prompt"""
     session = turn.session
     parts = args.lower().split()
@@ -183,7 +183,7 @@ async def cmd_autoaisysprompt(ctx: Parts, turn: turns.Turn, args: str) -> str:
     return f"autoAISysPrompt {op} ({targets[op]}): {_state_word(value)} for this session."
 
 
-async def cmd_ratelimit(ctx: Parts, turn: turns.Turn, args: str) -> str:
+async def cmd_ratelimit(ctx: Parts, turn: turns.HeldTurn, args: str) -> str:
     """!ratelimit [enable <type>] — rate limits; re-enable a type disabled for you (★ enable)"""
     parts = args.lower().split()
     caller = whom(turn)
@@ -202,7 +202,7 @@ async def cmd_ratelimit(ctx: Parts, turn: turns.Turn, args: str) -> str:
     return "ERROR: Invalid arguments\nUsage: !ratelimit  |  !ratelimit enable <type> [<caller>]"
 
 
-async def cmd_grants(ctx: Parts, turn: turns.Turn, args: str) -> str:
+async def cmd_grants(ctx: Parts, turn: turns.HeldTurn, args: str) -> str:
     """!grants [revoke <id>|all] — this session's grants (who, scope, expiry, uses), or end them now
 
     The shell and admin API clients may revoke a grant of any session by its id (from another
@@ -230,7 +230,7 @@ async def cmd_grants(ctx: Parts, turn: turns.Turn, args: str) -> str:
 
 
 #: The gate commands: name → handler (parts, turn, args).
-COMMANDS: dict[str, Callable[[Parts, turns.Turn, str], Awaitable[str]]] = {
+COMMANDS: dict[str, Callable[[Parts, turns.HeldTurn, str], Awaitable[str]]] = {
     "autoaidb": cmd_autoaidb, "autogate": cmd_autogate, "autoaisysprompt": cmd_autoaisysprompt,
     "ratelimit": cmd_ratelimit, "grants": cmd_grants,
 }

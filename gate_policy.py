@@ -75,7 +75,7 @@ def apply(defaults: GateDefaults, change: PolicyChange) -> GatePermission | Tool
         defaults.db if change.section == "db" else defaults.tools)
     blank = GatePermission() if change.section == "db" else ToolPermission()
     entry = (entries.get(change.key) or blank).model_copy(update=dict.fromkeys(change.ops, change.allowed))
-    entries[change.key] = entry  # type: ignore[assignment]
+    entries[change.key] = entry  # type: ignore[assignment]  # the entry is of its section's type (blank above)
     return entry
 
 

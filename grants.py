@@ -61,6 +61,10 @@ for i = 1, #rows, 2 do out[#out + 1] = rows[i] out[#out + 1] = rows[i + 1]
 out[#out + 1] = redis.call('HEXISTS', KEYS[2], rows[i]) end return out"""
 
 
+#: What the log's writer task takes from its queue: a statement (SQL, parameters, the head it seals or None), or
+#: a future it resolves once everything queued before it is written.
+_Work = tuple[str, tuple[Any, ...], tuple[int, str] | None] | asyncio.Future[None]
+
 class GrantError(ValueError):
     """An answer that cannot become a grant; the message says what to answer instead."""
 
@@ -193,8 +197,7 @@ class GrantStore(stores.SqliteFile):
         #: Grants known to be revoked or ended (the chain, this process, Redis tombstones): no copy counts again.
         self._revoked: set[str] = set()
         self._deferred: list[AuditRecord] = []
-        self._queue: asyncio.Queue[tuple[str, tuple[Any, ...], tuple[int, str] | None] | asyncio.Future[None]
-                                   | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Work | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self._observers: list[Callable[[str], None]] = []
         #: Several instances on one Redis (shared_link.Link): grants are shared there (see `refresh`).
@@ -242,7 +245,7 @@ class GrantStore(stores.SqliteFile):
     async def _open_chain(self) -> None:
         """Load the key, take over an unkeyed log, verify the chain against its head, load the grants it backs."""
         db = self._conn()
-        meta = dict(await (await db.execute("SELECT key, value FROM audit_meta")).fetchall())
+        meta = {key: value for key, value in await (await db.execute("SELECT key, value FROM audit_meta")).fetchall()}
         async with db.execute("SELECT COUNT(*) FROM audit") as cur:
             rows = (await cur.fetchone() or (0,))[0]
         async with db.execute("PRAGMA table_info(grants)") as cur:
@@ -293,7 +296,7 @@ class GrantStore(stores.SqliteFile):
                              [("format", audit_chain.FORMAT), ("log_id", secrets.token_hex(8)),
                               ("unkeyed", str(unkeyed))])
         await db.commit()
-        meta = dict(await (await db.execute("SELECT key, value FROM audit_meta")).fetchall())
+        meta = {key: value for key, value in await (await db.execute("SELECT key, value FROM audit_meta")).fetchall()}
         start = audit_chain.start_mac(self._key, meta["log_id"], unkeyed, last)
         if unkeyed:
             # The head of the unkeyed part; the audit_migrated record written at open extends it.
@@ -374,7 +377,7 @@ class GrantStore(stores.SqliteFile):
     async def _write(self) -> None:
         db = self._conn()
         while (item := await self._queue.get()) is not None:
-            batch = [item]
+            batch: list[_Work | None] = [item]  # None: the last (the writer stops)
             while not self._queue.empty() and batch[-1] is not None:
                 batch.append(self._queue.get_nowait())
             head = None

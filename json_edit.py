@@ -30,7 +30,7 @@ class _Node:
 
 
 def _skip(text: str, pos: int) -> int:
-    return _SPACE.match(text, pos).end()  # type: ignore[union-attr]
+    return _SPACE.match(text, pos).end()  # type: ignore[union-attr]  # the pattern matches the empty string too
 
 
 def _parse(text: str, pos: int) -> _Node:

@@ -87,8 +87,8 @@ def retryable(exc: BaseException) -> bool:
 
 def from_backend(exc: BaseException) -> bool:
     """Whether `exc` reports a failure of the model backend (as opposed to a bug on this side)."""
-    reported = (LLMError, *_openai("APIError"), httpx.HTTPError, TimeoutError, ConnectionError, ModelError,
-                json.JSONDecodeError)
+    reported: tuple[type[BaseException], ...] = (LLMError, *_openai("APIError"), httpx.HTTPError, TimeoutError,
+                                                 ConnectionError, ModelError, json.JSONDecodeError)
     return any(isinstance(e, reported) or failures.status_of(e) is not None for e in failures.chain(exc))
 
 
@@ -118,7 +118,7 @@ def describe_llm_error(exc: BaseException, key: str, cfg: ModelConfig | None) ->
     if found.kind == "status":
         return f"{where}: the backend answered HTTP {found.status}: {_words(found.message)}"
     if isinstance(exc, _openai("APIError")):
-        return f"{where}: the backend reported an error: {_words(exc.message)}"  # type: ignore[attr-defined]
+        return f"{where}: the backend reported an error: {_words(exc.message)}"  # type: ignore[attr-defined]  # APIError
     if isinstance(exc, json.JSONDecodeError | ValueError | httpx.HTTPError):
         return f"{where}: malformed response from the backend ({type(exc).__name__}: {_words(str(exc))})"
     return f"{where}: {type(exc).__name__}: {_words(str(exc))}"

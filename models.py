@@ -13,7 +13,7 @@ import logging
 import re
 import ssl
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -55,7 +55,7 @@ async def built_model(llms: dict[str, Any], config: AppConfig, key: str, usage: 
     not using them yet does not hold, and 0.4 s of imports the event loop does not wait for), then for
     OpenAI-type models one dry streamed call with `tools` bound (`_dry_stream`), so the first real call
     finds the request building, chunk parsing and merging warm. LLMError when it cannot be built."""
-    llm = llms.get(key)
+    llm: BaseChatModel | None = llms.get(key)
     if llm is None:
         llm = await asyncio.to_thread(_build, llms, config, key, usage, tools)
     return llm
@@ -78,9 +78,9 @@ def _build(llms: dict[str, Any], config: AppConfig, key: str, usage: bool,
 def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = False) -> BaseChatModel:
     """The chat model of a registry entry, built once per server and kept in `llms` (one HTTP pool each).
     `usage`: ask for token counts in the stream (when metrics or traces want them)."""
-    llm = llms.get(key)
-    if llm is not None:
-        return llm
+    built: BaseChatModel | None = llms.get(key)
+    if built is not None:
+        return built
     cfg = config.models.get(key)
     if cfg is None:
         raise LLMError(f"unknown model '{key}'; choose one of: {', '.join(config.models)} (!model)")
@@ -91,6 +91,7 @@ def chat_model(llms: dict[str, Any], config: AppConfig, key: str, usage: bool = 
             "or switch model with !model"
         )
     sampling = {"temperature": cfg.temperature} if cfg.temperature is not None else {}
+    llm: BaseChatModel
     if cfg.type == "OPENAI":
         import openai
 
@@ -151,7 +152,7 @@ async def close_models(llms: dict[str, Any], keys: list[str] | None = None) -> N
         if pool is not None:
             await pool.aclose()
             if getattr(llm, "http_client", None) is not None:
-                llm.http_client.close()  # type: ignore[union-attr]
+                llm.http_client.close()
         elif hasattr(llm, "aclose"):  # ChatGoogleGenerativeAI's own client
             await llm.aclose()
 
@@ -332,10 +333,11 @@ async def _let_readers_run() -> None:
         await asyncio.sleep(0)
 
 
-def _own_stream(llm: Any) -> tuple[BaseChatModel, dict[str, Any]] | None:
+def _own_stream(llm: Any) -> tuple[BaseChatModel, Mapping[str, Any]] | None:
     """The chat model under `llm` (itself, or the model a `bind_tools` binding wraps) and the arguments to call its
     own stream with, when nothing listens to what `BaseChatModel.astream` adds around it; None otherwise."""
-    model, kwargs = llm, {}
+    model: Any = llm
+    kwargs: Mapping[str, Any] = {}
     if isinstance(llm, RunnableBinding):
         if llm.config or llm.config_factories:
             return None
@@ -369,7 +371,7 @@ async def _chunks(llm: Any, context: list[BaseMessage]) -> AsyncIterator[AIMessa
         message = generation.message
         if generation.generation_info:
             message.response_metadata = {**generation.generation_info, **message.response_metadata}
-        yield message
+        yield message  # type: ignore[misc]  # a chat model streams AIMessageChunks; LangChain types them as the base class
     yield AIMessageChunk(content="", chunk_position="last")
 
 
@@ -450,7 +452,7 @@ async def stream_once(
             log_retry(1, exc)
         await asyncio.sleep(_RETRY_BACKOFF)
         return await AsyncRetrying(  # attempts 2, 3, …: its attempt n is the call's n + 1
-            retry=retry_if_exception(lambda exc: not streamed and retryable(exc)),
+            retry=retry_if_exception(lambda exc: not streamed and retryable(exc)),  # type: ignore[redundant-expr]  # attempt() sets `streamed` later
             stop=stop_after_attempt(cfg.max_retries),
             wait=wait_exponential(multiplier=2 * _RETRY_BACKOFF, max=8),
             before_sleep=lambda state: log_retry(state.attempt_number + 1,
@@ -462,7 +464,7 @@ async def stream_once(
     with tracer.span(f"chat {cfg.model_id}", attributes, client=True) as span, \
             metrics.model_call(failure_kind) as call:
         reply = await attempts()
-        usage = reply.usage_metadata or {}
+        usage: Mapping[str, Any] = reply.usage_metadata or {}
         call.done(usage)
         finish = reply.response_metadata.get("finish_reason")
         tracer.note(span, gen_ai__usage__input_tokens=usage.get("input_tokens"),

@@ -17,12 +17,13 @@ The loader builds one context per plugin before `init()`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+import grants
 import models
 import routes
 import state
@@ -147,11 +148,11 @@ class BasePlugin(ABC):
         return self.CLIENT_NAMESPACES[max(owning, key=len)] if owning else UNKNOWN
 
     @abstractmethod
-    def init(self, config: dict[str, Any]) -> bool:
+    def init(self, config: dict[str, Any]) -> bool | Awaitable[bool]:
         """Start with this plugin's `plugin_config` block; return False to be skipped. May be async."""
 
     @abstractmethod
-    def shutdown(self) -> None:
+    def shutdown(self) -> Awaitable[None] | None:
         """Close connections and stop background work. May be async."""
 
     def get_tools(self) -> dict[str, Any]:
@@ -261,7 +262,7 @@ class PluginContext:
         self._vouch_request(request)
         await routes.process_request(request, rt=self._rt)
 
-    def run_turn(self, request: Request, *, cancel_running: bool = False) -> AsyncIterator[Event]:
+    def run_turn(self, request: Request, *, cancel_running: bool = False) -> AsyncGenerator[Event, None]:
         """Submit the request and iterate its own events, ending with its `done` (`routes.run_turn`)."""
         self._vouch_request(request)
         return routes.run_turn(self._rt, request, cancel_running=cancel_running)
@@ -301,7 +302,7 @@ class PluginContext:
         return await self._rt.pipeline.execute(turn, name, args)
 
     async def ask_gate(self, client_id: str, payload: dict[str, Any], seconds: float,
-                       routed: Any = None) -> tuple[str, str]:
+                       routed: Any = None) -> tuple[grants.Decision, str]:
         """Raise a gate on the session and wait for its decision (`GateKeeper.ask`): (decision, gate id)."""
         self._scope.check(client_id)
         return await self._rt.gate.ask(client_id, payload, seconds, routed)
@@ -366,7 +367,7 @@ class PluginContext:
         if not self._scope.everything:
             raise ScopeError(f"plugin {self._plugin.PLUGIN_NAME}: the Redis connection reaches every session; use "
                              "ctx.values and ctx.signals (or have an operator grant it all-sessions)")
-        return self._rt.link  # type: ignore[no-any-return]
+        return self._rt.link
 
     # ── observability ──
 
@@ -386,7 +387,7 @@ class PluginContext:
         """Set when the server stops, so endless event streams end."""
         if self._rt.stopping is None:
             self._rt.stopping = anyio.Event()
-        return self._rt.stopping  # type: ignore[no-any-return]
+        return self._rt.stopping
 
     def stream_opened(self) -> None:
         """An event-stream response started: a stopping server waits for it to end."""

@@ -32,7 +32,7 @@ class PluginReport:
 
 def requirement_names(requirements: list[str]) -> set[str]:
     """The canonical package names of pip requirement strings (a string that is none: as given)."""
-    names = set()
+    names: set[str] = set()
     for text in requirements:
         try:
             names.add(canonicalize_name(Requirement(text).name))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +194,7 @@ class PluginHub:
         return self._hub.publish(client_id, name, data)
 
     def subscribe(self, client_id: str, last_event_id: int | None = None,
-                  report_gaps: bool = False) -> AsyncIterator[Event]:
+                  report_gaps: bool = False) -> AsyncGenerator[Event, None]:
         """The session's events after `last_event_id` (without one: those no subscriber has seen yet), then live."""
         self._scope.check(client_id)
         return self._hub.subscribe(client_id, last_event_id, report_gaps)
@@ -260,12 +260,13 @@ class PluginDesk:
         """The open routed gates the plugin sees, soonest deadline first."""
         return [g for g in await self._desk.pending() if self._scope.everything or self.shows(g)]
 
-    def watch(self) -> AsyncIterator[approvals.FeedEvent]:
+    def watch(self) -> AsyncGenerator[approvals.FeedEvent, None]:
         """The approver feed from this call on (`ApprovalDesk.watch`): the gates the plugin sees, and their
         closings."""
         return self._seen(self._desk.watch())
 
-    async def _seen(self, feed: AsyncIterator[approvals.FeedEvent]) -> AsyncIterator[approvals.FeedEvent]:
+    async def _seen(self, feed: AsyncGenerator[approvals.FeedEvent, None]
+                    ) -> AsyncGenerator[approvals.FeedEvent, None]:
         told: set[str] = set()
         async with contextlib.aclosing(feed):
             async for ev in feed:

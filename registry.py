@@ -38,6 +38,14 @@ class RegisteredTool:
     owner: str
     gate: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def args_model(self) -> type[BaseModel]:
+        """The pydantic model of the tool's arguments (registration refuses a tool without one)."""
+        schema = self.tool.args_schema
+        if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+            raise ToolRegistrationError(f"{self.owner}: tool '{self.tool.name}' needs a pydantic BaseModel args_schema")
+        return schema
+
 
 def _lc_tool_to_openai_dict(tool: StructuredTool) -> dict[str, Any]:
     """The OpenAI `{"type": "function", "function": {...}}` form of a tool."""
@@ -84,7 +92,7 @@ class ToolRegistry:
             )
         self._tools[tool.name] = RegisteredTool(tool, owner, _check_gate(gate or {}, tool.name, owner))
 
-    def register_plugin_tools(self, plugin_name: str, tools: dict[str, Any]) -> list[str]:
+    def register_plugin_tools(self, plugin_name: str, tools: object) -> list[str]:
         """Register a plugin's `get_tools()` result (`{"lc": [StructuredTool, ...]}`); all or nothing."""
         if not isinstance(tools, dict) or not isinstance(tools.get("lc", []), list):
             raise ToolRegistrationError(f"{plugin_name}: get_tools() must return {{'lc': [StructuredTool, ...]}}")

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +229,7 @@ FELL_BEHIND = ("the answer is incomplete: this client read it more slowly than i
 
 
 async def run_turn(rt: state.Runtime, request: Request, *, cancel_running: bool = False
-                   ) -> AsyncIterator[Event]:
+                   ) -> AsyncGenerator[Event, None]:
     """Submit the request and yield the events of this request only, ending with its `done`.
 
     For client plugins that answer one request per HTTP call or message (proxy, Slack, API
@@ -311,7 +311,7 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
     turn = request.turn(turn_id)
     task = asyncio.current_task()
     # A plugin may call this directly: then the request tracks itself (a submitted one is tracked already).
-    untrack = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
+    untrack: Callable[[], None] = (lambda: None) if task is None or task in rt.active_tasks.get(client_id, ()) \
         else _track(rt.active_tasks, client_id, task, turn.id)
     cancelled = started = done = False
 
@@ -327,21 +327,25 @@ async def process_request(request: Request, *, rt: state.Runtime, turn_id: str |
             session, added = rt.sessions.get_or_add(client_id, model, turn.kind)
             if added and request.history:
                 session.history = [dict(m) for m in request.history]
-            turn.session = session
-            # An LLM turn saves its user message first thing: the session's mark as running goes with that save.
-            async with rt.sessions.hold(session, turn.id, end_turn,
-                                        saves_at_once=bool(text.strip()) and "!" not in text) as created:
-                started = True
-                why = await rt.sessions.take_gone(client_id) if created else None
-                if why is not None:
-                    rt.hub.publish(client_id, "status", {
-                        "text": f"[session] this session was {why} ({_GONE[why]}); this message starts a new, "
-                                "empty one", "session_gone": why})
-                rt.hub.publish(client_id, "user", {"text": text})  # every window shows who said what, in order
-                if turn.model is not None and turn.model not in rt.config.models:
-                    rt.hub.error(client_id, f"unknown model '{turn.model}'; available: {', '.join(rt.config.models)}")
-                else:
-                    await _process(rt, turn, text)
+            # From here on the turn holds its session (what `!commands` and the agent loop receive), and is the
+            # current one: what they set on it (ends_session) is read in `finally` below.
+            turn = held = turn.holding(session)
+            with turns.running(held):
+                # An LLM turn saves its user message first thing: the session's mark as running goes with that save.
+                async with rt.sessions.hold(session, turn.id, end_turn,
+                                            saves_at_once=bool(text.strip()) and "!" not in text) as created:
+                    started = True
+                    why = await rt.sessions.take_gone(client_id) if created else None
+                    if why is not None:
+                        rt.hub.publish(client_id, "status", {
+                            "text": f"[session] this session was {why} ({_GONE[why]}); this message starts a new, "
+                                    "empty one", "session_gone": why})
+                    rt.hub.publish(client_id, "user", {"text": text})  # every window shows who said what, in order
+                    if turn.model is not None and turn.model not in rt.config.models:
+                        rt.hub.error(client_id,
+                                     f"unknown model '{turn.model}'; available: {', '.join(rt.config.models)}")
+                    else:
+                        await _process(rt, held, text)
         except asyncio.CancelledError as exc:
             cancelled = True
             if exc.args == (sessions.LEASE_LOST,):  # another instance ended this turn already, and said so
@@ -392,7 +396,7 @@ def interrupted(hub: EventHub, client_id: str, turn_id: str, message: str = INTE
         hub.done(client_id)
 
 
-async def _process(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
+async def _process(rt: state.Runtime, turn: turns.HeldTurn, text: str) -> None:
     """Answer the request: its `!command` lines, and its other text with an LLM turn. The one step past
     `process_request` that keeps the runtime; the LLM turn goes to the runtime's agent loop (agents.Agent)."""
 
@@ -428,7 +432,7 @@ async def _process(rt: state.Runtime, turn: turns.Turn, text: str) -> None:
     await llm(stripped)
 
 
-def _at_model(models: Collection[str], turn: turns.Turn, text: str) -> tuple[turns.Turn, str] | str:
+def _at_model(models: Collection[str], turn: turns.HeldTurn, text: str) -> tuple[turns.HeldTurn, str] | str:
     """The turn and text of an LLM turn on the turn's model (default: the session's), or on a leading
     `@model` for this turn only: then, from the interactive shell, its tool calls also skip the human
     gate. An unknown `@model`: what the client is told instead."""
@@ -443,7 +447,7 @@ def _at_model(models: Collection[str], turn: turns.Turn, text: str) -> tuple[tur
     return dataclasses.replace(turn, model=key, bypass_gates=turn.interactive), rest.strip()
 
 
-async def run_command(commands: Mapping[str, turns.Command], turn: turns.Turn, line: str) -> str:
+async def run_command(commands: Mapping[str, turns.Command], turn: turns.HeldTurn, line: str) -> str:
     """Run one `!command` line of `turn`: the text its client is shown (unknown commands never reach the model)."""
     name, _, args = line.lstrip("!").partition(" ")
     name = name.strip().lower()

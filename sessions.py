@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,11 +279,11 @@ class SessionManager:
             if client_id not in stored and not mine.lock.locked() and client_id not in self._unsaved:
                 self._drop(client_id)
         for client_id, fresh in stored.items():
-            mine = self._sessions.get(client_id)
-            if mine is None:
+            known = self._sessions.get(client_id)
+            if known is None:
                 self._add(fresh)
-            elif not mine.lock.locked():
-                self._take(mine, fresh)
+            elif not known.lock.locked():
+                self._take(known, fresh)
 
     async def _reload(self, session: Session) -> bool:
         """Read a held session again from a shared store; True when the store has none (a new session)."""
@@ -588,7 +588,7 @@ class SessionManager:
 
     async def _evict(self, kind: str, cap: int, keep: str | None = None) -> list[str]:
         """Forget the least recently active idle sessions of class `kind` beyond `cap` (never `keep`)."""
-        members = self._lru.get(kind, {})
+        members: Mapping[str, Session] = self._lru.get(kind, {})
         excess = len(members) - cap
         if excess <= 0:
             return []

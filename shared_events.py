@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from events import EVENT_BUFFER, LOST, MAX_IDLE_CHANNELS, Event, EventHub
@@ -221,7 +221,7 @@ class RedisEventHub(EventHub):
     async def _append_after_top(self, client_id: str, events: list[Event]) -> None:
         """Give `events` ids after the stream's newest entry and add them (again if another write wins)."""
         while True:
-            top = await self.r.xrevrange(self._key(client_id), count=1)
+            top: list[tuple[str, dict[str, str]]] = await self.r.xrevrange(self._key(client_id), count=1)  # type: ignore[assignment]  # decoded: str (Link.client)
             base = event_id(top[0][0]) + 1 if top else time.time_ns() // 1000
             events = [Event(base + n, e.name, e.data, e.turn) for n, e in enumerate(events)]
             self._last[client_id] = max(self._last.get(client_id, 0), events[-1].id)
@@ -232,7 +232,7 @@ class RedisEventHub(EventHub):
                 return
 
     async def subscribe(self, client_id: str, last_event_id: int | None = None, report_gaps: bool = False
-                        ) -> AsyncIterator[Event]:
+                        ) -> AsyncGenerator[Event, None]:
         key, seen_key = self._key(client_id), self.link.key("seen", client_id)
         with self.link.calling():
             if last_event_id is not None:
@@ -245,7 +245,8 @@ class RedisEventHub(EventHub):
         noted = time.monotonic()
         while not self.closed:
             with self.link.calling():
-                reply = await self.r.xread({key: stream_id(cursor)}, count=500, block=BLOCK_MS)
+                reply: list[tuple[str, list[tuple[str, dict[str, str]]]]] = await self.r.xread(
+                    {key: stream_id(cursor)}, count=500, block=BLOCK_MS)  # type: ignore[assignment]  # decoded: str (Link.client)
             entries = reply[0][1] if reply else []
             last = ""
             for _, fields in entries:

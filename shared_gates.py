@@ -50,7 +50,7 @@ class GateRelay:
 
     async def owner(self, gate_id: str) -> str | None:
         with self.link.calling():
-            fields = await self.r.hgetall(self.link.key("gate", gate_id))
+            fields: dict[str, str] = await self.r.hgetall(self.link.key("gate", gate_id))  # type: ignore[assignment]  # decoded: str (Link.client)
         return None if not fields or fields.get("answered") else fields.get("owner")
 
     async def answer(self, gate_id: str, answer: dict[str, Any]) -> bool:
@@ -118,7 +118,7 @@ class SharedApprovals:
     async def get(self, gate_id: str) -> tuple[str | None, str | None]:
         """(description, closing) of a routed gate, None for what is not there."""
         with self.link.calling():
-            found = await self.r.hmget(self.link.key("approval", gate_id), ["gate", "closing"])
+            found: list[str | None] = await self.r.hmget(self.link.key("approval", gate_id), ["gate", "closing"])  # type: ignore[assignment]  # decoded: str (Link.client)
         return found[0], found[1]
 
     async def claim(self, gate_id: str, closing: str) -> tuple[bool, str | None]:
@@ -134,7 +134,7 @@ class SharedApprovals:
     async def open_ones(self) -> list[str]:
         """Descriptions of the routed gates still open (deadline not passed), soonest deadline first."""
         with self.link.calling():
-            ids = await self.r.zrangebyscore(self.link.key("approvals"), time.time(), "+inf")
+            ids: list[str] = await self.r.zrangebyscore(self.link.key("approvals"), time.time(), "+inf")  # type: ignore[assignment]  # decoded: str (Link.client)
             if not ids:
                 return []
             pipe = self.r.pipeline(transaction=False)

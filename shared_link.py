@@ -120,6 +120,8 @@ class Link:
         #: A command Redis refused (in a pipeline's results: another instance wrote a stream further ahead).
         self.refused = exceptions.ResponseError
         # A command on a pooled connection that died with a restarted Redis is sent again on a new one.
+        # decode_responses: every reply is str (or None), where redis-py's annotations say bytes | str whatever the
+        # option; so the callers declare the str types they get (`# type: ignore[assignment]  # decoded: str`).
         self.client = aioredis.Redis.from_url(self.url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT,
                                               socket_connect_timeout=2.0,
                                               retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
@@ -210,7 +212,11 @@ class Signals:
     def on(self, what: str, handler: Callable[[str], Awaitable[Any]]) -> Callable[[], None]:
         """Call `handler(subject)` for every `what` another instance sends; returns the function that stops it."""
         self._handlers[what] = handler
-        return lambda: self._handlers.pop(what, None) if self._handlers.get(what) is handler else None
+
+        def stop() -> None:
+            if self._handlers.get(what) is handler:
+                self._handlers.pop(what, None)
+        return stop
 
     def start(self) -> None:
         """Listen until `close`."""

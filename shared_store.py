@@ -110,11 +110,12 @@ class RedisStore(stores.SessionStore):
 
     async def fetch(self, client_id: str) -> stores.Session | None:
         with self.link.calling():
-            return self._session(client_id, await self.r.hgetall(self._key("session", client_id)))
+            fields: dict[str, str] = await self.r.hgetall(self._key("session", client_id))  # type: ignore[assignment]  # decoded: str (Link.client)
+            return self._session(client_id, fields)
 
     async def fetch_all(self) -> list[stores.Session]:
         with self.link.calling():
-            ids = await self.r.zrange(self._key("sessions"), 0, -1)
+            ids: list[str] = await self.r.zrange(self._key("sessions"), 0, -1)  # type: ignore[assignment]  # decoded: str (Link.client)
             pipe = self.r.pipeline(transaction=False)
             for client_id in ids:
                 pipe.hgetall(self._key("session", client_id))
@@ -149,7 +150,8 @@ class RedisStore(stores.SessionStore):
 
     async def take_gone(self, client_id: str) -> str | None:
         with self.link.calling():
-            return await self.r.getdel(self._key("gone", client_id))
+            why: str | None = await self.r.getdel(self._key("gone", client_id))  # type: ignore[assignment]  # decoded: str (Link.client)
+            return why
 
     @contextlib.asynccontextmanager
     async def lease(self, client_id: str, holder: str) -> AsyncIterator[None]:
@@ -189,7 +191,8 @@ class RedisStore(stores.SessionStore):
 
     async def orphans(self) -> list[str]:
         with self.link.calling():
-            running = sorted(await self.r.smembers(self._key("running")))
+            members: set[str] = await self.r.smembers(self._key("running"))  # type: ignore[assignment]  # decoded: str (Link.client)
+            running = sorted(members)
             if not running:
                 return []
             pipe = self.r.pipeline(transaction=False)

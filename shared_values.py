@@ -78,7 +78,8 @@ class SharedValues:
 
     async def get(self, name: str) -> str | None:
         with self.link.calling():
-            return await self.r.get(self.link.key("core-value", name))
+            value: str | None = await self.r.get(self.link.key("core-value", name))  # type: ignore[assignment]  # decoded: str (Link.client)
+            return value
 
 
 # A plugin's values live under `plugin-value:<plugin>:<name>`, the core's under `core-value:<name>`: no name
@@ -125,12 +126,14 @@ class PluginValues:
 
     async def get(self, name: str) -> str | None:
         with self._link.calling():
-            return await self._link.client.eval(_GET, 2, *self._keys(name))  # type: ignore[no-any-return]
+            value: str | None = await self._link.client.eval(_GET, 2, *self._keys(name))  # the value, or nil
+            return value
 
     async def take(self, name: str) -> str | None:
         """The value under `name`, removed (one instance gets it)."""
         with self._link.calling():
-            return await self._link.client.eval(_TAKE, 2, *self._keys(name))  # type: ignore[no-any-return]
+            value: str | None = await self._link.client.eval(_TAKE, 2, *self._keys(name))  # the value, or nil
+            return value
 
     async def drop(self, name: str) -> None:
         with self._link.calling():

@@ -93,7 +93,8 @@ class Shell:
                     text = await self.terminal.prompt(
                         default=self._draft,
                         toolbar=self._toolbar,
-                        should_abort=lambda: self.ui.busy or bool(self.ui.fatal),
+                        # Read while the prompt waits, when a turn another window started may be running.
+                        should_abort=lambda: self.ui.busy or bool(self.ui.fatal),  # type: ignore[redundant-expr]  # later
                     )
                 except PromptInterrupted as exc:
                     self._draft = exc.text

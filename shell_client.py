@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ TOKEN_HINT = "pass --token or set AGENT_SHELL_TOKEN"
 
 def approval_gate(data: Mapping[str, Any], now: float) -> dict[str, Any]:
     """A feed `approval` event (approvals.RoutedGate) as the gate dict the shell's panel shows (`routed`: True)."""
-    args = data.get("args") if isinstance(data.get("args"), dict) else {}
+    args = given if isinstance(given := data.get("args"), dict) else {}
     shape = data.get("summary") if data.get("tables") else None
     return {"gate_id": data.get("gate_id"), "tool_name": data.get("tool"), "tables": data.get("tables") or [],
             "tool_args": {**args, "operation_type": data.get("op")}, "grants": data.get("scopes") or [],
@@ -215,7 +215,8 @@ class ShellClient:
 
     async def health(self) -> dict[str, Any]:
         """GET /health: ``{"status", "models", "default_model"}``."""
-        return await self._request("GET", "/health")
+        answer: dict[str, Any] = await self._request("GET", "/health")
+        return answer
 
     async def sessions(self, client_id: str | None = None) -> list[dict[str, Any]]:
         """GET /sessions, filtered by a full client id or a shorthand such as "101"."""
@@ -228,7 +229,8 @@ class ShellClient:
         payload: dict[str, Any] = {"client_id": self._client_id, "text": text}
         if default_model:
             payload["default_model"] = default_model
-        return await self._request("POST", "/submit", json=payload, again=True)
+        answer: dict[str, Any] = await self._request("POST", "/submit", json=payload, again=True)
+        return answer
 
     async def stop(self) -> bool:
         """POST /stop: cancel this session's running turn (it ends with `[stopped]` and `done`); whether one ran."""
@@ -249,13 +251,16 @@ class ShellClient:
             body["approver"] = self.window_id
         if content is not None:
             body["content"] = content
-        return await self._request("POST", "/gate_response", json=body, again=True)
+        answer: dict[str, Any] = await self._request("POST", "/gate_response", json=body, again=True)
+        return answer
 
     async def set_approver(self, on: bool) -> dict[str, Any]:
         """POST /approver: this window answers (or stops answering) gates routed to shell approvers."""
-        return await self._request("POST", "/approver", json={"window": self.window_id, "on": on}, again=True)
+        answer: dict[str, Any] = await self._request("POST", "/approver", json={"window": self.window_id, "on": on},
+                                                     again=True)
+        return answer
 
-    async def approvals(self) -> AsyncIterator[ShellEvent]:
+    async def approvals(self) -> AsyncGenerator[ShellEvent, None]:
         """The approver feed while this window is an approver: `approval` (a routed gate, see approvals.RoutedGate)
         and `approval_closed` events; after a drop it opts in again and reconnects (the open gates come again)."""
         while not self._closed:
@@ -330,7 +335,7 @@ class ShellClient:
         self._ensure_stream()
         return await self._wait_connected(max_wait)
 
-    async def events(self) -> AsyncIterator[ShellEvent]:
+    async def events(self) -> AsyncGenerator[ShellEvent, None]:
         """Yield the current session's events in order until aclose(); raises AuthRequired.
 
         Survives drops (reconnecting with Last-Event-ID) and attach() (switching streams at once;

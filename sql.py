@@ -47,7 +47,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 # sqlglot (about 9 MiB of code) is imported by the functions that parse, at the first statement: every
 # server imports this module through the gate, and only one with a `db` tool ever classifies SQL.
@@ -85,7 +85,7 @@ EXECUTABLE_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 
 
 @functools.cache
-def _roots() -> tuple[tuple[type[exp.Expression], ...], ...]:
+def _roots() -> tuple[tuple[type[exp.Expr], ...], ...]:
     """(read roots, write roots, DDL roots, nodes that make a statement more than a plain read wherever
     they appear in its tree)."""
     from sqlglot import exp
@@ -164,7 +164,7 @@ def _word_tokenizer() -> type[Tokenizer]:
     class WordTokenizer(MySQL.Tokenizer):
         """MySQL tokens, with CALL/REPLACE/RENAME/… not swallowing the rest of the statement as one string."""
 
-        COMMANDS: frozenset[Any] = frozenset()
+        COMMANDS: ClassVar[set[Any]] = set()
 
     return WordTokenizer
 
@@ -421,8 +421,8 @@ def _visible_cte(table: exp.Table, case_sensitive: bool) -> bool:
     from sqlglot import exp
     if table.db or not isinstance(table.parent, (exp.From, exp.Join)):
         return False
-    path: list[exp.Expression] = [table]  # table, its parent, …: path[-1] is the node below `node`
-    node = table.parent
+    path: list[exp.Expr] = [table]  # table, its parent, …: path[-1] is the node below `node`
+    node: exp.Expr | None = table.parent
     while node is not None:
         with_ = node.args.get("with_") or node.args.get("with")
         if isinstance(node, exp.Query) and isinstance(with_, exp.With):
@@ -440,7 +440,7 @@ def _visible_cte(table: exp.Table, case_sensitive: bool) -> bool:
     return False
 
 
-def _scope_ctes(tree: exp.Expression) -> set[int]:
+def _scope_ctes(tree: exp.Expr) -> set[int]:
     """Ids of the Table nodes sqlglot's scope analysis resolves to a CTE (never on failure)."""
     from sqlglot import exp
     from sqlglot.optimizer.scope import traverse_scope
@@ -460,7 +460,7 @@ def _scope_ctes(tree: exp.Expression) -> set[int]:
     return found
 
 
-def _tables(tree: exp.Expression, case_sensitive: bool, nodes: list[exp.Expression] | None = None) -> set[str]:
+def _tables(tree: exp.Expr, case_sensitive: bool, nodes: list[exp.Expr] | None = None) -> set[str]:
     """Gate keys of the real tables in a statement: every table reference except the bare DUAL keyword and
     names that both scope analysis and SQL's visibility rules resolve to a CTE (`nodes`: `tree.walk()`)."""
     from sqlglot import exp
@@ -518,7 +518,7 @@ def _without_modifiers(sql: str) -> str:
     return sql
 
 
-def _risky_call(nodes: list[exp.Expression]) -> bool:
+def _risky_call(nodes: list[exp.Expr]) -> bool:
     """Whether a statement (its nodes) calls a builtin with side effects, or a function that is no known builtin."""
     from sqlglot import exp
     for func in nodes:
@@ -540,7 +540,7 @@ def _risky_call(nodes: list[exp.Expression]) -> bool:
 _LOCAL_ENGINES = frozenset({"INNODB", "MYISAM", "ARIA", "MEMORY", "HEAP"})
 
 
-def _reaches_elsewhere(nodes: list[exp.Expression]) -> bool:
+def _reaches_elsewhere(nodes: list[exp.Expr]) -> bool:
     """Whether a CREATE/ALTER TABLE's options make the table read or write something beyond itself."""
     from sqlglot import exp
     for node in nodes:
@@ -556,7 +556,7 @@ def _reaches_elsewhere(nodes: list[exp.Expression]) -> bool:
 Verdict = tuple[str, set[str]]
 
 
-def _classify_show(text: str, tree: exp.Expression | None, case_sensitive: bool) -> Verdict | None:
+def _classify_show(text: str, tree: exp.Expr | None, case_sensitive: bool) -> Verdict | None:
     """A SHOW statement: `__meta__` for a plain SHOW_META form, its system table for SHOW_KEYED, a WHERE
     classified as a SELECT of its expression; None (unknown) for anything else."""
     from sqlglot import exp
@@ -632,7 +632,7 @@ def _never_known(text: str) -> bool:
     return words[0] == "SET" and "ROLE" in words[1:3]
 
 
-def _classify_statement(tree: exp.Expression, text: str, case_sensitive: bool) -> Verdict | None:
+def _classify_statement(tree: exp.Expr, text: str, case_sensitive: bool) -> Verdict | None:
     """(operation, tables) of one parsed statement, or None when it cannot be trusted."""
     from sqlglot import exp
     read_roots, write_roots, ddl_roots, not_read_nodes = _roots()
@@ -742,7 +742,7 @@ def _classify_text(sql: str, case_sensitive: bool) -> tuple[str, frozenset[str]]
     return strongest(ops), frozenset(tables)
 
 
-def _parse(text: str) -> exp.Expression | None:
+def _parse(text: str) -> exp.Expr | None:
     """The tree of one statement's text (its modifiers dropped), or None when it is not one that parses."""
     import sqlglot
     from sqlglot.errors import SqlglotError

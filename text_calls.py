@@ -18,6 +18,7 @@ from typing import Any
 
 from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel
 
 _OPENERS = ("<tool_call>", "<tool_code>", "<tools>", "<function=", "<|python_tag|>", "```json", "```tool", "```\n")
 _OPENER_STARTS = frozenset(o[:i] for o in _OPENERS for i in range(1, len(o)))
@@ -103,7 +104,9 @@ def _function_calls(body: str) -> list[tuple[str, dict[str, Any], bool]]:
 
 def _typed_xml_args(tool: StructuredTool, args: dict[str, str]) -> dict[str, Any]:
     """XML parameter values are text: decode JSON for the parameters whose schema is not a string."""
-    props = tool.args_schema.model_json_schema().get("properties", {}) if tool.args_schema else {}
+    schema = tool.args_schema  # a pydantic model for every registered tool (registry._check_tool)
+    props = (schema.model_json_schema().get("properties", {})
+             if isinstance(schema, type) and issubclass(schema, BaseModel) else {})
     typed: dict[str, Any] = {}
     for key, value in args.items():
         kinds = {props.get(key, {}).get("type")} | {a.get("type") for a in props.get(key, {}).get("anyOf", [])}
@@ -367,8 +370,7 @@ def likely_call(text: str, tools: dict[str, StructuredTool]) -> tuple[str, dict[
     for body in [*bodies, text]:
         for value in _json_values(body.strip()) or []:
             args = value.get("arguments", value) if isinstance(value, dict) else None
-            owner = _arguments_of([args], tools) if isinstance(args, dict) else None
-            if owner:
+            if isinstance(args, dict) and (owner := _arguments_of([args], tools)):
                 return owner, args
     return None
 

@@ -99,7 +99,7 @@ async def _checked_tool(tools: ToolRegistry, checks: Sequence[gate.ToolCheck], t
         return ToolOutcome(f"ERROR: {problem}. Available tools: {', '.join(tools.names()) or 'none'}",
                            "invalid", problem=problem)
     try:
-        parsed = entry.tool.args_schema.model_validate(args or {})
+        parsed = entry.args_model.model_validate(args or {})
     except ValidationError as exc:
         problem = f"invalid arguments for {name}: {field_problems(exc, 'arguments')}"
         return ToolOutcome(f"ERROR: {problem}. Fix them and call again.", "invalid", problem=problem)
@@ -121,7 +121,10 @@ async def _run_tool(turn: turns.Turn, tool: StructuredTool, args: dict[str, Any]
     status(client_id, f"[{name} ▶] {_short(json.dumps(args, ensure_ascii=False), 200)}")
     failed = True
     try:
-        result = await tool.coroutine(**args)
+        run = tool.coroutine
+        if run is None:  # registration refuses such a tool; one changed since fails here like any tool
+            raise TypeError(f"tool {name} has no coroutine")
+        result = await run(**args)
         failed = False
     except asyncio.CancelledError:
         raise

@@ -334,9 +334,10 @@ def make_core_tools(parts: CoreParts) -> list[StructuredTool]:
         calls = native or try_force_tool_calls(said, {tool: target})[0]
         if not calls:
             return f"{model} did not call {tool}; it answered: {said}"
-        call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": calls[0]["args"]}
+        args: dict[str, Any] = calls[0]["args"]
+        call = {"id": calls[0].get("id") or f"call_{uuid.uuid4().hex[:12]}", "name": tool, "args": args}
         # The call goes through the normal pipeline: rate limit, gate, executor (outside the timeout).
-        result = (await parts.pipeline.execute(_this_turn(), tool, call["args"])).text
+        result = (await parts.pipeline.execute(_this_turn(), tool, args)).text
         if native:
             messages += [AIMessage(said, tool_calls=[{**call, "type": "tool_call"}]),
                          ToolMessage(result, tool_call_id=call["id"], name=tool)]

@@ -27,7 +27,7 @@ try:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     from opentelemetry.trace.status import Status, StatusCode
 except ImportError:  # the otel extra is not installed: tracing stays off
-    trace = None  # type: ignore[assignment]
+    trace = None  # type: ignore[assignment]  # the module's stand-in: None means tracing is off
 
 logger = logging.getLogger("agent_mcp.tracing")
 

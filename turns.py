@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class Turn:
     model: str | None = None
     #: Tool calls of this turn skip the human gate (an `@model` turn from the interactive shell).
     bypass_gates: bool = False
-    #: The session, once the turn holds it.
+    #: The session, once the turn holds it (then the turn is a HeldTurn: see `holding`).
     session: Session | None = None
     #: The request deletes its own session (`!session <own id> delete`): done once it has answered.
     ends_session: bool = False
@@ -60,6 +61,20 @@ class Turn:
     def may_administer(self) -> bool:
         """Whether this request may change gates and run privileged (★) commands."""
         return self.interactive or self.admin
+
+    def holding(self, session: Session) -> HeldTurn:
+        """This turn (its fields as they are now) on `session`: the turn `!commands`, the agent loop and the
+        tool pipeline run once the request holds its session; it replaces this one from then on."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "session"}
+        return HeldTurn(**fields, session=session)
+
+
+@dataclass
+class HeldTurn(Turn):
+    """A turn that holds its session: what `!commands` (CommandHandler) and the agent loop receive."""
+
+    #: Narrows Turn.session: never None here.
+    session: Session = field(kw_only=True)
 
 
 #: DbAccess.source of `!db`.
@@ -99,8 +114,9 @@ def running(turn: Turn | None) -> Iterator[Turn | None]:
         _turn.reset(token)
 
 
-#: A `!command` handler: async (turn, args) → the text the client is shown.
-CommandHandler = Callable[[Turn, str], Awaitable[Any]]
+#: A `!command` handler: async (turn, args) → the text the client is shown; a command runs in a request that holds
+#: its session.
+CommandHandler = Callable[[HeldTurn, str], Awaitable[Any]]
 
 
 @dataclass

@@ -182,7 +182,7 @@ async def run(args: argparse.Namespace) -> None:
             agent, url = start_proxy(backend, Path(tmp))
         servers.callback(agent.stop)
         floor.wait_ready()
-        pids = [floor.proc.pid, agent.proc.pid]  # type: ignore[union-attr]
+        pids = [floor.proc.pid, agent.proc.pid]  # type: ignore[union-attr]  # started: proc is set
         async with contextlib.AsyncExitStack() as clients_open:
             if args.path == "shell":
                 paths = [ServerPath(floor.url, "x"), ServerPath(agent.url, agent.token)]
@@ -194,7 +194,7 @@ async def run(args: argparse.Namespace) -> None:
                 targets = [Target("floor", f"{floor.url}/v1", "fake"), Target("agent-mcp", url, "agent-mcp:latest")]
                 for target in targets:
                     clients_open.push_async_callback(target.client.close)
-                clients = [lambda i, t=target: t.stream() for target in targets]  # type: ignore[misc]
+                clients = [lambda i, t=target: t.stream() for target in targets]  # type: ignore[misc]  # default binds each target
             cpu = [0.0, 0.0]
             for pid, client in zip(pids, clients, strict=True):
                 if pinned:

@@ -124,7 +124,7 @@ async def part_history(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace)
     rounds = 5
     seed(cfg.path / "data" / "sessions.sqlite3", [(f"hist{n}-{r}", history(n)) for n in sizes for r in range(rounds)])
     server, _ = start(cfg)
-    pid = server.proc.pid  # type: ignore[union-attr]
+    pid = server.proc.pid  # type: ignore[union-attr]  # started: proc is set
     llm = openai_chat_model(model="fake-gpt", base_url=backend.base_url, api_key="k", streaming=True,
                             max_retries=1, stream_chunk_timeout=None)  # a stale pooled connection
     system = PromptTree(DEFAULTS_DIR / ".system_prompt").load().assemble()
@@ -213,7 +213,7 @@ async def part_sessions(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace
                      sessions={"interactive": {"idle_days": None, "max_sessions": 1_000_000}})
         seed(cfg.path / "data" / "sessions.sqlite3", [(f"stored-{i}", history(4)) for i in range(count)])
         server, startup = start(cfg)
-        pid = server.proc.pid  # type: ignore[union-attr]
+        pid = server.proc.pid  # type: ignore[union-attr]  # started: proc is set
         idle = rss_mib(pid)
         fresh, old = ServerPath(server.url, TOKEN, "newcomer"), ServerPath(server.url, TOKEN, "stored-0")
         await fresh.open()
@@ -290,7 +290,7 @@ async def part_subscribers(tmp: Path, backend: FakeOpenAI, args: argparse.Namesp
     rows = []
     cfg = config(tmp / "subscribers", backend)
     server, _ = start(cfg)
-    pid = server.proc.pid  # type: ignore[union-attr]
+    pid = server.proc.pid  # type: ignore[union-attr]  # started: proc is set
     for count in (1, 50, 500):
         client_id = f"subs{count}"
         child = await asyncio.create_subprocess_exec(
@@ -333,7 +333,7 @@ async def part_concurrency(tmp: Path, backend: FakeOpenAI, args: argparse.Namesp
     rows = []
     cfg = config(tmp / "concurrency", backend, max_context=2)
     server, _ = start(cfg)
-    pid = server.proc.pid  # type: ignore[union-attr]
+    pid = server.proc.pid  # type: ignore[union-attr]  # started: proc is set
     for count in (1, 10, 100):
         clients = [ServerPath(server.url, TOKEN, f"conc{count}-{k}") for k in range(count)]
         for c in clients:
@@ -380,7 +380,7 @@ async def part_memory(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace) 
     cfg.write()
     server, startup = start(cfg)
     await asyncio.sleep(2)  # plugins that start background work settle
-    all_plugins = rss_mib(server.proc.pid)  # type: ignore[union-attr]
+    all_plugins = rss_mib(server.proc.pid)  # type: ignore[union-attr]  # started: proc is set
     server.stop()
     print(f"idle RSS with every plugin enabled: {all_plugins:.0f} MiB", flush=True)
     if not args.proxy_turns:
@@ -395,7 +395,7 @@ async def part_memory(tmp: Path, backend: FakeOpenAI, args: argparse.Namespace) 
     cfg.plugin_config["plugin_proxy_llama"] = {"port": port, "status_lines": "off"}
     cfg.write()
     server, _ = start(cfg)
-    pid = server.proc.pid  # type: ignore[union-attr]
+    pid = server.proc.pid  # type: ignore[union-attr]  # started: proc is set
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0,
                          http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=32)))
     per_conversation = max(1, args.proxy_turns // 10_000)
@@ -513,7 +513,7 @@ async def main_async(args: argparse.Namespace, load: str) -> None:
     print(json.dumps(RESULTS))
 
 
-class _Discard(list):  # type: ignore[type-arg]
+class _Discard(list):
     def append(self, item: Any) -> None:
         pass
 

@@ -95,7 +95,7 @@ async def measure(args: argparse.Namespace, count: int, ask: str) -> dict[str, f
         per_round = max(1, args.turns // args.rounds)
         for r in range(args.rounds):
             for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                pid = servers[name].proc.pid  # type: ignore[union-attr]
+                pid = servers[name].proc.pid  # type: ignore[union-attr]  # started: proc is set
                 before = cpu_seconds(pid)
                 for i in range(per_round):
                     path = paths[name]

@@ -44,10 +44,10 @@ async def measure(trees: list[Path], blocks: int, per_block: int, n_tokens: int,
             for block in range(blocks):
                 order = range(len(trees)) if block % 2 == 0 else reversed(range(len(trees)))
                 for i in order:
-                    before = cpu_seconds(servers[i].proc.pid)  # type: ignore[union-attr]
+                    before = cpu_seconds(servers[i].proc.pid)  # type: ignore[union-attr]  # started: proc is set
                     for _ in range(per_block):
                         firsts[i].append((await targets[i].stream())[0])
-                    cpu[i] += cpu_seconds(servers[i].proc.pid) - before  # type: ignore[union-attr]
+                    cpu[i] += cpu_seconds(servers[i].proc.pid) - before  # type: ignore[union-attr]  # started: proc is set
         finally:
             for target in targets:
                 await target.client.close()

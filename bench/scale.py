@@ -47,7 +47,7 @@ class Client(ServerPath):
         await super().open()
         return self
 
-    async def turn(self, i: int) -> float:  # type: ignore[override]
+    async def turn(self, i: int) -> float:  # type: ignore[override]  # this path times the whole turn only
         return (await super().turn(i))[1]
 
 
@@ -75,7 +75,7 @@ async def store_overhead(tmp: Path, backend: FakeOpenAI, prefix: str, args: argp
     per_round = max(1, args.turns // 10)
     for r in range(10):
         for kind, c in clients.items():
-            pid = servers[kind].proc.pid  # type: ignore[union-attr]
+            pid = servers[kind].proc.pid  # type: ignore[union-attr]  # started: proc is set
             before = cpu_seconds(pid)
             for i in range(per_round):
                 times[kind].append(await c.turn(r * per_round + i))

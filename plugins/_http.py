@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import orjson
@@ -76,7 +76,8 @@ def event_stream(ctx: plugin_api.PluginContext, client_id: str, after: int | Non
     )
 
 
-def feed_stream(ctx: plugin_api.PluginContext, feed: AsyncIterator[tuple[str, dict[str, Any]]]) -> EventSourceResponse:
+def feed_stream(ctx: plugin_api.PluginContext,
+                feed: AsyncGenerator[tuple[str, dict[str, Any]], None]) -> EventSourceResponse:
     """An SSE response of (event name, JSON data) pairs, such as the approver feed (approvals.py), with
     keepalive comments; it ends when the server stops."""
 

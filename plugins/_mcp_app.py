@@ -29,6 +29,7 @@ from mcp_types import (
     Tool,
     UnsubscribeRequestParams,
 )
+from pydantic import AnyHttpUrl
 
 from plugins._mcp_auth import TokenTable, forbidden, request_principal
 from plugins._mcp_resources import add_resources, check_read, resources_for
@@ -91,7 +92,8 @@ class McpApp:
             instructions=("agent-mcp sessions, pending approvals and gate policy as resources (agentmcp://…); "
                           "tools to talk to sessions and to answer gates."),
             token_verifier=verifier,
-            auth=AuthSettings(issuer_url=resource, resource_server_url=resource, validate_token_resource=True),
+            auth=AuthSettings(issuer_url=AnyHttpUrl(resource), resource_server_url=AnyHttpUrl(resource),
+                              validate_token_resource=True),
             subscriptions=self.bus,
             middleware=[self._middleware],
         )
@@ -183,8 +185,7 @@ class McpApp:
         if client_id not in plugin._known_sessions:
             plugin._known_sessions.add(client_id)
             await plugin.notify(f"{SCHEME}sessions")
-        turn = rt.request(client_id).turn()
-        turn.session = session
+        turn = rt.request(client_id).turn().holding(session)
         try:
             outcome = await rt.execute_tool(turn, name, arguments if isinstance(arguments, dict) else {})
         finally:

@@ -89,7 +89,7 @@ class SharedApprovals(ApprovalStore):
     """The same record in Redis, for several instances on one store (`state.Runtime.link`): each instance
     records the gates of its own turns, and every instance lists and reads all of them."""
 
-    def __init__(self, link: Any, kept: int = KEPT_APPROVALS):
+    def __init__(self, link: plugin_api.Link, kept: int = KEPT_APPROVALS):
         self.pending = {}
         self.kept = kept
         self.link = link
@@ -142,6 +142,6 @@ class SharedApprovals(ApprovalStore):
     async def history(self, session: str | None = None, limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
         key = self._key("history", session) if session is not None else self._key("history")
         with self.link.calling():
-            ids = await self.r.zrevrange(key, 0, limit - 1)
+            ids: list[str] = await self.r.zrevrange(key, 0, limit - 1)  # type: ignore[assignment]  # decoded: str (Link.client)
             rows = await self.r.mget([self._key("row", i) for i in ids]) if ids else []
         return [json.loads(r) for r in rows if r]

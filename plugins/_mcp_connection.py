@@ -478,7 +478,7 @@ class Connection:
             return next(iter(self._calls.values()))
         return "", None
 
-    async def _elicited(self, ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
+    async def _elicited(self, context: Any, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
         exposed, turn = self._caller()
         if self._on_elicit is None:
             return types.ElicitResult(action="decline")
@@ -499,6 +499,7 @@ class Connection:
             self._call_seq += 1
             key = self._call_seq
             self._calls[key] = (exposed, plugin_api.current_turn())
+            result: types.CallToolResult | MCPError
             try:
                 result = await client.call_tool(tool, arguments, read_timeout_seconds=self.spec.call_timeout)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:

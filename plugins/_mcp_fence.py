@@ -76,7 +76,7 @@ async def find_sandbox(path: str | None) -> tuple[str | None, str, tuple[str, ..
     exe = shutil.which("bwrap", path=path)
     if exe is None:
         return None, f"bubblewrap is not installed ({INSTALL_HINT})", ()
-    extra = NO_NESTED_USERNS
+    extra: tuple[str, ...] = NO_NESTED_USERNS
     try:
         code, last = await _probe(exe, extra)
         if code != 0 and "Unknown option" in last:  # older than 0.8: nested user namespaces stay possible

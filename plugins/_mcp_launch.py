@@ -99,10 +99,10 @@ def main(argv: list[str]) -> int:
         except InterruptedError:
             continue
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig not in stopping:
-            os.write(2, f"{PREFIX} the server was stopped by {_why(sig, limits)}\n".encode())
-        return 128 + sig
+        died = os.WTERMSIG(status)
+        if died not in stopping:
+            os.write(2, f"{PREFIX} the server was stopped by {_why(died, limits)}\n".encode())
+        return 128 + died
     return os.WEXITSTATUS(status)
 
 

@@ -344,7 +344,7 @@ class McpTool(StructuredTool):
     mcp_schema: dict[str, Any]
 
     @property
-    def tool_call_schema(self) -> dict[str, Any]:  # type: ignore[override]
+    def tool_call_schema(self) -> dict[str, Any]:
         return {**copy.deepcopy(self.mcp_schema), "description": self.description}
 
 

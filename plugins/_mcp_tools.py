@@ -34,8 +34,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("agent_mcp.mcp_server")
 
-#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them.
-McpDecision = Literal[tuple(decisions.MCP_WORDS)]  # type: ignore[valid-type]
+#: The words `answer_approval` takes (decisions.MCP_WORDS), as its schema lists them: a Literal built from the one
+#: vocabulary at run time, which a type checker cannot read (to it, a str).
+if TYPE_CHECKING:
+    McpDecision = str
+else:
+    McpDecision = Literal[tuple(decisions.MCP_WORDS)]
 #: `answer_approval`'s minutes: a JSON integer in range ("15" and true are refused, not read as 15 or 1).
 Minutes = Annotated[int, Field(strict=True, ge=1, le=decisions.MAX_MINUTES)]
 
@@ -186,7 +190,7 @@ def _left(plugin: McpServerPlugin, who: Principal, client_id: str, follow: _Foll
     plugin._left.add(call)
     call.add_done_callback(functools.partial(_ended, plugin, who, client_id))
     for gate_id, data in follow.open.items():
-        args = data.get("tool_args") if isinstance(data.get("tool_args"), dict) else {}
+        args = given if isinstance(given := data.get("tool_args"), dict) else {}
         asked = follow.forms is not None and follow.forms.asked(gate_id)
         detail = {"gate_id": gate_id, "token": who.name, "form_shown": asked,
                   "waiting_for": data.get("waiting_for") or "the session's approvers",

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +35,17 @@ KEEPALIVE_SECONDS = 10.0
 ERROR_CODES = {502: "backend_error", 503: "cancelled", 504: "backend_timeout"}
 
 T = TypeVar("T", bound=BaseModel)
+
+class EventStream(Protocol):
+    """A turn's events as the proxy reads them: `run_turn`'s generator, a wrapper of it, or a TurnPump; closing it
+    ends the turn's part of the stream (contextlib.aclosing)."""
+
+    def __aiter__(self) -> AsyncIterator[plugin_api.Event]: ...
+
+    async def __anext__(self) -> plugin_api.Event: ...
+
+    async def aclose(self) -> None: ...
+
 logger = logging.getLogger("agent_mcp.proxy")
 
 
@@ -268,7 +279,7 @@ class Ollama:
     def whole(self, out: Output) -> JSONResponse:
         return JSONResponse({**self.obj("".join(out.text), "".join(out.thinking), done=True), **out.ollama_stats()})
 
-    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
+    def stream(self, out: Output, first: tuple[str, str], events: EventStream) -> Response:
         async def body() -> AsyncIterator[bytes]:
             async for content, thinking in pieces(out, first, events):
                 if out.error is not None:
@@ -316,7 +327,7 @@ class OpenAI:
             obj["usage"] = None  # the spec: null on every chunk but the last
         return sse(obj)
 
-    def stream(self, out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]) -> Response:
+    def stream(self, out: Output, first: tuple[str, str], events: EventStream) -> Response:
         async def body() -> AsyncIterator[bytes]:
             # Events that are ready together go out in one write (one send through the server, one read for
             # the client): the role chunk with the first text, the end with [DONE].
@@ -342,7 +353,7 @@ class OpenAI:
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def pieces(out: Output, first: tuple[str, str], events: AsyncIterator[plugin_api.Event]
+async def pieces(out: Output, first: tuple[str, str], events: EventStream
                   ) -> AsyncIterator[tuple[str, str]]:
     """What a stream must write: `first` (already fed to `out`), then each later event's text, then
     the end or the error. After an error the rest of the turn (its `done`) is read without writing.
@@ -389,7 +400,7 @@ class TurnPump:
     stays open until it is answered or expires (and is audited either way). `keep` holds the running pumps.
     """
 
-    def __init__(self, events: AsyncIterator[plugin_api.Event], out: Output, keep: set[asyncio.Task[None]]):
+    def __init__(self, events: EventStream, out: Output, keep: set[asyncio.Task[None]]):
         self.out = out
         self._queue: asyncio.Queue[plugin_api.Event | BaseException | None] = asyncio.Queue()
         self._wanted = asyncio.Event()
@@ -398,7 +409,7 @@ class TurnPump:
         keep.add(self._task)
         self._task.add_done_callback(keep.discard)
 
-    async def _run(self, events: AsyncIterator[plugin_api.Event]) -> None:
+    async def _run(self, events: EventStream) -> None:
         try:
             async with contextlib.aclosing(events):
                 while True:
@@ -447,7 +458,7 @@ class TurnPump:
         await asyncio.wait([self._task])
 
 
-async def first_output(events: AsyncIterator[plugin_api.Event]) -> plugin_api.Event:
+async def first_output(events: EventStream) -> plugin_api.Event:
     """The turn's first event that says something to the client (not the echo of its own message)."""
     async for ev in events:
         if ev.name != "user":

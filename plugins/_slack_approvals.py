@@ -285,10 +285,10 @@ class SlackApprovals:
         gate = entry.gate
         for channel, thread_ts in where:
             try:
+                in_thread: dict[str, Any] = {"thread_ts": thread_ts} if thread_ts else {}
                 resp = await asyncio.to_thread(
                     self.web.chat_postMessage, channel=channel, text=notify(gate),
-                    blocks=open_blocks(gate, channel), unfurl_links=False, unfurl_media=False,
-                    **({"thread_ts": thread_ts} if thread_ts else {}))
+                    blocks=open_blocks(gate, channel), unfurl_links=False, unfurl_media=False, **in_thread)
             except Exception as exc:
                 logger.warning("slack: posting gate %s in %s failed: %s", gate.gate_id[:8], channel, _why(exc))
                 continue
@@ -391,8 +391,8 @@ class SlackApprovals:
         if not channel:
             return
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.web.chat_postEphemeral, channel=channel, user=user, text=text,
-                                    **({"thread_ts": thread_ts} if thread_ts else {}))
+            in_thread: dict[str, Any] = {"thread_ts": thread_ts} if thread_ts else {}
+            await asyncio.to_thread(self.web.chat_postEphemeral, channel=channel, user=user, text=text, **in_thread)
 
     async def stop(self) -> None:
         tasks = [t for t in (*self.clicks, *(e.task for e in self.posted.values())) if t is not None and not t.done()]

@@ -29,7 +29,7 @@ def _escape_keeping_mentions(text: str) -> str:
     return "".join(out)
 
 
-class _Mrkdwn(SlackifyMarkdown):
+class _Mrkdwn(SlackifyMarkdown):  # type: ignore[misc]  # slackify_markdown ships no types: its class is Any
     """slackify-markdown with Slack's escaping applied inside code too, and no broadcast mentions."""
 
     def text(self, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
@@ -49,7 +49,8 @@ class _Mrkdwn(SlackifyMarkdown):
 
 def to_mrkdwn(markdown: str) -> str:
     """An answer in (GitHub-style) markdown as Slack mrkdwn."""
-    return _Mrkdwn(markdown).slackify().strip("\n")
+    text: str = _Mrkdwn(markdown).slackify()  # slackify_markdown ships no types
+    return text.strip("\n")
 
 
 @dataclass(frozen=True, slots=True)

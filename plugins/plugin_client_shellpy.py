@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from pydantic import BaseModel, Field, StrictInt
@@ -86,7 +86,7 @@ def _session_row(rt: plugin_api.PluginContext, s: plugin_api.Session) -> dict[st
                        or (rt.sessions.shared and s.running is not None)}  # a turn on another instance
 
 
-async def _for_shells(desk: plugin_api.PluginDesk) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def _for_shells(desk: plugin_api.PluginDesk) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
     """The feed's gates that shell approvers may answer (and every closing: a window drops what it shows)."""
     async for name, data in desk.wire():
         if name == approvals.CLOSED or any(a.startswith(approvals.SHELL + ":") for a in data.get("approvers", ())):

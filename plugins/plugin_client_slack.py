@@ -35,6 +35,7 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError
 from slack_sdk.http_retry.builtin_handlers import ConnectionErrorRetryHandler, RateLimitErrorRetryHandler
 from slack_sdk.socket_mode.builtin import SocketModeClient
+from slack_sdk.socket_mode.client import BaseSocketModeClient
 from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.socket_mode.response import SocketModeResponse
 from starlette.requests import Request
@@ -315,7 +316,7 @@ class SlackPlugin(BasePlugin):
         self.stats["connections"] += 1
         self.problem = ""
 
-    def _on_request(self, client: SocketModeClient, req: SocketModeRequest) -> None:
+    def _on_request(self, client: BaseSocketModeClient, req: SocketModeRequest) -> None:
         """A Socket Mode thread: ack the envelope at once (Slack redelivers what is not acked in 3 s)."""
         text = "Slash commands are not supported: mention the bot or send it a direct message."
         payload = {"text": text} if req.type == "slash_commands" else None
@@ -339,7 +340,7 @@ class SlackPlugin(BasePlugin):
             self._ignore(f"{kind} envelope")
             return
         if self.ctx.values is not None:  # several instances: Slack may deliver a repeat to another one
-            self._pending_events.add(asyncio.ensure_future(self._dispatch_shared(payload)))
+            self._pending_events.add(asyncio.ensure_future(self._dispatch_shared(self.ctx.values, payload)))
             return
         self._handle(self.filter.accept(payload))
 
@@ -351,10 +352,10 @@ class SlackPlugin(BasePlugin):
         self._remember_user(accepted)
         self._start_answer(accepted)
 
-    async def _dispatch_shared(self, payload: dict[str, Any]) -> None:
+    async def _dispatch_shared(self, values: plugin_api.PluginValues, payload: dict[str, Any]) -> None:
         """`_dispatch` when instances share a store: a thread is the bot's when its session exists on any
         instance, and an event or message is handled by the first instance that claims it in Redis."""
-        values, event = self.ctx.values, payload.get("event") or {}
+        event = payload.get("event") or {}
         try:
             thread = f"{PREFIX}{event.get('channel')}-{event.get('thread_ts')}"
             if event.get("thread_ts") and await self.ctx.sessions.exists(thread):
@@ -374,7 +375,7 @@ class SlackPlugin(BasePlugin):
         except plugin_api.SessionError as exc:
             logger.error("slack: an event was not handled: %s", exc)
         finally:
-            self._pending_events.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._pending_events.discard(asyncio.current_task())
 
     def _ignore(self, reason: str) -> None:
         self.ignored[reason] += 1

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
@@ -38,6 +38,7 @@ from plugins import _http
 from plugins._conversations import ConversationIndex, Turn, fingerprint, seed
 from plugins._proxy_identity import Caller, Identities, IdentityError, IdentitySettings, config_extra
 from plugins._proxy_wire import (
+    EventStream,
     Ollama,
     OllamaChat,
     OllamaGenerate,
@@ -57,6 +58,8 @@ from plugins._proxy_wire import (
 
 #: Client ids of this plugin's sessions start with this (its client-id namespace).
 PREFIX = "llama-"
+#: A route's handler.
+Handler = Callable[[Request], Awaitable[Response]]
 logger = logging.getLogger("agent_mcp.proxy")
 
 #: The Ollama API version we answer like (open-webui parses it as dotted numbers).
@@ -171,13 +174,13 @@ class LlamaProxyPlugin(BasePlugin):
         return [*table, Route("/{path:path}", self.not_found,
                               methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])]
 
-    def _ollama_endpoint(self, handler: Any) -> Any:
+    def _ollama_endpoint(self, handler: Handler) -> Handler:
         return self._endpoint(handler, Ollama.error_response)
 
-    def _openai_endpoint(self, handler: Any) -> Any:
+    def _openai_endpoint(self, handler: Handler) -> Handler:
         return self._endpoint(handler, OpenAI.error_response)
 
-    def _endpoint(self, handler: Any, render: Any) -> Any:
+    def _endpoint(self, handler: Handler, render: Callable[[int, str, str | None], Response]) -> Handler:
         async def endpoint(request: Request) -> Response:
             try:
                 request.state.caller = self.identities.caller(request)
@@ -303,7 +306,8 @@ class LlamaProxyPlugin(BasePlugin):
 
     @staticmethod
     def _caller(request: Request) -> Caller:
-        return request.state.caller  # type: ignore[no-any-return]
+        caller: Caller = request.state.caller  # set by _endpoint before any handler runs
+        return caller
 
     def _address(self, request: Request) -> str:
         """`llama-<client ip>` anonymous (the reference's id); with a key, the key's user comes first."""
@@ -336,8 +340,8 @@ class LlamaProxyPlugin(BasePlugin):
             return f"{PREFIX}{uuid.uuid4().hex[:16]}", scope, tuple(seed(prior))
         return client_id, scope, ()
 
-    async def _then_remember(self, events: AsyncIterator[plugin_api.Event], out: Output, client_id: str, scope: str,
-                             transcript: list[Turn]) -> AsyncIterator[plugin_api.Event]:
+    async def _then_remember(self, events: EventStream, out: Output, client_id: str, scope: str,
+                             transcript: list[Turn]) -> AsyncGenerator[plugin_api.Event, None]:
         """`events`, remembering the transcript the client will send back next when the turn ends well (or with its
         answer cut off, which the session keeps): before its `done` is passed on, so the client cannot send it
         before it is known (and stored)."""
@@ -348,8 +352,8 @@ class LlamaProxyPlugin(BasePlugin):
                     await self.conversations.remember(client_id, fingerprint(scope, [*transcript, answer]))
                 yield ev
 
-    async def _then_forget(self, events: AsyncIterator[plugin_api.Event], client_id: str
-                           ) -> AsyncIterator[plugin_api.Event]:
+    async def _then_forget(self, events: EventStream, client_id: str
+                           ) -> AsyncGenerator[plugin_api.Event, None]:
         """`events`; then, once the request has ended, the throwaway session is deleted."""
         try:
             async for ev in events:
@@ -373,7 +377,7 @@ class LlamaProxyPlugin(BasePlugin):
         if self.cfg.task_sessions and text.lstrip().startswith(TASK_PREFIX):
             client_id = f"{self._by_header(request) or self._address(request)}-task-{uuid.uuid4().hex[:12]}"
             asked = self.ctx.request(client_id, text, model=key, identity=identity)
-            events = self._then_forget(self.ctx.run_turn(asked), client_id)
+            events: EventStream = self._then_forget(self.ctx.run_turn(asked), client_id)
         else:
             client_id, scope, history = await self._session_of(request, transcript)
             asked = self.ctx.request(client_id, text, model=key, identity=identity, history=history)

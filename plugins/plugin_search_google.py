@@ -39,7 +39,7 @@ class _GoogleSearchArgs(BaseModel):
 
 def format_response(query: str, resp: types.GenerateContentResponse) -> str:
     """The grounded answer, the searches the model ran and its sources (or a note that it did not search)."""
-    candidate = (resp.candidates or [None])[0]
+    candidate = resp.candidates[0] if resp.candidates else None
     answer = (resp.text or "").strip()
     if not answer:
         reason = getattr(candidate, "finish_reason", None) if candidate else None

@@ -223,13 +223,15 @@ class _DriveCall:
     # ── plumbing ──
 
     def _exec(self, request: Any) -> Any:
+        """A Drive API request's answer: its JSON, or the bytes of a download (googleapiclient ships no types)."""
         return request.execute(http=self.http, num_retries=self.settings.num_retries)
 
     def _meta(self, file_id: str) -> dict[str, Any]:
         if not FILE_ID.match(file_id):
             raise DriveError(f"'{file_id}' is not a Drive file id; use list to see the ids")
         try:
-            return self._exec(self.files.get(fileId=file_id, fields=FIELDS, supportsAllDrives=True))
+            meta: dict[str, Any] = self._exec(self.files.get(fileId=file_id, fields=FIELDS, supportsAllDrives=True))
+            return meta
         except HttpError as exc:
             if exc.status_code == 404:
                 raise DriveError(f"no file with id {file_id} (or this account cannot see it); use list") from None
@@ -324,8 +326,9 @@ class _DriveCall:
     def _upload(self, meta: dict[str, Any], text: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         media = MediaInMemoryUpload(text.encode("utf-8"), mimetype=meta.get("mimeType") or "text/plain",
                                     resumable=False)
-        return self._exec(self.files.update(fileId=meta["id"], body=body or {}, media_body=media,
-                                               fields="id,name,size", supportsAllDrives=True))
+        updated: dict[str, Any] = self._exec(self.files.update(fileId=meta["id"], body=body or {}, media_body=media,
+                                                               fields="id,name,size", supportsAllDrives=True))
+        return updated
 
     # ── operations ──
 
