@@ -23,7 +23,9 @@ SIGNALS = [signal.SIGINT, signal.SIGTERM]
 
 def _ignoring(signum: int) -> Callable[[], None]:
     """For `preexec_fn`: the child starts with `signum` ignored, as a shell's background job starts with SIGINT."""
-    return lambda: signal.signal(signum, signal.SIG_IGN) and None
+    def ignore() -> None:
+        signal.signal(signum, signal.SIG_IGN)
+    return ignore
 
 
 @contextmanager
