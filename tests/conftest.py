@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import guard
 from tests import needs
 from tests.fakes.gemini_backend import FakeGemini
 from tests.fakes.openai_backend import FakeOpenAI
+from tests.waiting import within_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,15 +230,16 @@ class AgentServer:
         return {"Authorization": f"Bearer {self.token}"}
 
     def wait_ready(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def answered() -> bool:
             if self.proc and self.proc.poll() is not None:
                 raise RuntimeError(f"agent-mcp exited with {self.proc.returncode}:\n{self.stop()}")
             try:
-                if httpx.get(f"{self.url}/health", headers=self.auth, timeout=1).status_code < 500:
-                    return
+                return httpx.get(f"{self.url}/health", headers=self.auth, timeout=1).status_code < 500
             except (httpx.TransportError, guard.TokenFileError):  # not listening yet / token file not written yet
-                time.sleep(0.05)
+                return False
+
+        if within_sync(answered, timeout):
+            return
         raise TimeoutError(f"agent-mcp did not answer on {self.url}:\n{self.stop()}")
 
     def health(self) -> dict[str, Any]:

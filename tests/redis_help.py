@@ -4,13 +4,13 @@ machine's Redis, with a key prefix per test, is the `redis_store` fixture of con
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 
 from tests import needs
 from tests.conftest import free_port
+from tests.waiting import succeeds, within_sync
 
 
 class OwnRedis:
@@ -31,15 +31,8 @@ class OwnRedis:
                                       "--appendonly", "yes", "--save", "", "--daemonize", "no"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=1)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        if not within_sync(lambda: succeeds(client.ping, redis.exceptions.ConnectionError), 10):
+            client.ping()  # still refused: raise its error
         client.close()
         return self
 

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -20,6 +19,7 @@ from shell_client import ShellClient
 from tests.conftest import ROOT, AgentServer, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.test_grants import BASE, DB_PLUGIN
+from tests.waiting import until_sync
 
 
 def _agentctl(server: AgentServer, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -147,10 +147,12 @@ def test_with_the_endpoint_off_a_running_server_still_keeps_agentctl_out_of_its_
     server.start(wait=False)
     try:
         lock = server.data_dir / (grants.AUDIT_FILE + ".lock")
-        deadline = time.monotonic() + 30
-        while not (lock.exists() and agentctl_remote.server_holds_log(server.data_dir)):
-            assert time.monotonic() < deadline and server.proc is not None and server.proc.poll() is None
-            time.sleep(0.1)
+
+        def holds_log() -> bool:
+            assert server.proc is not None and server.proc.poll() is None
+            return lock.exists() and agentctl_remote.server_holds_log(server.data_dir)
+
+        until_sync(holds_log, "the server to hold the audit log's lock", 30, step=0.1)
         refused = _agentctl(server, "grants", "revoke", "all")
         assert refused.returncode == 2 and "its shell endpoint (plugin_client_shellpy) cannot be reached" \
             in refused.stderr

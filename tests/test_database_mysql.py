@@ -12,7 +12,6 @@ import asyncio
 import os
 import secrets
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from tests.plugin_host import call_tool, isolate_env, plugin, plugin_runtime, re
 from tests.runtime import ALL_OPEN, execute, runtime, turn
 from tests.sql_cases import SQL_CORPUS
 from tests.turns import answer, collect_turn
+from tests.waiting import succeeds, until, within_sync
 
 SERVER = {"host": os.environ.get("TEST_MYSQL_HOST", "127.0.0.1"),
           "port": int(os.environ.get("TEST_MYSQL_PORT", "3306")),
@@ -249,10 +249,12 @@ async def test_a_cancelled_call_kills_its_statement(people: RunDatabase) -> None
     running = "SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE %s AND id <> CONNECTION_ID()"
     db = Database(people.settings())
     call = asyncio.create_task(db.run("SELECT SLEEP(30) AS agent_mcp_cancelled"))
-    deadline = time.monotonic() + 10
-    while people.query(running, "%agent_mcp_cancelled%") != ((1,),):  # wait until the server runs it
-        assert time.monotonic() < deadline and not call.done()
-        await asyncio.sleep(0.02)
+
+    def runs() -> bool:
+        assert not call.done()
+        return people.query(running, "%agent_mcp_cancelled%") == ((1,),)
+
+    await until(runs, "the server to run the statement", 10)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
@@ -456,16 +458,12 @@ class PrivateMariaDB:
                  f"--socket={self.base / 'm.sock'}", f"--pid-file={self.base / 'm.pid'}", "--bind-address=127.0.0.1",
                  "--skip-log-bin", "--innodb-buffer-pool-size=16M", *self.as_root],
                 stdout=subprocess.DEVNULL, stderr=log)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _connect(host="127.0.0.1", port=self.port, user="root", password="").close()
-                return
-            except pymysql.err.OperationalError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("private mariadbd did not start:\n"
-                                       + self.log.read_text()[-2000:]) from None
-                time.sleep(0.05)
+        proc = self.proc
+        up = within_sync(lambda: proc.poll() is not None or succeeds(  # (a server that exited ends the wait)
+            lambda: _connect(host="127.0.0.1", port=self.port, user="root", password="").close(),
+            pymysql.err.OperationalError), 30)
+        if not up or proc.poll() is not None:
+            raise RuntimeError("private mariadbd did not start:\n" + self.log.read_text()[-2000:])
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -7,7 +7,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from pydantic import BaseModel
@@ -22,6 +21,7 @@ from shell_ui import ShellUI
 from tests.conftest import ROOT, AgentServer, one_tool_plugin, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ALL_GATED, Recorder, add_plugin_tools, execute, runtime, turn, with_events
+from tests.waiting import within_sync
 
 BASE = "UPDATE users SET name = 'ada' WHERE id = 1"
 
@@ -219,12 +219,7 @@ async def test_revoking_from_another_window_stops_the_next_call_of_a_running_tur
 
 def _prompt_back(window, timeout: float = 20) -> bool:
     """Whether shell.py's prompt is waiting again (the last thing on the screen)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if window.text.rstrip().endswith("›"):
-            return True
-        time.sleep(0.05)
-    return False
+    return bool(within_sync(lambda: window.text.rstrip().endswith("›"), timeout))
 
 
 @pytest.mark.timeout(180)  # shell.py under a terminal: its own waits (60 s) report what it showed

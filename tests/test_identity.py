@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from api_client import AgentAuthError, AgentClient
 from plugins._proxy_identity import key_digest
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.openai_backend import FakeOpenAI
+from tests.waiting import within_sync
 
 pytestmark = pytest.mark.slow
 
@@ -99,11 +99,7 @@ def _log_lines(p: Proxy, *words: str) -> list[str]:
     (the server logs it before answering; the pipe is read by a thread)."""
     marker = uuid.uuid4().hex
     httpx.get(f"{p.server.url}/mark-{marker}", timeout=5)  # refused without a token: the guard logs one line
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if any(marker in ln for ln in p.server._lines):
-            break
-        time.sleep(0.05)
+    within_sync(lambda: any(marker in ln for ln in p.server._lines), 10)
     return [ln for ln in "".join(p.server._lines).splitlines() if all(w in ln for w in words)]
 
 

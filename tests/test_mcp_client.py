@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.conftest import ROOT, ConfigDir, free_port, openai_model
 from tests.fakes.backend import text, tool_call
 from tests.runtime import ask, execute, shell_payload
 from tests.turns import answer, run_turn
+from tests.waiting import succeeds, until_sync, within_sync
 
 PLUGIN = "plugin_mcp_client"
 TOKEN = "mcp-test-token-4242"
@@ -83,16 +83,13 @@ class HttpMcpServer:
              "--token-env", "MCP_TEST_TOKEN"],
             cwd=ROOT, env={**os.environ, "MCP_TEST_TOKEN": TOKEN}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("the MCP test HTTP server did not start") from None
-                time.sleep(0.05)
+        proc = self.proc
+        up = within_sync(lambda: proc.poll() is not None or succeeds(  # (a server that exited ends the wait)
+            lambda: socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close(), OSError), 20)
+        if not up or proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("the MCP test HTTP server did not start")
+        return self
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -452,10 +449,8 @@ def test_fake_llm_calls_stdio_and_http_tools_through_agent_mcp(config_dir, fake_
 
     # Kill the stdio server: the next call starts it again.
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 15
-    while "local [disconnected]" not in answer(run_turn(server, "c1", "!mcp")):
-        assert time.monotonic() < deadline, "agent-mcp did not notice the killed MCP server"
-        time.sleep(0.05)
+    until_sync(lambda: "local [disconnected]" in answer(run_turn(server, "c1", "!mcp")),
+               "agent-mcp to notice the killed MCP server", 15)
     fake_openai.script(tool_call("local_whoami", {"names": []}), text("again"))
     assert answer(run_turn(server, "c1", "who are you now")) == "again"
     (new_pid,) = server_pids(server.proc.pid)

@@ -34,6 +34,7 @@ from tests.fakes.openai_backend import FakeOpenAI
 from tests.plugin_host import plugin, plugin_runtime, report
 from tests.test_gate_e2e import DB_PLUGIN
 from tests.turns import collect_turn
+from tests.waiting import until
 
 PLUGIN = "plugin_client_mcp"
 HUMAN = "human-token-for-tests-0001"
@@ -172,12 +173,8 @@ async def test_human_approves_a_shell_gate_over_mcp(mcp_server: McpServer) -> No
 
 
 async def _first_pending(client: Any) -> list[dict[str, Any]]:
-    for _ in range(200):  # the shell's turn reaches its gate within a few polls
-        pending = await read_json(client, PENDING)
-        if pending:
-            return pending
-        await asyncio.sleep(0.05)
-    raise AssertionError("no pending approval appeared")
+    # The shell's turn reaches its gate within a few polls.
+    return await until(lambda: read_json(client, PENDING), "a pending approval", 10, step=0.05)
 
 
 async def test_a_human_grants_a_statement_shape_over_mcp(mcp_server: McpServer) -> None:

@@ -12,7 +12,6 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from shell_ui import ShellUI
 from tests.conftest import ROOT, AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import hang, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
-from tests.waiting import DEADLINE, until
+from tests.waiting import DEADLINE, until, within_sync
 
 pytestmark = pytest.mark.slow
 
@@ -337,12 +336,7 @@ class Window:
         return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r", "", self.out.decode(errors="replace"))
 
     def shows(self, needle: str, timeout: float = 20) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if needle in self.text:
-                return True
-            time.sleep(0.05)
-        return False
+        return bool(within_sync(lambda: needle in self.text, timeout))
 
     def close(self) -> None:
         """Ends shell.py and its terminal; a second call does nothing."""

@@ -404,9 +404,11 @@ async def test_signals_are_each_plugin_s_own(tmp_path: Path, fake_openai: Any, r
         api_b.on("ping", hear("api"))
         api_b.on("cancel", hear("api-cancel"))  # the core's signal: the plugin does not take it over
         async with asyncio.timeout(10):
-            while heard.empty():  # until B listens
+            async def b_listens() -> bool:
                 await slack_a.send("ping", "hello")
-                await asyncio.sleep(0.05)
+                return not heard.empty()
+
+            await until(b_listens, "B to listen", 10, step=0.05)
             await a.signals.send("cancel", "c1")
             await slack_a.send("ping", "thread")
             got = [await heard.get()]

@@ -33,7 +33,7 @@ from plugins.plugin_proxy_llama import LlamaProxyPlugin
 from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, malformed, text, tool_call
 from tests.fakes.openai_backend import FakeOpenAI
-from tests.waiting import until
+from tests.waiting import until, within_sync
 
 pytestmark = pytest.mark.slow
 
@@ -486,10 +486,8 @@ def test_a_client_that_leaves_cancels_its_turn(proxy, chat):
         lines = resp.iter_lines()  # keep it: dropping the iterator closes the connection
         assert json.loads(next(lines))["message"]["content"] == "partial "
         assert proxy.sessions()[client_id]["history_length"] == 1  # the turn is running
-    for _ in range(500):  # the server notices the closed connection and rolls the turn back
-        if proxy.sessions()[client_id]["history_length"] == 0:
-            break
-        time.sleep(0.02)
+    # The server notices the closed connection and rolls the turn back.
+    within_sync(lambda: proxy.sessions()[client_id]["history_length"] == 0, 10, step=0.02)
     assert not held.event.is_set() and proxy.sessions()[client_id]["history_length"] == 0
     held.saw_text()
     with ollama.Client(host=proxy.url, headers=chat) as client:
@@ -540,8 +538,18 @@ async def _until_text(stream: Any) -> Any:
 async def test_concurrent_requests_on_one_session_are_answered_in_turn(proxy, chat):
     held = Held("first ", "answer")
     proxy.gpt.script(held.reply)
+    sent: list[str] = []  # a request whose body has gone to the proxy (httpcore's trace extension says so)
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == "http11.send_request_body.complete":
+            sent.append(event)
+
+    async def traced(request: httpx.Request) -> None:
+        request.extensions["trace"] = trace
+
     client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30,
-                                default_headers=chat)
+                                default_headers=chat,
+                                http_client=httpx.AsyncClient(timeout=30, event_hooks={"request": [traced]}))
 
     async def ask(prompt: str) -> str:
         stream = await client.chat.completions.create(
@@ -553,7 +561,7 @@ async def test_concurrent_requests_on_one_session_are_answered_in_turn(proxy, ch
                                                      stream=True)
         got = [c.choices[0].delta.content or "" async for c in _until_text(first)]
         rest = [asyncio.create_task(ask(p)) for p in ("two", "three")]
-        await asyncio.sleep(0.3)
+        await until(lambda: len(sent) == 3, "the two later requests to reach the proxy")
         assert len(proxy.gpt.requests) == 1  # the others wait for the session instead of cancelling it
         held.saw_text()
         got += [c.choices[0].delta.content or "" async for c in first]
@@ -563,6 +571,9 @@ async def test_concurrent_requests_on_one_session_are_answered_in_turn(proxy, ch
     assert answers[0] == "first answer" and sorted(answers[1:]) == ["echo: three", "echo: two"]
     # Each later request saw the earlier turns in the session's own history.
     assert [m["content"] for m in proxy.gpt.requests[-1].json["messages"][1:]][:2] == ["one", "first answer"]
+    # Both later ones reached the model only after the first turn ended (sent while it ran: they waited for it).
+    assert all([m["content"] for m in r.json["messages"][1:]][:2] == ["one", "first answer"]
+               for r in proxy.gpt.requests[1:])
 
 
 def test_open_webui_task_prompts_stay_out_of_the_chat_history(proxy, chat, oai):

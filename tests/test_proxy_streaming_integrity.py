@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from tests.conftest import AgentServer, ConfigDir, free_port, openai_model
 from tests.fakes.backend import error, text
 from tests.fakes.openai_backend import FakeOpenAI
 from tests.redis_help import OwnRedis
+from tests.waiting import until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,8 @@ class Server:
         """Wait until the answer has overrun the buffer of a reader that reads nothing: the server stored the
         whole turn, or it saw the reader fall behind first (the model can outpace the reader's writes) and
         ended the turn."""
-        deadline = time.monotonic() + seconds
-        while self.history(client_id) != length and f"a reader of {client_id} fell more than" not in self.log():
-            assert time.monotonic() < deadline, f"{client_id} never reached {length} messages"
-            time.sleep(0.1)
+        until_sync(lambda: self.history(client_id) == length or f"a reader of {client_id} fell more than" in self.log(),
+                   f"{client_id} to reach {length} messages", seconds, step=0.1)
 
     def log(self) -> str:
         return "".join(self.server._lines)
@@ -253,10 +251,7 @@ def test_a_body_shorter_than_its_content_length_is_one_log_line(srv):
         _short_body(url, headers)
     marker = uuid.uuid4().hex
     httpx.get(f"{srv.server.url}/mark-{marker}", timeout=5)  # refused (no token): the guard logs its line
-    deadline = time.monotonic() + 10
-    while marker not in srv.log():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    until_sync(lambda: marker in srv.log(), "the guard's line for the marker request", 10)
     lines = [ln for ln in srv.log().splitlines() if "went away before its body was complete" in ln]
     assert len(lines) >= len(targets), lines
     assert "Traceback" not in srv.log() and "ClientDisconnect" not in srv.log()

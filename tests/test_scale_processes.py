@@ -24,7 +24,7 @@ from tests.redis_help import OwnRedis
 from tests.runtime import ALL_GATED
 from tests.test_mcp_server import PENDING, call_json, connect, next_note, read_json, subscribe
 from tests.turns import answer, collect_turn, run_turn
-from tests.waiting import until, until_sync
+from tests.waiting import succeeds, until, until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "scale-test-token-0123456789abcdef"
@@ -138,10 +138,12 @@ def test_two_instances_share_history_sessions_streams_and_gates(pair, fake_opena
             answer = call_json(await human.call_tool("answer_approval", {"gate_id": pending["gate_id"],
                                                                           "decision": "allow_once"}))
             events = await _until(on_a.events())
-            deadline = time.monotonic() + 10
-            while len(history := await read_json(human, "agentmcp://approvals/history")) < 2:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+
+            async def both_gates() -> list[dict] | None:
+                history = await read_json(human, "agentmcp://approvals/history")
+                return history if len(history) >= 2 else None
+
+            history = await until(both_gates, "both gates in the history", 10, step=0.1)
             return events, {**pending, **answer}, history
 
     events, pending, history = asyncio.run(gate_on_a_answered_over_mcp_on_b())
@@ -234,10 +236,8 @@ def test_redis_stopped_and_started_under_a_running_instance(tmp_path, fake_opena
         assert "recovers by itself" in down.json()["error"] and str(own.port) not in down.text  # the log says where
         assert httpx.get(f"{server.url}/health", headers=server.auth, timeout=10).status_code == 503
         own.start()
-        deadline = time.monotonic() + 15
-        while httpx.get(f"{server.url}/sessions", headers=server.auth, timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "no recovery after Redis came back"
-            time.sleep(0.2)
+        until_sync(lambda: httpx.get(f"{server.url}/sessions", headers=server.auth, timeout=10).status_code == 200,
+                   "recovery after Redis came back", 15, step=0.2)
         after = run_turn(server, "keeper", "and this")
         assert answer(after) == "echo: and this", after
         sent = [m["content"] for m in fake_openai.requests[-1].json["messages"][1:]]
@@ -304,15 +304,14 @@ http {{
     with (tmp_path / "nginx-stderr.log").open("wb") as errors:
         proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(tmp_path)], stdout=subprocess.DEVNULL,
                                 stderr=errors)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{listen['shell']}/health", timeout=1)
-            return proc, listen
-        except httpx.TransportError:
-            assert proc.poll() is None, (tmp_path / "nginx-stderr.log").read_text()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+
+    def listening() -> bool:
+        assert proc.poll() is None, (tmp_path / "nginx-stderr.log").read_text()
+        return succeeds(lambda: httpx.get(f"http://127.0.0.1:{listen['shell']}/health", timeout=1),
+                       httpx.TransportError)
+
+    until_sync(listening, "nginx to listen", 10)
+    return proc, listen
 
 
 def test_a_shell_session_and_an_sse_stream_through_nginx_round_robin(tmp_path, pair, fake_openai) -> None:
@@ -372,17 +371,22 @@ def test_mcp_clients_through_nginx_hear_answer_and_set_policy_for_both_instances
                     async for event in listener:
                         modern_notes.put_nowait(getattr(event, "uri", ""))
                 hearing = asyncio.create_task(heard())
+
+                async def hears_the_gate(notes: asyncio.Queue[str], session: str) -> None:
+                    """A note on PENDING after which it lists this session's gate: one left over from the gate
+                    before (its answer) is passed over, however late it comes."""
+                    while True:
+                        await next_note(notes, PENDING)
+                        if any(p["session"] == session for p in await read_json(legacy, PENDING)):
+                            return
+
                 answers, seen = [], []
                 for n, server in enumerate((a, b)):  # a gate raised on each instance
-                    await asyncio.sleep(0.5)  # the notes of the gate before have come: forget them
-                    for queue in (legacy_notes, modern_notes):
-                        while not queue.empty():
-                            queue.get_nowait()
                     fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text(f"Read {n}."))
                     async with ShellClient(server.url, f"through-nginx-{n}", token=TOKEN) as shell:
                         turn = asyncio.create_task(collect_turn(shell, "read your behaviour"))
-                        await next_note(legacy_notes, PENDING)
-                        await next_note(modern_notes, PENDING)
+                        await hears_the_gate(legacy_notes, f"through-nginx-{n}")
+                        await hears_the_gate(modern_notes, f"through-nginx-{n}")
                         (pending,) = await read_json(legacy, PENDING)
                         seen.append(pending)
                         call_json(await legacy.call_tool("answer_approval", {"gate_id": pending["gate_id"],
@@ -403,11 +407,10 @@ def test_mcp_clients_through_nginx_hear_answer_and_set_policy_for_both_instances
     assert "in force on every instance" in policy["note"]
     # The new default reached both instances: in memory (no gate) and in each one's gate-defaults.json.
     for n, server in enumerate((a, b)):
-        deadline, saved = time.monotonic() + 10, server.cfg.path / "gate-defaults.json"
+        saved = server.cfg.path / "gate-defaults.json"
         # (The tool's key may be absent until the change reaches the file.)
-        while not json.loads(saved.read_text()).get("tools", {}).get("read_system_prompt", {}).get("read"):
-            assert time.monotonic() < deadline, f"instance {n} did not save the new default"
-            time.sleep(0.1)
+        until_sync(lambda saved=saved: json.loads(saved.read_text()).get("tools", {})
+                   .get("read_system_prompt", {}).get("read"), f"instance {n} to save the new default", 10, step=0.1)
         fake_openai.script(tool_call("read_system_prompt", {"section": "behavior"}), text("No gate."))
         events = run_turn(server, f"after-policy-{n}", "read it")
         assert "gate" not in [e.name for e in events] and answer(events) == "No gate."
@@ -471,13 +474,16 @@ def test_a_stopped_instance_lets_its_running_turn_finish_while_the_other_takes_n
             assert a.proc is not None
             a.proc.send_signal(signal.SIGTERM)  # while the turn runs on A
             async with httpx.AsyncClient(timeout=2) as http:  # A soon takes no new connection: a balancer uses B
-                async with asyncio.timeout(10):
-                    while True:
-                        try:
-                            await http.get(f"{a.url}/health", headers={"Connection": "close"})
-                        except httpx.ConnectError:
-                            break
-                        await asyncio.sleep(0.05)
+                async def refused() -> bool:
+                    try:
+                        await http.get(f"{a.url}/health", headers={"Connection": "close"})
+                    except httpx.ConnectError:
+                        return True
+                    except (httpx.ReadError, httpx.RemoteProtocolError):
+                        return False  # accepted just before A closed its listener, then dropped: try again
+                    return False
+
+                await until(refused, "A to refuse new connections", 10, step=0.05)
             assert a.proc.poll() is None  # refused while A still runs (its turn drains)
             rest_b, rest_a = await asyncio.gather(_until(on_b.events()), _until(on_a.events()))
             return rest_b, rest_a
@@ -556,10 +562,7 @@ def test_one_instance_stopped_mid_turn_gives_the_terminal_its_prompt_back(tmp_pa
     try:
         assert window.shows("›", timeout=60), window.text[-800:]
         window.type("what were we saying\r")
-        deadline = time.monotonic() + 30
-        while not fake_openai.requests:  # the turn is running: the model was asked
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        until_sync(lambda: fake_openai.requests, "the turn to ask the model", 30)  # the turn is running
         assert server.proc is not None
         server.proc.send_signal(how)
         if how == signal.SIGTERM:  # said before the server goes

@@ -1,5 +1,6 @@
 """Rules for the test suite itself: no assertion that cannot fail, no test reading the checkout's live
-config, and missing system programs skip (or fail when AGENT_TEST_REQUIRE names them)."""
+config, missing system programs skip (or fail when AGENT_TEST_REQUIRE names them), and no sleep or
+deadline loop in place of waiting for what the test needs (tests/waiting.py)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,89 @@ def test_the_tests_redis_is_not_database_0_and_keeps_a_given_prefix(monkeypatch)
     assert redis_test_url("t1:") == "redis://h:1/3?prefix=ci-newcomer:t1:"
     monkeypatch.setattr(conftest, "TEST_REDIS", "redis://h:1/3")
     assert redis_test_url("t1:") == "redis://h:1/3?prefix=t1:"
+
+
+# ── Waiting: for a condition, in one place ─────────────────────────────────────────────────
+
+#: Where a sleep or a clock-watching loop is the behaviour, not a wait: `path::function` → why.
+TIMED_ON_PURPOSE = {
+    "tests/waiting.py": "the one waiting helper: it polls its condition against a generous deadline",
+    "tests/test_scale.py::test_a_task_cancelled_during_a_redis_call_ends_there":
+        "cancels the Redis calls at 40 moments a few µs apart: the delay is the test's parameter",
+    "tests/test_scale.py::loop": "stands for an instance's heartbeat, which sleeps between beats",
+    "tests/test_proxy_llama.py::poll": "paces a /health poller that measures how long the server takes to answer",
+    "tests/test_routes.py::slow_save": "a session store that really takes time, as SQLite does",
+    "tests/fakes/slack.py::wait_for": "waits on a condition variable (woken by every change); the clock only bounds it",
+}
+
+_SLEEPERS = {"time", "asyncio", "anyio", "trio"}
+_CLOCKS = {"monotonic", "time", "perf_counter", "monotonic_ns"}
+
+
+def _is_sleep(node: ast.AST) -> bool:
+    """`time.sleep(x)` / `asyncio.sleep(x)` with x not the constant 0 (`sleep(0)` only lets other tasks run)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sleep"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id in _SLEEPERS
+            and not (len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and node.args[0].value == 0))
+
+
+def _reads_clock(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _CLOCKS
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "time")
+
+
+def timed_waits(source: str, name: str) -> list[str]:
+    """`name::function:line` of every sleep, and of every `while` loop that reads the clock (a hand-written
+    deadline), in `source` (`function` is the innermost one around it, or `<module>`)."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name)
+                continue
+            if _is_sleep(child):
+                found.append(f"{name}::{function}:{child.lineno} sleeps")
+            if isinstance(child, ast.While) and any(_reads_clock(n) for n in ast.walk(child)):
+                found.append(f"{name}::{function}:{child.lineno} loops on the clock")
+            visit(child, function)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_wait_checker_catches_what_it_is_for() -> None:
+    bad = ("import time, asyncio\n"
+           "def t():\n    time.sleep(0.1)\n"
+           "async def u():\n    await asyncio.sleep(0.5)\n"
+           "def v():\n    deadline = time.monotonic() + 5\n    while time.monotonic() < deadline:\n        pass\n")
+    good = ("import time, asyncio\n"
+            "async def t():\n    await asyncio.sleep(0)\n"
+            "def u():\n    started = time.monotonic()\n    return time.monotonic() - started\n")
+    assert timed_waits(bad, "b.py") == ["b.py::t:3 sleeps", "b.py::u:5 sleeps", "b.py::v:8 loops on the clock"]
+    assert timed_waits(good, "g.py") == []
+
+
+def test_the_suite_waits_for_conditions_not_for_time() -> None:
+    """A sleep to let something happen fails on a slow machine and wastes time on a fast one; so does a
+    hand-written deadline loop beside tests/waiting.py. Wait with `until` / `until_sync` / `within_sync`."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        name = str(path.relative_to(TESTS.parent))
+        if name in TIMED_ON_PURPOSE:
+            continue
+        found += [hit for hit in timed_waits(path.read_text(), name)
+                  if hit.rsplit(":", 1)[0] not in TIMED_ON_PURPOSE]
+    assert found == [], ("wait for the condition with tests/waiting.py instead (or, if the time is the "
+                         f"behaviour under test, add the function to TIMED_ON_PURPOSE with why): {found}")
+
+
+def test_every_exception_to_the_waiting_rule_is_still_there() -> None:
+    """An allow-list entry whose function lost its sleep (or went) is removed, so the list stays short."""
+    used = set()
+    for path in sorted(TESTS.rglob("*.py")):
+        name = str(path.relative_to(TESTS.parent))
+        hits = timed_waits(path.read_text(), name)
+        used |= {name} if name in TIMED_ON_PURPOSE and hits else set()
+        used |= {hit.rsplit(":", 1)[0] for hit in hits}
+    assert sorted(set(TIMED_ON_PURPOSE) - used) == []

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
 
+from tests.fakes.cli import StopSignals
 from tests.fakes.server import ThreadedServer
 
 # ---------------------------------------------------------------------------------------------------------
@@ -526,8 +527,8 @@ def run_cli(backend_class: type[FakeBackend], argv: Sequence[str] | None = None)
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     parser.add_argument("--echo", action="store_true", help="only echo, no scripts")
     args = parser.parse_args(argv)
-    with contextlib.suppress(KeyboardInterrupt), \
+    with StopSignals() as stop, \
             backend_class(port=args.port, default_reply=echo_reply if args.echo else demo_reply) as backend:
         print(f"{backend_class.__name__} listening; base URL: {backend.base_url}  (Ctrl-C to stop)\n"
               + ("" if args.echo else DEMO_HELP), flush=True)
-        threading.Event().wait()
+        stop.wait()  # leaving the block stops the server: held and streaming replies end (FakeBackend.stop)

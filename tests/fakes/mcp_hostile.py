@@ -123,4 +123,8 @@ def build_server() -> MCPServer:
 
 
 if __name__ == "__main__":
-    build_server().run("stdio")
+    if __package__:  # python -m tests.fakes.mcp_hostile
+        from tests.fakes.cli import serve_in_thread
+    else:  # python tests/fakes/mcp_hostile.py, as the fence tests start it: its own folder is on sys.path
+        from cli import serve_in_thread  # type: ignore[import-not-found,no-redef]  # that folder, not a package
+    sys.exit(serve_in_thread(lambda: build_server().run("stdio"), "mcp-hostile-stdio"))

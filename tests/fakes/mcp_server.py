@@ -17,6 +17,7 @@ import argparse
 import hmac
 import os
 import sys
+import threading
 from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver import AcceptedElicitation, Context, Elicit, ElicitationResult, MCPServer, Resolve
@@ -25,6 +26,8 @@ from mcp_types import ToolAnnotations
 from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tests.fakes.cli import ENDED, StopSignals, serve_in_thread
 
 
 class Seats(BaseModel):
@@ -119,14 +122,28 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     mcp = build_server(args.name)
     if args.transport == "stdio":
-        mcp.run("stdio")
-        return
+        sys.exit(serve_in_thread(lambda: mcp.run("stdio"), "mcp-stdio"))
     import uvicorn
 
     app: ASGIApp = mcp.streamable_http_app()
     if args.token_env:
         app = _RequireBearer(app, os.environ[args.token_env])
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    with StopSignals() as stop:  # uvicorn's own handlers would come late and only in the main thread
+
+        def serve() -> None:
+            try:
+                server.run()
+            finally:
+                stop.ended()
+
+        thread = threading.Thread(target=serve, name="mcp-http", daemon=True)
+        thread.start()
+        why = stop.wait()
+        server.should_exit = True
+        thread.join(10)
+    sys.exit(1 if why == ENDED else 0)  # ended by itself: it could not start (uvicorn logged why)
 
 
 if __name__ == "__main__":
