@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.source import parse
 
 #: The core modules, lowest layer first (docs/architecture.md's "Modules, lowest first" table): each may import
 #: only modules before it.
@@ -39,7 +40,7 @@ LIBRARIES = ("decisions", "config", "secret_files", "failures", "guard", "grants
 def _imports(module: str) -> tuple[set[str], set[str], list[str]]:
     """(core modules imported at module level, those imported for type checkers only, under
     `if TYPE_CHECKING:`, and core modules imported inside functions)."""
-    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    tree = parse((ROOT / f"{module}.py").read_text())
     top: set[str] = set()
     typing: set[str] = set()
     nested: list[str] = []
@@ -127,7 +128,7 @@ def _libraries() -> list[str]:
     """Every module outside the project that a core module imports at module level."""
     found: set[str] = set()
     for module in CORE:
-        for node in ast.parse((ROOT / f"{module}.py").read_text()).body:
+        for node in parse((ROOT / f"{module}.py").read_text()).body:
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -152,7 +153,7 @@ def test_each_core_module_imports_alone(module: str, imported_alone: dict[str, s
 def _all_imports(path: Path) -> set[str]:
     """Every top-level name `path` imports, at any depth (functions, TYPE_CHECKING blocks included)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -21,6 +21,7 @@ import stores
 from tests.conftest import ROOT, free_port
 from tests.plugin_host import plugin, plugin_runtime
 from tests.runtime import ask, shell_payload
+from tests.source import parse
 
 ADMIN = "admin-key-for-the-deletion-test"
 
@@ -97,16 +98,16 @@ def _calls_sessions_delete(tree: ast.AST) -> list[ast.AST]:
 def test_only_routes_delete_session_calls_the_session_managers_delete() -> None:
     callers = {}
     for path in [*ROOT.glob("*.py"), *ROOT.glob("plugins/*.py")]:
-        tree = ast.parse(path.read_text())
+        tree = parse(path.read_text())
         for function in ast.walk(tree):
             if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) and _calls_sessions_delete(function):
                 callers.setdefault(path.name, set()).add(function.name)
     assert callers == {"routes.py": {"delete_session"}}
     # The MCP server's delete tool (not driven above: it needs an MCP connection) is one of its callers, through
     # the plugin's context.
-    mcp = ast.parse((ROOT / "plugins/_mcp_tools.py").read_text())
+    mcp = parse((ROOT / "plugins/_mcp_tools.py").read_text())
     tool = next(f for f in ast.walk(mcp) if isinstance(f, ast.AsyncFunctionDef) and f.name == "delete_session")
     assert "ctx.delete_session(" in ast.unparse(tool)
-    door = ast.parse((ROOT / "plugin_api.py").read_text())
+    door = parse((ROOT / "plugin_api.py").read_text())
     method = next(f for f in ast.walk(door) if isinstance(f, ast.AsyncFunctionDef) and f.name == "delete_session")
     assert "routes.delete_session(" in ast.unparse(method)

@@ -12,6 +12,7 @@ import pytest
 
 from tests import needs
 from tests.conftest import redis_test_url
+from tests.source import parse
 
 TESTS = Path(__file__).resolve().parent
 
@@ -28,7 +29,7 @@ def _always_true(node: ast.expr) -> bool:
 
 def assertions_that_cannot_fail(source: str, name: str) -> list[str]:
     """`file:line` of every `assert` in `source` whose test is always true."""
-    return [f"{name}:{node.lineno}" for node in ast.walk(ast.parse(source))
+    return [f"{name}:{node.lineno}" for node in ast.walk(parse(source))
             if isinstance(node, ast.Assert) and _always_true(node.test)]
 
 
@@ -131,7 +132,7 @@ def timed_waits(source: str, name: str) -> list[str]:
                 found.append(f"{name}::{function}:{child.lineno} loops on the clock")
             visit(child, function)
 
-    visit(ast.parse(source), "<module>")
+    visit(parse(source), "<module>")
     return found
 
 
@@ -170,3 +171,16 @@ def test_every_exception_to_the_waiting_rule_is_still_there() -> None:
         used |= {name} if name in TIMED_ON_PURPOSE and hits else set()
         used |= {hit.rsplit(":", 1)[0] for hit in hits}
     assert sorted(set(TIMED_ON_PURPOSE) - used) == []
+
+
+def test_source_parses_in_a_fresh_interpreter_when_this_ones_ast_state_is_broken(monkeypatch) -> None:
+    import ast
+
+    source = "import os\n\ndef f(x):\n    return [y for y in x if y]\n"
+    expected = ast.dump(ast.parse(source))
+
+    def broken(*_args: object, **_kwargs: object) -> ast.Module:
+        raise SystemError("AST constructor recursion depth mismatch (before=0, after=1)")
+
+    monkeypatch.setattr(ast, "parse", broken)
+    assert ast.dump(parse(source)) == expected

@@ -46,7 +46,7 @@ def _stops(process: subprocess.Popen[str], signum: int) -> int:
     try:
         return process.wait(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{process.args} did not exit within {DEADLINE:g} s of {signal.Signals(signum).name}")
+        pytest.fail(f"{process.args!r} did not exit within {DEADLINE:g} s of {signal.Signals(signum).name}")
 
 
 def _backend_url(process: subprocess.Popen[str]) -> str:
