@@ -272,8 +272,7 @@ class Database:
                 raise
             return (f"the grantor {names.grantor} cannot use {names.admin_schema} ({describe_error(exc)}); "
                     "run `agentctl db-setup`")
-        conn = await runners._grantor()
-        version = db_roles.mariadb_version(conn.get_server_info())
+        version = await runners.server_version()
         if version is None or version < db_roles.MIN_VERSION:
             return f"enforcement needs MariaDB ≥ {'.'.join(map(str, db_roles.MIN_VERSION))}"
         self.warning = await runners.grantor_problem()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiomysql
 import pymysql
 
-from db_roles import Names, Privileges, quote, spec, without_password
+from db_roles import Names, Privileges, mariadb_version, quote, spec, without_password
 
 logger = logging.getLogger("agent_mcp.db_runners")
 
@@ -48,7 +48,7 @@ class Slot:
     current: Privileges | None = None
     #: A call on it was abandoned (timeout, cancel): end its other sessions before the next call.
     dirty: bool = False
-    busy: bool = field(default=False)
+    busy: bool = False
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -78,10 +78,8 @@ async def runner_problem(conn: aiomysql.Connection, names: Names, k: int) -> str
             if text.startswith(f"GRANT {quote(role)} TO ") and "WITH ADMIN OPTION" not in text.upper():
                 continue
             return f"{names.runner(k)} holds more than USAGE and its role: {text}"
-        await cur.execute("SELECT @@version")
-        (version,), = await cur.fetchall()
-        if "mariadb" in str(version).lower() and tuple(int(x) for x in str(version).split("-")[0].split(".")[:2]) \
-                >= (10, 11):
+        version = mariadb_version(conn.get_server_info())
+        if version is not None and version >= (10, 11):  # PUBLIC exists from 10.11
             await cur.execute("SHOW GRANTS FOR PUBLIC")
             if await cur.fetchall():
                 return "the PUBLIC role holds privileges (every account has them)"
@@ -203,6 +201,11 @@ class Runners:
             return f"cannot check the grants of {self.names.runner(k)}: {exc.args[-1] if exc.args else exc}"
         finally:
             conn.close()
+
+    async def server_version(self) -> tuple[int, ...] | None:
+        """The MariaDB version the grantor is connected to (None: not MariaDB)."""
+        async with self._lock:
+            return mariadb_version((await self._grantor()).get_server_info())
 
     def _runner(self, k: int) -> dict[str, Any]:
         return {**self._runner_connect, "user": self.names.runner(k)}
