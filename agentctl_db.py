@@ -140,18 +140,28 @@ def _proven(cur: Any, names: Names, setup_id: str | None) -> bool:
     return row is not None and secrets.compare_digest(str(row[0]), db_roles.setup_digest(setup_id))
 
 
-def _not_ours(names: Names, found: list[str], path: Path) -> InputError:
+def drops(found: list[str]) -> list[str]:
+    """The statements that remove what `_existing` found (its accounts, roles and admin schema)."""
     accounts = [f for f in found if not f.startswith(("role ", "database "))]
-    drops = [f"DROP USER {_account(*a.rsplit('@', 1))};" for a in accounts]
-    drops += [f"DROP ROLE {quote(f[5:])};" for f in found if f.startswith("role ")]
-    drops += [f"DROP DATABASE {quote(f[9:])};" for f in found if f.startswith("database ")]
+    out = [f"DROP USER {_account(*a.rsplit('@', 1))}" for a in accounts]
+    out += [f"DROP ROLE {quote(f[5:])}" for f in found if f.startswith("role ")]
+    return out + [f"DROP DATABASE {quote(f[9:])}" for f in found if f.startswith("database ")]
+
+
+def remove_setup(cur: Any, names: Names) -> None:
+    """Drop a set-up's accounts, roles and admin schema (not the agent database): for tests and benchmarks."""
+    for statement in drops(_existing(cur, names)):
+        cur.execute(statement)
+
+
+def _not_ours(names: Names, found: list[str], path: Path) -> InputError:
     return InputError(
         f"MariaDB already has accounts of agent database {names.db}"
         f"{f' (instance {names.instance})' if names.instance else ''}: {', '.join(found)}. {path} does not prove "
         "they are this set-up's, so nothing was changed. To share them with the agent-mcp that made them, copy its "
         f"data/{ACCOUNTS_FILE} here (mode 0600); to give this agent accounts of its own on the same database, run "
         "db-setup again with --instance NAME; if they are left from a set-up that is gone, an administrator can "
-        "remove them: " + " ".join(drops))
+        "remove them: " + " ".join(f"{d};" for d in drops(found)))
 
 
 _GRANT = re.compile(r"^GRANT (?P<what>.+?) ON (?P<obj>.+?) TO (?P<to>`[^`]*`(?:@`[^`]*`)?)(?P<rest>.*)$")

@@ -32,6 +32,7 @@ import pymysql
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import agentctl
+import agentctl_db
 import db_roles
 import turns
 from database import ACCOUNTS_FILE, Database, DatabaseSettings, read_accounts
@@ -111,12 +112,7 @@ async def run(calls: int) -> None:
         await alone.close()
     finally:
         cur.execute(f"DROP DATABASE IF EXISTS `{db}`")
-        cur.execute(f"DROP DATABASE IF EXISTS `{names.admin_schema}`")
-        cur.execute("SELECT User, Host, is_role FROM mysql.user WHERE User LIKE %s",
-                    (names.base.replace("_", "\\_") + "\\_%",))
-        for user, host, is_role in cur.fetchall():
-            cur.execute("DROP ROLE %s" if is_role == "Y" else "DROP USER %s@%s",
-                        (user,) if is_role == "Y" else (user, host))
+        agentctl_db.remove_setup(cur, names)
         cur.execute("DROP USER IF EXISTS %s@'%%'", (classic[0],))
         admin.close()
 

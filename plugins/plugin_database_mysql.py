@@ -97,8 +97,7 @@ class MySQLPlugin(BasePlugin):
         except ConfigError as exc:
             raise PluginConfigError(str(exc)) from None
         settings = connection.model_copy(update={"timeout": limits.timeout, "max_rows": limits.max_rows})
-        self.db = Database(settings)
-        await self.db.open()
+        self.db = Database(settings)  # its connections are made by the first call (the pool only without runners)
         enforced = await self.db.enforce() is None
         problem = await self.db.check()
         if problem:

@@ -159,12 +159,7 @@ def drop_setup(names: db_roles.Names, *, also: tuple[str, ...] = ()) -> None:
     """Remove a set-up's database, admin schema, accounts and roles (and the accounts `also` names)."""
     with _admin() as conn, conn.cursor() as cur:
         cur.execute(f"DROP DATABASE IF EXISTS `{names.db}`")
-        cur.execute(f"DROP DATABASE IF EXISTS `{names.admin_schema}`")
-        cur.execute("SELECT User, Host, is_role FROM mysql.user WHERE User LIKE %s",
-                    (names.base.replace("_", "\\_") + "\\_%",))
-        for user, host, is_role in cur.fetchall():
-            cur.execute("DROP ROLE IF EXISTS %s" if is_role == "Y" else "DROP USER IF EXISTS %s@%s",
-                        (user,) if is_role == "Y" else (user, host))
+        agentctl_db.remove_setup(cur, names)
         for user in also:
             cur.execute("DROP USER IF EXISTS %s@'%%'", (user,))
 
